@@ -1,0 +1,1 @@
+"""fzero: ZeRO as pure transforms of a functional train step."""
