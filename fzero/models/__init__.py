@@ -1,0 +1,9 @@
+"""Reference models for fzero's tests, examples and benchmarks."""
+
+from fzero.models.gpt import GPT as GPT
+from fzero.models.gpt import GPTConfig as GPTConfig
+from fzero.models.gpt import gpt_loss as gpt_loss
+from fzero.models.gpt import num_params as num_params
+from fzero.models.mlp import MLP as MLP
+
+__all__ = ["GPT", "GPTConfig", "MLP", "gpt_loss", "num_params"]
