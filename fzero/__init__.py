@@ -1,1 +1,40 @@
-"""fzero: ZeRO as pure transforms of a functional train step."""
+"""fzero: DeepSpeed's ZeRO as pure transforms of a functional train step, on ``torch.func``.
+
+Training state is a pytree; ``shard_optimizer``/``shard_grads`` (and, next, ``shard_params``/``offload``)
+are pure functions from a step to a step, lowered to the collectives of a mesh.
+"""
+
+from fzero import memory, optim
+from fzero._comm import Call, Counter, MeshTimeout
+from fzero._compile import compile
+from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
+from fzero._module import apply, params_of
+from fzero._state import RankStates, TrainState
+from fzero._step import Step, train_step
+from fzero._zero import offload, shard_grads, shard_optimizer, shard_params
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Call",
+    "Counter",
+    "DistMesh",
+    "LocalMesh",
+    "MeshTimeout",
+    "RankStates",
+    "Step",
+    "TrainState",
+    "apply",
+    "compile",
+    "count_collectives",
+    "dist_mesh",
+    "local_mesh",
+    "memory",
+    "offload",
+    "optim",
+    "params_of",
+    "shard_grads",
+    "shard_optimizer",
+    "shard_params",
+    "train_step",
+]

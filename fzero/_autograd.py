@@ -1,0 +1,68 @@
+"""Collectives as autograd Functions that work under ``torch.func``.
+
+``torch.func.grad`` rejects a ``torch.distributed`` call made inside a Function's ``backward`` ("mutate a
+captured Tensor") and silently zeroes the gradient of a raw collective in a forward (DESIGN.md §4). The
+pattern that works: each collective runs in the *forward* of its own new-style Function, and the
+Functions name each other as their backward: all-gather <-> reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient."""
+
+    @staticmethod
+    def forward(full, comm, tag):
+        out = comm.reduce_scatter(full.contiguous(), tag=tag)
+        # One rank returns ``full`` itself; a Function must not hand back its input unaliased.
+        return out.view_as(out) if out is full else out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm, ctx.tag = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        return AllGather.apply(grad_shard, ctx.comm, ctx.tag), None, None
+
+
+class AllGather(torch.autograd.Function):
+    """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient."""
+
+    @staticmethod
+    def forward(shard, comm, tag):
+        out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
+        return comm.all_gather(out, shard.contiguous(), tag=tag)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm, ctx.tag = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ReduceScatter.apply(grad_full, ctx.comm, ctx.tag), None, None
+
+
+class ReplicatedShardGrad(torch.autograd.Function):
+    """ZeRO-2's gradient path: forward returns the unit's whole (replicated) buffer unchanged; the
+    gradient with respect to this rank's *shard* is the reduce-scattered unit gradient.
+
+    Autograd calls the backward once per unit, as soon as every use of the unit in the graph has
+    contributed, so the whole gradient of a unit lives only until its reduce-scatter: at most one
+    unit's full gradient at a time, plus the shards (ZeRO-2's 2Ψ + (2+K)Ψ/N).
+    """
+
+    @staticmethod
+    def forward(shard, full, comm):
+        return full.view_as(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ReduceScatter.apply(grad_full, ctx.comm, "grads"), None, None

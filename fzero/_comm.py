@@ -1,0 +1,241 @@
+"""One collectives protocol, two implementations, and a counter.
+
+Every collective fzero issues goes through ``Comm``: ``all_gather``, ``reduce_scatter``, ``all_reduce``
+and ``broadcast`` on flat tensors, all reductions being sums (averaging is done by the caller, so that
+every stage divides the same sums by the same N and stays bitwise comparable). ``ThreadComm`` runs
+the ranks of a ``local_mesh`` as threads that meet at a barrier and reduce over shared buffers in rank
+order 0, 1, ..., N-1 (deterministic); ``DistComm`` calls ``torch.distributed``.
+
+Every call is reported to the mesh's ``Counter`` (when it has one) with the number of elements each
+rank moves on a ring: all-gather and reduce-scatter move T·(N-1)/N of a T-element buffer, all-reduce
+twice that. Tests assert communication volume from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter as _Tally
+from typing import Protocol
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective as one rank saw it."""
+
+    rank: int
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    tag: str  # what it carried: "grads", "params", "metrics", "init"
+    numel: int  # elements of the whole (unsharded) buffer
+    itemsize: int
+    world_size: int
+
+    @property
+    def ring_elements(self) -> float:
+        """Elements this rank sends (= receives) on a ring for this call."""
+        n = self.world_size
+        factor = 2 if self.op == "all_reduce" else 1
+        return factor * self.numel * (n - 1) / n
+
+
+class Counter:
+    """Records every collective of a mesh. Thread-safe; ``calls`` in the order they were made."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()
+
+    def record(self, call: Call) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+
+    def elements(self, *, rank: int = 0, tag: str | None = None, op: str | None = None) -> float:
+        """Ring elements moved by ``rank``, optionally only for one tag or op."""
+        return sum(c.ring_elements for c in self._select(rank, tag, op))
+
+    def count(self, *, rank: int = 0, tag: str | None = None, op: str | None = None) -> int:
+        return len(self._select(rank, tag, op))
+
+    def summary(self, *, rank: int = 0) -> dict[tuple[str, str], int]:
+        """Number of calls per (op, tag) for ``rank``."""
+        return dict(_Tally((c.op, c.tag) for c in self._select(rank, None, None)))
+
+    def _select(self, rank, tag, op):
+        with self._lock:
+            return [c for c in self.calls if c.rank == rank and (tag is None or c.tag == tag) and (op is None or c.op == op)]
+
+
+class Comm(Protocol):
+    rank: int
+    size: int
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str) -> torch.Tensor:
+        """Fill ``out`` (N·len(shard) elements) with every rank's shard, rank order. ``shard`` may be a view of ``out``."""
+
+    def reduce_scatter(self, full: torch.Tensor, *, tag: str) -> torch.Tensor:
+        """Return this rank's 1/N slice of the sum over ranks of ``full`` (``full`` itself when N = 1)."""
+
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str) -> torch.Tensor:
+        """Sum ``tensor`` over ranks, in place; returns it."""
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, tag: str) -> torch.Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
+
+
+class _Recording:
+    """Mixin: report each call to the counter before doing it."""
+
+    counter: Counter | None
+
+    def _note(self, op: str, tag: str, numel: int, tensor: torch.Tensor) -> None:
+        if self.counter is not None:
+            self.counter.record(Call(self.rank, op, tag, numel, tensor.element_size(), self.size))
+
+
+# -- threads ---------------------------------------------------------------------------------------
+
+
+class MeshTimeout(RuntimeError):
+    """A rank waited longer than the mesh's timeout at a collective: the ranks disagree on what to call."""
+
+
+class Rendezvous:
+    """Shared meeting point of the N rank threads of one ``local_mesh`` call."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.where: list[str] = ["not started"] * size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+    def wait(self, rank: int) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise MeshTimeout(
+                f"fzero.local_mesh: rank {rank} stopped waiting at {self.where[rank]} (timeout {self.timeout:g} s, or "
+                f"another rank failed). Where each rank was: {dict(enumerate(self.where))}. Ranks must issue the same "
+                f"collectives in the same order; raise the limit with fzero.local_mesh(n, timeout=...) if a step is just slow."
+            ) from None
+
+
+class ThreadComm(_Recording):
+    def __init__(self, rank: int, rendezvous: Rendezvous, counter: Counter | None) -> None:
+        self.rank = rank
+        self.size = rendezvous.size
+        self.rv = rendezvous
+        self.counter = counter
+        self._seq = 0
+
+    def _exchange(self, op: str, tag: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._seq += 1
+        self.rv.where[self.rank] = f"collective #{self._seq} ({op}, {tag}, {tensor.numel()} elements)"
+        self.rv.slots[self.rank] = tensor
+        self.rv.wait(self.rank)
+        return list(self.rv.slots)
+
+    def _done(self) -> None:
+        # Second barrier: nobody may overwrite its slot (or its buffer) while another rank still reads it.
+        self.rv.wait(self.rank)
+        self.rv.where[self.rank] = f"after collective #{self._seq}"
+
+    def all_gather(self, out, shard, *, tag):
+        self._note("all_gather", tag, out.numel(), out)
+        if self.size == 1:  # one rank: nothing to exchange
+            return out if out.data_ptr() == shard.data_ptr() else out.copy_(shard)
+        slots = self._exchange("all_gather", tag, shard)
+        n = shard.numel()
+        # Safe to write ``out`` before the closing barrier: the others read only our ``shard``, which is
+        # either separate memory or our own region of ``out``, and we write every region but that one.
+        for r, theirs in enumerate(slots):
+            if r != self.rank:
+                out[r * n : (r + 1) * n].copy_(theirs)
+        own = out[self.rank * n : (self.rank + 1) * n]
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        self._done()
+        return out
+
+    def reduce_scatter(self, full, *, tag):
+        self._note("reduce_scatter", tag, full.numel(), full)
+        if self.size == 1:
+            return full
+        slots = self._exchange("reduce_scatter", tag, full)
+        n = full.numel() // self.size
+        lo, hi = self.rank * n, (self.rank + 1) * n
+        acc = slots[0][lo:hi].clone()
+        for theirs in slots[1:]:
+            acc += theirs[lo:hi]
+        self._done()
+        return acc
+
+    def all_reduce(self, tensor, *, tag):
+        self._note("all_reduce", tag, tensor.numel(), tensor)
+        if self.size == 1:
+            return tensor
+        slots = self._exchange("all_reduce", tag, tensor)
+        acc = slots[0].clone()
+        for theirs in slots[1:]:
+            acc += theirs
+        self._done()
+        return tensor.copy_(acc)
+
+    def broadcast(self, tensor, *, src, tag):
+        self._note("broadcast", tag, tensor.numel(), tensor)
+        if self.size == 1:
+            return tensor
+        slots = self._exchange("broadcast", tag, tensor)
+        theirs = slots[src].clone() if self.rank != src else None
+        self._done()
+        return tensor if theirs is None else tensor.copy_(theirs)
+
+
+# -- torch.distributed ------------------------------------------------------------------------------
+
+
+class DistComm(_Recording):
+    def __init__(self, rank: int, size: int, group, counter: Counter | None) -> None:
+        self.rank = rank
+        self.size = size
+        self.group = group
+        self.counter = counter
+
+    def all_gather(self, out, shard, *, tag):
+        import torch.distributed as dist
+
+        self._note("all_gather", tag, out.numel(), out)
+        # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
+        dist.all_gather_into_tensor(out, shard.clone(), group=self.group)
+        return out
+
+    def reduce_scatter(self, full, *, tag):
+        import torch.distributed as dist
+
+        self._note("reduce_scatter", tag, full.numel(), full)
+        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_reduce(self, tensor, *, tag):
+        import torch.distributed as dist
+
+        self._note("all_reduce", tag, tensor.numel(), tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor, *, src, tag):
+        import torch.distributed as dist
+
+        self._note("broadcast", tag, tensor.numel(), tensor)
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor

@@ -1,0 +1,58 @@
+"""``fzero.compile``: check every setting up front, then compose the transforms."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fzero._step import Step, check_details, train_step
+from fzero._zero import offload as _offload
+from fzero._zero import shard_grads, shard_optimizer, shard_params
+
+
+def compile(  # noqa: A001 - the public name is the design's
+    loss_fn: Callable[..., Any],
+    *,
+    optimizer: Any = None,
+    stages: int = 0,
+    mesh: Any = None,
+    offload: str | None = None,
+    precision: str = "fp32",
+    grad_accum: int = 1,
+    clip_grad_norm: float | None = None,
+    config: Any = None,
+    **details: Any,
+) -> Step:
+    """Compose ``train_step`` with the shard transforms for ZeRO stage ``stages`` (0, 1, 2; 3 is next).
+
+    ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
+    so, never a silent fallback.
+    """
+    from fzero import optim
+
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
+        raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
+    _not_yet("precision", precision, "fp32", "fp32 only; bf16/fp16 policies are the precision issue")
+    _not_yet("grad_accum", grad_accum, 1, "gradient accumulation is the precision/accumulation issue")
+    _not_yet("clip_grad_norm", clip_grad_norm, None, "clipping is the precision/accumulation issue")
+    _not_yet("config", config, None, "DeepSpeed config files are the config issue")
+    check_details(details, api="fzero.compile")
+    if stages == 3:
+        raise NotImplementedError(
+            "fzero.compile: stages=3 (sharded params) is not implemented yet (tracked as the ZeRO-3 issue). "
+            "Use stages=2, which shards gradients and optimizer state."
+        )
+    step = train_step(loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, **details)
+    if stages >= 1:
+        step = shard_optimizer(step)
+    if stages >= 2:
+        step = shard_grads(step)
+    if stages >= 3:
+        step = shard_params(step)
+    if offload is not None:
+        step = _offload(step, offload)
+    return step
+
+
+def _not_yet(name: str, value: Any, supported: Any, why: str) -> None:
+    if value != supported:
+        raise NotImplementedError(f"fzero.compile: {name}={value!r} is not supported yet ({why}). Leave {name}={supported!r}.")

@@ -1,0 +1,41 @@
+"""Per-thread context of a simulated rank.
+
+``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward,
+so two rank threads running the same module at once would see each other's parameters (and could leave
+them behind). On a ``local_mesh`` with more than one rank, each rank thread therefore runs a shallow
+clone of the module: new module objects that share every parameter and buffer tensor with the
+original. Clones live for one step call; rank 0 and single-rank runs use the module itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from typing import Iterator
+
+from torch import nn
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def simulated_rank(rank: int) -> Iterator[None]:
+    """Mark this thread as rank ``rank`` of a multi-rank ``local_mesh`` for the length of one step."""
+    _local.rank, _local.clones = rank, {}
+    try:
+        yield
+    finally:
+        _local.rank, _local.clones = None, {}
+
+
+def module_for_thread(module: nn.Module) -> nn.Module:
+    """``module`` itself, or in a simulated rank > 0, this step's clone of it sharing all tensors."""
+    rank = getattr(_local, "rank", None)
+    if not rank:
+        return module
+    clone = _local.clones.get(id(module))
+    if clone is None:
+        shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
+        clone = _local.clones[id(module)] = copy.deepcopy(module, memo=shared)
+    return clone

@@ -1,0 +1,136 @@
+"""Flat, padded unit buffers: how a params pytree is packed for sharding.
+
+ZeRO shards *flat* buffers: the leaves of the params pytree are packed, in pytree order, into units
+(buckets) of about ``unit_elements`` elements, each one contiguous 1-D buffer padded to a multiple of
+the world size so that every rank's shard has the same length (ceil-padded: the layout DTensor's
+``Shard(0)`` chunking uses too, which later lets torch.distributed.checkpoint reshard it).
+
+One buffer per unit means one collective per unit (bucketing), and unflattening is one
+``torch.split`` per unit: its backward is a single ``cat``, so the gradient of a unit arrives as one
+flat tensor without a full-size zero buffer per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import torch
+
+from fzero import _tree
+
+DEFAULT_UNIT_ELEMENTS = 1 << 24  # 16 Mi elements (64 MiB in fp32): a few collectives per step for a 200M model
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one leaf lives inside its unit's flat buffer."""
+
+    path: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    name: str
+    slots: tuple[Slot, ...]
+    numel: int  # unpadded
+    padded: int  # multiple of the world size
+    dtype: torch.dtype
+
+    def shard_size(self, world_size: int) -> int:
+        return self.padded // world_size
+
+    def shard_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        size = self.shard_size(world_size)
+        return rank * size, (rank + 1) * size
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static description of the packing; hashable, so it can sit in a treespec."""
+
+    treespec: Any  # optree PyTreeSpec of the user's params pytree
+    units: tuple[Unit, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        """Ψ: parameters the user gave, without padding."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded for u in self.units)
+
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for u in self.units for s in u.slots]
+
+    # -- packing -----------------------------------------------------------------------------------
+    def pack(self, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit."""
+        flats, i = {}, 0
+        for unit in self.units:
+            flat = torch.zeros(unit.padded, dtype=unit.dtype)
+            for slot in unit.slots:
+                flat[slot.offset : slot.offset + slot.numel].copy_(leaves[i].detach().reshape(-1))
+                i += 1
+            flats[unit.name] = flat
+        return flats
+
+    def unpack(self, flats: dict[str, torch.Tensor]) -> Any:
+        """The user's params pytree as views of the unit buffers (differentiable through ``split``)."""
+        leaves = []
+        for unit in self.units:
+            sizes = [s.numel for s in unit.slots]
+            pad = unit.padded - unit.numel
+            pieces = torch.split(flats[unit.name], sizes + [pad] if pad else sizes)
+            leaves.extend(p.view(s.shape) for p, s in zip(pieces, unit.slots))
+        return self.treespec.unflatten(leaves)
+
+
+def build_layout(params: Any, *, world_size: int, unit_elements: int = DEFAULT_UNIT_ELEMENTS, api: str) -> Layout:
+    """Check that ``params`` is a pytree of floating tensors and pack its leaves into units."""
+    paths, leaves, spec = _tree.flatten_with_paths(params)
+    if not leaves:
+        raise ValueError(f"{api}: params has no tensors (got {type(params).__name__}). Pass a pytree of tensors, e.g. fzero.params_of(model).")
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{api}: params must be a pytree (dict/list/tuple) of tensors; the leaf at {path or '<root>'!r} is a "
+                f"{type(leaf).__name__}. Pass fzero.params_of(model), or a dict of torch.Tensor."
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"{api}: the parameter {path!r} has dtype {leaf.dtype}; only floating-point tensors are trained. "
+                f"Keep integer tensors out of params (as buffers of the module, or in the batch)."
+            )
+        if leaf.device.type != "cpu":
+            raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero stages 0-2 run on CPU tensors for now. Move params to CPU.")
+    units: list[Unit] = []
+    current: list[Slot] = []
+    offset = 0
+    dtype = leaves[0].dtype
+
+    def close():
+        nonlocal current, offset
+        if current:
+            padded = math.ceil(offset / world_size) * world_size
+            units.append(Unit(f"unit{len(units)}", tuple(current), offset, padded, dtype))
+        current, offset = [], 0
+
+    for path, leaf in zip(paths, leaves):
+        if current and (leaf.dtype != dtype or offset + leaf.numel() > unit_elements):
+            close()
+        dtype = leaf.dtype
+        current.append(Slot(path, tuple(leaf.shape), offset))
+        offset += leaf.numel()
+    close()
+    return Layout(spec, tuple(units), world_size)

@@ -1,0 +1,123 @@
+"""Meshes: where the ranks of one SPMD program live.
+
+- ``local_mesh(n)``: n ranks simulated in this process, one thread per rank (DESIGN.md §2). For
+  notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
+  batch and splits dim 0 across ranks.
+- ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
+  (gloo on CPU, NCCL on CUDA). Each process passes its own batch.
+- no mesh (``None``): one rank.
+
+A mesh is a frozen value. ``count_collectives(mesh)`` returns the same mesh with a fresh ``Counter``
+that every collective run on it reports to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+from fzero._comm import Counter, DistComm, Rendezvous, ThreadComm
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMesh:
+    size: int
+    timeout: float = 120.0
+    counter: Counter | None = dataclasses.field(default=None, compare=False)
+
+    def run(self, fn: Callable[[Any], Any], args: Sequence[tuple]) -> list[Any]:
+        """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
+
+        If a rank raises, the others are released from the barrier and the first real error is re-raised
+        here, with the rank that raised it noted, so a failure never turns into a hang.
+        """
+        rv = Rendezvous(self.size, self.timeout)
+        if self.size == 1:  # no thread to start: one rank meets nobody
+            return [fn(ThreadComm(0, rv, self.counter), *args[0])]
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(ThreadComm(rank, rv, self.counter), *args[rank])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
+                errors[rank] = e
+                rv.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"fzero-rank{r}", daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not _is_secondary(e)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            rank = errors.index(first)
+            first.add_note(f"(raised on rank {rank} of fzero.local_mesh({self.size}))")
+            raise first
+        return results
+
+
+def _is_secondary(e: BaseException) -> bool:
+    """A rank released from the barrier because another rank failed: not the root cause."""
+    from fzero._comm import MeshTimeout
+
+    return isinstance(e, MeshTimeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistMesh:
+    size: int
+    rank: int
+    backend: str
+    counter: Counter | None = dataclasses.field(default=None, compare=False)
+
+    def comm(self):
+        import torch.distributed as dist
+
+        return DistComm(self.rank, self.size, dist.group.WORLD, self.counter)
+
+
+Mesh = LocalMesh | DistMesh
+
+
+def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
+    """n ranks simulated in this process, one thread each, reductions in a fixed rank order."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"fzero.local_mesh: n must be an int >= 1 (the number of simulated ranks), got {n!r}.")
+    if not timeout > 0:
+        raise ValueError(f"fzero.local_mesh: timeout must be > 0 seconds, got {timeout!r}.")
+    return LocalMesh(n, float(timeout))
+
+
+def dist_mesh(*, backend: str | None = None, timeout: float = 600.0) -> DistMesh:
+    """This process as one rank of a ``torchrun`` job; initialises the default process group if needed.
+
+    ``backend`` defaults to NCCL when CUDA is available, else gloo. ``timeout`` bounds every collective,
+    so a rank that never arrives ends the job with an error instead of a hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"fzero.dist_mesh: no torchrun environment ({', '.join(missing)} not set). Launch the script with "
+                f"`torchrun --nproc_per_node N script.py`, or simulate N ranks in this process with fzero.local_mesh(N)."
+            )
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend())
+
+
+def count_collectives(mesh: Mesh) -> Mesh:
+    """The same mesh with a fresh ``Counter`` (``mesh.counter``) that records every collective run on it."""
+    if not isinstance(mesh, (LocalMesh, DistMesh)):
+        raise TypeError(f"fzero.count_collectives: expected a mesh from fzero.local_mesh or fzero.dist_mesh, got {mesh!r}.")
+    return dataclasses.replace(mesh, counter=Counter())

@@ -1,0 +1,36 @@
+"""Functional use of an ordinary ``nn.Module``, which fzero never mutates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fzero._context import module_for_thread
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of ``module`` as ``{name: detached copy}``, in ``named_parameters`` order.
+
+    Copies, so that training never writes into the module; a tied parameter appears once, under its first
+    name (as ``named_parameters`` lists it). Frozen parameters (``requires_grad=False``) are left out: they
+    stay in the module and ``fzero.apply`` reads them from there.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.params_of: expected an nn.Module, got {type(module).__name__}.")
+    return {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+
+
+def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module`` with ``params`` in place of its own (``torch.func.functional_call``); the module is unchanged.
+
+    ``params`` maps names as in ``params_of``; tied names are resolved by torch (``tie_weights=True``), and
+    parameters and buffers not in ``params`` come from the module.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
+    if not isinstance(params, dict):
+        raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
+    target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero._context)
+    return torch.func.functional_call(target, params, args, kwargs, tie_weights=True, strict=False)

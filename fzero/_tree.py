@@ -1,0 +1,72 @@
+"""Pytree plumbing shared by the rest of fzero.
+
+``torch.func`` flattens with ``torch.utils._pytree`` while users and fzero itself use optree, so every
+container type fzero defines is registered with both (DESIGN.md §4). optree requires a namespace for
+custom nodes: ours is ``"fzero"``; pass ``namespace="fzero"`` to optree calls that must see inside a
+``TrainState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+NAMESPACE = "fzero"
+
+
+def register_dataclass(cls: type, *, leaves: tuple[str, ...], static: tuple[str, ...] = ()) -> type:
+    """Register a frozen dataclass with optree and ``torch.utils._pytree``.
+
+    ``leaves`` are the fields that hold tensors (children); ``static`` fields travel in the treespec.
+    """
+
+    def flatten(obj):
+        return [getattr(obj, f) for f in leaves], tuple(getattr(obj, f) for f in static)
+
+    def unflatten(aux, children):
+        return cls(**dict(zip(leaves, children)), **dict(zip(static, aux)))
+
+    optree.register_pytree_node(
+        cls,
+        lambda obj: (*flatten(obj), leaves),
+        lambda aux, children: unflatten(aux, list(children)),
+        namespace=NAMESPACE,
+    )
+    torch_pytree.register_pytree_node(
+        cls,
+        flatten,
+        lambda children, aux: unflatten(aux, list(children)),
+        serialized_type_name=f"fzero.{cls.__name__}",
+        flatten_with_keys_fn=lambda obj: (
+            [(torch_pytree.GetAttrKey(f), getattr(obj, f)) for f in leaves],
+            tuple(getattr(obj, f) for f in static),
+        ),
+    )
+    return cls
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """Flatten ``tree`` into (dotted paths, leaves, treespec); ``None`` counts as an empty subtree."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    return [".".join(str(p) for p in path) for path in paths], leaves, spec
+
+
+def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace``, named here so call sites read as the pure update they are."""
+    return dataclasses.replace(obj, **changes)

@@ -1,0 +1,67 @@
+"""The ZeRO transforms: pure functions from a ``Step`` to a ``Step``.
+
+Each one checks what it needs from the step it wraps and says so in its error, so that the order of
+composition is part of the API rather than a convention:
+
+    s = fzero.train_step(loss_fn, opt)    # stage 0
+    s = fzero.shard_optimizer(s, mesh)    # ZeRO-1
+    s = fzero.shard_grads(s)              # ZeRO-2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fzero._mesh import DistMesh, LocalMesh, Mesh
+from fzero._step import STAGE_NAMES, Step
+
+
+def _check_step(step: object, api: str) -> Step:
+    if not isinstance(step, Step):
+        raise TypeError(f"{api}: expected a Step from fzero.train_step(loss_fn, optimizer), got {type(step).__name__}.")
+    return step
+
+
+def shard_optimizer(step: Step, mesh: Mesh | None = None) -> Step:
+    """ZeRO-1: each rank keeps and updates only its 1/N shard of the optimizer state.
+
+    Gradients are reduce-scattered (not all-reduced), each rank updates its shard of the params, and the
+    params are all-gathered back: the same 2Ψ·(N-1)/N elements per step as an all-reduce.
+    ``mesh`` may be omitted when the step already has one; if both are given they must agree.
+    """
+    step = _check_step(step, "fzero.shard_optimizer")
+    if step.stage != 0:
+        raise ValueError(f"fzero.shard_optimizer: the step is already {STAGE_NAMES[step.stage]}; apply shard_optimizer once, to a stage-0 step from fzero.train_step.")
+    if mesh is not None and not isinstance(mesh, (LocalMesh, DistMesh)):
+        raise TypeError(f"fzero.shard_optimizer: mesh must be fzero.local_mesh(n) or fzero.dist_mesh(), got {mesh!r}.")
+    if mesh is not None and step.mesh is not None and mesh != step.mesh:
+        raise ValueError(f"fzero.shard_optimizer: the step already runs on {step.mesh!r} and mesh={mesh!r} differs. Pass one mesh, once.")
+    return dataclasses.replace(step, mesh=mesh if mesh is not None else step.mesh, stage=1)
+
+
+def shard_grads(step: Step) -> Step:
+    """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient."""
+    step = _check_step(step, "fzero.shard_grads")
+    if step.stage != 1:
+        raise ValueError(
+            f"fzero.shard_grads: needs fzero.shard_optimizer inside it (gradient shards are only useful to a sharded "
+            f"optimizer), but the step is {STAGE_NAMES[step.stage]}. Write fzero.shard_grads(fzero.shard_optimizer(step, mesh))."
+        )
+    return dataclasses.replace(step, stage=2)
+
+
+def shard_params(step: Step) -> Step:
+    """ZeRO-3 (params sharded, gathered per unit just in time): not built yet."""
+    _check_step(step, "fzero.shard_params")
+    raise NotImplementedError(
+        "fzero.shard_params: stage 3 (sharded params) is not implemented yet (tracked as the ZeRO-3 issue). "
+        "Use fzero.shard_grads (stage 2), which shards gradients and optimizer state."
+    )
+
+
+def offload(step: Step, where: str) -> Step:
+    """Optimizer state and master weights on host or disk: not built yet."""
+    _check_step(step, "fzero.offload")
+    raise NotImplementedError(
+        f"fzero.offload: offload={where!r} is not implemented yet (tracked as the offload issue). Run without offload."
+    )

@@ -1,0 +1,99 @@
+"""Memory of model states: what the ZeRO formula predicts, and what a rank really holds.
+
+The formula is the ZeRO paper's (DESIGN.md §6): with Ψ parameters, N ranks, P bytes per parameter,
+G per gradient and K optimizer bytes per parameter,
+
+    stage 0: (P + G + K)Ψ      stage 1: (P + G)Ψ + KΨ/N      stage 2: PΨ + (G + K)Ψ/N      stage 3: (P + G + K)Ψ/N
+
+fp32 Adam(W) is P = G = 4, K = 8 (m and v; no master copy). ``LiveBytes`` measures: torch has no CPU
+allocator statistic, so it counts the bytes of every tensor storage created while it is active (in the
+thread that activated it, which is what makes per-rank counts possible on a ``local_mesh``) and
+subtracts them when the storage is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fzero import _tree
+
+
+def zero_model_state_bytes(
+    num_params: int, *, stage: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8
+) -> dict[str, float]:
+    """Per-rank bytes of params, grads and optimizer state that ZeRO stage ``stage`` holds."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"fzero.memory.zero_model_state_bytes: stage must be 0, 1, 2 or 3, got {stage!r}.")
+    if world_size < 1:
+        raise ValueError(f"fzero.memory.zero_model_state_bytes: world_size must be >= 1, got {world_size!r}.")
+    psi, n = float(num_params), world_size
+    out = {
+        "params": psi * param_bytes / (n if stage >= 3 else 1),
+        "grads": psi * grad_bytes / (n if stage >= 2 else 1),
+        "optimizer": psi * optimizer_bytes / (n if stage >= 1 else 1),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen, total = set(), 0
+    for t in _tree.tree_leaves(tensors):
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def state_bytes(state: Any) -> dict[str, int]:
+    """Bytes that one rank's ``TrainState`` holds: params and optimizer state (distinct storages)."""
+    return {"params": _storage_bytes(state.params), "optimizer": _storage_bytes(state.opt_state)}
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live tensor bytes created under it (this thread only), and their peak.
+
+    ``with LiveBytes() as lb: ...`` then ``lb.peak`` and ``lb.live``. Storages that existed before are not
+    counted, nor are views and in-place results of any storage; ``lb.reset_peak()`` starts a new peak from
+    the current live count.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _free(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self._seen.discard(key)
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A storage is new when no input shares it: views and in-place results are not allocations.
+        inputs = {t.untyped_storage().data_ptr() for t in _tree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in _tree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._seen:
+                continue
+            with self._lock:
+                self._seen.add(key)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
