@@ -215,7 +215,7 @@ class DistComm(_Recording):
 
         self._note("all_gather", tag, out.numel(), out)
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        dist.all_gather_into_tensor(out, shard.clone(), group=self.group)
+        _all_gather_single(dist)(out, shard.clone(), group=self.group)
         return out
 
     def reduce_scatter(self, full, *, tag):
@@ -223,7 +223,7 @@ class DistComm(_Recording):
 
         self._note("reduce_scatter", tag, full.numel(), full)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_single(dist)(out, full, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
     def all_reduce(self, tensor, *, tag):
@@ -239,3 +239,12 @@ class DistComm(_Recording):
         self._note("broadcast", tag, tensor.numel(), tensor)
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+
+def _all_gather_single(dist):
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old name.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single(dist):
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -13,11 +13,12 @@ that every collective run on it reports to.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from fzero._comm import Counter, DistComm, Rendezvous, ThreadComm
 
@@ -29,6 +30,8 @@ class LocalMesh:
     size: int
     timeout: float = 120.0
     counter: Counter | None = dataclasses.field(default=None, compare=False)
+    # Entered around each rank's program in its own thread: per-rank profilers and memory counters.
+    rank_context: Callable[[int], ContextManager[Any]] | None = dataclasses.field(default=None, compare=False)
 
     def run(self, fn: Callable[[Any], Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
@@ -38,13 +41,15 @@ class LocalMesh:
         """
         rv = Rendezvous(self.size, self.timeout)
         if self.size == 1:  # no thread to start: one rank meets nobody
-            return [fn(ThreadComm(0, rv, self.counter), *args[0])]
+            with self._context(0):
+                return [fn(ThreadComm(0, rv, self.counter), *args[0])]
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
 
         def body(rank: int) -> None:
             try:
-                results[rank] = fn(ThreadComm(rank, rv, self.counter), *args[rank])
+                with self._context(rank):
+                    results[rank] = fn(ThreadComm(rank, rv, self.counter), *args[rank])
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
                 errors[rank] = e
                 rv.abort()
@@ -61,6 +66,9 @@ class LocalMesh:
             first.add_note(f"(raised on rank {rank} of fzero.local_mesh({self.size}))")
             raise first
         return results
+
+    def _context(self, rank: int) -> ContextManager[Any]:
+        return self.rank_context(rank) if self.rank_context is not None else contextlib.nullcontext()
 
 
 def _is_secondary(e: BaseException) -> bool:

@@ -1,0 +1,66 @@
+"""Communication volume per rank per step, from the counting wrapper (DESIGN.md §6).
+
+Stages 0-2 move 2Ψ·(N-1)/N elements per rank per step for params and gradients: an all-reduce at stage
+0, a reduce-scatter plus an all-gather at stages 1 and 2. Ψ here is the padded size of the flat units
+(at most N-1 padding elements per unit), and the few-element metrics all-reduce is counted apart.
+"""
+
+import pytest
+
+import fzero
+from problems import PROBLEMS, fzero_run
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_two_psi_elements_per_rank_per_step(stages, ranks):
+    prob = PROBLEMS["gpt"](steps=3)
+    mesh = fzero.count_collectives(fzero.local_mesh(ranks))
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh, unit_elements=4096)
+    state = step.init(fzero.params_of(prob.model))
+    layout = (state[0] if ranks else state).meta.layout
+    psi, padded = layout.numel, layout.padded_numel
+    assert psi <= padded <= psi + len(layout.units) * (ranks - 1)
+    mesh.counter.reset()  # init's own traffic is not a step's
+    for b in prob.batches:
+        state, _ = step(state, b)
+    for rank in range(ranks):
+        moved = mesh.counter.elements(rank=rank, tag="grads") + mesh.counter.elements(rank=rank, tag="params")
+        assert moved / 3 == pytest.approx(2 * padded * (ranks - 1) / ranks, abs=1e-9)
+        # metrics: one all-reduce of 2 elements (loss, squared grad norm) per step
+        assert mesh.counter.count(rank=rank, tag="metrics") == 3
+        assert mesh.counter.elements(rank=rank, tag="metrics") == pytest.approx(3 * 2 * 2 * (ranks - 1) / ranks)
+    calls = mesh.counter.summary(rank=0)
+    units = len(layout.units)
+    if stages == 0:
+        assert calls[("all_reduce", "grads")] == 3 * units and ("all_gather", "params") not in calls
+    else:
+        assert calls[("reduce_scatter", "grads")] == 3 * units
+        assert calls[("all_gather", "params")] == 3 * units
+
+
+def test_stage2_reduces_each_unit_during_backward():
+    """At stage 2 the reduce-scatters happen inside the backward, before the loss of the step is known to the step."""
+    prob = PROBLEMS["mlp"](steps=1)
+    order = []
+    mesh = fzero.count_collectives(fzero.local_mesh(2))
+    base_loss = prob.loss_fn
+
+    def loss_fn(params, b):
+        order.append(("forward", len(mesh.counter.calls)))
+        return base_loss(params, b)
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=2, mesh=mesh, unit_elements=600)
+    state = step.init(fzero.params_of(prob.model))
+    step(state, prob.batches[0])
+    ops = [(c.op, c.tag) for c in mesh.counter.calls if c.rank == 0]
+    n_units = len(state[0].meta.layout.units)
+    assert n_units >= 3
+    # all reduce-scatters come before the metrics all-reduce, which comes before the all-gathers
+    assert ops[:n_units] == [("reduce_scatter", "grads")] * n_units
+    assert ops[n_units] == ("all_reduce", "metrics")
+    assert ops[n_units + 1 :] == [("all_gather", "params")] * n_units
+    # and in reverse unit order, as backward reaches them
+    sizes = [c.numel for c in mesh.counter.calls if c.rank == 0 and c.op == "reduce_scatter"]
+    units = state[0].meta.layout.units
+    assert sizes == [u.padded for u in reversed(units)]

@@ -1,0 +1,51 @@
+"""The same program under torchrun (2 processes, gloo) equals local_mesh(2) bitwise.
+
+Bitwise needs one intra-op thread on both sides (torchrun sets OMP_NUM_THREADS=1), so the in-process
+run pins torch to one thread too (DESIGN.md §4). Select with ``-m torchrun``; CI runs them.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fzero
+from fzero.testing import assert_trees_equal
+from problems import PROBLEMS, fzero_run
+
+HERE = os.path.dirname(__file__)
+
+
+def run_torchrun(tmp_path, problem: str, stages: int) -> dict:
+    out = tmp_path / f"{problem}-{stages}.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("problem", ["mlp", "gpt"])
+@pytest.mark.parametrize("stages", [0, 1, 2])
+def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stages):
+    dist = run_torchrun(tmp_path, problem, stages)
+    local, metrics = fzero_run(PROBLEMS[problem](), stages=stages, mesh=fzero.local_mesh(2))
+    assert dist["world"] == 2
+    assert len(dist["history"]) == len(local) == 5
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
+    ops = {op for op, _, _ in dist["calls"]}
+    assert ops == ({"broadcast", "all_reduce"} if stages == 0 else {"broadcast", "all_reduce", "reduce_scatter", "all_gather"})

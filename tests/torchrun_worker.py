@@ -1,0 +1,38 @@
+"""One rank of a torchrun job for tests/test_torchrun.py: runs a problem and saves what rank 0 sees.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/torchrun_worker.py \
+        --problem gpt --stages 2 --out /tmp/run.pt
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import fzero  # noqa: E402
+from problems import PROBLEMS, fzero_run  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--problem", choices=sorted(PROBLEMS), required=True)
+    parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    mesh = fzero.count_collectives(fzero.dist_mesh())
+    prob = PROBLEMS[args.problem]()
+    # under dist_mesh each process passes its own share of the global batch
+    local = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in prob.batches]
+    prob = type(prob)(prob.model, prob.loss_fn, local)
+    history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh)
+    calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
+    if mesh.rank == 0:
+        torch.save({"history": history, "metrics": metrics, "calls": calls, "world": mesh.size}, args.out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
