@@ -1,6 +1,6 @@
 """fzero: DeepSpeed's ZeRO as pure transforms of a functional train step, on ``torch.func``.
 
-Training state is a pytree; ``shard_optimizer``/``shard_grads`` (and, next, ``shard_params``/``offload``)
+Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params`` (and, next, ``offload``)
 are pure functions from a step to a step, lowered to the collectives of a mesh.
 """
 
@@ -9,8 +9,10 @@ from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero._module import apply, params_of
+from fzero._sharded import ShardedParams
 from fzero._state import RankStates, TrainState
 from fzero._step import Step, train_step
+from fzero._units import units_of
 from fzero._zero import offload, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"
@@ -22,6 +24,7 @@ __all__ = [
     "LocalMesh",
     "MeshTimeout",
     "RankStates",
+    "ShardedParams",
     "Step",
     "TrainState",
     "apply",
@@ -37,4 +40,5 @@ __all__ = [
     "shard_optimizer",
     "shard_params",
     "train_step",
+    "units_of",
 ]

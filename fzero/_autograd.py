@@ -3,7 +3,8 @@
 ``torch.func.grad`` rejects a ``torch.distributed`` call made inside a Function's ``backward`` ("mutate a
 captured Tensor") and silently zeroes the gradient of a raw collective in a forward (DESIGN.md §4). The
 pattern that works: each collective runs in the *forward* of its own new-style Function, and the
-Functions name each other as their backward: all-gather <-> reduce-scatter.
+Functions name each other as their backward: all-gather <-> reduce-scatter. Each takes the counter tag
+of its own collective and of its backward's ("params" forward, "grads" backward).
 """
 
 from __future__ import annotations
@@ -15,35 +16,35 @@ class ReduceScatter(torch.autograd.Function):
     """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient."""
 
     @staticmethod
-    def forward(full, comm, tag):
+    def forward(full, comm, tag, back_tag):
         out = comm.reduce_scatter(full.contiguous(), tag=tag)
         # One rank returns ``full`` itself; a Function must not hand back its input unaliased.
         return out.view_as(out) if out is full else out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.tag = inputs[1], inputs[2]
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad_shard):
-        return AllGather.apply(grad_shard, ctx.comm, ctx.tag), None, None
+        return AllGather.apply(grad_shard, ctx.comm, ctx.back_tag, ctx.tag), None, None, None
 
 
 class AllGather(torch.autograd.Function):
     """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient."""
 
     @staticmethod
-    def forward(shard, comm, tag):
+    def forward(shard, comm, tag, back_tag):
         out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
         return comm.all_gather(out, shard.contiguous(), tag=tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.tag = inputs[1], inputs[2]
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.comm, ctx.tag), None, None
+        return ReduceScatter.apply(grad_full, ctx.comm, ctx.back_tag, ctx.tag), None, None, None
 
 
 class ReplicatedShardGrad(torch.autograd.Function):
@@ -65,4 +66,4 @@ class ReplicatedShardGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.comm, "grads"), None, None
+        return ReduceScatter.apply(grad_full, ctx.comm, "grads", "params"), None, None

@@ -22,7 +22,10 @@ def compile(  # noqa: A001 - the public name is the design's
     config: Any = None,
     **details: Any,
 ) -> Step:
-    """Compose ``train_step`` with the shard transforms for ZeRO stage ``stages`` (0, 1, 2; 3 is next).
+    """Compose ``train_step`` with the shard transforms for ZeRO stage ``stages`` (0, 1, 2 or 3).
+
+    Details (keyword): ``unit_elements``, ``donate``, ``autodiff`` (see ``train_step``); at stage 3
+    ``units`` and ``prefetch`` (see ``shard_params``).
 
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
     so, never a silent fallback.
@@ -35,19 +38,17 @@ def compile(  # noqa: A001 - the public name is the design's
     _not_yet("grad_accum", grad_accum, 1, "gradient accumulation is the precision/accumulation issue")
     _not_yet("clip_grad_norm", clip_grad_norm, None, "clipping is the precision/accumulation issue")
     _not_yet("config", config, None, "DeepSpeed config files are the config issue")
+    stage3 = {k: details.pop(k) for k in ("units", "prefetch") if k in details}
+    if stage3 and stages != 3:
+        raise ValueError(f"fzero.compile: {', '.join(stage3)} only apply at stages=3 (sharded params), but stages={stages}.")
     check_details(details, api="fzero.compile")
-    if stages == 3:
-        raise NotImplementedError(
-            "fzero.compile: stages=3 (sharded params) is not implemented yet (tracked as the ZeRO-3 issue). "
-            "Use stages=2, which shards gradients and optimizer state."
-        )
     step = train_step(loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, **details)
     if stages >= 1:
         step = shard_optimizer(step)
     if stages >= 2:
         step = shard_grads(step)
     if stages >= 3:
-        step = shard_params(step)
+        step = shard_params(step, **stage3)
     if offload is not None:
         step = _offload(step, offload)
     return step

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,6 +59,7 @@ class Layout:
     treespec: Any  # optree PyTreeSpec of the user's params pytree
     units: tuple[Unit, ...]
     world_size: int
+    order: tuple[int, ...]  # pytree leaf index of each slot, in unit order
 
     @property
     def numel(self) -> int:
@@ -76,28 +77,47 @@ class Layout:
     # -- packing -----------------------------------------------------------------------------------
     def pack(self, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit."""
-        flats, i = {}, 0
+        flats, order = {}, iter(self.order)
         for unit in self.units:
             flat = torch.zeros(unit.padded, dtype=unit.dtype)
             for slot in unit.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(leaves[i].detach().reshape(-1))
-                i += 1
+                flat[slot.offset : slot.offset + slot.numel].copy_(leaves[next(order)].detach().reshape(-1))
             flats[unit.name] = flat
         return flats
 
+    def unit_views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{path: view}`` of one unit's whole buffer (differentiable through one ``split``)."""
+        sizes = [s.numel for s in unit.slots]
+        pad = unit.padded - unit.numel
+        pieces = torch.split(flat, sizes + [pad] if pad else sizes)
+        return {s.path: p.view(s.shape) for p, s in zip(pieces, unit.slots)}
+
     def unpack(self, flats: dict[str, torch.Tensor]) -> Any:
         """The user's params pytree as views of the unit buffers (differentiable through ``split``)."""
-        leaves = []
+        leaves: list[Any] = [None] * len(self.order)
+        order = iter(self.order)
         for unit in self.units:
-            sizes = [s.numel for s in unit.slots]
-            pad = unit.padded - unit.numel
-            pieces = torch.split(flats[unit.name], sizes + [pad] if pad else sizes)
-            leaves.extend(p.view(s.shape) for p, s in zip(pieces, unit.slots))
+            for view in self.unit_views(unit, flats[unit.name]).values():
+                leaves[next(order)] = view
         return self.treespec.unflatten(leaves)
 
 
-def build_layout(params: Any, *, world_size: int, unit_elements: int = DEFAULT_UNIT_ELEMENTS, api: str) -> Layout:
-    """Check that ``params`` is a pytree of floating tensors and pack its leaves into units."""
+ROOT = "<root>"  # the unit of every parameter that belongs to no module unit (stage 3)
+
+
+def build_layout(
+    params: Any,
+    *,
+    world_size: int,
+    unit_elements: int = DEFAULT_UNIT_ELEMENTS,
+    unit_of: Callable[[str], str] | None = None,
+    api: str,
+) -> Layout:
+    """Check that ``params`` is a pytree of floating tensors and pack its leaves into units.
+
+    Units are consecutive leaves of about ``unit_elements`` elements (stages 0-2: buckets for the
+    collectives), or, given ``unit_of`` (stage 3), the groups of leaves that map to the same unit name.
+    """
     paths, leaves, spec = _tree.flatten_with_paths(params)
     if not leaves:
         raise ValueError(f"{api}: params has no tensors (got {type(params).__name__}). Pass a pytree of tensors, e.g. fzero.params_of(model).")
@@ -113,24 +133,38 @@ def build_layout(params: Any, *, world_size: int, unit_elements: int = DEFAULT_U
                 f"Keep integer tensors out of params (as buffers of the module, or in the batch)."
             )
         if leaf.device.type != "cpu":
-            raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero stages 0-2 run on CPU tensors for now. Move params to CPU.")
-    units: list[Unit] = []
-    current: list[Slot] = []
-    offset = 0
-    dtype = leaves[0].dtype
+            raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero runs on CPU tensors for now. Move params to CPU.")
+    if unit_of is None:
+        groups = _by_size(paths, leaves, unit_elements)
+    else:
+        by_name: dict[str, list[int]] = {}
+        for i, path in enumerate(paths):
+            by_name.setdefault(unit_of(path), []).append(i)
+        groups = list(by_name.items())
+    units = []
+    for name, idx in groups:
+        dtypes = {leaves[i].dtype for i in idx}
+        if len(dtypes) > 1:
+            raise TypeError(f"{api}: unit {name!r} mixes dtypes {sorted(map(str, dtypes))}; give all its parameters one dtype.")
+        slots, offset = [], 0
+        for i in idx:
+            slots.append(Slot(paths[i], tuple(leaves[i].shape), offset))
+            offset += leaves[i].numel()
+        padded = math.ceil(offset / world_size) * world_size
+        units.append(Unit(name, tuple(slots), offset, padded, leaves[idx[0]].dtype))
+    # pack() and unpack() walk units in order and expect pytree leaf order: keep leaves sorted by unit
+    order = [i for _, idx in groups for i in idx]
+    return Layout(spec, tuple(units), world_size, tuple(order))
 
-    def close():
-        nonlocal current, offset
-        if current:
-            padded = math.ceil(offset / world_size) * world_size
-            units.append(Unit(f"unit{len(units)}", tuple(current), offset, padded, dtype))
-        current, offset = [], 0
 
-    for path, leaf in zip(paths, leaves):
-        if current and (leaf.dtype != dtype or offset + leaf.numel() > unit_elements):
-            close()
-        dtype = leaf.dtype
-        current.append(Slot(path, tuple(leaf.shape), offset))
-        offset += leaf.numel()
-    close()
-    return Layout(spec, tuple(units), world_size)
+def _by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -> list[tuple[str, list[int]]]:
+    groups: list[tuple[str, list[int]]] = []
+    size = 0
+    for i, leaf in enumerate(leaves):
+        if groups and size + leaf.numel() <= unit_elements and leaf.dtype == leaves[groups[-1][1][-1]].dtype:
+            groups[-1][1].append(i)
+            size += leaf.numel()
+        else:
+            groups.append((f"unit{len(groups)}", [i]))
+            size = leaf.numel()
+    return groups

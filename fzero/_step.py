@@ -25,6 +25,8 @@ from fzero._autograd import ReplicatedShardGrad
 from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import simulated_rank
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, build_layout
+from fzero._sharded import Schedule, ShardedParams
+from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
 
@@ -41,6 +43,9 @@ class Step:
     stage: int = 0
     unit_elements: int = DEFAULT_UNIT_ELEMENTS
     donate: bool = True
+    units: tuple[str, ...] | None = None  # stage 3: unit module paths; None = children of ModuleList/Sequential
+    prefetch: bool = True  # stage 3: gather the next unit while the current one computes
+    autodiff: str = "func"  # "func": torch.func.grad; "autograd": plain torch.autograd.grad
 
     @property
     def world_size(self) -> int:
@@ -50,7 +55,10 @@ class Step:
     def init(self, params: Any) -> TrainState | RankStates:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased)."""
         n = self.world_size
-        layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, api="fzero.Step.init")
+        unit_of = None
+        if self.stage == 3:
+            unit_of = by_container_child if self.units is None else by_prefixes(self.units, api="fzero.Step.init")
+        layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, api="fzero.Step.init")
         flats = layout.pack(_tree.tree_leaves(params))
         if isinstance(self.mesh, LocalMesh):
             return RankStates(tuple(self._init_rank(layout, _copy(flats) if r else flats, r) for r in range(n)))
@@ -62,6 +70,8 @@ class Step:
         return self._init_rank(layout, flats, 0)
 
     def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> TrainState:
+        if self.stage == 3:  # keep only this rank's shard of every unit
+            flats = {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))].clone() for u in layout.units}
         opt_state = self.optimizer.init(_owned(layout, flats, self.stage, rank))
         meta = StateMeta(layout=layout, stage=self.stage, world_size=layout.world_size, rank=rank)
         return TrainState(params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64), meta=meta)
@@ -98,24 +108,30 @@ class Step:
         if self.stage == 2:
             inputs = [flats[u.name][lo:hi] for u, (lo, hi) in zip(units, ranges)]
 
-            def as_units(xs):
-                return {u.name: ReplicatedShardGrad.apply(x, flats[u.name], comm) for u, x in zip(units, xs)}
+            def as_params(xs):
+                return layout.unpack({u.name: ReplicatedShardGrad.apply(x, flats[u.name], comm) for u, x in zip(units, xs)})
+        elif self.stage == 3:
+            inputs = [flats[u.name] for u in units]  # the shards themselves
+            schedule = Schedule(comm, layout)
+
+            def as_params(xs):
+                return ShardedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, schedule)
         else:
             inputs = [flats[u.name] for u in units]
 
-            def as_units(xs):
-                return {u.name: x for u, x in zip(units, xs)}
+            def as_params(xs):
+                return layout.unpack({u.name: x for u, x in zip(units, xs)})
 
         aux_box: dict[str, Any] = {}
 
         def objective(xs):
-            loss, aux = _split_loss(self.loss_fn(layout.unpack(as_units(xs)), batch))
+            loss, aux = _split_loss(self.loss_fn(as_params(xs), batch))
             # torch.func.grad unwraps only tensors out of aux: pass those, keep the rest aside.
             leaves, aux_box["spec"] = optree.tree_flatten(aux)
             aux_box["leaves"] = leaves
             return loss, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
 
-        grads, (loss, aux_tensors) = torch.func.grad(objective, has_aux=True)(inputs)
+        grads, (loss, aux_tensors) = _differentiate(objective, inputs, self.autodiff)
         tensors = iter(aux_tensors)
         aux_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in aux_box["leaves"]]
         aux = aux_box["spec"].unflatten(aux_leaves)
@@ -130,6 +146,7 @@ class Step:
                 g = comm.all_reduce(g, tag="grads")
             elif self.stage == 1:
                 g = comm.reduce_scatter(g, tag="grads")
+            # stages 2 and 3: already this rank's reduced shard (reduce-scattered during backward)
             owned_grads.append(g.div_(n))
 
         # Global grad norm from this rank's slice of every unit, summed over ranks: identical at every stage.
@@ -144,7 +161,7 @@ class Step:
         lr = current_lr(self.optimizer, int(state.step))
         opt_state = apply_inplace(self.optimizer, grad_tree, state.opt_state, owned_params)
         del grad_tree, owned_grads, slices
-        if self.stage >= 1:
+        if self.stage in (1, 2):
             for u, (lo, hi) in zip(units, ranges):
                 comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
 
@@ -164,8 +181,18 @@ class Step:
         """Full params as a fresh pytree with the structure ``init`` was given (e.g. a dict like ``params_of``)."""
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
-        tree = rank_state.meta.layout.unpack(rank_state.params)
-        return optree.tree_map(lambda t: t.detach().clone(), tree)
+        layout = rank_state.meta.layout
+        flats = rank_state.params
+        if self.stage == 3:
+            if isinstance(state, RankStates):  # every rank's shard is in this process
+                flats = {u.name: torch.cat([s.params[u.name] for s in state.states]) for u in layout.units}
+            else:  # a collective: under dist_mesh every rank must call gather
+                comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else None
+                flats = {
+                    u.name: comm.all_gather(torch.empty(u.padded, dtype=u.dtype), s, tag="gather") if comm else s
+                    for u, s in ((u, flats[u.name]) for u in layout.units)
+                }
+        return optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
 
     # -- checks ------------------------------------------------------------------------------------
     def _check_state(self, state: Any, *, api: str = "fzero.Step.__call__") -> None:
@@ -202,9 +229,21 @@ def current_lr(optimizer: Any, step: int) -> float:
     return float(lr(step)) if callable(lr) else float(lr)
 
 
+def _differentiate(objective: Callable, inputs: list[torch.Tensor], autodiff: str):
+    """Gradient of ``objective``'s loss with respect to ``inputs``, and its aux, by torch.func or plain autograd."""
+    if autodiff == "func":
+        return torch.func.grad(objective, has_aux=True)(inputs)
+    leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
+    with torch.enable_grad():
+        loss, aux = objective(leaves)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+    return list(grads), optree.tree_map(lambda t: t.detach(), aux)
+
+
 def _owned(layout: Layout, flats: dict[str, torch.Tensor], stage: int, rank: int) -> dict[str, torch.Tensor]:
-    """What this rank's optimizer updates: whole unit buffers at stage 0, views of its shard at stages 1-2."""
-    if stage == 0:
+    """What this rank's optimizer updates: whole unit buffers at stage 0, views of its shard at stages 1-2,
+    the shards themselves at stage 3 (where ``flats`` holds only shards)."""
+    if stage in (0, 3):
         return dict(flats)
     return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
 
@@ -267,7 +306,7 @@ def train_step(loss_fn: Callable[..., Any], optimizer: Any, *, mesh: Mesh | None
     return dataclasses.replace(Step(loss_fn, optimizer, mesh), **check_details(details, api="fzero.train_step"))
 
 
-_DETAILS = {"unit_elements": int, "donate": bool}
+_DETAILS = {"unit_elements": int, "donate": bool, "autodiff": ("func", "autograd")}
 
 
 def check_details(details: dict[str, Any], *, api: str) -> dict[str, Any]:
@@ -279,6 +318,9 @@ def check_details(details: dict[str, Any], *, api: str) -> dict[str, Any]:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"{api}: unknown setting {key!r}.{hint} Settings: {', '.join(sorted(_DETAILS))}.")
         kind = _DETAILS[key]
-        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ValueError(f"{api}: {key} must be one of {kind}, got {value!r}.")
+        elif not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
             raise ValueError(f"{api}: {key} must be {'a positive int' if kind is int else 'True or False'}, got {value!r}.")
     return details

@@ -6,6 +6,7 @@ composition is part of the API rather than a convention:
     s = fzero.train_step(loss_fn, opt)    # stage 0
     s = fzero.shard_optimizer(s, mesh)    # ZeRO-1
     s = fzero.shard_grads(s)              # ZeRO-2
+    s = fzero.shard_params(s)             # ZeRO-3
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._step import STAGE_NAMES, Step
+from fzero._units import by_prefixes
 
 
 def _check_step(step: object, api: str) -> Step:
@@ -50,13 +52,26 @@ def shard_grads(step: Step) -> Step:
     return dataclasses.replace(step, stage=2)
 
 
-def shard_params(step: Step) -> Step:
-    """ZeRO-3 (params sharded, gathered per unit just in time): not built yet."""
-    _check_step(step, "fzero.shard_params")
-    raise NotImplementedError(
-        "fzero.shard_params: stage 3 (sharded params) is not implemented yet (tracked as the ZeRO-3 issue). "
-        "Use fzero.shard_grads (stage 2), which shards gradients and optimizer state."
-    )
+def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: bool = True) -> Step:
+    """ZeRO-3: each rank holds only its 1/N shard of the params; each unit is gathered just before it runs.
+
+    ``units``: module paths (see ``fzero.units_of``); default, each child of a ``ModuleList``/``Sequential``.
+    ``prefetch``: gather the next unit while the current one computes (order recorded on the first step).
+    """
+    step = _check_step(step, "fzero.shard_params")
+    if step.stage != 2:
+        raise ValueError(
+            f"fzero.shard_params: needs fzero.shard_grads inside it (sharded params need sharded gradients and optimizer "
+            f"state), but the step is {STAGE_NAMES[step.stage]}. Write fzero.shard_params(fzero.shard_grads(fzero.shard_optimizer(step, mesh)))."
+        )
+    if units is not None:
+        if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+            raise TypeError(f"fzero.shard_params: units must be a tuple of module paths such as ('blocks.0', 'blocks.1'), got {units!r}.")
+        units = tuple(units)
+        by_prefixes(units, api="fzero.shard_params")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
+    return dataclasses.replace(step, stage=3, units=units, prefetch=prefetch)
 
 
 def offload(step: Step, where: str) -> Step:

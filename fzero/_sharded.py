@@ -1,0 +1,237 @@
+"""Stage 3: run an ordinary ``nn.Module`` on sharded params, one gathered unit at a time.
+
+``loss_fn`` receives a ``ShardedParams`` at stage 3, and ``fzero.apply(model, params, ...)`` runs the
+model as follows, without a hook on the user's module (DESIGN.md §3):
+
+* A *skeleton* of the module is built for the step: the same module objects' structure, its trainable
+  parameters replaced by meta tensors (no memory), buffers and frozen parameters shared with the
+  original. Each unit submodule of the skeleton is swapped for a ``_UnitCall``.
+* The root unit (parameters outside every unit) is all-gathered once, through the ``AllGather``
+  Function whose backward reduce-scatters, and passed to ``functional_call`` on the skeleton. Like
+  FSDP2's root module, it stays gathered until backward is done with it.
+* A unit's forward is one autograd Function, ``_UnitForward``: gather the unit's flat shard, run the
+  unit with ``functional_call`` under no_grad, drop the gathered buffer; it saves only its inputs and
+  shard. Its backward is a second Function, ``_UnitBackward``, whose forward re-gathers, recomputes the
+  unit with grad, takes the vector-Jacobian product and reduce-scatters the parameter gradient into
+  the shard gradient. Collectives run only in Function forwards: the pattern that works under
+  ``torch.func`` (DESIGN.md §4), and under plain ``torch.autograd`` alike.
+* Prefetch: the order in which units are gathered is recorded on a step and carried in the state; the
+  next step issues the gather of the next unit asynchronously before it computes the current one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+
+from fzero._autograd import AllGather
+from fzero._layout import ROOT, Layout, Unit
+
+
+class ShardedParams:
+    """What ``loss_fn`` receives at stage 3: this rank's shard of every unit. Read it through ``fzero.apply``."""
+
+    def __init__(self, shards: dict[str, torch.Tensor], layout: Layout, comm: Any, schedule: "Schedule") -> None:
+        self.shards = shards
+        self.layout = layout
+        self.comm = comm
+        self.schedule = schedule
+        self._skeletons: dict[int, nn.Module] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        raise TypeError(
+            f"fzero (stage 3): params are sharded, so params[{name!r}] has no full tensor to give. Run the model with "
+            f"fzero.apply(model, params, ...), which gathers each unit when it runs; use step.gather(state) for full params."
+        )
+
+    def __repr__(self) -> str:
+        return f"ShardedParams(units={[u.name for u in self.layout.units]}, rank={self.comm.rank}/{self.comm.size})"
+
+    # -- skeleton ----------------------------------------------------------------------------------
+    def skeleton(self, module: nn.Module) -> nn.Module:
+        skel = self._skeletons.get(id(module))
+        if skel is None:
+            skel = self._skeletons[id(module)] = _build_skeleton(module, self)
+        return skel
+
+    def unit(self, name: str) -> Unit:
+        return next(u for u in self.layout.units if u.name == name)
+
+
+def apply_sharded(module: nn.Module, params: ShardedParams, args: tuple, kwargs: dict) -> Any:
+    skel = params.skeleton(module)
+    views: dict[str, torch.Tensor] = {}
+    if ROOT in params.shards:
+        root = params.unit(ROOT)
+        full = AllGather.apply(params.shards[ROOT], params.comm, "params", "grads")
+        views = params.layout.unit_views(root, full)
+    return torch.func.functional_call(skel, views, args, kwargs, tie_weights=True, strict=False)
+
+
+def _build_skeleton(module: nn.Module, params: ShardedParams) -> nn.Module:
+    api = "fzero.apply (stage 3)"
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) if p.requires_grad else p
+    for b in module.buffers():
+        memo[id(b)] = b
+    skel = copy.deepcopy(module, memo)
+    trainable = {n for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
+    layout = params.layout
+    for unit in layout.units:
+        unknown = [s.path for s in unit.slots if s.path not in trainable]
+        if unknown:
+            raise ValueError(
+                f"{api}: the params name {unknown[:3]} (unit {unit.name!r}), which {type(module).__name__} has no trainable "
+                f"parameter for. Pass the params of this model, e.g. step.init(fzero.params_of(model))."
+            )
+        if unit.name == ROOT:
+            continue
+        try:
+            sub = skel.get_submodule(unit.name)
+        except AttributeError:
+            raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
+        own = {f"{unit.name}.{n}" for n, p in sub.named_parameters() if p.requires_grad}
+        missing = sorted(own - {s.path for s in unit.slots})
+        if missing:
+            raise ValueError(
+                f"{api}: unit {unit.name!r} uses parameter {missing[0]!r}, which is shared with (tied to) a parameter "
+                f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
+                f"in the root unit (units=... without {unit.name!r})."
+            )
+        parent_path, _, child = unit.name.rpartition(".")
+        parent = skel.get_submodule(parent_path)
+        parent._modules[child] = _UnitCall(sub, unit, params)
+    return skel
+
+
+class _UnitCall(nn.Module):
+    """Stands in the skeleton where a unit was: each call is one gathered, recomputed Function."""
+
+    def __init__(self, inner: nn.Module, unit: Unit, params: ShardedParams) -> None:
+        super().__init__()
+        # not registered as a child: functional_call on the skeleton must not see the unit's meta params
+        self.__dict__["_fz"] = (inner, unit, params)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner, unit, params = self.__dict__["_fz"]
+        return _run_unit(inner, unit, params, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner, unit, _ = self.__dict__["_fz"]
+            value = getattr(inner, name)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise AttributeError(
+                    f"fzero.apply (stage 3): '{unit.name}.{name}' was read outside the forward of its unit {unit.name!r}; "
+                    f"a unit's parameters exist only while the unit runs. Move that use into the unit's forward, or "
+                    f"keep the module in the root unit (units=... without {unit.name!r})."
+                ) from None
+            return value
+
+
+class _Call:
+    """One invocation of one unit: what both Functions need to (re)run it."""
+
+    def __init__(self, inner, unit, params, spec, leaves, tensor_pos):
+        self.inner, self.unit, self.params = inner, unit, params
+        self.spec, self.leaves, self.tensor_pos = spec, leaves, tensor_pos
+        self.out_spec = None
+        self.out_leaves = None
+        self.pos = None  # this call's position in the step's gather order (forward)
+
+    def gather(self, shard: torch.Tensor, phase: str) -> torch.Tensor:
+        return self.params.schedule.gather(self, shard, phase)
+
+    def run(self, full: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        prefix = len(self.unit.name) + 1
+        views = {path[prefix:]: v for path, v in self.params.layout.unit_views(self.unit, full).items()}
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        out = torch.func.functional_call(self.inner, views, args, kwargs, tie_weights=True, strict=False)
+        out_leaves, self.out_spec = torch_pytree.tree_flatten(out)
+        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+
+def _run_unit(inner, unit, params, args, kwargs):
+    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    call = _Call(inner, unit, params, spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos)
+    rng = torch.get_rng_state()  # the recompute in backward replays the same random numbers (dropout)
+    outs = _UnitForward.apply(params.shards[unit.name], call, rng, *[leaves[i] for i in tensor_pos])
+    out_leaves = list(call.out_leaves)
+    it = iter(outs)
+    out_leaves = [next(it) if x is None else x for x in out_leaves]
+    return torch_pytree.tree_unflatten(out_leaves, call.out_spec)
+
+
+class _UnitForward(torch.autograd.Function):
+    @staticmethod
+    def forward(shard, call, rng, *inputs):
+        full = call.gather(shard, "forward")
+        with torch.no_grad():
+            outs = call.run(full, list(inputs))
+        del full  # the gathered unit is dropped here, not kept for backward
+        # a Function must not return one of its inputs as is
+        return tuple(o.view_as(o) if any(o is x for x in inputs) else o for o in outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        shard, call, rng, *ins = inputs
+        ctx.call = call
+        ctx.save_for_backward(shard, rng, *ins)
+        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        shard, rng, *ins = ctx.saved_tensors
+        res = _UnitBackward.apply(shard, ctx.call, rng, len(ins), *ins, *grad_outs)
+        grads_in = list(res[1:])
+        return (res[0], None, None, *[grads_in.pop(0) if x.is_floating_point() else None for x in ins])
+
+
+class _UnitBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(shard, call, rng, n_in, *rest):
+        ins, grad_outs = rest[:n_in], rest[n_in:]
+        full = call.gather(shard, "backward").requires_grad_()
+        leaves = [x.detach().requires_grad_() if x.is_floating_point() else x for x in ins]
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(rng)
+            outs = call.run(full, leaves)
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad]
+        wrt = [full] + [x for x in leaves if x.is_floating_point()]
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(wrt)
+        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+        del outs, pairs, full
+        grad_shard = call.params.comm.reduce_scatter(grads[0], tag="grads")
+        return (grad_shard, *[g.detach() for g in grads[1:]])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fzero (stage 3): double backward through a unit is not supported (a unit's backward is a recompute).")
+
+
+class Schedule:
+    """Gathers for one step on one rank; without prefetch, each gather is a plain all-gather."""
+
+    def __init__(self, comm: Any, layout: Layout) -> None:
+        self.comm = comm
+        self.layout = layout
+
+    def gather(self, call: _Call, shard: torch.Tensor, phase: str) -> torch.Tensor:
+        full = torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device)
+        return self.comm.all_gather(full, shard, tag="params")
