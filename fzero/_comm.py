@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter as _Tally
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -78,6 +78,9 @@ class Comm(Protocol):
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str) -> torch.Tensor:
         """Fill ``out`` (N·len(shard) elements) with every rank's shard, rank order. ``shard`` may be a view of ``out``."""
 
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str) -> "Pending":
+        """Start ``all_gather``; ``.wait()`` on the result returns ``out`` once filled. Ranks must issue in the same order."""
+
     def reduce_scatter(self, full: torch.Tensor, *, tag: str) -> torch.Tensor:
         """Return this rank's 1/N slice of the sum over ranks of ``full`` (``full`` itself when N = 1)."""
 
@@ -86,6 +89,19 @@ class Comm(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, tag: str) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
+
+
+class Pending:
+    """An issued collective: ``wait()`` returns its output."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]) -> None:
+        self._wait = wait
+        self._out: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = self._wait()
+        return self._out
 
 
 class _Recording:
@@ -166,6 +182,11 @@ class ThreadComm(_Recording):
         self._done()
         return out
 
+    def all_gather_async(self, out, shard, *, tag):
+        # Threads of one process have no transfer to overlap with compute, so the exchange runs when the
+        # result is waited for: at the same point of the program on every rank, so ranks stay matched.
+        return Pending(lambda: self.all_gather(out, shard, tag=tag))
+
     def reduce_scatter(self, full, *, tag):
         self._note("reduce_scatter", tag, full.numel(), full)
         if self.size == 1:
@@ -217,6 +238,13 @@ class DistComm(_Recording):
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
         _all_gather_single(dist)(out, shard.clone(), group=self.group)
         return out
+
+    def all_gather_async(self, out, shard, *, tag):
+        import torch.distributed as dist
+
+        self._note("all_gather", tag, out.numel(), out)
+        work = _all_gather_single(dist)(out, shard.clone(), group=self.group, async_op=True)
+        return Pending(lambda: (work.wait(), out)[1])
 
     def reduce_scatter(self, full, *, tag):
         import torch.distributed as dist

@@ -226,12 +226,56 @@ class _UnitBackward(torch.autograd.Function):
 
 
 class Schedule:
-    """Gathers for one step on one rank; without prefetch, each gather is a plain all-gather."""
+    """The gathers of one step on one rank, with prefetch.
 
-    def __init__(self, comm: Any, layout: Layout) -> None:
+    ``order`` is the sequence of units the previous step gathered (forward, then backward), carried in
+    the state. While this step follows it, every gather starts the next one asynchronously, so it
+    overlaps the current unit's compute; at most one prefetched unit is held at a time. The first
+    departure from the order stops prefetch for the rest of the step (pending gathers are completed
+    and dropped, on every rank alike), and the order this step really took goes into the new state.
+    """
+
+    def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool) -> None:
         self.comm = comm
-        self.layout = layout
+        self.units = {u.name: u for u in layout.units}
+        self.shards = shards  # the state's own shard tensors (not the autograd-wrapped ones)
+        self.order = order
+        self.seen: list[str] = []
+        self.pending: dict[int, tuple[str, Any]] = {}
+        self.following = prefetch and bool(order)
+        if self.following:
+            self._issue(0)
 
-    def gather(self, call: _Call, shard: torch.Tensor, phase: str) -> torch.Tensor:
-        full = torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device)
-        return self.comm.all_gather(full, shard, tag="params")
+    def _issue(self, pos: int) -> None:
+        if pos < len(self.order):
+            unit = self.units[self.order[pos]]
+            out = torch.empty(unit.padded, dtype=unit.dtype)
+            self.pending[pos] = (unit.name, self.comm.all_gather_async(out, self.shards[unit.name], tag="params"))
+
+    def _drain(self) -> None:
+        for _, handle in self.pending.values():
+            handle.wait()
+        self.pending.clear()
+
+    def gather(self, call: "_Call", shard: torch.Tensor, phase: str) -> torch.Tensor:
+        pos, name = len(self.seen), call.unit.name
+        self.seen.append(name)
+        ahead = self.pending.pop(pos, None)
+        if self.following and ahead is not None and ahead[0] == name:
+            full = ahead[1].wait()
+        else:
+            if self.following:  # off the recorded order: stop prefetching this step
+                self.following = False
+                if ahead is not None:
+                    ahead[1].wait()
+                self._drain()
+            full = torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device)
+            self.comm.all_gather(full, shard, tag="params")
+        if self.following:
+            self._issue(pos + 1)
+        return full
+
+    def finish(self) -> tuple[str, ...]:
+        """Complete what is still in flight; the order this step took."""
+        self._drain()
+        return tuple(self.seen)

@@ -30,6 +30,7 @@ class StateMeta:
     stage: int
     world_size: int
     rank: int
+    gather_order: tuple[str, ...] = ()  # stage 3: the units the last step gathered, in order (for prefetch)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

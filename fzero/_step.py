@@ -112,7 +112,7 @@ class Step:
                 return layout.unpack({u.name: ReplicatedShardGrad.apply(x, flats[u.name], comm) for u, x in zip(units, xs)})
         elif self.stage == 3:
             inputs = [flats[u.name] for u in units]  # the shards themselves
-            schedule = Schedule(comm, layout)
+            schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch)
 
             def as_params(xs):
                 return ShardedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, schedule)
@@ -132,6 +132,9 @@ class Step:
             return loss, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
 
         grads, (loss, aux_tensors) = _differentiate(objective, inputs, self.autodiff)
+        meta = state.meta
+        if self.stage == 3:
+            meta = dataclasses.replace(meta, gather_order=schedule.finish())
         tensors = iter(aux_tensors)
         aux_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in aux_box["leaves"]]
         aux = aux_box["spec"].unflatten(aux_leaves)
@@ -173,7 +176,7 @@ class Step:
         }
         if aux is not None:
             metrics["aux"] = aux
-        new_state = dataclasses.replace(state, params=dict(flats), opt_state=opt_state, step=state.step + 1)
+        new_state = dataclasses.replace(state, params=dict(flats), opt_state=opt_state, step=state.step + 1, meta=meta)
         return new_state, metrics
 
     # -- gather ------------------------------------------------------------------------------------
