@@ -1,0 +1,64 @@
+"""Optimizers as pure (init, update) pairs, optax-style, with in-place fused steps for ZeRO's flat buffers.
+
+```python
+opt = fzero.optim.adamw(3e-4, weight_decay=0.1)
+state = opt.init(params)
+updates, state = opt.update(grads, state, params)      # pure
+params = fzero.optim.apply_updates(params, updates)
+state = fzero.optim.apply_inplace(opt, grads, state, params)   # or: the whole step in place (fused kernel)
+```
+"""
+
+from fzero.optim._alias import adam, adamw, sgd
+from fzero.optim._base import (
+    EmptyState,
+    GradientTransformation,
+    LearningRate,
+    Schedule,
+    apply_inplace,
+    apply_updates,
+    chain,
+    identity,
+)
+from fzero.optim._schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from fzero.optim._transforms import (
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TraceState,
+    add_decayed_weights,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "LearningRate",
+    "Schedule",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_inplace",
+    "apply_updates",
+    "chain",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "identity",
+    "linear_schedule",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "sgd",
+    "trace",
+    "warmup_cosine_decay_schedule",
+]

@@ -1,0 +1,165 @@
+"""The building blocks optimizers are chained from. Every ``update`` is pure: it returns new tensors.
+
+Arithmetic follows torch.optim's for-loop implementations op for op where it can (``lerp`` and ``addcmul`` for
+Adam's moments, ``add(..., alpha=)`` for weight decay and momentum) so that the pure path stays within an ulp
+or two of torch; the fused steps in ``_fused`` are the ones that match torch bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, check_float, check_learning_rate
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam's moments; the same state serves the pure ``update`` and the fused in-place kernel.
+
+    count: float32 0-d tensor, steps taken (torch keeps Adam's ``step`` as float32 too); on the params'
+      device when they share one, else on the CPU.
+    mu: like params (same shapes, dtypes, devices): first moment, ``exp_avg``.
+    nu: like params: second moment, ``exp_avg_sq``.
+    """
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class TraceState(NamedTuple):
+    """trace: like params: the momentum buffer (zeros before the first step, which then makes it the grad)."""
+
+    trace: Any
+
+
+class ScaleByScheduleState(NamedTuple):
+    """count: int64 0-d CPU tensor, steps taken: the schedule is evaluated at it, on the host."""
+
+    count: torch.Tensor
+
+
+def _common_device(params: Any) -> torch.device:
+    devices = {t.device for t in optree.tree_leaves(params) if isinstance(t, torch.Tensor)}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+def _opmath(t: torch.Tensor) -> torch.Tensor:
+    # bf16/fp16 moments are combined in fp32, as torch's kernels do, then cast back.
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``m̂ / (sqrt(v̂) + eps)`` with torch's bias correction (not yet scaled by -lr)."""
+    api = "fzero.optim.scale_by_adam"
+    b1 = check_float(api, "b1", b1, low=0.0, high=1.0, high_open=True, hint=" Typical: b1=0.9.")
+    b2 = check_float(api, "b2", b2, low=0.0, high=1.0, high_open=True, hint=" Typical: b2=0.999.")
+    eps = check_float(api, "eps", eps, low=0.0, hint=" Typical: eps=1e-8.")
+
+    def init(params: Any) -> ScaleByAdamState:
+        count = torch.zeros((), dtype=torch.float32, device=_common_device(params))
+        zeros = lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format)  # noqa: E731
+        return ScaleByAdamState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params))
+
+    def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, ScaleByAdamState]:
+        del params
+        count = state.count + 1
+        mu = optree.tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1 - b1), state.mu, updates)
+        nu = optree.tree_map(lambda v, g: v.mul(b2).addcmul(g.to(v.dtype), g.to(v.dtype), value=1 - b2), state.nu, updates)
+        # Bias corrections in float64 on 0-d tensors: no host sync, and works on meta tensors.
+        step = count.double()
+        bias1 = 1 - torch.pow(b1, step)
+        bias2_sqrt = (1 - torch.pow(b2, step)).sqrt()
+
+        def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            denom = (_opmath(v).sqrt() / bias2_sqrt).add_(eps)
+            return (_opmath(m) / bias1).div_(denom).to(m.dtype)
+
+        return optree.tree_map(direction, mu, nu), ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """``updates + weight_decay * params``: coupled (L2) before a scaling, decoupled (AdamW) after Adam."""
+    weight_decay = check_float("fzero.optim.add_decayed_weights", "weight_decay", weight_decay, low=0.0)
+
+    def init(params: Any) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError(
+                "fzero.optim.add_decayed_weights: update needs the params to decay, got params=None. "
+                "Call opt.update(grads, state, params)."
+            )
+        return optree.tree_map(lambda u, p: u.add(p, alpha=weight_decay), updates, params), state
+
+    return GradientTransformation(init, update)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum with torch SGD's semantics (no dampening): ``buf = decay * buf + g`` (``buf = g`` at the
+    first step), update ``buf``, or ``g + decay * buf`` when ``nesterov``."""
+    api = "fzero.optim.trace"
+    decay = check_float(api, "decay", decay, low=0.0, hint=" Typical: 0.9.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"{api}: nesterov must be a bool, got {type(nesterov).__name__} {nesterov!r}.")
+
+    def init(params: Any) -> TraceState:
+        return TraceState(optree.tree_map(lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format), params))
+
+    def update(updates: Any, state: TraceState, params: Any = None) -> tuple[Any, TraceState]:
+        del params
+        # zeros * decay + g == g exactly, so the first step needs no flag to start the buffer at the grad.
+        buf = optree.tree_map(lambda t, g: t.mul(decay).add(g), state.trace, updates)
+        if nesterov:
+            updates = optree.tree_map(lambda g, t: g.add(t, alpha=decay), updates, buf)
+        else:
+            updates = buf
+        return updates, TraceState(buf)
+
+    return GradientTransformation(init, update)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """``updates * factor``."""
+    factor = check_float("fzero.optim.scale", "factor", factor, low=-float("inf"))
+
+    def init(params: Any) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        del params
+        return optree.tree_map(lambda u: u.mul(factor), updates), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(learning_rate: LearningRate) -> GradientTransformation:
+    """``updates * -lr``: descent. ``learning_rate`` is a float, or a schedule evaluated at the step count
+    (0 at the first step) on the host."""
+    learning_rate = check_learning_rate("fzero.optim.scale_by_learning_rate", learning_rate)
+    if not callable(learning_rate):
+        lr = learning_rate
+        return scale(-lr)._replace(learning_rate=lr)
+    schedule = learning_rate
+
+    def init(params: Any) -> ScaleByScheduleState:
+        del params
+        return ScaleByScheduleState(torch.zeros((), dtype=torch.int64))
+
+    def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
+        del params
+        lr = float(schedule(int(state.count)))
+        return optree.tree_map(lambda u: u.mul(-lr), updates), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init, update, None, schedule)
