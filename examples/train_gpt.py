@@ -1,0 +1,246 @@
+"""Train the repo's small GPT on a byte-level corpus with fzero, at ZeRO stage 0, 1, 2 or 3.
+
+Two processes under torchrun (gloo on CPU), ZeRO-2, stopping after 90 s of training:
+
+    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stages 2 --max-seconds 90
+
+The same program with 2 ranks simulated as threads in one process (no torchrun):
+
+    python examples/train_gpt.py --mesh local --ranks 2 --stages 2 --max-seconds 60
+
+Any text file instead of the default corpus (the Python standard library's own sources):
+
+    python examples/train_gpt.py --data input.txt --steps 500
+
+What it shows, printed by rank 0: the training loss falling (a progress bar and a line every
+``--log-every`` steps), tokens per second, the validation loss at the end, and a per-rank table of
+model-state memory (params, grads, optimizer state) measured from the training state next to what the
+ZeRO paper's formula predicts for that stage. ``--json-out FILE`` writes the same numbers as JSON.
+
+Batches: step k uses global batch number k (``fzero.data.batch_at``), ``--batch-size`` sequences per
+rank. Under a local mesh the step is given the whole global batch and splits it across ranks; under
+torchrun every process draws the same global batch and passes only its own slice, so both ways train
+on exactly the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import fzero
+from fzero.data import batch_at, load_corpus, train_val_split
+from fzero.memory import state_bytes, zero_model_state_bytes
+from fzero.models import GPT, GPTConfig, gpt_loss, num_params
+
+MiB = 2**20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--stages", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
+    p.add_argument("--mesh", choices=("dist", "local"), default=None,
+                   help="dist: one rank per torchrun process; local: --ranks ranks as threads in this process "
+                        "(default: dist when launched by torchrun, else local)")
+    p.add_argument("--ranks", type=int, default=2, help="simulated ranks under --mesh local")
+    p.add_argument("--data", default=None, help="a text file to train on (default: the Python stdlib's sources)")
+    # The default model is GPTConfig.small(): about 0.84M params, a step well under a second on 2 CPU cores.
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128, help="sequence length in bytes")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the cosine schedule spans them)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW")
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0, help="model init and batch order")
+    p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
+    p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=8, help="batches of validation data per evaluation")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop early after this much training wall time")
+    p.add_argument("--json-out", default=None, help="write the final metrics (loss curve, tok/s, memory table) here")
+    args = p.parse_args(argv)
+    for name in ("ranks", "layers", "width", "heads", "seq", "batch_size", "steps", "log_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_every < 0 or args.warmup < 0:
+        p.error("--eval-every and --warmup must be >= 0")
+    launched_by_torchrun = "RANK" in os.environ
+    args.mesh = args.mesh or ("dist" if launched_by_torchrun else "local")
+    if args.mesh == "local" and launched_by_torchrun:
+        p.error("--mesh local under torchrun would simulate ranks inside each process; use --mesh dist (the default there)")
+    return args
+
+
+# -- the mesh: who am I, and how many of us ---------------------------------------------------------
+def make_mesh(args: argparse.Namespace):
+    """Returns (mesh, rank, world_size). Under torchrun the launcher's OMP_NUM_THREADS=1 is left as it is."""
+    if args.mesh == "dist":
+        mesh = fzero.dist_mesh()  # initialises the gloo process group from torchrun's environment
+        return mesh, mesh.rank, mesh.size
+    return fzero.local_mesh(args.ranks), 0, args.ranks
+
+
+# -- evaluation: plain forward passes on the gathered full params -----------------------------------
+@torch.no_grad()
+def evaluate(model: GPT, params: dict, val: torch.Tensor, args: argparse.Namespace, world: int) -> float:
+    # Every rank computes the same number on the same batches: forward-only and small, so no collective
+    # is needed here and no rank waits for another. (step.gather is one at stage 3: all ranks call it.)
+    losses = []
+    for k in range(args.eval_batches):
+        b = batch_at(val, k, batch_size=args.batch_size * world, seq_len=args.seq, seed=args.seed)
+        losses.append(float(gpt_loss(fzero.apply(model, params, b["x"]), b["y"])))
+    return sum(losses) / len(losses)
+
+
+# -- memory: what each rank's state holds, next to the ZeRO formula ----------------------------------
+def memory_row(rank_state, stage: int, world: int) -> dict[str, int]:
+    held = state_bytes(rank_state)  # distinct storages of the state's params and optimizer state
+    layout = rank_state.meta.layout
+    elem = next(iter(rank_state.params.values())).element_size()
+    # Gradients are not part of the state: they live only inside a step. By construction the step holds
+    # the whole padded flat gradient at stages 0-1 and only this rank's shard of it at stages 2-3
+    # (plus, for a moment, one unit's whole gradient while it is reduce-scattered).
+    grads = layout.padded_numel * elem // (world if stage >= 2 else 1)
+    row = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"]}
+    row["total"] = sum(row.values())
+    return row
+
+
+def memory_table(state, mesh, stage: int, world: int) -> list[dict[str, int]]:
+    if isinstance(mesh, fzero.LocalMesh):
+        return [memory_row(state[r], stage, world) for r in range(world)]
+    rows: list = [None] * world
+    dist.all_gather_object(rows, memory_row(state, stage, world))  # every rank's own row, to every rank
+    return rows
+
+
+def print_memory(rows: list[dict[str, int]], formula: dict[str, float], psi: int, stage: int, world: int) -> None:
+    keys = ("params", "grads", "optimizer", "total")
+    print(f"\nmodel-state memory per rank, MiB (stage {stage} on {world} ranks, {psi:,} params, fp32 AdamW; "
+          f"grads from the flat layout)")
+    print(f"{'':14s}" + "".join(f"{k:>11s}" for k in keys) + f"{'vs formula':>12s}")
+    for r, row in enumerate(rows):
+        print(f"{'rank ' + str(r):14s}" + "".join(f"{row[k] / MiB:11.3f}" for k in keys)
+              + f"{row['total'] / formula['total']:11.3f}x")
+    print(f"{'ZeRO formula':14s}" + "".join(f"{formula[k] / MiB:11.3f}" for k in keys))
+
+
+# -- the run ------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    mesh, rank, world = make_mesh(args)
+    try:
+        return train(args, mesh, rank, world)
+    finally:
+        if args.mesh == "dist" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
+    is_main = rank == 0
+    # tqdm.write prints above the progress bar without breaking it; only rank 0 prints at all.
+    log = tqdm.write if is_main else (lambda *a, **k: None)
+
+    data = load_corpus(args.data)
+    train_data, val_data = train_val_split(data)
+    torch.manual_seed(args.seed)  # same init on every rank (and Step.init broadcasts rank 0's anyway)
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.width, n_head=args.heads, seq_len=args.seq)
+    model = GPT(cfg)
+    psi = num_params(model)
+
+    def loss_fn(params, batch):
+        return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
+
+    schedule = fzero.optim.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=args.lr, warmup_steps=min(args.warmup, args.steps - 1),
+        decay_steps=args.steps, end_value=args.lr / 10)
+    optimizer = fzero.optim.adamw(schedule, weight_decay=args.weight_decay)
+    step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh)
+    state = step.init(fzero.params_of(model))
+
+    tokens_per_step = args.batch_size * world * args.seq
+    log(f"fzero stage {args.stages} on {world} ranks ({args.mesh} mesh) | GPT {args.layers}x{args.width}, "
+        f"{args.heads} heads, seq {args.seq}, {psi:,} params | {len(train_data):,} training bytes "
+        f"({args.data or 'Python stdlib sources'}) | {tokens_per_step:,} tokens per step")
+
+    losses: list[float] = []
+    evals: list[dict] = []
+    timed_s, timed_tokens = 0.0, 0  # step time after the first (warm-up) step, evaluation excluded
+    window_s, window_tokens = 0.0, 0  # since the last log line, for the progress bar's tok/s
+    start = time.perf_counter()
+    bar = tqdm(total=args.steps, disable=not is_main, mininterval=1.0, unit="step", dynamic_ncols=True)
+    for k in range(args.steps):
+        batch = batch_at(train_data, k, batch_size=args.batch_size * world, seq_len=args.seq, seed=args.seed)
+        if args.mesh == "dist":  # every process drew the same global batch; each keeps its own slice
+            batch = {name: t[rank * args.batch_size:(rank + 1) * args.batch_size] for name, t in batch.items()}
+
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)  # the old state is donated: only the returned one is valid
+        dt = time.perf_counter() - t0
+        losses.append(metrics["loss"])
+        if k > 0:
+            timed_s, timed_tokens = timed_s + dt, timed_tokens + tokens_per_step
+        window_s, window_tokens = window_s + dt, window_tokens + tokens_per_step
+
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{window_tokens / window_s:,.0f}", refresh=False)
+        if (k + 1) % args.log_every == 0 or k == 0:
+            log(f"step {k + 1:5d}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
+                f"grad norm {metrics['grad_norm']:.3f}  {window_tokens / window_s:,.0f} tok/s")
+            window_s, window_tokens = 0.0, 0
+        if args.eval_every and (k + 1) % args.eval_every == 0 and k + 1 < args.steps:
+            evals.append({"step": k + 1, "val_loss": evaluate(model, step.gather(state), val_data, args, world)})
+            log(f"step {k + 1:5d}  val loss {evals[-1]['val_loss']:.4f}")
+        if args.max_seconds is not None and out_of_time(start, args.max_seconds, args.mesh):
+            break
+    bar.close()
+    elapsed = time.perf_counter() - start
+    steps_done = len(losses)
+
+    val_loss = evaluate(model, step.gather(state), val_data, args, world)
+    evals.append({"step": steps_done, "val_loss": val_loss})
+    tok_s = timed_tokens / timed_s if timed_s else tokens_per_step * steps_done / elapsed
+    head, tail = losses[0], sum(losses[-10:]) / len(losses[-10:])
+    log(f"\n{steps_done} steps in {elapsed:.1f} s | train loss {head:.3f} -> {tail:.3f} (mean of last "
+        f"{min(10, steps_done)}) | val loss {val_loss:.4f} | {tok_s:,.0f} tokens/s ({tok_s / world:,.0f} per rank)")
+
+    rows = memory_table(state, mesh, args.stages, world)
+    rank_state = state[0] if isinstance(mesh, fzero.LocalMesh) else state
+    formula = zero_model_state_bytes(rank_state.meta.layout.numel, stage=args.stages, world_size=world)
+    if is_main:
+        print_memory(rows, formula, psi, args.stages, world)
+
+    result = {
+        "stages": args.stages, "mesh": args.mesh, "world_size": world, "num_params": psi,
+        "config": {k: getattr(args, k) for k in ("layers", "width", "heads", "seq", "batch_size", "lr", "seed")},
+        "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
+        "losses": losses, "evals": evals, "val_loss": val_loss,
+        "memory": {"ranks": rows, "formula": formula},
+    }
+    if args.json_out and is_main:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def out_of_time(start: float, max_seconds: float, mesh_kind: str) -> bool:
+    over = time.perf_counter() - start > max_seconds
+    if mesh_kind != "dist":
+        return over
+    # Ranks must stop at the same step or the ones still stepping wait forever in a collective:
+    # agree by a max over ranks (one tiny all-reduce per step, only when --max-seconds is set).
+    flag = torch.tensor([float(over)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""examples/train_gpt.py runs, its loss falls, and its memory table follows the ZeRO formula.
+
+The in-process test calls the example's ``main(argv)`` on a 2-rank ``local_mesh``; the torchrun test
+launches it as the README does (2 processes, gloo) and reads its ``--json-out``. Both use a tiny model
+and a 1 MiB slice of the corpus so that each takes a few seconds.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fzero.data import load_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
+TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "32", "--batch-size", "8",
+        "--steps", "40", "--lr", "1e-2", "--warmup", "5", "--log-every", "10", "--eval-batches", "4"]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    # A 1 MiB file, not the 8 MiB default corpus: the tests are about the example, not the data.
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(load_corpus(max_bytes=1 << 20).numpy().tobytes())
+    return str(path)
+
+
+def check_result(result, *, stages, world):
+    losses = result["losses"]
+    assert result["steps"] == len(losses) == 40
+    # Byte-level loss starts near ln(256) = 5.5; 40 steps of a tiny model reach the unigram level (~3.5).
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert result["val_loss"] < losses[0] - 1.0
+    assert result["tokens_per_s"] > 0
+    mem = result["memory"]
+    assert len(mem["ranks"]) == world
+    for row in mem["ranks"]:
+        for key in ("params", "grads", "optimizer", "total"):
+            # Measured from the state, padded to a multiple of the world size: a few percent over Ψ at most.
+            assert mem["formula"][key] <= row[key] <= mem["formula"][key] * 1.03, (key, row, mem["formula"])
+    # What each stage divides by the world size (fp32 AdamW: params 4, grads 4, optimizer 8 bytes each).
+    row = mem["ranks"][0]
+    for key, bytes_per_param, sharded_from in (("params", 4, 3), ("grads", 4, 2), ("optimizer", 8, 1)):
+        expected = result["num_params"] * bytes_per_param / (world if stages >= sharded_from else 1)
+        assert row[key] == pytest.approx(expected, rel=0.03), (key, stages)
+
+
+@pytest.mark.parametrize("stages", [2, 0, 1, 3])
+def test_example_trains_on_local_mesh(corpus_file, tmp_path, capsys, stages):
+    out = tmp_path / "result.json"
+    result = load_example().main([*TINY, "--mesh", "local", "--ranks", "2", "--stages", str(stages),
+                                  "--data", corpus_file, "--json-out", str(out)])
+    check_result(result, stages=stages, world=2)
+    assert json.loads(out.read_text())["losses"] == result["losses"]
+    printed = capsys.readouterr().out
+    assert "ZeRO formula" in printed and "val loss" in printed and "tokens/s" in printed
+
+
+@pytest.mark.torchrun
+def test_example_under_torchrun_stage2(corpus_file, tmp_path):
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", EXAMPLE,
+           *TINY, "--stages", "2", "--data", corpus_file, "--json-out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    assert result["mesh"] == "dist"
+    check_result(result, stages=2, world=2)
+    assert proc.stdout.count("ZeRO formula") == 1  # rank 0 prints, rank 1 does not
