@@ -9,7 +9,7 @@ from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero._module import apply, params_of
-from fzero._sharded import ShardedParams
+from fzero._sharded import ReplicatedParams, ShardedParams, UnitParams
 from fzero._state import RankStates, TrainState
 from fzero._step import Step, train_step
 from fzero._units import units_of
@@ -24,7 +24,9 @@ __all__ = [
     "LocalMesh",
     "MeshTimeout",
     "RankStates",
+    "ReplicatedParams",
     "ShardedParams",
+    "UnitParams",
     "Step",
     "TrainState",
     "apply",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from fzero.memory import note_gathered
+
 
 class ReduceScatter(torch.autograd.Function):
     """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient."""
@@ -35,7 +37,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(shard, comm, tag, back_tag):
-        out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
+        out = note_gathered(torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device))
         return comm.all_gather(out, shard.contiguous(), tag=tag)
 
     @staticmethod

@@ -34,19 +34,23 @@ def compile(  # noqa: A001 - the public name is the design's
 
     if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
         raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
+    _not_yet("offload", offload, None, "CPU/disk offload is the offload issue")
     _not_yet("precision", precision, "fp32", "fp32 only; bf16/fp16 policies are the precision issue")
     _not_yet("grad_accum", grad_accum, 1, "gradient accumulation is the precision/accumulation issue")
     _not_yet("clip_grad_norm", clip_grad_norm, None, "clipping is the precision/accumulation issue")
     _not_yet("config", config, None, "DeepSpeed config files are the config issue")
-    stage3 = {k: details.pop(k) for k in ("units", "prefetch") if k in details}
+    units = details.pop("units", None)
+    stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
+    if units is not None and stages < 2:
+        raise ValueError(f"fzero.compile: units only apply at stages=2 or 3 (units by module), but stages={stages}.")
     if stage3 and stages != 3:
-        raise ValueError(f"fzero.compile: {', '.join(stage3)} only apply at stages=3 (sharded params), but stages={stages}.")
+        raise ValueError(f"fzero.compile: {', '.join(stage3)} only applies at stages=3 (sharded params), but stages={stages}.")
     check_details(details, api="fzero.compile")
     step = train_step(loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, **details)
     if stages >= 1:
         step = shard_optimizer(step)
     if stages >= 2:
-        step = shard_grads(step)
+        step = shard_grads(step, units=units)
     if stages >= 3:
         step = shard_params(step, **stage3)
     if offload is not None:

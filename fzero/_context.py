@@ -2,9 +2,10 @@
 
 ``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward,
 so two rank threads running the same module at once would see each other's parameters (and could leave
-them behind). On a ``local_mesh`` with more than one rank, each rank thread therefore runs a shallow
+them behind). On a ``local_mesh`` with more than one rank, every rank thread therefore runs a shallow
 clone of the module: new module objects that share every parameter and buffer tensor with the
-original. Clones live for one step call; rank 0 and single-rank runs use the module itself.
+original, which no rank thread then swaps (so the clones copy a module at rest). Clones live for one
+step call; single-rank runs use the module itself.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def simulated_rank(rank: int) -> Iterator[None]:
 
 
 def module_for_thread(module: nn.Module) -> nn.Module:
-    """``module`` itself, or in a simulated rank > 0, this step's clone of it sharing all tensors."""
+    """``module`` itself, or in a rank thread of a multi-rank local mesh, this step's clone of it sharing all tensors."""
     rank = getattr(_local, "rank", None)
-    if not rank:
+    if rank is None:
         return module
     clone = _local.clones.get(id(module))
     if clone is None:

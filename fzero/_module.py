@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fzero._context import module_for_thread
-from fzero._sharded import ShardedParams, apply_sharded
+from fzero._sharded import UnitParams, apply_units
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -27,13 +27,13 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``module`` with ``params`` in place of its own (``torch.func.functional_call``); the module is unchanged.
 
     ``params`` maps names as in ``params_of``; tied names are resolved by torch (``tie_weights=True``), and
-    parameters and buffers not in ``params`` come from the module. At stage 3 ``params`` is the
-    ``ShardedParams`` that ``loss_fn`` was given, and each unit is gathered just before it runs.
+    parameters and buffers not in ``params`` come from the module. At stages 2 and 3 ``params`` is what
+    ``loss_fn`` was given (``ReplicatedParams``/``ShardedParams``) and the model runs unit by unit.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
-    if isinstance(params, ShardedParams):  # stage 3: gather unit by unit as the forward reaches them
-        return apply_sharded(module_for_thread(module), params, args, kwargs)
+    if isinstance(params, UnitParams):  # stages 2-3: unit by unit as the forward reaches them
+        return apply_units(module, params, args, kwargs)  # builds its own per-rank skeleton
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero._context)

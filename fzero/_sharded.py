@@ -1,7 +1,9 @@
-"""Stage 3: run an ordinary ``nn.Module`` on sharded params, one gathered unit at a time.
+"""Stages 2 and 3: run an ordinary ``nn.Module`` unit by unit.
 
-``loss_fn`` receives a ``ShardedParams`` at stage 3, and ``fzero.apply(model, params, ...)`` runs the
-model as follows, without a hook on the user's module (DESIGN.md §3):
+``loss_fn`` receives a ``ReplicatedParams`` at stage 2 and a ``ShardedParams`` at stage 3, and
+``fzero.apply(model, params, ...)`` runs the model as follows, without a hook on the user's module
+(DESIGN.md §3). At stage 2 a unit's call only attaches the reduce-scatter of its gradient
+(``ReplicatedParams``); at stage 3:
 
 * A *skeleton* of the module is built for the step: the same module objects' structure, its trainable
   parameters replaced by meta tensors (no memory), buffers and frozen parameters shared with the
@@ -22,25 +24,103 @@ model as follows, without a hook on the user's module (DESIGN.md §3):
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from fzero._autograd import AllGather
+from fzero._autograd import AllGather, ReplicatedShardGrad
 from fzero._layout import ROOT, Layout, Unit
+from fzero.memory import note_gathered
 
 
-class ShardedParams:
-    """What ``loss_fn`` receives at stage 3: this rank's shard of every unit. Read it through ``fzero.apply``."""
+class UnitParams(Mapping):
+    """What ``loss_fn`` receives at stages 2 and 3: the params of each unit, made available unit by unit.
 
-    def __init__(self, shards: dict[str, torch.Tensor], layout: Layout, comm: Any, schedule: "Schedule") -> None:
-        self.shards = shards
+    ``fzero.apply(model, params, ...)`` runs the model on a skeleton whose units call ``run_unit`` at the
+    moment the forward reaches them; the root unit's params come from ``views(root)`` at the top.
+    """
+
+    def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any) -> None:
+        self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
         self.layout = layout
         self.comm = comm
-        self.schedule = schedule
+        self.units = {u.name: u for u in layout.units}
+        self._unit_of = {s.path: u for u in layout.units for s in u.slots}
+        self._views: dict[str, dict[str, torch.Tensor]] = {}
         self._skeletons: dict[int, nn.Module] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._unit_of)
+
+    def __len__(self) -> int:
+        return len(self._unit_of)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._unit_of:
+            raise KeyError(name)
+        return self.views(self._unit_of[name])[name]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(units={list(self.units)}, rank={self.comm.rank}/{self.comm.size})"
+
+    def views(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """``{path: tensor}`` of a whole unit, made once per step (its autograd node is created here)."""
+        if unit.name not in self._views:
+            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit))
+        return self._views[unit.name]
+
+    def _whole(self, unit: Unit) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_unit(self, inner: nn.Module, unit: Unit, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the views and skeletons at the end of the step: skeletons point back here (a cycle that
+        would keep the root unit's gathered buffer alive until the garbage collector runs)."""
+        self._views.clear()
+        self._skeletons.clear()
+
+    def skeleton(self, module: nn.Module) -> nn.Module:
+        skel = self._skeletons.get(id(module))
+        if skel is None:
+            skel = self._skeletons[id(module)] = _build_skeleton(module, self)
+        return skel
+
+
+class ReplicatedParams(UnitParams):
+    """Stage 2: every rank holds whole params; a unit's gradient is reduce-scattered to the shard as soon
+    as backward has finished the unit.
+
+    Autograd runs ready nodes newest first, so the node that reduce-scatters a unit's gradient must be
+    created when the forward reaches the unit, not before the forward: one created up front (as a
+    per-unit view of all params would be) runs after the whole backward, and every unit's whole
+    gradient would be alive at once (measured: 17 units held of 16, stage 2 no better than stage 1).
+    So a unit's tap is made on first use: when ``fzero.apply`` calls the unit, or ``params[name]`` is read.
+    """
+
+    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor]) -> None:
+        super().__init__(inputs, layout, comm)
+        self.wholes = wholes
+
+    def _whole(self, unit):
+        return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm)
+
+    def run_unit(self, inner, unit, args, kwargs):
+        prefix = len(unit.name) + 1
+        views = {path[prefix:]: v for path, v in self.views(unit).items()}
+        return torch.func.functional_call(inner, views, args, kwargs, tie_weights=True, strict=False)
+
+
+class ShardedParams(UnitParams):
+    """Stage 3: this rank's shard of every unit; a unit exists whole only while it runs."""
+
+    def __init__(self, inputs, layout, comm, schedule: "Schedule") -> None:
+        super().__init__(inputs, layout, comm)
+        self.schedule = schedule
 
     def __getitem__(self, name: str) -> Any:
         raise TypeError(
@@ -48,32 +128,26 @@ class ShardedParams:
             f"fzero.apply(model, params, ...), which gathers each unit when it runs; use step.gather(state) for full params."
         )
 
-    def __repr__(self) -> str:
-        return f"ShardedParams(units={[u.name for u in self.layout.units]}, rank={self.comm.rank}/{self.comm.size})"
+    def _whole(self, unit):
+        if unit.name != ROOT:
+            raise RuntimeError(f"fzero (stage 3): unit {unit.name!r} is gathered only inside its own forward.")
+        # The root unit is gathered once and stays gathered until backward is done with it (as FSDP2 keeps its root).
+        return AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads")
 
-    # -- skeleton ----------------------------------------------------------------------------------
-    def skeleton(self, module: nn.Module) -> nn.Module:
-        skel = self._skeletons.get(id(module))
-        if skel is None:
-            skel = self._skeletons[id(module)] = _build_skeleton(module, self)
-        return skel
-
-    def unit(self, name: str) -> Unit:
-        return next(u for u in self.layout.units if u.name == name)
+    def run_unit(self, inner, unit, args, kwargs):
+        return _run_unit(inner, unit, self, args, kwargs)
 
 
-def apply_sharded(module: nn.Module, params: ShardedParams, args: tuple, kwargs: dict) -> Any:
+def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict) -> Any:
+    """``fzero.apply`` at stages 2 and 3: the skeleton, with the root unit's params, unit calls inside."""
     skel = params.skeleton(module)
-    views: dict[str, torch.Tensor] = {}
-    if ROOT in params.shards:
-        root = params.unit(ROOT)
-        full = AllGather.apply(params.shards[ROOT], params.comm, "params", "grads")
-        views = params.layout.unit_views(root, full)
+    root = params.units.get(ROOT)
+    views = params.views(root) if root is not None else {}
     return torch.func.functional_call(skel, views, args, kwargs, tie_weights=True, strict=False)
 
 
-def _build_skeleton(module: nn.Module, params: ShardedParams) -> nn.Module:
-    api = "fzero.apply (stage 3)"
+def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
+    api = f"fzero.apply (stage {3 if isinstance(params, ShardedParams) else 2})"
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) if p.requires_grad else p
@@ -112,22 +186,25 @@ def _build_skeleton(module: nn.Module, params: ShardedParams) -> nn.Module:
 class _UnitCall(nn.Module):
     """Stands in the skeleton where a unit was: each call is one gathered, recomputed Function."""
 
-    def __init__(self, inner: nn.Module, unit: Unit, params: ShardedParams) -> None:
+    def __init__(self, inner: nn.Module, unit: Unit, params: UnitParams) -> None:
         super().__init__()
         # not registered as a child: functional_call on the skeleton must not see the unit's meta params
         self.__dict__["_fz"] = (inner, unit, params)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner, unit, params = self.__dict__["_fz"]
-        return _run_unit(inner, unit, params, args, kwargs)
+        return params.run_unit(inner, unit, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            inner, unit, _ = self.__dict__["_fz"]
+            inner, unit, params = self.__dict__["_fz"]
             value = getattr(inner, name)
             if isinstance(value, torch.Tensor) and value.is_meta:
+                path = f"{unit.name}.{name}"
+                if isinstance(params, ReplicatedParams) and path in params.views(unit):
+                    return params.views(unit)[path]  # stage 2: whole params exist; no gather involved
                 raise AttributeError(
                     f"fzero.apply (stage 3): '{unit.name}.{name}' was read outside the forward of its unit {unit.name!r}; "
                     f"a unit's parameters exist only while the unit runs. Move that use into the unit's forward, or "
@@ -158,19 +235,22 @@ class _Call:
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         out = torch.func.functional_call(self.inner, views, args, kwargs, tie_weights=True, strict=False)
         out_leaves, self.out_spec = torch_pytree.tree_flatten(out)
-        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        self.out_leaves = [_SLOT if isinstance(x, torch.Tensor) else x for x in out_leaves]
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+
+_SLOT = object()  # marks where a tensor goes back into a flattened pytree of a unit's inputs or outputs
 
 
 def _run_unit(inner, unit, params, args, kwargs):
     leaves, spec = torch_pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    call = _Call(inner, unit, params, spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos)
+    call = _Call(inner, unit, params, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos)
     rng = torch.get_rng_state()  # the recompute in backward replays the same random numbers (dropout)
-    outs = _UnitForward.apply(params.shards[unit.name], call, rng, *[leaves[i] for i in tensor_pos])
+    outs = _UnitForward.apply(params.inputs[unit.name], call, rng, *[leaves[i] for i in tensor_pos])
     out_leaves = list(call.out_leaves)
     it = iter(outs)
-    out_leaves = [next(it) if x is None else x for x in out_leaves]
+    out_leaves = [next(it) if x is _SLOT else x for x in out_leaves]
     return torch_pytree.tree_unflatten(out_leaves, call.out_spec)
 
 
@@ -249,7 +329,7 @@ class Schedule:
     def _issue(self, pos: int) -> None:
         if pos < len(self.order):
             unit = self.units[self.order[pos]]
-            out = torch.empty(unit.padded, dtype=unit.dtype)
+            out = note_gathered(torch.empty(unit.padded, dtype=unit.dtype))
             self.pending[pos] = (unit.name, self.comm.all_gather_async(out, self.shards[unit.name], tag="params"))
 
     def _drain(self) -> None:
@@ -269,7 +349,7 @@ class Schedule:
                 if ahead is not None:
                     ahead[1].wait()
                 self._drain()
-            full = torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device)
+            full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
             self.comm.all_gather(full, shard, tag="params")
         if self.following:
             self._issue(pos + 1)

@@ -21,11 +21,10 @@ import optree
 import torch
 
 from fzero import _tree
-from fzero._autograd import ReplicatedShardGrad
 from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import simulated_rank
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, build_layout
-from fzero._sharded import Schedule, ShardedParams
+from fzero._sharded import ReplicatedParams, Schedule, ShardedParams
 from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
@@ -43,7 +42,7 @@ class Step:
     stage: int = 0
     unit_elements: int = DEFAULT_UNIT_ELEMENTS
     donate: bool = True
-    units: tuple[str, ...] | None = None  # stage 3: unit module paths; None = children of ModuleList/Sequential
+    units: tuple[str, ...] | None = None  # stages 2-3: unit module paths; None = children of ModuleList/Sequential
     prefetch: bool = True  # stage 3: gather the next unit while the current one computes
     autodiff: str = "func"  # "func": torch.func.grad; "autograd": plain torch.autograd.grad
 
@@ -56,7 +55,7 @@ class Step:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased)."""
         n = self.world_size
         unit_of = None
-        if self.stage == 3:
+        if self.stage >= 2:  # units by module: each one's gradient is reduced (stage 2) or gathered (3) as it runs
             unit_of = by_container_child if self.units is None else by_prefixes(self.units, api="fzero.Step.init")
         layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, api="fzero.Step.init")
         flats = layout.pack(_tree.tree_leaves(params))
@@ -105,17 +104,18 @@ class Step:
         units = layout.units
         ranges = [u.shard_range(comm.rank, n) for u in units]
 
+        made: list[Any] = []  # the UnitParams given to loss_fn, released after the gradient
         if self.stage == 2:
             inputs = [flats[u.name][lo:hi] for u, (lo, hi) in zip(units, ranges)]
 
             def as_params(xs):
-                return layout.unpack({u.name: ReplicatedShardGrad.apply(x, flats[u.name], comm) for u, x in zip(units, xs)})
+                return made.append(ReplicatedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, flats)) or made[-1]
         elif self.stage == 3:
             inputs = [flats[u.name] for u in units]  # the shards themselves
             schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch)
 
             def as_params(xs):
-                return ShardedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, schedule)
+                return made.append(ShardedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, schedule)) or made[-1]
         else:
             inputs = [flats[u.name] for u in units]
 
@@ -132,6 +132,8 @@ class Step:
             return loss, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
 
         grads, (loss, aux_tensors) = _differentiate(objective, inputs, self.autodiff)
+        for params in made:
+            params.release()
         meta = state.meta
         if self.stage == 3:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())

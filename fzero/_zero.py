@@ -24,6 +24,15 @@ def _check_step(step: object, api: str) -> Step:
     return step
 
 
+def _check_units(units: object, api: str) -> tuple[str, ...] | None:
+    if units is None:
+        return None
+    if isinstance(units, str) or not isinstance(units, (tuple, list)) or not all(isinstance(u, str) for u in units):
+        raise TypeError(f"{api}: units must be a tuple of module paths such as ('blocks.0', 'blocks.1'), got {units!r}.")
+    by_prefixes(units, api=api)
+    return tuple(units)
+
+
 def shard_optimizer(step: Step, mesh: Mesh | None = None) -> Step:
     """ZeRO-1: each rank keeps and updates only its 1/N shard of the optimizer state.
 
@@ -41,15 +50,20 @@ def shard_optimizer(step: Step, mesh: Mesh | None = None) -> Step:
     return dataclasses.replace(step, mesh=mesh if mesh is not None else step.mesh, stage=1)
 
 
-def shard_grads(step: Step) -> Step:
-    """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient."""
+def shard_grads(step: Step, *, units: tuple[str, ...] | None = None) -> Step:
+    """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient.
+
+    Units are modules (``units``: module paths, see ``fzero.units_of``; default each child of a
+    ``ModuleList``/``Sequential``), and ``loss_fn`` must run the model through ``fzero.apply`` (or read
+    ``params[name]``) so that each unit's reduction is attached when the forward reaches it.
+    """
     step = _check_step(step, "fzero.shard_grads")
     if step.stage != 1:
         raise ValueError(
             f"fzero.shard_grads: needs fzero.shard_optimizer inside it (gradient shards are only useful to a sharded "
             f"optimizer), but the step is {STAGE_NAMES[step.stage]}. Write fzero.shard_grads(fzero.shard_optimizer(step, mesh))."
         )
-    return dataclasses.replace(step, stage=2)
+    return dataclasses.replace(step, stage=2, units=_check_units(units, "fzero.shard_grads"))
 
 
 def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: bool = True) -> Step:
@@ -64,11 +78,7 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
             f"fzero.shard_params: needs fzero.shard_grads inside it (sharded params need sharded gradients and optimizer "
             f"state), but the step is {STAGE_NAMES[step.stage]}. Write fzero.shard_params(fzero.shard_grads(fzero.shard_optimizer(step, mesh)))."
         )
-    if units is not None:
-        if isinstance(units, str) or not all(isinstance(u, str) for u in units):
-            raise TypeError(f"fzero.shard_params: units must be a tuple of module paths such as ('blocks.0', 'blocks.1'), got {units!r}.")
-        units = tuple(units)
-        by_prefixes(units, api="fzero.shard_params")
+    units = _check_units(units, "fzero.shard_params") if units is not None else step.units
     if not isinstance(prefetch, bool):
         raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
     return dataclasses.replace(step, stage=3, units=units, prefetch=prefetch)

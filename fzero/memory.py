@@ -70,7 +70,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._seen: set[int] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -97,3 +97,46 @@ class LiveBytes(TorchDispatchMode):
                 self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key, nbytes)
         return out
+
+
+_local = threading.local()
+
+
+class GatheredBytes:
+    """Live and peak bytes of gathered stage-3 parameter buffers (whole units) in this thread.
+
+    ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into;
+    the count drops when the buffer is freed. On a ``local_mesh``, enter one per rank with ``rank_context``.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
+
+    def __enter__(self) -> "GatheredBytes":
+        self._outer = getattr(_local, "gathered", None)
+        _local.gathered = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.gathered = self._outer
+
+    def _add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+
+def note_gathered(buffer: torch.Tensor) -> torch.Tensor:
+    """Report a freshly gathered unit buffer to this thread's ``GatheredBytes``, if one is active."""
+    tracker = getattr(_local, "gathered", None)
+    if tracker is not None:
+        nbytes = buffer.untyped_storage().nbytes()
+        tracker._add(nbytes)
+        weakref.finalize(buffer.untyped_storage(), tracker._sub, nbytes)
+    return buffer

@@ -58,7 +58,71 @@ def gpt_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
     return Problem(model, loss_fn, batches)
 
 
-PROBLEMS = {"mlp": mlp_problem, "gpt": gpt_problem}
+class _Block(torch.nn.Module):
+    """A unit that takes keyword inputs, has a buffer and a frozen layer, and returns a dict with a tuple."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.frozen = torch.nn.Linear(d, d, bias=False).requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-0.5, 0.5, d))
+
+    def forward(self, x, *, scale=1.0, mask=None):
+        h = torch.tanh(self.lin(x) + self.shift) * scale + 0.1 * self.frozen(x)
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        return {"out": x + h, "extra": (h.mean(), mask)}
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(d) for _ in range(n)])  # units nested inside another module
+
+
+class AnyModel(torch.nn.Module):
+    """Exercises what stage 3 must support on a module written by others: a tied embedding/head, buffers,
+    frozen parameters (in units and in the root), keyword inputs, dict/tuple outputs, nested units, and
+    one unit called twice in a forward."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.enc = _Encoder(d, n)
+        self.shared = torch.nn.ModuleList([_Block(d)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.norm.bias.requires_grad_(False)  # a frozen parameter in the root unit
+        self.register_buffer("pos", torch.randn(8, d) * 0.1)
+
+    def forward(self, idx, *, mask=None):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for layer in self.enc.layers:
+            x = layer(x, scale=0.5, mask=mask)["out"]
+        y = self.shared[0](x)["out"]
+        y = self.shared[0](y, scale=2.0)["out"]  # the same unit, twice
+        logits = self.norm(y) @ self.emb.weight.T  # head tied to the embedding
+        return {"logits": logits, "hidden": (x, y)}
+
+
+def any_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
+    torch.manual_seed(0)
+    model = AnyModel()
+    gen = torch.Generator().manual_seed(2)
+    batches = [
+        {"idx": torch.randint(0, 32, (batch, 8), generator=gen), "y": torch.randint(0, 32, (batch, 8), generator=gen),
+         "mask": torch.rand(batch, 8, generator=gen) > 0.2}
+        for _ in range(steps)
+    ]
+
+    def loss_fn(params, b):
+        out = fzero.apply(model, params, b["idx"], mask=b["mask"].float())
+        ce = torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1), b["y"].flatten())
+        return ce + 0.01 * out["hidden"][1].pow(2).mean()
+
+    return Problem(model, loss_fn, batches)
+
+
+PROBLEMS = {"mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem}
 
 
 def reference_run(problem: Problem, *, fused: bool) -> tuple[list[dict[str, torch.Tensor]], list[float]]:

@@ -2,12 +2,13 @@
 
 Stages 0-2 move 2Ψ·(N-1)/N elements per rank per step for params and gradients: an all-reduce at stage
 0, a reduce-scatter plus an all-gather at stages 1 and 2. Ψ here is the padded size of the flat units
-(at most N-1 padding elements per unit), and the few-element metrics all-reduce is counted apart.
+(fewer than N·SHARD_ALIGN padding elements per unit), and the few-element metrics all-reduce is counted apart.
 """
 
 import pytest
 
 import fzero
+from fzero._layout import SHARD_ALIGN
 from problems import PROBLEMS, fzero_run
 
 
@@ -18,9 +19,9 @@ def test_two_psi_elements_per_rank_per_step(stages, ranks):
     mesh = fzero.count_collectives(fzero.local_mesh(ranks))
     step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh, unit_elements=4096)
     state = step.init(fzero.params_of(prob.model))
-    layout = (state[0] if ranks else state).meta.layout
+    layout = state[0].meta.layout
     psi, padded = layout.numel, layout.padded_numel
-    assert psi <= padded <= psi + len(layout.units) * (ranks - 1)
+    assert psi <= padded <= psi + len(layout.units) * (ranks * SHARD_ALIGN - 1)
     mesh.counter.reset()  # init's own traffic is not a step's
     for b in prob.batches:
         state, _ = step(state, b)
@@ -32,6 +33,7 @@ def test_two_psi_elements_per_rank_per_step(stages, ranks):
         assert mesh.counter.elements(rank=rank, tag="metrics") == pytest.approx(3 * 2 * 2 * (ranks - 1) / ranks)
     calls = mesh.counter.summary(rank=0)
     units = len(layout.units)
+    assert units >= 2
     if stages == 0:
         assert calls[("all_reduce", "grads")] == 3 * units and ("all_gather", "params") not in calls
     else:
@@ -64,3 +66,30 @@ def test_stage2_reduces_each_unit_during_backward():
     sizes = [c.numel for c in mesh.counter.calls if c.rank == 0 and c.op == "reduce_scatter"]
     units = state[0].meta.layout.units
     assert sizes == [u.padded for u in reversed(units)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stage3_moves_three_psi_per_rank_per_step(ranks, prefetch):
+    """Two all-gathers (forward, backward) and one reduce-scatter per block unit: 3Ψ·(N-1)/N. The root unit
+    (embedding, final norm) stays gathered from forward to backward, as FSDP2 keeps its root: 2Ψ_root."""
+    prob = PROBLEMS["gpt"](steps=3)
+    mesh = fzero.count_collectives(fzero.local_mesh(ranks))
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=mesh, prefetch=prefetch)
+    state = step.init(fzero.params_of(prob.model))
+    layout = state[0].meta.layout
+    root = sum(u.padded for u in layout.units if u.name == "<root>")
+    blocks = layout.padded_numel - root
+    assert root and blocks and sorted(u.name for u in layout.units) == ["<root>", "blocks.0", "blocks.1"]
+    mesh.counter.reset()
+    for b in prob.batches:
+        state, _ = step(state, b)
+    for rank in range(ranks):
+        moved = mesh.counter.elements(rank=rank, tag="grads") + mesh.counter.elements(rank=rank, tag="params")
+        assert moved / 3 == pytest.approx((3 * blocks + 2 * root) * (ranks - 1) / ranks, abs=1e-9)
+        assert moved / 3 <= 3 * layout.padded_numel * (ranks - 1) / ranks
+        assert mesh.counter.summary(rank=rank) == {
+            ("all_gather", "params"): 3 * 5,  # root + 2 blocks forward + 2 blocks backward
+            ("reduce_scatter", "grads"): 3 * 3,
+            ("all_reduce", "metrics"): 3,
+        }

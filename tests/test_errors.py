@@ -18,11 +18,16 @@ def test_stages_outside_range(prob, stages):
         fzero.compile(prob.loss_fn, stages=stages)
 
 
-def test_stage3_is_not_yet_and_says_so(prob):
-    with pytest.raises(NotImplementedError, match=r"stages=3 .*not implemented yet.*stages=2"):
-        fzero.compile(prob.loss_fn, stages=3)
-    with pytest.raises(NotImplementedError, match=r"fzero.shard_params"):
+def test_shard_params_needs_shard_grads(prob):
+    with pytest.raises(ValueError, match=r"fzero.shard_params: needs fzero.shard_grads inside it.*stage 0"):
         fzero.shard_params(fzero.train_step(prob.loss_fn, fzero.optim.sgd(0.1)))
+
+
+def test_unit_settings_at_other_stages(prob):
+    with pytest.raises(ValueError, match=r"fzero.compile: units only apply at stages=2 or 3.*stages=1"):
+        fzero.compile(prob.loss_fn, stages=1, units=("layers.0",))
+    with pytest.raises(ValueError, match=r"fzero.compile: prefetch only applies at stages=3.*stages=2"):
+        fzero.compile(prob.loss_fn, stages=2, prefetch=False)
 
 
 @pytest.mark.parametrize("setting", [{"offload": "cpu"}, {"precision": "bf16"}, {"grad_accum": 2}, {"clip_grad_norm": 1.0}])

@@ -15,10 +15,14 @@ import fzero
 from fzero.memory import LiveBytes, state_bytes, zero_model_state_bytes
 from problems import mlp_problem
 
-WIDTH, LAYERS = 256, 8
+WIDTH, LAYERS = 128, 16
+UNIT_BYTES = (WIDTH * WIDTH + WIDTH) * 4
+# transient whole-unit buffers allowed above the formula: a unit's gradient before its reduction (and its
+# per-parameter pieces before the cat); at stage 3 also the gathered unit, the prefetched one, and its gradient
+EXTRA_UNITS = {0: 2, 1: 2, 2: 4, 3: 4}
 
 
-@pytest.mark.parametrize("stages", [0, 1, 2])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_model_state_bytes_follow_zero_formula(stages, ranks):
     prob = mlp_problem(steps=2, sizes=[WIDTH] * (LAYERS + 1), batch=ranks)
@@ -41,7 +45,7 @@ def test_model_state_bytes_follow_zero_formula(stages, ranks):
         measured = held["params"] + held["optimizer"] + counters[rank].peak
         assert held["params"] == pytest.approx(expected["params"], rel=0.01)
         assert held["optimizer"] == pytest.approx(expected["optimizer"], rel=0.01)
-        assert expected["total"] * 0.99 <= measured <= expected["total"] * 1.03 + 4 * unit, (
+        assert expected["total"] * 0.99 <= measured <= expected["total"] * 1.03 + EXTRA_UNITS[stages] * UNIT_BYTES, (
             f"rank {rank}: measured {measured} bytes, ZeRO formula {expected['total']:.0f}"
         )
 
@@ -55,6 +59,6 @@ def test_stage2_holds_less_gradient_than_stage1():
         step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=mesh, unit_elements=WIDTH * WIDTH + WIDTH)
         step(step.init(fzero.params_of(prob.model)), prob.batches[0])
         peaks[stages] = counters[0].peak
-    psi_bytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
+    psi_bytes = LAYERS * UNIT_BYTES
     assert peaks[1] >= psi_bytes  # the whole gradient
-    assert peaks[2] <= psi_bytes / 2 + 3 * (WIDTH * WIDTH + WIDTH) * 4  # shards + about one unit
+    assert peaks[2] <= psi_bytes / 2 + 4 * UNIT_BYTES  # shards + a few units in flight

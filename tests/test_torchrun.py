@@ -37,8 +37,8 @@ def one_thread():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("problem", ["mlp", "gpt"])
-@pytest.mark.parametrize("stages", [0, 1, 2])
+@pytest.mark.parametrize("problem", ["mlp", "gpt", "any"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stages):
     dist = run_torchrun(tmp_path, problem, stages)
     local, metrics = fzero_run(PROBLEMS[problem](), stages=stages, mesh=fzero.local_mesh(2))
@@ -49,3 +49,5 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
     assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
     ops = {op for op, _, _ in dist["calls"]}
     assert ops == ({"broadcast", "all_reduce"} if stages == 0 else {"broadcast", "all_reduce", "reduce_scatter", "all_gather"})
+    if stages == 3:  # gather() under dist_mesh is a collective; prefetch issued async all-gathers
+        assert ("all_gather", "gather") in {(op, tag) for op, tag, _ in dist["calls"]}

@@ -1,0 +1,208 @@
+"""ZeRO-3 specifics: units, prefetch, both autodiff modes, the gathered working set, and the errors for
+modules that a unit cannot support. Parity and communication at stage 3 are in test_parity/test_comm."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fzero
+from fzero._layout import SHARD_ALIGN
+from fzero.memory import GatheredBytes, state_bytes, zero_model_state_bytes
+from fzero.models import GPT, GPTConfig, gpt_loss
+from fzero.testing import assert_trees_close, assert_trees_equal
+from problems import PROBLEMS, fzero_run
+
+
+@pytest.mark.parametrize("problem", ["gpt", "any"])
+def test_torch_func_and_plain_autograd_agree_bitwise(problem):
+    prob = PROBLEMS[problem]()
+    runs = {}
+    for autodiff in ("func", "autograd"):
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(2), autodiff=autodiff)
+        state = step.init(fzero.params_of(prob.model))
+        for b in prob.batches:
+            state, _ = step(state, b)
+        runs[autodiff] = step.gather(state)
+    assert_trees_equal(runs["func"], runs["autograd"])
+
+
+def test_prefetch_changes_nothing_but_timing():
+    prob = PROBLEMS["any"]()
+    runs = {}
+    for prefetch in (True, False):
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(2), prefetch=prefetch)
+        state = step.init(fzero.params_of(prob.model))
+        assert state[0].meta.gather_order == ()
+        for b in prob.batches:
+            state, _ = step(state, b)
+        runs[prefetch] = step.gather(state)
+        # forward order, then backward in reverse; the shared block runs twice each way
+        assert state[0].meta.gather_order == (
+            "enc.layers.0", "enc.layers.1", "enc.layers.2", "shared.0", "shared.0",
+            "shared.0", "shared.0", "enc.layers.2", "enc.layers.1", "enc.layers.0",
+        )
+    assert_trees_equal(runs[True], runs[False])
+
+
+class _Skippy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(3)])
+
+    def forward(self, x, *, depth):
+        for block in self.blocks[:depth]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_prefetch_order_is_re_recorded_when_the_forward_changes():
+    torch.manual_seed(0)
+    model = _Skippy()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b["x"], depth=b["depth"]).pow(2).mean()
+
+    depths = [3, 2, 2, 3]
+    batches = [{"x": torch.randn(4, 6), "depth": d} for d in depths]  # "depth" is not a tensor: every rank gets it
+    runs, orders = {}, []
+    for prefetch in (True, False):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2), prefetch=prefetch)
+        state = step.init(fzero.params_of(model))
+        for b in batches:
+            state, _ = step(state, b)
+            orders.append(state[0].meta.gather_order)
+        runs[prefetch] = step.gather(state)
+    full = ("blocks.0", "blocks.1", "blocks.2", "blocks.2", "blocks.1", "blocks.0")
+    short = ("blocks.0", "blocks.1", "blocks.1", "blocks.0")
+    assert orders[:4] == [full, short, short, full]
+    assert_trees_equal(runs[True], runs[False])  # a wrong prefetch was dropped, not used
+
+
+def _gathered_peak(n_layer: int, prefetch: bool) -> tuple[int, int, list[int]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=2, d_model=64, seq_len=16))
+    x = torch.randint(0, 256, (2, 16))
+
+    def loss_fn(params, b):
+        return gpt_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    trackers = {}
+    mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=lambda r: trackers.setdefault(r, GatheredBytes()))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=mesh, prefetch=prefetch)
+    state = step.init(fzero.params_of(model))
+    for _ in range(2):  # the second step prefetches along the recorded order
+        state, _ = step(state, {"x": x, "y": x})
+    units = state[0].meta.layout.units
+    root = next(u.padded for u in units if u.name == "<root>") * 4
+    blocks = sorted((u.padded * 4 for u in units if u.name != "<root>"), reverse=True)
+    return max(t.peak for t in trackers.values()), root, blocks
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gathered_params_peak_is_a_few_units_whatever_the_depth(prefetch):
+    peak24, root, blocks = _gathered_peak(24, prefetch)
+    peak4, _, _ = _gathered_peak(4, prefetch)
+    held = 2 if prefetch else 1  # the unit that runs, and the one being prefetched
+    assert peak24 <= root + sum(blocks[:held])
+    assert peak24 >= root + blocks[0]  # it did gather: the bound is not vacuous
+    assert peak24 == peak4  # independent of depth
+    assert peak24 < 0.2 * (root + sum(blocks))
+
+
+def test_model_states_are_one_nth_at_stage3():
+    prob = PROBLEMS["gpt"](steps=1)
+    for ranks in (1, 2, 4):
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(ranks))
+        state = step.init(fzero.params_of(prob.model))
+        state, _ = step(state, prob.batches[0])
+        layout = state[0].meta.layout
+        # the formula on the padded size: the layout pads each unit by less than N·SHARD_ALIGN elements
+        assert layout.padded_numel - layout.numel < len(layout.units) * ranks * SHARD_ALIGN
+        expected = zero_model_state_bytes(layout.padded_numel, stage=3, world_size=ranks)
+        for r in range(ranks):
+            held = state_bytes(state[r])
+            assert held["params"] == expected["params"]
+            assert held["optimizer"] == pytest.approx(expected["optimizer"], abs=16)  # + Adam's step-count scalar
+
+
+def test_units_by_module_type_and_size():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    assert fzero.units_of(model) == ("blocks.0", "blocks.1")
+    block_type = type(model.blocks[0])
+    mlp_type = type(model.blocks[0].mlp)
+    assert fzero.units_of(model, module_types=mlp_type) == ("blocks.0.mlp", "blocks.1.mlp")
+    assert fzero.units_of(model, module_types=(block_type, mlp_type)) == ("blocks.0", "blocks.1")  # no nesting
+    assert fzero.units_of(model, min_elements=10**9) == ()
+    prob = PROBLEMS["gpt"]()
+    expected, _ = fzero_run(prob, stages=0, mesh=fzero.local_mesh(2))
+    for units in (fzero.units_of(model, module_types=mlp_type), ()):
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01),
+                             stages=3, mesh=fzero.local_mesh(2), units=units)
+        state = step.init(fzero.params_of(prob.model))
+        assert sorted(u.name for u in state[0].meta.layout.units) == sorted(["<root>", *units])
+        for b in prob.batches:
+            state, _ = step(state, b)
+        assert_trees_close(step.gather(state), expected[-1], rtol=1e-6, atol=1e-7)
+
+
+class _TiedAcross(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.blocks[1].weight = self.blocks[0].weight  # tied across two units
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+class _ReadsOutside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.blocks[0](x) + self.blocks[0].bias  # a unit's parameter used outside its forward
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (_TiedAcross(), r"unit 'blocks.1' uses parameter 'blocks.1.weight', which is shared with \(tied to\) a parameter outside the unit"),
+        (_ReadsOutside(), r"'blocks.0.bias' was read outside the forward of its unit 'blocks.0'"),
+    ],
+)
+def test_unsupported_modules_get_an_error_naming_the_module_path(model, match):
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).sum()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises((ValueError, AttributeError), match=match):
+        step(step.init(fzero.params_of(model)), torch.randn(2, 4))
+
+
+def test_units_must_not_nest_and_must_be_paths():
+    step = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(lambda p, b: 0, fzero.optim.sgd(0.1)), fzero.local_mesh(2)))
+    with pytest.raises(ValueError, match=r"units must not nest: 'blocks.0.mlp' is inside 'blocks.0'"):
+        fzero.shard_params(step, units=("blocks.0", "blocks.0.mlp"))
+    with pytest.raises(TypeError, match=r"units must be a tuple of module paths"):
+        fzero.shard_params(step, units="blocks.0")
+
+
+def test_sharded_params_cannot_be_indexed():
+    prob = PROBLEMS["mlp"](steps=1)
+
+    def loss_fn(params, b):
+        return params["layers.0.weight"].sum()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3)
+    with pytest.raises(TypeError, match=r"params are sharded, so params\['layers.0.weight'\].*fzero.apply"):
+        step(step.init(fzero.params_of(prob.model)), prob.batches[0])
+
+
+def test_gather_returns_full_params_at_stage3():
+    prob = PROBLEMS["any"](steps=1)
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(4))
+    state = step.init(fzero.params_of(prob.model))
+    assert_trees_equal(step.gather(state), fzero.params_of(prob.model))
