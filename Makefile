@@ -5,6 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+STAGES ?= 2
 PIP    := $(VENV)/bin/pip -q
 
 .PHONY: train test
@@ -15,7 +16,7 @@ $(VENV)/bin/python:
 train: $(VENV)/bin/python
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[examples]'
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stages 2 --max-seconds 90
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stages $(STAGES) --max-seconds 90
 
 test: $(VENV)/bin/python
 	$(PIP) install $(TORCH)

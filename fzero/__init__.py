@@ -4,7 +4,7 @@ Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params``
 are pure functions from a step to a step, lowered to the collectives of a mesh.
 """
 
-from fzero import memory, optim
+from fzero import memory, optim, testing
 from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
@@ -41,6 +41,7 @@ __all__ = [
     "shard_grads",
     "shard_optimizer",
     "shard_params",
+    "testing",
     "train_step",
     "units_of",
 ]
