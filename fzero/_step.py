@@ -24,7 +24,7 @@ from fzero import _tree
 from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import simulated_rank
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, build_layout
-from fzero._sharded import ReplicatedParams, Schedule, ShardedParams
+from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
 from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
@@ -103,24 +103,30 @@ class Step:
         flats = state.params
         units = layout.units
         ranges = [u.shard_range(comm.rank, n) for u in units]
+        names = [u.name for u in units]
 
-        made: list[Any] = []  # the UnitParams given to loss_fn, released after the gradient
         if self.stage == 2:
             inputs = [flats[u.name][lo:hi] for u, (lo, hi) in zip(units, ranges)]
 
-            def as_params(xs):
-                return made.append(ReplicatedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, flats)) or made[-1]
+            def build(xs):
+                return ReplicatedParams(dict(zip(names, xs)), layout, comm, flats)
         elif self.stage == 3:
             inputs = [flats[u.name] for u in units]  # the shards themselves
             schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch)
 
-            def as_params(xs):
-                return made.append(ShardedParams({u.name: x for u, x in zip(units, xs)}, layout, comm, schedule)) or made[-1]
+            def build(xs):
+                return ShardedParams(dict(zip(names, xs)), layout, comm, schedule)
         else:
             inputs = [flats[u.name] for u in units]
 
-            def as_params(xs):
-                return layout.unpack({u.name: x for u, x in zip(units, xs)})
+            def build(xs):
+                return layout.unpack(dict(zip(names, xs)))
+
+        made: list[Any] = []  # what loss_fn was given, to release after the gradient
+
+        def as_params(xs):
+            made.append(build(xs))
+            return made[-1]
 
         aux_box: dict[str, Any] = {}
 
@@ -133,7 +139,8 @@ class Step:
 
         grads, (loss, aux_tensors) = _differentiate(objective, inputs, self.autodiff)
         for params in made:
-            params.release()
+            if isinstance(params, UnitParams):
+                params.release()
         meta = state.meta
         if self.stage == 3:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())
@@ -142,7 +149,7 @@ class Step:
         aux = aux_box["spec"].unflatten(aux_leaves)
 
         # Gradient sync. Every path sums over ranks in rank order, then divides by N: the same numbers
-        # at every stage, so stages 1 and 2 equal stage 0 bitwise.
+        # at every stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN).
         owned_grads = []
         for i, (u, (lo, hi)) in enumerate(zip(units, ranges)):
             g = grads[i]
@@ -154,7 +161,8 @@ class Step:
             # stages 2 and 3: already this rank's reduced shard (reduce-scattered during backward)
             owned_grads.append(g.div_(n))
 
-        # Global grad norm from this rank's slice of every unit, summed over ranks: identical at every stage.
+        # Global grad norm from this rank's slice of every unit, summed over ranks (the grouping of the
+        # sum follows the units: size buckets at stages 0-1, modules at 2-3, so the last bits may differ).
         slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if self.stage == 0 else owned_grads
         sumsq = torch.stack([s.pow(2).sum() for s in slices]).sum()
         reduced = comm.all_reduce(torch.stack([loss.detach().to(sumsq.dtype), sumsq]), tag="metrics")

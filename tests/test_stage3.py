@@ -206,3 +206,24 @@ def test_gather_returns_full_params_at_stage3():
     step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(4))
     state = step.init(fzero.params_of(prob.model))
     assert_trees_equal(step.gather(state), fzero.params_of(prob.model))
+
+
+def test_frozen_params_and_buffers_stay_out_of_the_shards():
+    prob = PROBLEMS["any"](steps=2)
+    frozen = {n for n, p in prob.model.named_parameters() if not p.requires_grad}
+    assert frozen and "norm.bias" in frozen
+    mesh = fzero.count_collectives(fzero.local_mesh(2))
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=mesh)
+    state = step.init(fzero.params_of(prob.model))
+    layout = state[0].meta.layout
+    assert not frozen & set(layout.paths)
+    assert not {n for n, _ in prob.model.named_buffers()} & set(layout.paths)
+    trainable = sum(p.numel() for p in prob.model.parameters() if p.requires_grad)
+    assert layout.numel == trainable  # the tied weight once, frozen weights not at all
+    before = {k: v.clone() for k, v in prob.model.state_dict().items()}
+    for b in prob.batches:
+        state, _ = step(state, b)
+    moved = sum(c.numel for c in mesh.counter.calls if c.rank == 0 and c.tag in ("params", "grads"))
+    assert moved < 4 * layout.padded_numel * 2  # only trainable units travel
+    for name in frozen:
+        assert torch.equal(prob.model.state_dict()[name], before[name])
