@@ -9,6 +9,7 @@ from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero._module import apply, params_of
+from fzero._precision import DynamicLossScale, Precision, StaticLossScale
 from fzero._sharded import ReplicatedParams, ShardedParams, UnitParams
 from fzero._state import RankStates, TrainState
 from fzero._step import Step, train_step
@@ -21,11 +22,14 @@ __all__ = [
     "Call",
     "Counter",
     "DistMesh",
+    "DynamicLossScale",
     "LocalMesh",
     "MeshTimeout",
+    "Precision",
     "RankStates",
     "ReplicatedParams",
     "ShardedParams",
+    "StaticLossScale",
     "UnitParams",
     "Step",
     "TrainState",

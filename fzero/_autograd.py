@@ -33,20 +33,22 @@ class ReduceScatter(torch.autograd.Function):
 
 
 class AllGather(torch.autograd.Function):
-    """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient."""
+    """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient (summed in
+    ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype)."""
 
     @staticmethod
-    def forward(shard, comm, tag, back_tag):
+    def forward(shard, comm, tag, back_tag, reduce_dtype=None):
         out = note_gathered(torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device))
         return comm.all_gather(out, shard.contiguous(), tag=tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:]
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:4]
+        ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.comm, ctx.back_tag, ctx.tag), None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag), None, None, None, None
 
 
 class ReplicatedShardGrad(torch.autograd.Function):
@@ -59,13 +61,18 @@ class ReplicatedShardGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(shard, full, comm):
+    def forward(shard, full, comm, reduce_dtype=None):
         return full.view_as(full)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.comm = inputs[2]
+        ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.comm, "grads", "params"), None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)

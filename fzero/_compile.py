@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from fzero._precision import Precision
 from fzero._step import Step, check_details, train_step
 from fzero._zero import offload as _offload
 from fzero._zero import shard_grads, shard_optimizer, shard_params
@@ -16,7 +17,7 @@ def compile(  # noqa: A001 - the public name is the design's
     stages: int = 0,
     mesh: Any = None,
     offload: str | None = None,
-    precision: str = "fp32",
+    precision: str | Precision = "fp32",
     grad_accum: int = 1,
     clip_grad_norm: float | None = None,
     config: Any = None,
@@ -24,8 +25,10 @@ def compile(  # noqa: A001 - the public name is the design's
 ) -> Step:
     """Compose ``train_step`` with the shard transforms for ZeRO stage ``stages`` (0, 1, 2 or 3).
 
-    Details (keyword): ``unit_elements``, ``donate``, ``autodiff`` (see ``train_step``); at stage 3
-    ``units`` and ``prefetch`` (see ``shard_params``).
+    ``precision``: "fp32", "bf16", "fp16" or a ``fzero.Precision``; ``grad_accum``: micro-batches per
+    step; ``clip_grad_norm``: clip the global gradient norm (see ``train_step``). Details (keyword):
+    ``unit_elements``, ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
+    ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` (see ``shard_params``).
 
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
     so, never a silent fallback.
@@ -35,9 +38,6 @@ def compile(  # noqa: A001 - the public name is the design's
     if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
         raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
     _not_yet("offload", offload, None, "CPU/disk offload is the offload issue")
-    _not_yet("precision", precision, "fp32", "fp32 only; bf16/fp16 policies are the precision issue")
-    _not_yet("grad_accum", grad_accum, 1, "gradient accumulation is the precision/accumulation issue")
-    _not_yet("clip_grad_norm", clip_grad_norm, None, "clipping is the precision/accumulation issue")
     _not_yet("config", config, None, "DeepSpeed config files are the config issue")
     units = details.pop("units", None)
     stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
@@ -46,7 +46,10 @@ def compile(  # noqa: A001 - the public name is the design's
     if stage3 and stages != 3:
         raise ValueError(f"fzero.compile: {', '.join(stage3)} only applies at stages=3 (sharded params), but stages={stages}.")
     check_details(details, api="fzero.compile")
-    step = train_step(loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, **details)
+    step = train_step(
+        loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, precision=precision,
+        grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, **details,
+    )
     if stages >= 1:
         step = shard_optimizer(step)
     if stages >= 2:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from torch import nn
 
@@ -40,3 +42,29 @@ def module_for_thread(module: nn.Module) -> nn.Module:
         shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
         clone = _local.clones[id(module)] = copy.deepcopy(module, memo=shared)
     return clone
+
+
+@contextlib.contextmanager
+def compute_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
+    """Within a step under a bf16/fp16 policy: the dtype ``fzero.apply`` casts floating inputs, buffers
+    and frozen parameters to, so that they meet the low-precision params (as FSDP's MixedPrecisionPolicy
+    casts forward inputs)."""
+    outer = getattr(_local, "dtype", None)
+    _local.dtype = dtype
+    try:
+        yield
+    finally:
+        _local.dtype = outer
+
+
+def current_compute_dtype() -> "torch.dtype | None":
+    return getattr(_local, "dtype", None)
+
+
+def cast_floating(tree: Any, dtype: "torch.dtype | None") -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (unchanged when ``dtype`` is None)."""
+    if dtype is None:
+        return tree
+    import torch.utils._pytree as torch_pytree
+
+    return torch_pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)

@@ -80,11 +80,11 @@ class Layout:
         return [s.path for u in self.units for s in u.slots]
 
     # -- packing -----------------------------------------------------------------------------------
-    def pack(self, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit."""
+    def pack(self, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit (in ``dtype`` if given)."""
         flats, order = {}, iter(self.order)
         for unit in self.units:
-            flat = torch.zeros(unit.padded, dtype=unit.dtype)
+            flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
             for slot in unit.slots:
                 flat[slot.offset : slot.offset + slot.numel].copy_(leaves[next(order)].detach().reshape(-1))
             flats[unit.name] = flat
@@ -116,12 +116,14 @@ def build_layout(
     world_size: int,
     unit_elements: int = DEFAULT_UNIT_ELEMENTS,
     unit_of: Callable[[str], str] | None = None,
+    dtype: torch.dtype | None = None,
     api: str,
 ) -> Layout:
     """Check that ``params`` is a pytree of floating tensors and pack its leaves into units.
 
     Units are consecutive leaves of about ``unit_elements`` elements (stages 0-2: buckets for the
-    collectives), or, given ``unit_of`` (stage 3), the groups of leaves that map to the same unit name.
+    collectives), or, given ``unit_of`` (stages 2-3), the groups of leaves that map to the same unit name.
+    ``dtype``: the dtype the buffers hold (the compute dtype of a precision policy), if not the leaves'.
     """
     paths, leaves, spec = _tree.flatten_with_paths(params)
     if not leaves:
@@ -157,7 +159,7 @@ def build_layout(
             offset += leaves[i].numel()
         quantum = world_size * SHARD_ALIGN
         padded = math.ceil(offset / quantum) * quantum
-        units.append(Unit(name, tuple(slots), offset, padded, leaves[idx[0]].dtype))
+        units.append(Unit(name, tuple(slots), offset, padded, dtype or leaves[idx[0]].dtype))
     # pack() and unpack() walk units in order and expect pytree leaf order: keep leaves sorted by unit
     order = [i for _, idx in groups for i in idx]
     return Layout(spec, tuple(units), world_size, tuple(order))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero._context import module_for_thread
+from fzero._context import cast_floating, current_compute_dtype, module_for_thread
 from fzero._sharded import UnitParams, apply_units
 
 
@@ -32,9 +32,14 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
+    dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
+    args, kwargs = cast_floating((args, kwargs), dtype)
     if isinstance(params, UnitParams):  # stages 2-3: unit by unit as the forward reaches them
         return apply_units(module, params, args, kwargs)  # builds its own per-rank skeleton
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero._context)
+    if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
+        extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}
+        params = {**cast_floating(extra, dtype), **params}
     return torch.func.functional_call(target, params, args, kwargs, tie_weights=True, strict=False)

@@ -32,6 +32,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from fzero._autograd import AllGather, ReplicatedShardGrad
+from fzero._context import cast_floating, current_compute_dtype
 from fzero._layout import ROOT, Layout, Unit
 from fzero.memory import note_gathered
 
@@ -43,10 +44,12 @@ class UnitParams(Mapping):
     moment the forward reaches them; the root unit's params come from ``views(root)`` at the top.
     """
 
-    def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any) -> None:
+    def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None) -> None:
         self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
         self.layout = layout
         self.comm = comm
+        self.reduce_dtype = reduce_dtype  # gradients are summed across ranks in this dtype (None: as they are)
+        self.compute_dtype = current_compute_dtype()
         self.units = {u.name: u for u in layout.units}
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[str, dict[str, torch.Tensor]] = {}
@@ -102,12 +105,12 @@ class ReplicatedParams(UnitParams):
     So a unit's tap is made on first use: when ``fzero.apply`` calls the unit, or ``params[name]`` is read.
     """
 
-    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor]) -> None:
-        super().__init__(inputs, layout, comm)
+    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor], **kw) -> None:
+        super().__init__(inputs, layout, comm, **kw)
         self.wholes = wholes
 
     def _whole(self, unit):
-        return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm)
+        return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype)
 
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
@@ -118,8 +121,8 @@ class ReplicatedParams(UnitParams):
 class ShardedParams(UnitParams):
     """Stage 3: this rank's shard of every unit; a unit exists whole only while it runs."""
 
-    def __init__(self, inputs, layout, comm, schedule: "Schedule") -> None:
-        super().__init__(inputs, layout, comm)
+    def __init__(self, inputs, layout, comm, schedule: "Schedule", **kw) -> None:
+        super().__init__(inputs, layout, comm, **kw)
         self.schedule = schedule
 
     def __getitem__(self, name: str) -> Any:
@@ -132,7 +135,7 @@ class ShardedParams(UnitParams):
         if unit.name != ROOT:
             raise RuntimeError(f"fzero (stage 3): unit {unit.name!r} is gathered only inside its own forward.")
         # The root unit is gathered once and stays gathered until backward is done with it (as FSDP2 keeps its root).
-        return AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads")
+        return AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype)
 
     def run_unit(self, inner, unit, args, kwargs):
         return _run_unit(inner, unit, self, args, kwargs)
@@ -149,10 +152,14 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
 def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     api = f"fzero.apply (stage {3 if isinstance(params, ShardedParams) else 2})"
     memo: dict[int, Any] = {}
+    dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) if p.requires_grad else p
+        if p.requires_grad:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True)
+        else:
+            memo[id(p)] = nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
     for b in module.buffers():
-        memo[id(b)] = b
+        memo[id(b)] = cast_floating(b, dtype)
     skel = copy.deepcopy(module, memo)
     trainable = {n for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
     layout = params.layout
@@ -293,7 +300,9 @@ class _UnitBackward(torch.autograd.Function):
         grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(wrt)
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
         del outs, pairs, full
-        grad_shard = call.params.comm.reduce_scatter(grads[0], tag="grads")
+        grad_full = grads[0] if call.params.reduce_dtype is None else grads[0].to(call.params.reduce_dtype)
+        grad_shard = call.params.comm.reduce_scatter(grad_full, tag="grads")
+        grad_shard = grad_shard.to(shard.dtype)  # summed in the reduce dtype, kept in the params' dtype
         return (grad_shard, *[g.detach() for g in grads[1:]])
 
     @staticmethod

@@ -22,12 +22,14 @@ import torch
 
 from fzero import _tree
 from fzero._comm import Rendezvous, ThreadComm
-from fzero._context import simulated_rank
+from fzero._context import compute_dtype, simulated_rank
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, build_layout
 from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
 from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
+from fzero._precision import Precision, init_loss_scale, policy
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
+from fzero._update import MasterState, current_lr, finish, owned
 
 STAGE_NAMES = {0: "stage 0 (replicated, like DDP)", 1: "stage 1 (ZeRO-1)", 2: "stage 2 (ZeRO-2)", 3: "stage 3 (ZeRO-3)"}
 
@@ -45,6 +47,10 @@ class Step:
     units: tuple[str, ...] | None = None  # stages 2-3: unit module paths; None = children of ModuleList/Sequential
     prefetch: bool = True  # stage 3: gather the next unit while the current one computes
     autodiff: str = "func"  # "func": torch.func.grad; "autograd": plain torch.autograd.grad
+    precision: Precision = Precision()  # fp32 unless a policy says otherwise
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this
+    on_nonfinite: str = "error"  # an inf/NaN gradient norm without a loss scale: "error" or "skip" the step
 
     @property
     def world_size(self) -> int:
@@ -57,23 +63,36 @@ class Step:
         unit_of = None
         if self.stage >= 2:  # units by module: each one's gradient is reduced (stage 2) or gathered (3) as it runs
             unit_of = by_container_child if self.units is None else by_prefixes(self.units, api="fzero.Step.init")
-        layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, api="fzero.Step.init")
-        flats = layout.pack(_tree.tree_leaves(params))
+        prec = self.precision
+        low = None if prec.compute == torch.float32 else prec.compute
+        layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, dtype=low, api="fzero.Step.init")
+        leaves = _tree.tree_leaves(params)
+        flats = layout.pack(leaves)  # in the compute dtype
+        masters = layout.pack(leaves, dtype=torch.float32) if prec.has_master else None  # from the fp32 values, not rounded
         if isinstance(self.mesh, LocalMesh):
-            return RankStates(tuple(self._init_rank(layout, _copy(flats) if r else flats, r) for r in range(n)))
+            return RankStates(tuple(
+                self._init_rank(layout, _copy(flats) if r else flats, masters and (_copy(masters) if r else masters), r) for r in range(n)
+            ))
         if isinstance(self.mesh, DistMesh):
             comm = self.mesh.comm()
-            for flat in flats.values():  # every rank starts from rank 0's params, as DDP does
+            for flat in (*flats.values(), *(masters or {}).values()):  # every rank starts from rank 0's params, as DDP does
                 comm.broadcast(flat, src=0, tag="init")
-            return self._init_rank(layout, flats, self.mesh.rank)
-        return self._init_rank(layout, flats, 0)
+            return self._init_rank(layout, flats, masters, self.mesh.rank)
+        return self._init_rank(layout, flats, masters, 0)
 
-    def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> TrainState:
+    def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], masters: dict | None, rank: int) -> TrainState:
         if self.stage == 3:  # keep only this rank's shard of every unit
             flats = {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))].clone() for u in layout.units}
-        opt_state = self.optimizer.init(_owned(layout, flats, self.stage, rank))
+        if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
+            master = {k: v.clone() for k, v in owned(layout, masters, min(self.stage, 1), rank).items()}
+            opt_state: Any = MasterState(master, self.optimizer.init(master))
+        else:
+            opt_state = self.optimizer.init(owned(layout, flats, self.stage, rank))
         meta = StateMeta(layout=layout, stage=self.stage, world_size=layout.world_size, rank=rank)
-        return TrainState(params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64), meta=meta)
+        return TrainState(
+            params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
+            loss_scale=init_loss_scale(self.precision.loss_scale), meta=meta,
+        )
 
     # -- step --------------------------------------------------------------------------------------
     def __call__(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
@@ -99,7 +118,8 @@ class Step:
         return self._rank_program(comm, state, batch)
 
     def _rank_program(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        layout, n = state.meta.layout, comm.size
+        layout, n, prec = state.meta.layout, comm.size, self.precision
+        reduce_dtype = None if prec.reduce_dtype == prec.compute else prec.reduce_dtype
         flats = state.params
         units = layout.units
         ranges = [u.shard_range(comm.rank, n) for u in units]
@@ -109,13 +129,13 @@ class Step:
             inputs = [flats[u.name][lo:hi] for u, (lo, hi) in zip(units, ranges)]
 
             def build(xs):
-                return ReplicatedParams(dict(zip(names, xs)), layout, comm, flats)
+                return ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype)
         elif self.stage == 3:
             inputs = [flats[u.name] for u in units]  # the shards themselves
             schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch)
 
             def build(xs):
-                return ShardedParams(dict(zip(names, xs)), layout, comm, schedule)
+                return ShardedParams(dict(zip(names, xs)), layout, comm, schedule, reduce_dtype=reduce_dtype)
         else:
             inputs = [flats[u.name] for u in units]
 
@@ -128,66 +148,24 @@ class Step:
             made.append(build(xs))
             return made[-1]
 
-        aux_box: dict[str, Any] = {}
-
-        def objective(xs):
-            loss, aux = _split_loss(self.loss_fn(as_params(xs), batch))
-            # torch.func.grad unwraps only tensors out of aux: pass those, keep the rest aside.
-            leaves, aux_box["spec"] = optree.tree_flatten(aux)
-            aux_box["leaves"] = leaves
-            return loss, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
-
-        grads, (loss, aux_tensors) = _differentiate(objective, inputs, self.autodiff)
-        for params in made:
-            if isinstance(params, UnitParams):
-                params.release()
+        scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+        acc: list[torch.Tensor] | None = None
+        losses, aux = [], None
+        with compute_dtype(None if prec.compute == torch.float32 else prec.compute):
+            for micro in split_micro(batch, self.grad_accum):
+                grads, loss, aux = _gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff)
+                for params in made:
+                    if isinstance(params, UnitParams):
+                        params.release()
+                made.clear()
+                # accumulate over micro-batches: whole gradients at stages 0-1, shards at stages 2-3
+                acc = grads if acc is None else [a.add_(g) for a, g in zip(acc, grads)]
+                losses.append(loss)
         meta = state.meta
         if self.stage == 3:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())
-        tensors = iter(aux_tensors)
-        aux_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in aux_box["leaves"]]
-        aux = aux_box["spec"].unflatten(aux_leaves)
-
-        # Gradient sync. Every path sums over ranks in rank order, then divides by N: the same numbers
-        # at every stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN).
-        owned_grads = []
-        for i, (u, (lo, hi)) in enumerate(zip(units, ranges)):
-            g = grads[i]
-            grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
-            if self.stage == 0:
-                g = comm.all_reduce(g, tag="grads")
-            elif self.stage == 1:
-                g = comm.reduce_scatter(g, tag="grads")
-            # stages 2 and 3: already this rank's reduced shard (reduce-scattered during backward)
-            owned_grads.append(g.div_(n))
-
-        # Global grad norm from this rank's slice of every unit, summed over ranks (the grouping of the
-        # sum follows the units: size buckets at stages 0-1, modules at 2-3, so the last bits may differ).
-        slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if self.stage == 0 else owned_grads
-        sumsq = torch.stack([s.pow(2).sum() for s in slices]).sum()
-        reduced = comm.all_reduce(torch.stack([loss.detach().to(sumsq.dtype), sumsq]), tag="metrics")
-
-        from fzero.optim import apply_inplace
-
-        owned_params = _owned(layout, flats, self.stage, comm.rank)
-        grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
-        lr = current_lr(self.optimizer, int(state.step))
-        opt_state = apply_inplace(self.optimizer, grad_tree, state.opt_state, owned_params)
-        del grad_tree, owned_grads, slices
-        if self.stage in (1, 2):
-            for u, (lo, hi) in zip(units, ranges):
-                comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
-
-        metrics = {
-            "loss": float(reduced[0]) / n,
-            "grad_norm": math.sqrt(float(reduced[1])),
-            "lr": lr,
-            "step": int(state.step) + 1,
-        }
-        if aux is not None:
-            metrics["aux"] = aux
-        new_state = dataclasses.replace(state, params=dict(flats), opt_state=opt_state, step=state.step + 1, meta=meta)
-        return new_state, metrics
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        return finish(self, comm, state, acc, loss, scale, meta, aux)
 
     # -- gather ------------------------------------------------------------------------------------
     def gather(self, state: TrainState | RankStates) -> Any:
@@ -195,16 +173,18 @@ class Step:
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
         layout = rank_state.meta.layout
-        flats = rank_state.params
-        if self.stage == 3:
-            if isinstance(state, RankStates):  # every rank's shard is in this process
-                flats = {u.name: torch.cat([s.params[u.name] for s in state.states]) for u in layout.units}
-            else:  # a collective: under dist_mesh every rank must call gather
-                comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else None
-                flats = {
-                    u.name: comm.all_gather(torch.empty(u.padded, dtype=u.dtype), s, tag="gather") if comm else s
-                    for u, s in ((u, flats[u.name]) for u in layout.units)
-                }
+        has_master = isinstance(rank_state.opt_state, MasterState)  # then the fp32 masters are the params to give
+
+        def source(s: TrainState) -> dict[str, torch.Tensor]:
+            return s.opt_state.master if has_master else s.params
+
+        flats = source(rank_state)
+        if self.stage == 3 or (has_master and self.stage >= 1):  # every rank holds a shard
+            if isinstance(state, RankStates):  # all the shards are in this process
+                flats = {u.name: torch.cat([source(s)[u.name] for s in state.states]) for u in layout.units}
+            elif isinstance(self.mesh, DistMesh):  # a collective: under dist_mesh every rank must call gather
+                comm = self.mesh.comm()
+                flats = {u.name: comm.all_gather(torch.empty(u.padded, dtype=flats[u.name].dtype), flats[u.name], tag="gather") for u in layout.units}
         return optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
 
     # -- checks ------------------------------------------------------------------------------------
@@ -223,6 +203,11 @@ class Step:
             raise ValueError(f"{api}: state holds {len(states)} ranks but the step's local_mesh has {self.mesh.size}. {_REINIT_HINT}")
         for s in states:
             meta = s.meta
+            if meta is not None and meta.layout.units[0].dtype != self.precision.compute:
+                raise ValueError(
+                    f"{api}: state holds {meta.layout.units[0].dtype} params but this step computes in "
+                    f"{self.precision.compute}. {_REINIT_HINT}"
+                )
             if meta is None or meta.stage != self.stage or meta.world_size != self.world_size:
                 made = "unknown" if meta is None else f"{STAGE_NAMES[meta.stage]} on {meta.world_size} rank(s)"
                 raise ValueError(
@@ -234,31 +219,32 @@ class Step:
 _REINIT_HINT = "Make the state with this step's init(params); to move a state between steps: new_step.init(old_step.gather(old_state))."
 
 
-def current_lr(optimizer: Any, step: int) -> float:
-    """The learning rate ``optimizer`` applies at ``step`` (its ``learning_rate``: a float or a schedule); NaN if it has none."""
-    lr = getattr(optimizer, "learning_rate", None)
-    if lr is None:
-        return math.nan
-    return float(lr(step)) if callable(lr) else float(lr)
+def _gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str):
+    """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux.
 
+    By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
+    unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
+    """
+    box: dict[str, Any] = {}
 
-def _differentiate(objective: Callable, inputs: list[torch.Tensor], autodiff: str):
-    """Gradient of ``objective``'s loss with respect to ``inputs``, and its aux, by torch.func or plain autograd."""
+    def objective(xs):
+        loss, aux = _split_loss(loss_fn(as_params(xs), batch))
+        leaves, box["spec"] = optree.tree_flatten(aux)
+        box["leaves"] = leaves
+        scaled = loss if scale == 1.0 else loss.float() * scale  # fp16: the loss scale, in fp32
+        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
+
     if autodiff == "func":
-        return torch.func.grad(objective, has_aux=True)(inputs)
-    leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
-    with torch.enable_grad():
-        loss, aux = objective(leaves)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
-    return list(grads), optree.tree_map(lambda t: t.detach(), aux)
-
-
-def _owned(layout: Layout, flats: dict[str, torch.Tensor], stage: int, rank: int) -> dict[str, torch.Tensor]:
-    """What this rank's optimizer updates: whole unit buffers at stage 0, views of its shard at stages 1-2,
-    the shards themselves at stage 3 (where ``flats`` holds only shards)."""
-    if stage in (0, 3):
-        return dict(flats)
-    return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
+        grads, (loss, tensors) = torch.func.grad(objective, has_aux=True)(inputs)
+    else:
+        leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
+        with torch.enable_grad():
+            scaled, (loss, tensors) = objective(leaves)
+            grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
+        loss, tensors = loss.detach(), [t.detach() for t in tensors]
+    it = iter(tensors)
+    aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
+    return grads, loss, aux
 
 
 def _copy(flats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -301,11 +287,48 @@ def split_batch(batch: Any, n: int) -> list[Any]:
     return [spec.unflatten(leaves_r) for leaves_r in per_rank]
 
 
-def train_step(loss_fn: Callable[..., Any], optimizer: Any, *, mesh: Mesh | None = None, **details: Any) -> Step:
+def split_micro(batch: Any, k: int) -> list[Any]:
+    """This rank's batch as k micro-batches, split on dim 0 (other leaves are given to every micro-batch)."""
+    if k == 1:
+        return [batch]
+    paths, leaves, spec = _tree.flatten_with_paths(batch)
+    micro: list[list[Any]] = [[] for _ in range(k)]
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0 or leaf.shape[0] % k:
+                size = "a 0-d tensor" if leaf.dim() == 0 else f"dim 0 of size {leaf.shape[0]}"
+                raise ValueError(
+                    f"fzero.Step.__call__: grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0, but "
+                    f"batch leaf {path or '<root>'!r} has {size} on this rank. Pass a per-rank batch whose dim 0 is a multiple of {k}."
+                )
+            chunks = leaf.chunk(k)
+        else:
+            chunks = [leaf] * k
+        for i in range(k):
+            micro[i].append(chunks[i])
+    return [spec.unflatten(m) for m in micro]
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Any,
+    *,
+    mesh: Mesh | None = None,
+    precision: str | Precision = "fp32",
+    grad_accum: int = 1,
+    clip_grad_norm: float | None = None,
+    **details: Any,
+) -> Step:
     """Stage 0: a pure ``(state, batch) -> (state, metrics)`` step; gradients are all-reduced on a mesh (DDP).
 
-    ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux)``. Details: ``unit_elements`` (size of
-    the flat buffers that collectives move, default 16 Mi elements) and ``donate`` (default True).
+    ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux)``. ``precision``: "fp32", "bf16",
+    "fp16" (dynamic loss scale) or a ``fzero.Precision``. ``grad_accum=k``: each call splits the batch
+    into k micro-batches on dim 0 and makes one update, equal to one k-times-larger batch.
+    ``clip_grad_norm=c``: scale the gradient by min(1, c / (global norm + 1e-6)), as
+    ``torch.nn.utils.clip_grad_norm_``. Details: ``unit_elements`` (size of the flat buffers that
+    collectives move, default 16 Mi elements), ``donate`` (default True), ``autodiff`` ("func" or
+    "autograd") and ``on_nonfinite`` ("error" or "skip": what an inf/NaN gradient norm does when there
+    is no fp16 loss scale to back off).
     """
     if not callable(loss_fn):
         raise TypeError(f"fzero.train_step: loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}.")
@@ -316,10 +339,18 @@ def train_step(loss_fn: Callable[..., Any], optimizer: Any, *, mesh: Mesh | None
         )
     if mesh is not None and not isinstance(mesh, (LocalMesh, DistMesh)):
         raise TypeError(f"fzero.train_step: mesh must be fzero.local_mesh(n), fzero.dist_mesh() or None, got {mesh!r}.")
-    return dataclasses.replace(Step(loss_fn, optimizer, mesh), **check_details(details, api="fzero.train_step"))
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"fzero.train_step: grad_accum must be an int >= 1 (micro-batches per step), got {grad_accum!r}.")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0):
+        raise ValueError(f"fzero.train_step: clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}.")
+    step = Step(
+        loss_fn, optimizer, mesh, precision=policy(precision, api="fzero.train_step"), grad_accum=grad_accum,
+        clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+    )
+    return dataclasses.replace(step, **check_details(details, api="fzero.train_step"))
 
 
-_DETAILS = {"unit_elements": int, "donate": bool, "autodiff": ("func", "autograd")}
+_DETAILS = {"unit_elements": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
 
 
 def check_details(details: dict[str, Any], *, api: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def test_unit_settings_at_other_stages(prob):
         fzero.compile(prob.loss_fn, stages=2, prefetch=False)
 
 
-@pytest.mark.parametrize("setting", [{"offload": "cpu"}, {"precision": "bf16"}, {"grad_accum": 2}, {"clip_grad_norm": 1.0}])
+@pytest.mark.parametrize("setting", [{"offload": "cpu"}, {"config": "ds_config.json"}])
 def test_settings_not_built_yet_are_refused_not_ignored(prob, setting):
     (name, value), = setting.items()
     with pytest.raises(NotImplementedError, match=rf"fzero.compile: {name}={value!r} is not supported yet"):

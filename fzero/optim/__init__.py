@@ -20,10 +20,12 @@ from fzero.optim._base import (
     chain,
     identity,
 )
+from fzero.optim._lamb import ScaleByLambState, lamb, scale_by_lamb
+from fzero.optim._lion import ScaleByLionState, lion, scale_by_lion
 from fzero.optim._schedules import (
+    OneCycleSchedule,
     constant_schedule,
     cosine_decay_schedule,
-    OneCycleSchedule,
     linear_schedule,
     lr_range_test,
     one_cycle,
@@ -32,6 +34,7 @@ from fzero.optim._schedules import (
     warmup_decay_lr,
     warmup_lr,
 )
+from fzero.optim._segments import Segments, WholeLeaves, current_segments, use_segments
 from fzero.optim._transforms import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -49,9 +52,13 @@ __all__ = [
     "LearningRate",
     "OneCycleSchedule",
     "ScaleByAdamState",
+    "ScaleByLambState",
+    "ScaleByLionState",
     "ScaleByScheduleState",
     "Schedule",
+    "Segments",
     "TraceState",
+    "WholeLeaves",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -60,15 +67,21 @@ __all__ = [
     "chain",
     "constant_schedule",
     "cosine_decay_schedule",
+    "current_segments",
     "identity",
+    "lamb",
     "linear_schedule",
+    "lion",
     "lr_range_test",
     "one_cycle",
     "scale",
     "scale_by_adam",
+    "scale_by_lamb",
     "scale_by_learning_rate",
+    "scale_by_lion",
     "sgd",
     "trace",
+    "use_segments",
     "warmup_cosine_decay_schedule",
     "warmup_cosine_lr",
     "warmup_decay_lr",

@@ -1,0 +1,283 @@
+"""``fzero.remat``: rematerialisation (activation checkpointing) that works under ``torch.func``.
+
+``torch.utils.checkpoint`` and ``torch.autograd.graph.save_on_cpu`` are built on saved-tensor hooks,
+which ``torch.func.grad``/``vjp`` disable, so both raise there (DESIGN.md §4). ``remat`` is the recompute
+pattern of stage 3's units (``fzero._sharded``) on its own, for any function:
+
+* ``_RematForward`` runs ``fn`` under ``no_grad``; what backward keeps is ``fn``'s tensor inputs (or, with
+  ``offload="cpu"``, host copies of them), the RNG states and the autocast state. None of ``fn``'s
+  internal activations survive the forward.
+* Its backward calls a second Function, ``_RematBackward``, whose *forward* restores the RNG and autocast
+  state, recomputes ``fn`` with grad and takes the vector-Jacobian product with ``torch.autograd.grad``.
+  Recomputing in a Function's forward (not in ``backward``) is what works under ``torch.func`` and under
+  plain autograd alike.
+
+Only gradients with respect to ``fn``'s *arguments* are produced. A tensor that ``fn`` closes over is not
+an argument, so its gradient would be lost (under ``torch.func.grad`` silently: a zero gradient); the
+forward watches every torch call ``fn`` makes and raises when one reads a captured tensor that requires a
+gradient (``_CAPTURED`` says how to fix it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["remat"]
+
+OFFLOADS = (None, "cpu")
+
+_CAPTURED = """fzero.remat: {name} read a tensor that requires grad but is not one of its arguments ({what}, in {op}).
+remat differentiates only with respect to the arguments of the function it wraps: the gradient of a tensor
+the function closes over (a closure cell, a global, a module's own parameter) would be lost, and under
+torch.func.grad it would silently be zero. Pass every differentiable tensor as an argument:
+
+    wrong:  fzero.remat(lambda x: fzero.apply(block, params, x))(x)
+    right:  fzero.remat(lambda params, x: fzero.apply(block, params, x))(params, x)
+    right:  fzero.remat(lambda p, x: torch.func.functional_call(block, p, (x,)))(dict(block.named_parameters()), x)
+
+(or detach the tensor inside the function if its gradient is really not wanted)."""
+
+
+def remat(fn: Callable, *, offload: str | None = None) -> Callable:
+    """``fn`` with the same signature, whose internal activations are recomputed in backward, not stored.
+
+    ``remat(fn)(*args, **kwargs)`` returns what ``fn(*args, **kwargs)`` returns (any pytree of tensors and
+    other values, as ``torch.utils._pytree`` flattens it) and the same gradients, under ``torch.func.grad``,
+    ``torch.func.vjp`` and plain ``torch.autograd`` alike. The forward runs ``fn`` under ``no_grad`` and
+    keeps only the tensor leaves of ``args``/``kwargs``; backward runs ``fn`` a second time, with grad, and
+    takes its vector-Jacobian product. The CPU RNG state (and that of each CUDA device among the inputs)
+    and the autocast state are replayed for the recompute, so dropout draws the same mask.
+
+    **Gradients flow only to arguments.** Every tensor that needs a gradient (parameters included) must
+    be passed in ``args``/``kwargs``: ``remat(lambda params, x: fzero.apply(block, params, x))(params, x)``.
+    A call that reads a captured tensor requiring grad raises a ``RuntimeError`` in the forward.
+
+    ``offload="cpu"`` keeps the saved inputs in host memory between forward and backward (pinned, with
+    non-blocking copies, when they live on a CUDA device; a separate copy when they are already on the
+    CPU) and copies them back for the recompute.
+
+    Not supported: double backward (the backward is a recompute), forward-mode AD (``torch.func.jvp``)
+    and ``torch.func.vmap`` over the wrapped function. With grad disabled, ``fn`` is simply called.
+    """
+    if not callable(fn):
+        raise TypeError(f"fzero.remat: fn must be callable, got {type(fn).__name__}; e.g. fzero.remat(lambda params, x: ...).")
+    if not (offload is None or (isinstance(offload, str) and offload in OFFLOADS)):
+        raise ValueError(f"fzero.remat: offload={offload!r} is not supported; choose one of {OFFLOADS}.")
+
+    # updated=(): wrapping an nn.Module must not copy its __dict__ (parameters, hooks) onto the function
+    @functools.wraps(fn, updated=())
+    def rematerialised(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # no graph is built, so there is nothing to save or recompute
+            return fn(*args, **kwargs)
+        return _remat_call(fn, offload, args, kwargs)
+
+    return rematerialised
+
+
+def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) -> Any:
+    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensors = [leaves[i] for i in tensor_pos]
+    # Decided here, outside apply: inside a Function's forward under torch.func, requires_grad reads False.
+    diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
+    call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
+    outs = _RematForward.apply(call, *tensors)
+    it = iter(outs)
+    out_leaves = [next(it) if x is _SLOT else x for x in call.out_leaves]
+    return torch_pytree.tree_unflatten(out_leaves, call.out_spec)
+
+
+_SLOT = object()  # where a tensor goes back into a flattened pytree of inputs or outputs
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class _Call:
+    """One call of a remat'ed function: what both Functions need to (re)run it."""
+
+    def __init__(self, fn, offload, spec, leaves, tensor_pos, diff):
+        self.fn, self.offload = fn, offload
+        self.spec, self.leaves, self.tensor_pos, self.diff = spec, leaves, tensor_pos, diff
+        self.devices: list[torch.device] = []  # of the inputs, where the recompute puts them back
+        self.out_spec = None
+        self.out_leaves: list[Any] = []
+        self.n_out = 0
+        self.rng: _RngState | None = None
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        self.unused: list[bool] = []
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
+        outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        if self.out_spec is None:
+            self.out_spec = out_spec
+            self.out_leaves = [_SLOT if isinstance(x, torch.Tensor) else x for x in out_leaves]
+            self.n_out = len(outs)
+        elif out_spec != self.out_spec or len(outs) != self.n_out:
+            raise RuntimeError(
+                f"fzero.remat: the recompute of {self.name} returned a different structure than its forward "
+                f"({out_spec} vs {self.out_spec}); the wrapped function must be deterministic in what it returns."
+            )
+        return outs
+
+
+class _RngState:
+    """The CPU generator's state and that of each CUDA device among the inputs, replayed by the recompute."""
+
+    def __init__(self, tensors) -> None:
+        self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
+                            for t in tensors if t.device.type == "cuda"})
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda]
+
+    @contextlib.contextmanager
+    def replay(self):
+        # fork_rng restores the generators afterwards: the recompute does not advance them
+        with torch.random.fork_rng(devices=self.cuda):
+            torch.set_rng_state(self.cpu_state)
+            for d, state in zip(self.cuda, self.cuda_states):
+                torch.cuda.set_rng_state(state, d)
+            yield
+
+
+def _autocast_state(devices) -> list[tuple[str, bool, torch.dtype]]:
+    types = sorted({d.type for d in devices if d.type != "meta"} | {"cpu"})
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+
+
+def _replay_autocast(state) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device_type, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+    return stack
+
+
+class _NoCapturedGrad(TorchFunctionMode):
+    """Raises when ``fn`` makes a tensor out of a tensor that requires grad but is not an argument.
+
+    Under ``no_grad`` everything ``fn`` computes has ``requires_grad=False``, so a tensor that requires grad
+    is either an argument (plain autograd passes the caller's tensors through) or was captured; under
+    ``torch.func`` the arguments arrive unwrapped (``requires_grad=False``) and a captured transformed
+    tensor still reads ``True``. Reads of metadata (shape, dtype, ...) return no tensor and pass.
+    """
+
+    _EXEMPT = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
+
+    def __init__(self, call: _Call, inputs) -> None:
+        super().__init__()
+        self.call = call
+        self.ok = {id(x) for x in inputs}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self._EXEMPT and _has_tensor(out):
+            for t in _tensor_args(args, kwargs):
+                if t.requires_grad and id(t) not in self.ok:
+                    what = f"shape {tuple(t.shape)}, {t.dtype}"
+                    raise RuntimeError(_CAPTURED.format(name=self.call.name, what=what, op=torch.overrides.resolve_name(func) or func))
+        return out
+
+
+def _tensor_args(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):  # torch.cat, torch.stack, ...
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _has_tensor(out) -> bool:
+    return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in out))
+
+
+class _RematForward(torch.autograd.Function):
+    @staticmethod
+    def forward(call, *inputs):
+        call.devices = [x.device for x in inputs]
+        call.rng = _RngState(inputs)
+        call.autocast = _autocast_state(call.devices)
+        with torch.no_grad(), _NoCapturedGrad(call, inputs):
+            outs = call.run(list(inputs))
+        # A Function must not return one of its inputs as is, nor one tensor twice.
+        seen: set[int] = set()
+        res = []
+        for o in outs:
+            if id(o) in seen or any(o is x for x in inputs):
+                o = o.view_as(o)
+            seen.add(id(o))
+            res.append(o)
+        return tuple(res)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        call, *ins = inputs
+        ctx.call = call
+        if call.offload == "cpu":
+            # From CUDA, a non-blocking copy to the host lands in pinned memory (torch pins the destination
+            # of a non_blocking device-to-host _to_copy). It is ordered on the current stream before any
+            # reuse of the device input's memory. On the CPU it is a separate buffer.
+            ins = [x.detach().to("cpu", non_blocking=True, copy=True) for x in ins]
+        ctx.save_for_backward(*ins)
+        ctx.mark_non_differentiable(*[o for o in output if not _differentiable(o)])
+        ctx.set_materialize_grads(False)  # an output without a gradient comes as None: nothing to allocate
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        call = ctx.call
+        saved = ctx.saved_tensors
+        if not any(call.diff):
+            return (None,) * (1 + len(saved))
+        grads = list(_RematBackward.apply(call, len(saved), *saved, *grad_outs))
+        unused = iter(call.unused)
+        out = [None]
+        for need in call.diff:
+            g = grads.pop(0) if need else None
+            out.append(None if g is None or next(unused) else g)
+        return tuple(out)
+
+
+class _RematBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(call, n_in, *rest):
+        saved, grad_outs = rest[:n_in], rest[n_in:]
+        # Host copies go back to their device; the copy from pinned memory is asynchronous on the current
+        # stream, ordered before the recompute that reads it.
+        ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
+        leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
+        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast):
+            outs = call.run(leaves)
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+        wrt = [x for x, need in zip(leaves, call.diff) if need]
+        grads = [None] * len(wrt)
+        if pairs:
+            grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+        del outs, pairs, leaves, ins  # the recomputed graph is freed here, before the caller's backward goes on
+        call.unused = [g is None for g in grads]
+        # placeholders for unused inputs (_RematForward.backward turns them into None); a Function must not
+        # hand back one of its inputs as is (a gradient may be a grad_out passed straight through)
+        return tuple(w.new_empty(0) if g is None else g.view_as(g) if any(g is x for x in rest) else g for g, w in zip(grads, wrt))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fzero.remat: double backward through a remat'ed function is not supported (its backward is a recompute).")

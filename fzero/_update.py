@@ -1,0 +1,124 @@
+"""The second half of a step, after the gradient: synchronise, check, clip, update.
+
+Per rank: sum the gradient over ranks (all-reduce at stage 0, reduce-scatter at stage 1; stages 2-3
+arrive reduced), average it over ranks and micro-batches and unscale it, take the global norm, decide
+on overflow from that norm (summed over ranks, so every rank decides alike), clip, run the optimizer
+on what this rank owns (fp32 master weights when the policy keeps them), and all-gather the params
+back at stages 1-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from fzero._layout import Layout
+from fzero._precision import StaticLossScale, next_loss_scale
+
+
+class MasterState(NamedTuple):
+    """Optimizer state under a mixed-precision policy with master weights."""
+
+    master: Any  # dict unit -> fp32 tensor: this rank's master copy of what it updates
+    inner: Any  # the optimizer's own state, over ``master``
+
+
+def owned(layout: Layout, flats: dict[str, torch.Tensor], stage: int, rank: int) -> dict[str, torch.Tensor]:
+    """What this rank's optimizer updates: whole unit buffers at stage 0, views of its shard at stages 1-2,
+    the shards themselves at stage 3 (where ``flats`` holds only shards)."""
+    if stage in (0, 3):
+        return dict(flats)
+    return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
+
+
+def current_lr(optimizer: Any, step: int) -> float:
+    """The learning rate ``optimizer`` applies at ``step`` (its ``learning_rate``: a float or a schedule); NaN if it has none."""
+    lr = getattr(optimizer, "learning_rate", None)
+    if lr is None:
+        return math.nan
+    return float(lr(step)) if callable(lr) else float(lr)
+
+
+def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any):
+    """Everything after the gradient; returns (new state, metrics)."""
+    from fzero.optim import apply_inplace
+
+    layout, n, prec = state.meta.layout, comm.size, step.precision
+    units = layout.units
+    ranges = [u.shard_range(comm.rank, n) for u in units]
+    reduce_dtype = prec.reduce_dtype
+
+    # Sum over ranks in rank order, round to the compute dtype, then average: the same numbers at every
+    # stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN).
+    divisor = n * step.grad_accum * scale
+    owned_grads = []
+    for i, g in enumerate(grads):
+        grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
+        if step.stage == 0:
+            g = comm.all_reduce(g.to(reduce_dtype), tag="grads").to(prec.compute)
+        elif step.stage == 1:
+            g = comm.reduce_scatter(g.to(reduce_dtype), tag="grads").to(prec.compute)
+        # stages 2 and 3: already this rank's reduced shard (reduce-scattered during backward)
+        owned_grads.append(g.to(torch.float32).div_(divisor))
+
+    # Global norm from this rank's slice of every unit, summed over ranks (grouped by unit: size buckets
+    # at stages 0-1, modules at 2-3, so its last bits may differ between those).
+    slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if step.stage == 0 else owned_grads
+    sumsq = torch.stack([s.pow(2).sum() for s in slices]).sum()
+    reduced = comm.all_reduce(torch.stack([loss.detach().float(), sumsq]), tag="metrics")
+    grad_norm = math.sqrt(float(reduced[1])) if math.isfinite(float(reduced[1])) else float(reduced[1])
+    step_no = int(state.step) + 1
+
+    skipped = not math.isfinite(grad_norm)
+    loss_scale = state.loss_scale
+    if skipped and loss_scale is None and step.on_nonfinite == "error":
+        raise FloatingPointError(
+            f"fzero.Step: the gradient norm is {grad_norm} at step {step_no} (loss {float(reduced[0]) / n:.6g}): the "
+            f"gradients hold inf or NaN. Lower the learning rate or clip (clip_grad_norm=...); pass on_nonfinite='skip' "
+            f"to skip such steps instead (the metrics say 'skipped')."
+        )
+    if loss_scale is not None and not isinstance(prec.loss_scale, StaticLossScale) or loss_scale is not None and skipped:
+        loss_scale = next_loss_scale(prec.loss_scale, loss_scale, overflow=skipped, step=step_no)
+
+    lr = current_lr(step.optimizer, int(state.step))
+    opt_state = state.opt_state
+    flats = state.params
+    if not skipped:
+        if step.clip_grad_norm is not None:  # as torch.nn.utils.clip_grad_norm_: scale by min(1, c / (norm + 1e-6))
+            coef = (step.clip_grad_norm / (reduced[1].sqrt() + 1e-6)).clamp(max=1.0)
+            for g in owned_grads:
+                g.mul_(coef)
+        params = owned(layout, flats, step.stage, comm.rank)
+        grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
+        if isinstance(opt_state, MasterState):
+            inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
+            opt_state = MasterState(opt_state.master, inner)
+            with torch.no_grad():
+                for name, p in params.items():  # the low-precision params follow the fp32 master
+                    p.copy_(opt_state.master[name])
+        else:
+            grad_tree = {k: g.to(params[k].dtype) for k, g in grad_tree.items()}
+            opt_state = apply_inplace(step.optimizer, grad_tree, opt_state, params)
+        del grad_tree, params
+        if step.stage in (1, 2):
+            for u, (lo, hi) in zip(units, ranges):
+                comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
+    del owned_grads, slices
+
+    metrics = {
+        "loss": float(reduced[0]) / n,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "step": int(state.step) + (0 if skipped else 1),
+        "loss_scale": scale,
+        "skipped": skipped,
+    }
+    if aux is not None:
+        metrics["aux"] = aux
+    new_state = dataclasses.replace(
+        state, params=dict(flats), opt_state=opt_state, step=state.step + (0 if skipped else 1), loss_scale=loss_scale, meta=meta
+    )
+    return new_state, metrics
