@@ -17,6 +17,7 @@ import torch
 
 from fzero._layout import Layout
 from fzero._precision import StaticLossScale, next_loss_scale
+from fzero._segments import LayoutSegments
 
 
 class MasterState(NamedTuple):
@@ -45,6 +46,7 @@ def current_lr(optimizer: Any, step: int) -> float:
 def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any):
     """Everything after the gradient; returns (new state, metrics)."""
     from fzero.optim import apply_inplace
+    from fzero.optim._segments import use_segments
 
     layout, n, prec = state.meta.layout, comm.size, step.precision
     units = layout.units
@@ -93,15 +95,18 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
                 g.mul_(coef)
         params = owned(layout, flats, step.stage, comm.rank)
         grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
+        segments = LayoutSegments(layout, stage=step.stage, rank=comm.rank, comm=comm)  # for per-parameter norms
         if isinstance(opt_state, MasterState):
-            inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
+            with use_segments(segments):
+                inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
             opt_state = MasterState(opt_state.master, inner)
             with torch.no_grad():
                 for name, p in params.items():  # the low-precision params follow the fp32 master
                     p.copy_(opt_state.master[name])
         else:
             grad_tree = {k: g.to(params[k].dtype) for k, g in grad_tree.items()}
-            opt_state = apply_inplace(step.optimizer, grad_tree, opt_state, params)
+            with use_segments(segments):
+                opt_state = apply_inplace(step.optimizer, grad_tree, opt_state, params)
         del grad_tree, params
         if step.stage in (1, 2):
             for u, (lo, hi) in zip(units, ranges):
