@@ -8,6 +8,10 @@ The same program with 2 ranks simulated as threads in one process (no torchrun):
 
     python examples/train_gpt.py --mesh local --ranks 2 --stages 2 --max-seconds 60
 
+ZeRO-3 in bf16 (fp32 master weights), two micro-batches per step, gradient clipping at 1.0:
+
+    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stages 3 --precision bf16 --grad-accum 2 --clip 1.0
+
 Any text file instead of the default corpus (the Python standard library's own sources):
 
     python examples/train_gpt.py --data input.txt --steps 500
@@ -60,6 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16/fp16 keep fp32 master weights; fp16 adds a dynamic loss scale")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--schedule", choices=("cosine", "warmup-decay", "constant"), default="cosine",
+                   help="cosine: warm-up then cosine to lr/10; warmup-decay: DeepSpeed's WarmupDecayLR")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
@@ -124,7 +134,7 @@ def memory_table(state, mesh, stage: int, world: int) -> list[dict[str, int]]:
 
 def print_memory(rows: list[dict[str, int]], formula: dict[str, float], psi: int, stage: int, world: int) -> None:
     keys = ("params", "grads", "optimizer", "total")
-    print(f"\nmodel-state memory per rank, MiB (stage {stage} on {world} ranks, {psi:,} params, fp32 AdamW; "
+    print(f"\nmodel-state memory per rank, MiB (stage {stage} on {world} ranks, {psi:,} params, AdamW; "
           f"grads from the flat layout)")
     print(f"{'':14s}" + "".join(f"{k:>11s}" for k in keys) + f"{'vs formula':>12s}")
     for r, row in enumerate(rows):
@@ -159,11 +169,17 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     def loss_fn(params, batch):
         return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
 
-    schedule = fzero.optim.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=min(args.warmup, args.steps - 1),
-        decay_steps=args.steps, end_value=args.lr / 10)
+    warmup = min(args.warmup, args.steps - 1)
+    schedule = {
+        "cosine": lambda: fzero.optim.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=args.steps, end_value=args.lr / 10),
+        "warmup-decay": lambda: fzero.optim.warmup_decay_lr(
+            total_num_steps=args.steps, warmup_max_lr=args.lr, warmup_num_steps=warmup, warmup_type="linear"),
+        "constant": lambda: args.lr,
+    }[args.schedule]()
     optimizer = fzero.optim.adamw(schedule, weight_decay=args.weight_decay)
-    step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh)
+    step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
+                         grad_accum=args.grad_accum, clip_grad_norm=args.clip)
     state = step.init(fzero.params_of(model))
 
     tokens_per_step = args.batch_size * world * args.seq
@@ -193,8 +209,10 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{window_tokens / window_s:,.0f}", refresh=False)
         if (k + 1) % args.log_every == 0 or k == 0:
+            extra = f"  loss scale {metrics['loss_scale']:g}" if args.precision == "fp16" else ""
+            extra += "  (skipped: inf/NaN gradients)" if metrics["skipped"] else ""
             log(f"step {k + 1:5d}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
-                f"grad norm {metrics['grad_norm']:.3f}  {window_tokens / window_s:,.0f} tok/s")
+                f"grad norm {metrics['grad_norm']:.3f}  {window_tokens / window_s:,.0f} tok/s{extra}")
             window_s, window_tokens = 0.0, 0
         if args.eval_every and (k + 1) % args.eval_every == 0 and k + 1 < args.steps:
             evals.append({"step": k + 1, "val_loss": evaluate(model, step.gather(state), val_data, args, world)})
@@ -214,13 +232,16 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
 
     rows = memory_table(state, mesh, args.stages, world)
     rank_state = state[0] if isinstance(mesh, fzero.LocalMesh) else state
-    formula = zero_model_state_bytes(rank_state.meta.layout.numel, stage=args.stages, world_size=world)
+    low = args.precision != "fp32"  # the paper's mixed precision: 2-byte params and grads, K = 12 (master, m, v)
+    formula = zero_model_state_bytes(rank_state.meta.layout.numel, stage=args.stages, world_size=world,
+                                     param_bytes=2 if low else 4, grad_bytes=2 if low else 4, optimizer_bytes=12 if low else 8)
     if is_main:
         print_memory(rows, formula, psi, args.stages, world)
 
     result = {
         "stages": args.stages, "mesh": args.mesh, "world_size": world, "num_params": psi,
-        "config": {k: getattr(args, k) for k in ("layers", "width", "heads", "seq", "batch_size", "lr", "seed")},
+        "config": {k: getattr(args, k) for k in ("layers", "width", "heads", "seq", "batch_size", "lr", "seed",
+                                                 "precision", "grad_accum", "clip", "schedule")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss,
         "memory": {"ranks": rows, "formula": formula},
