@@ -84,7 +84,7 @@ def sgd(
 def _adam_settings(api: str, b1: float, b2: float, eps: float) -> tuple[float, float, float]:
     # Checked here (not only in scale_by_adam) so that errors name the alias the user called.
     return (
-        check_float(api, "b1", b1, low=0.0, high=1.0, high_open=True, hint=" Typical: b1=0.9."),
+        b1 if callable(b1) else check_float(api, "b1", b1, low=0.0, high=1.0, high_open=True, hint=" Typical: b1=0.9."),
         check_float(api, "b2", b2, low=0.0, high=1.0, high_open=True, hint=" Typical: b2=0.999."),
         check_float(api, "eps", eps, low=0.0, hint=" Typical: eps=1e-8."),
     )

@@ -57,7 +57,7 @@ def _kernel_groups(params: list, grads: list, mu: list, nu: list) -> dict | None
 
 
 def adam_step(
-    update: Callable, *, b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool,
+    update: Callable, *, b1: float | Callable[[int], float], b2: float, eps: float, weight_decay: float, decoupled: bool,
     learning_rate: LearningRate, adam_index: int, lr_index: int,
 ) -> Callable[[Any, Any, Any], Any]:
     """The in-place step of a ``chain`` whose state holds a ``ScaleByAdamState`` at ``adam_index`` and the
@@ -74,12 +74,13 @@ def adam_step(
                 p.add_(u)
             return new_state
         lr = _lr_now(learning_rate, state[lr_index])
+        beta1 = float(b1(int(adam.count))) if callable(b1) else b1  # a momentum schedule (OneCycle)
         adam.count.add_(1)
         kernel = getattr(torch, kernel_name)  # looked up per call so that tests can count kernel calls
         for (device, _), (ps, gs, ms, vs) in groups.items():
             step = adam.count if adam.count.device == device else adam.count.to(device)
             # One shared step tensor: the kernel only reads it (torch keeps one per param, all equal).
-            kernel(ps, gs, ms, vs, [], [step] * len(ps), lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay,
+            kernel(ps, gs, ms, vs, [], [step] * len(ps), lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay,
                    eps=eps, amsgrad=False, maximize=False)
         return state
 

@@ -53,10 +53,15 @@ def _opmath(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adam's direction ``m̂ / (sqrt(v̂) + eps)`` with torch's bias correction (not yet scaled by -lr)."""
+def scale_by_adam(b1: float | Schedule = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``m̂ / (sqrt(v̂) + eps)`` with torch's bias correction (not yet scaled by -lr).
+
+    ``b1`` may be a schedule of the step count (e.g. ``one_cycle(...).momentum``, DeepSpeed's momentum
+    cycling): each step uses its current value in the average and in the bias correction, as torch's
+    Adam does when a scheduler rewrites ``betas``.
+    """
     api = "fzero.optim.scale_by_adam"
-    b1 = check_float(api, "b1", b1, low=0.0, high=1.0, high_open=True, hint=" Typical: b1=0.9.")
+    b1 = b1 if callable(b1) else check_float(api, "b1", b1, low=0.0, high=1.0, high_open=True, hint=" Typical: b1=0.9.")
     b2 = check_float(api, "b2", b2, low=0.0, high=1.0, high_open=True, hint=" Typical: b2=0.999.")
     eps = check_float(api, "eps", eps, low=0.0, hint=" Typical: eps=1e-8.")
 
@@ -67,12 +72,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, ScaleByAdamState]:
         del params
+        beta1 = float(b1(int(state.count))) if callable(b1) else b1
         count = state.count + 1
-        mu = optree.tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1 - b1), state.mu, updates)
+        mu = optree.tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1 - beta1), state.mu, updates)
         nu = optree.tree_map(lambda v, g: v.mul(b2).addcmul(g.to(v.dtype), g.to(v.dtype), value=1 - b2), state.nu, updates)
         # Bias corrections in float64 on 0-d tensors: no host sync, and works on meta tensors.
         step = count.double()
-        bias1 = 1 - torch.pow(b1, step)
+        bias1 = 1 - torch.pow(beta1, step)
         bias2_sqrt = (1 - torch.pow(b2, step)).sqrt()
 
         def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
