@@ -28,6 +28,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
+from fzero._sharded import ShardedParams, UnitParams
+
 __all__ = ["remat"]
 
 OFFLOADS = (None, "cpu")
@@ -43,6 +45,14 @@ torch.func.grad it would silently be zero. Pass every differentiable tensor as a
 
 (or detach the tensor inside the function if its gradient is really not wanted)."""
 
+_UNIT_PARAMS = """fzero.remat: {name} was given the {kind} that loss_fn receives at stage {stage}; remat can neither save nor
+differentiate it (it is not a tensor). {fix}"""
+_UNIT_FIX = {
+    2: "Pass the tensors themselves, e.g. remat(f)({k: params[k] for k in names}, x).",
+    3: "At stage 3, fzero.apply(model, params, ...) already recomputes every unit in backward (only one unit's "
+       "activations live at a time): call it without remat.",
+}
+
 
 def remat(fn: Callable, *, offload: str | None = None) -> Callable:
     """``fn`` with the same signature, whose internal activations are recomputed in backward, not stored.
@@ -56,7 +66,10 @@ def remat(fn: Callable, *, offload: str | None = None) -> Callable:
 
     **Gradients flow only to arguments.** Every tensor that needs a gradient (parameters included) must
     be passed in ``args``/``kwargs``: ``remat(lambda params, x: fzero.apply(block, params, x))(params, x)``.
-    A call that reads a captured tensor requiring grad raises a ``RuntimeError`` in the forward.
+    A call that reads a captured tensor requiring grad raises a ``RuntimeError`` in the forward. In a
+    ``loss_fn`` at stages 0-1, ``params`` is a dict and can be passed as is; at stage 2 pass its tensors
+    (``{k: params[k] ...}``); at stage 3 ``fzero.apply`` already recomputes each unit, and passing the
+    ``ShardedParams`` to a remat'ed function raises a ``TypeError`` that says so.
 
     ``offload="cpu"`` keeps the saved inputs in host memory between forward and backward (pinned, with
     non-blocking copies, when they live on a CUDA device; a separate copy when they are already on the
@@ -83,6 +96,11 @@ def remat(fn: Callable, *, offload: str | None = None) -> Callable:
 def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) -> Any:
     leaves, spec = torch_pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        if isinstance(x, UnitParams):
+            stage = 3 if isinstance(x, ShardedParams) else 2
+            name = getattr(fn, "__qualname__", None) or type(fn).__name__
+            raise TypeError(_UNIT_PARAMS.format(name=name, kind=type(x).__name__, stage=stage, fix=_UNIT_FIX[stage]))
     tensors = [leaves[i] for i in tensor_pos]
     # Decided here, outside apply: inside a Function's forward under torch.func, requires_grad reads False.
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
