@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="bf16/fp16 keep fp32 master weights; fp16 adds a dynamic loss scale")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--remat", action="store_true",
+                   help="recompute each block in backward instead of storing its activations (stages 0-2; "
+                        "stage 3 already recomputes every unit)")
     p.add_argument("--schedule", choices=("cosine", "warmup-decay", "constant"), default="cosine",
                    help="cosine: warm-up then cosine to lr/10; warmup-decay: DeepSpeed's WarmupDecayLR")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
@@ -146,6 +149,8 @@ def print_memory(rows: list[dict[str, int]], formula: dict[str, float], psi: int
 # -- the run ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.remat and args.stages == 3:
+        raise SystemExit("train_gpt.py: --remat is for stages 0-2; stage 3 already recomputes every unit in backward.")
     mesh, rank, world = make_mesh(args)
     try:
         return train(args, mesh, rank, world)
@@ -167,7 +172,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     psi = num_params(model)
 
     def loss_fn(params, batch):
-        return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
+        logits = forward_remat(model, params, batch["x"]) if args.remat else fzero.apply(model, params, batch["x"])
+        return gpt_loss(logits, batch["y"])
 
     warmup = min(args.warmup, args.steps - 1)
     schedule = {
@@ -250,6 +256,23 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def forward_remat(model: GPT, params, idx: torch.Tensor) -> torch.Tensor:
+    """GPT.forward written out with every block rematerialised: its activations are recomputed in backward.
+
+    ``fzero.remat`` needs the tensors it differentiates as arguments (a closure over params would lose
+    their gradient), so each block gets its own params passed in explicitly.
+    """
+    def sub(prefix: str) -> dict:
+        return {k[len(prefix) + 1:]: params[k] for k in params if k.startswith(prefix + ".")}
+
+    pos = torch.arange(idx.shape[1])
+    x = fzero.apply(model.tok_emb, sub("tok_emb"), idx) + fzero.apply(model.pos_emb, sub("pos_emb"), pos)
+    for i, block in enumerate(model.blocks):
+        x = fzero.remat(lambda p, h, block=block: fzero.apply(block, p, h))(sub(f"blocks.{i}"), x)
+    x = fzero.apply(model.ln_f, sub("ln_f"), x)
+    return torch.nn.functional.linear(x, params["tok_emb.weight"])  # the tied head
 
 
 def out_of_time(start: float, max_seconds: float, mesh_kind: str) -> bool:

@@ -10,6 +10,7 @@ from fzero._compile import compile
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero._module import apply, params_of
 from fzero._precision import DynamicLossScale, Precision, StaticLossScale
+from fzero._remat import remat
 from fzero._sharded import ReplicatedParams, ShardedParams, UnitParams
 from fzero._state import RankStates, TrainState
 from fzero._step import Step, train_step
@@ -42,6 +43,7 @@ __all__ = [
     "offload",
     "optim",
     "params_of",
+    "remat",
     "shard_grads",
     "shard_optimizer",
     "shard_params",

@@ -78,3 +78,16 @@ def test_example_under_torchrun_stage2(corpus_file, tmp_path):
     assert result["mesh"] == "dist"
     check_result(result, stages=2, world=2)
     assert proc.stdout.count("ZeRO formula") == 1  # rank 0 prints, rank 1 does not
+
+
+def test_example_options_remat_precision_accum_clip(corpus_file, tmp_path, capsys):
+    """--remat changes memory, not the numbers; bf16 with accumulation and clipping still learns."""
+    base = [*TINY, "--mesh", "local", "--ranks", "2", "--stages", "2", "--data", corpus_file, "--steps", "8"]
+    plain = load_example().main(base)
+    remat = load_example().main([*base, "--remat"])
+    assert remat["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    mixed = load_example().main([*base, "--precision", "bf16", "--grad-accum", "2", "--clip", "1.0",
+                                 "--schedule", "warmup-decay", "--steps", "20"])
+    assert sum(mixed["losses"][-3:]) / 3 < mixed["losses"][0] - 0.5
+    with pytest.raises(SystemExit, match="--remat is for stages 0-2"):
+        load_example().main([*TINY, "--mesh", "local", "--stages", "3", "--remat"])
