@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from fzero._offload import DEFAULT_SUB_GROUP
 from fzero._precision import Precision
 from fzero._step import Step, check_details, train_step
 from fzero._zero import offload as _offload
@@ -17,6 +18,9 @@ def compile(  # noqa: A001 - the public name is the design's
     stages: int = 0,
     mesh: Any = None,
     offload: str | None = None,
+    offload_params: bool = False,
+    offload_dir: str | None = None,
+    sub_group_size: int = DEFAULT_SUB_GROUP,
     precision: str | Precision = "fp32",
     grad_accum: int = 1,
     clip_grad_norm: float | None = None,
@@ -26,7 +30,9 @@ def compile(  # noqa: A001 - the public name is the design's
     """Compose ``train_step`` with the shard transforms for ZeRO stage ``stages`` (0, 1, 2 or 3).
 
     ``precision``: "fp32", "bf16", "fp16" or a ``fzero.Precision``; ``grad_accum``: micro-batches per
-    step; ``clip_grad_norm``: clip the global gradient norm (see ``train_step``). Details (keyword):
+    step; ``clip_grad_norm``: clip the global gradient norm (see ``train_step``). ``offload``: "cpu" or
+    "disk"/"nvme" with ``offload_dir`` and ``sub_group_size``; ``offload_params`` (stage 3) — see
+    ``fzero.offload``. Details (keyword):
     ``unit_elements``, ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
     ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` (see ``shard_params``).
 
@@ -37,7 +43,6 @@ def compile(  # noqa: A001 - the public name is the design's
 
     if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
         raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
-    _not_yet("offload", offload, None, "CPU/disk offload is the offload issue")
     _not_yet("config", config, None, "DeepSpeed config files are the config issue")
     units = details.pop("units", None)
     stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
@@ -57,7 +62,9 @@ def compile(  # noqa: A001 - the public name is the design's
     if stages >= 3:
         step = shard_params(step, **stage3)
     if offload is not None:
-        step = _offload(step, offload)
+        step = _offload(step, offload, params=offload_params, dir=offload_dir, sub_group_size=sub_group_size)
+    elif offload_params or offload_dir is not None:
+        raise ValueError(f"fzero.compile: offload_params/offload_dir need offload='cpu' or 'disk', but offload=None.")
     return step
 
 

@@ -29,6 +29,7 @@ from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._precision import Precision, init_loss_scale, policy
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
+from fzero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
 from fzero._update import MasterState, current_lr, finish, owned
 
 STAGE_NAMES = {0: "stage 0 (replicated, like DDP)", 1: "stage 1 (ZeRO-1)", 2: "stage 2 (ZeRO-2)", 3: "stage 3 (ZeRO-3)"}
@@ -51,6 +52,7 @@ class Step:
     grad_accum: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip the global gradient norm to this
     on_nonfinite: str = "error"  # an inf/NaN gradient norm without a loss scale: "error" or "skip" the step
+    offload: OffloadPolicy | None = None  # optimizer state (and masters) on the host or in files
 
     @property
     def world_size(self) -> int:
@@ -83,9 +85,13 @@ class Step:
     def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], masters: dict | None, rank: int) -> TrainState:
         if self.stage == 3:  # keep only this rank's shard of every unit
             flats = {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))].clone() for u in layout.units}
+        master = None
         if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
             master = {k: v.clone() for k, v in owned(layout, masters, min(self.stage, 1), rank).items()}
-            opt_state: Any = MasterState(master, self.optimizer.init(master))
+        if self.offload is not None and self.offload.where == "disk":
+            opt_state: Any = init_disk(self.optimizer, self.offload, owned(layout, flats, self.stage, rank), master, rank)
+        elif master is not None:
+            opt_state = MasterState(master, self.optimizer.init(master))
         else:
             opt_state = self.optimizer.init(owned(layout, flats, self.stage, rank))
         meta = StateMeta(layout=layout, stage=self.stage, world_size=layout.world_size, rank=rank)
@@ -173,10 +179,14 @@ class Step:
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
         layout = rank_state.meta.layout
-        has_master = isinstance(rank_state.opt_state, MasterState)  # then the fp32 masters are the params to give
+        on_disk = isinstance(rank_state.opt_state, DiskOptState)
+        has_master = isinstance(rank_state.opt_state, MasterState) or on_disk and rank_state.opt_state.master
+        # with fp32 masters, they are the params to give
 
         def source(s: TrainState) -> dict[str, torch.Tensor]:
-            return s.opt_state.master if has_master else s.params
+            if not has_master:
+                return s.params
+            return gather_master(s.opt_state, [u.name for u in layout.units]) if on_disk else s.opt_state.master
 
         flats = source(rank_state)
         if self.stage == 3 or (has_master and self.stage >= 1):  # every rank holds a shard

@@ -17,6 +17,7 @@ import torch
 
 from fzero._layout import Layout
 from fzero._precision import StaticLossScale, next_loss_scale
+from fzero._offload import DiskOptState, NoSegments, disk_update, to_host
 from fzero._segments import LayoutSegments
 
 
@@ -96,7 +97,11 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
         params = owned(layout, flats, step.stage, comm.rank)
         grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
         segments = LayoutSegments(layout, stage=step.stage, rank=comm.rank, comm=comm)  # for per-parameter norms
-        if isinstance(opt_state, MasterState):
+        if step.offload is not None:  # the optimizer runs on the host: gradients go there (a no-op on CPU)
+            grad_tree = {k: to_host(g) for k, g in grad_tree.items()}
+        if isinstance(opt_state, DiskOptState):
+            opt_state = disk_update(step.optimizer, opt_state, grad_tree, params, step.offload, NoSegments())
+        elif isinstance(opt_state, MasterState):
             with use_segments(segments):
                 inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
             opt_state = MasterState(opt_state.master, inner)

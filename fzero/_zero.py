@@ -15,6 +15,7 @@ import dataclasses
 
 from fzero._mesh import DistMesh, LocalMesh, Mesh
 from fzero._step import STAGE_NAMES, Step
+from fzero._offload import DEFAULT_SUB_GROUP, make_policy
 from fzero._units import by_prefixes
 
 
@@ -84,9 +85,25 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
     return dataclasses.replace(step, stage=3, units=units, prefetch=prefetch)
 
 
-def offload(step: Step, where: str) -> Step:
-    """Optimizer state and master weights on host or disk: not built yet."""
-    _check_step(step, "fzero.offload")
-    raise NotImplementedError(
-        f"fzero.offload: offload={where!r} is not implemented yet (tracked as the offload issue). Run without offload."
-    )
+def offload(step: Step, where: str, *, params: bool = False, dir: str | None = None, sub_group_size: int = DEFAULT_SUB_GROUP) -> Step:
+    """Optimizer state and fp32 master weights off the device: ``"cpu"`` (ZeRO-Offload) or ``"disk"``/``"nvme"``
+    (ZeRO-Infinity: files under ``dir``, updated in sub-groups of ``sub_group_size`` elements).
+
+    ``params=True`` (stage 3, ``"cpu"``): the param shards live on the host too, copied in at gather time.
+    Needs a sharded optimizer (stages 1-3), as DeepSpeed's offload does.
+    """
+    step = _check_step(step, "fzero.offload")
+    if step.stage == 0:
+        raise ValueError(
+            "fzero.offload: needs fzero.shard_optimizer inside it (each rank offloads its shard of the optimizer state), "
+            "but the step is stage 0. Write fzero.offload(fzero.shard_optimizer(step, mesh), 'cpu'), or compile(stages>=1, offload=...)."
+        )
+    if step.offload is not None:
+        raise ValueError(f"fzero.offload: the step already offloads to {step.offload.where!r}; apply offload once.")
+    policy = make_policy(where, params=params, dir=dir, sub_group_size=sub_group_size, api="fzero.offload")
+    if policy.params and step.stage != 3:
+        raise ValueError(f"fzero.offload: params=True offloads param shards, which exist at stage 3 only; the step is {STAGE_NAMES[step.stage]}.")
+    if policy.where == "disk" and not step.donate:
+        raise ValueError("fzero.offload: offload='disk' keeps the optimizer state in files that each step updates, so an "
+                         "old state cannot be kept (donate=False). Build the step with donate=True.")
+    return dataclasses.replace(step, offload=policy)

@@ -140,10 +140,10 @@ def reference_run(problem: Problem, *, fused: bool) -> tuple[list[dict[str, torc
     return history, losses
 
 
-def fzero_run(problem: Problem, *, stages: int, mesh, unit_elements: int = 2048):
+def fzero_run(problem: Problem, *, stages: int, mesh, unit_elements: int = 2048, **settings):
     """fzero with the same hyper-parameters. Params after each step, and the metrics of each step."""
     opt = fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
-    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, unit_elements=unit_elements)
+    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, unit_elements=unit_elements, **settings)
     state = step.init(fzero.params_of(problem.model))
     history, metrics = [], []
     for b in problem.batches:

@@ -18,11 +18,11 @@ from problems import PROBLEMS, fzero_run
 HERE = os.path.dirname(__file__)
 
 
-def run_torchrun(tmp_path, problem: str, stages: int) -> dict:
+def run_torchrun(tmp_path, problem: str, stages: int, *extra: str) -> dict:
     out = tmp_path / f"{problem}-{stages}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out)]
+           os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return torch.load(out, weights_only=False)
@@ -51,3 +51,16 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
     assert ops == ({"broadcast", "all_reduce"} if stages == 0 else {"broadcast", "all_reduce", "reduce_scatter", "all_gather"})
     if stages == 3:  # gather() under dist_mesh is a collective; prefetch issued async all-gathers
         assert ("all_gather", "gather") in {(op, tag) for op, tag, _ in dist["calls"]}
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_torchrun_offload_equals_local_mesh_without_offload(tmp_path, one_thread, where, stages):
+    extra = ["--offload", where] + (["--offload-dir", str(tmp_path)] if where == "disk" else [])
+    dist = run_torchrun(tmp_path, "gpt", stages, *extra)
+    local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2))
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    if where == "disk":
+        assert os.listdir(tmp_path) == [f"gpt-{stages}.pt"]  # the ranks' offload files are gone with their states

@@ -1,0 +1,229 @@
+"""Offload: optimizer state and master weights in host memory (ZeRO-Offload) or in files (ZeRO-Infinity).
+
+``OffloadPolicy`` is the frozen setting; ``offload(step, "cpu" | "disk")`` in ``_zero.py`` attaches it.
+
+- ``"cpu"``: the optimizer state and fp32 masters are allocated on the host and the optimizer runs
+  there (torch's fused CPU AdamW); gradients go to the host and updated params come back. On a CPU-only
+  machine host and device are the same memory, so the copies are no-ops and the code path is the
+  same one, tested; on CUDA the host buffers are pinned so the copies can be asynchronous.
+- ``"disk"`` (alias ``"nvme"``): every param-shaped leaf of the optimizer state (Adam's m and v, the
+  fp32 master) lives in a file under ``offload_dir``, one file per unit and leaf, created fresh for the
+  run in its own directory and removed when no state refers to it any more. The update walks each unit
+  in sub-groups of ``sub_group_size`` elements: only two sub-groups of state are in RAM at a time, and a
+  background thread reads the next one (and writes back the previous one) while the optimizer updates
+  the current one. The optimizer runs on each sub-group as on any leaf, so element-wise optimizers give
+  the same numbers as without offload (sub-groups start on multiples of ``SHARD_ALIGN``); a layer-wise
+  one (LAMB) cannot see whole parameters there and is refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fzero._layout import SHARD_ALIGN
+
+KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
+DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    where: str  # "cpu" or "disk"
+    params: bool = False  # stage 3: the param shards live on the host too
+    dir: str | None = None  # "disk": where the files go
+    sub_group_size: int = DEFAULT_SUB_GROUP
+
+    def __post_init__(self) -> None:
+        if self.sub_group_size % SHARD_ALIGN:
+            object.__setattr__(self, "sub_group_size", math.ceil(self.sub_group_size / SHARD_ALIGN) * SHARD_ALIGN)
+
+
+def make_policy(where: Any, *, params: bool, dir: Any, sub_group_size: Any, api: str) -> OffloadPolicy:
+    if where not in KINDS:
+        raise ValueError(f"{api}: where must be one of {sorted(KINDS)}, got {where!r}.")
+    kind = KINDS[where]
+    if not isinstance(params, bool):
+        raise TypeError(f"{api}: offload_params must be True or False, got {params!r}.")
+    if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < SHARD_ALIGN:
+        raise ValueError(f"{api}: sub_group_size must be an int >= {SHARD_ALIGN} (elements per sub-group), got {sub_group_size!r}.")
+    if kind == "disk":
+        if dir is None:
+            raise ValueError(f"{api}: offload={where!r} needs offload_dir=, a directory for the optimizer-state files (e.g. a local NVMe mount).")
+        dir = os.fspath(dir)
+        if not os.path.isdir(dir):
+            raise ValueError(f"{api}: offload_dir={dir!r} does not exist or is not a directory; create it first.")
+        if not os.access(dir, os.W_OK | os.X_OK):
+            raise PermissionError(f"{api}: offload_dir={dir!r} is not writable by this process; pick a directory it can write.")
+        if params:
+            raise NotImplementedError(
+                f"{api}: offload_params=True with offload={where!r} (param shards in files) is not built yet; param shards "
+                f"can live on the host with offload='cpu', offload_params=True."
+            )
+    elif dir is not None:
+        raise ValueError(f"{api}: offload_dir={dir!r} only applies to offload='disk'/'nvme', not {where!r}.")
+    return OffloadPolicy(kind, params, dir, sub_group_size)
+
+
+def host() -> torch.device:
+    return torch.device("cpu")
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy for the optimizer (pinned, asynchronous from CUDA; the tensor itself on a CPU-only run)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return out.copy_(t, non_blocking=True)
+
+
+# -- files ------------------------------------------------------------------------------------------
+
+
+class DiskStore:
+    """One directory of flat fp32 files for one rank: ``(unit, leaf) -> file``. Removed with the last state using it."""
+
+    def __init__(self, root: str, rank: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix=f"fzero-rank{rank}-{uuid.uuid4().hex[:8]}-", dir=root)
+        self.sizes: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, key.replace("/", "__") + ".bin")
+
+    def create(self, key: str, source: torch.Tensor) -> None:
+        with open(self.path(key), "wb") as f:
+            f.write(_bytes(source.detach().to(torch.float32).contiguous()))
+        self.sizes[key] = source.numel()
+
+    def read(self, key: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        with open(self.path(key), "rb", buffering=0) as f:
+            f.seek(start * 4)
+            if f.readinto(_bytes(out)) != out.numel() * 4:
+                raise OSError(f"fzero offload: {self.path(key)} is shorter than expected; was it changed or truncated?")
+        return out
+
+    def write(self, key: str, start: int, data: torch.Tensor) -> None:
+        with open(self.path(key), "r+b", buffering=0) as f:
+            f.seek(start * 4)
+            f.write(_bytes(data))
+
+    def load(self, key: str) -> torch.Tensor:
+        return self.read(key, 0, torch.empty(self.sizes[key], dtype=torch.float32))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+class DiskOptState(NamedTuple):
+    """The optimizer state of a rank under disk offload. Param-shaped leaves are in ``store``'s files."""
+
+    store: DiskStore
+    small: Any  # the optimizer state's other leaves (step counts), one copy: every sub-group's are equal
+    master: bool  # the fp32 master weights are in the files too (key "master/<unit>")
+
+
+def _is_param_leaf(path: tuple) -> bool:
+    return len(path) > 0 and path[-1] == "g"
+
+
+def init_disk(optimizer: Any, policy: OffloadPolicy, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
+    """Write the initial optimizer state (and masters) of what this rank owns into fresh files."""
+    store = DiskStore(policy.dir, rank)
+    small = None
+    for name, t in owned.items():
+        source = masters[name] if masters is not None else t
+        state = optimizer.init({"g": source})
+        paths, leaves, _ = optree.tree_flatten_with_path(state)
+        for path, leaf in zip(paths, leaves):
+            if _is_param_leaf(path):
+                store.create(_key(path, name), leaf)
+        small = optree.tree_map(lambda x: x, state)  # structure + the small leaves; param leaves are dropped on use
+        if masters is not None:
+            store.create(f"master/{name}", source)
+    small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, small, none_is_leaf=True)
+    return DiskOptState(store, small, masters is not None)
+
+
+def _key(path: tuple, unit: str) -> str:
+    return "opt/" + "/".join(str(p) for p in path[:-1]) + f"/{unit}"
+
+
+def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                policy: OffloadPolicy, segments_guard: Any) -> DiskOptState:
+    """One optimizer step over the files, sub-group by sub-group, reading ahead in a background thread."""
+    from fzero.optim import apply_inplace
+    from fzero.optim._segments import use_segments
+
+    paths, _, spec = optree.tree_flatten_with_path(state.small, none_is_leaf=True)
+    param_paths = [p for p in paths if _is_param_leaf(p)]
+    keys_of = lambda unit: [_key(p, unit) for p in param_paths] + ([f"master/{unit}"] if state.master else [])  # noqa: E731
+    groups = [(u, a, min(a + policy.sub_group_size, g.numel())) for u, g in grads.items() for a in range(0, g.numel(), policy.sub_group_size)]
+    size = policy.sub_group_size
+    width = len(param_paths) + (1 if state.master else 0)
+    buffers = [[torch.empty(size, dtype=torch.float32) for _ in range(width)] for _ in range(2)]
+    store = state.store
+
+    def read(i: int) -> list[torch.Tensor]:
+        unit, a, b = groups[i]
+        return [store.read(k, a, buf[: b - a]) for k, buf in zip(keys_of(unit), buffers[i % 2])]
+
+    def write(i: int, data: list[torch.Tensor]) -> None:
+        unit, a, _ = groups[i]
+        for k, t in zip(keys_of(unit), data):
+            store.write(k, a, t)
+
+    small = state.small
+    new_small = small
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fzero-offload") as io:
+        pending = io.submit(read, 0) if groups else None
+        for i, (unit, a, b) in enumerate(groups):
+            data = pending.result()
+            if i + 1 < len(groups):  # FIFO: the write of i-1 (same buffers) was queued before this read
+                pending = io.submit(read, i + 1)
+            opt_leaves = iter(data[: len(param_paths)])
+            group_state = optree.tree_map_with_path(
+                lambda p, x: next(opt_leaves) if _is_param_leaf(p) else (x.clone() if isinstance(x, torch.Tensor) else x),
+                small, none_is_leaf=True,
+            )
+            target = data[-1] if state.master else params[unit][a:b]
+            with use_segments(segments_guard):
+                group_state = apply_inplace(optimizer, {"g": grads[unit][a:b].to(target.dtype)}, group_state, {"g": target})
+            g_paths, g_leaves, _ = optree.tree_flatten_with_path(group_state, none_is_leaf=True)
+            # the optimizer may have returned new tensors for its param-shaped leaves: write those
+            data = [x for p, x in zip(g_paths, g_leaves) if _is_param_leaf(p)] + ([target] if state.master else [])
+            if state.master:
+                params[unit][a:b].copy_(target)  # the low-precision params follow the fp32 master
+            new_small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, group_state, none_is_leaf=True)
+            io.submit(write, i, data)  # the next read into these buffers is queued behind this write
+    return DiskOptState(store, new_small, state.master)
+
+
+class NoSegments:
+    """Installed during a sub-group update: a layer-wise optimizer cannot see whole parameters there."""
+
+    def sumsq(self, tree: Any) -> Any:
+        raise NotImplementedError(
+            "fzero.offload('disk'): the optimizer asked for per-parameter norms (a layer-wise optimizer such as "
+            "fzero.optim.lamb), but disk offload updates the state in sub-groups that cut through parameters. "
+            "Use an element-wise optimizer (adamw, adam, sgd, lion) with disk offload, or offload='cpu'."
+        )
+
+    expand = sumsq
+
+
+def gather_master(state: DiskOptState, units: list[str]) -> dict[str, torch.Tensor]:
+    """The fp32 masters back from the files (for ``Step.gather``)."""
+    return {u: state.store.load(f"master/{u}") for u in units}
+
