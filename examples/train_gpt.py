@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="bf16/fp16 keep fp32 master weights; fp16 adds a dynamic loss scale")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--offload", choices=("cpu", "disk"), default=None,
+                   help="optimizer state and fp32 masters on the host, or in files under --offload-dir (stages 1-3)")
+    p.add_argument("--offload-dir", default=None, help="directory for --offload disk (e.g. an NVMe mount)")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block in backward instead of storing its activations (stages 0-2; "
                         "stage 3 already recomputes every unit)")
@@ -185,7 +188,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     }[args.schedule]()
     optimizer = fzero.optim.adamw(schedule, weight_decay=args.weight_decay)
     step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
-                         grad_accum=args.grad_accum, clip_grad_norm=args.clip)
+                         grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
+                         offload_dir=args.offload_dir)
     state = step.init(fzero.params_of(model))
 
     tokens_per_step = args.batch_size * world * args.seq
@@ -241,13 +245,15 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     low = args.precision != "fp32"  # the paper's mixed precision: 2-byte params and grads, K = 12 (master, m, v)
     formula = zero_model_state_bytes(rank_state.meta.layout.numel, stage=args.stages, world_size=world,
                                      param_bytes=2 if low else 4, grad_bytes=2 if low else 4, optimizer_bytes=12 if low else 8)
+    if args.offload == "disk":  # the optimizer state and masters are in files, not in RAM
+        formula = {**formula, "optimizer": 0.0, "total": formula["params"] + formula["grads"]}
     if is_main:
         print_memory(rows, formula, psi, args.stages, world)
 
     result = {
         "stages": args.stages, "mesh": args.mesh, "world_size": world, "num_params": psi,
         "config": {k: getattr(args, k) for k in ("layers", "width", "heads", "seq", "batch_size", "lr", "seed",
-                                                 "precision", "grad_accum", "clip", "schedule")},
+                                                 "precision", "grad_accum", "clip", "schedule", "offload")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss,
         "memory": {"ranks": rows, "formula": formula},
