@@ -1,0 +1,96 @@
+"""Peak RSS per rank of a ZeRO-3 GPT whose optimizer state lives on disk, against its model-state size.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/offload_rss.py --layers 24 --width 1024 --offload disk --dir /tmp/fzero-offload
+
+Each rank reports VmHWM (peak resident set, from /proc/self/status) twice: over the whole process,
+and over the training steps only (reset by writing 5 to /proc/self/clear_refs after ``Step.init``).
+The module is moved to the meta device after its params are copied out: at stage 3 ``fzero.apply``
+needs its structure, not its weights. The init peak is still several full copies of the params
+(the module, ``params_of``'s copy, the packed buffers), because ``Step.init`` takes whole params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import fzero
+from fzero.models import GPT, GPTConfig, gpt_loss, num_params
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--offload", choices=("none", "cpu", "disk"), default="disk")
+    ap.add_argument("--dir", default="/tmp/fzero-offload")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    mesh = fzero.dist_mesh()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=args.layers, d_model=args.width, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab))
+    psi = num_params(model)
+    params = fzero.params_of(model)
+    model.to("meta")  # stage 3 needs the module's structure only
+
+    def loss_fn(p, b):
+        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
+
+    kw = {} if args.offload == "none" else {"offload": args.offload}
+    if args.offload == "disk":
+        os.makedirs(args.dir, exist_ok=True)
+        kw["offload_dir"] = args.dir
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-4), stages=3, mesh=mesh, **kw)
+    state = step.init(params)
+    del params
+    init_peak = vm_hwm()
+    reset_hwm()
+    times = []
+    g = torch.Generator().manual_seed(mesh.rank)
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g)
+        t0 = time.perf_counter()
+        state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
+        times.append(time.perf_counter() - t0)
+    train_peak = vm_hwm()
+    rows = [None] * mesh.size
+    dist.all_gather_object(rows, {"rank": mesh.rank, "init_peak": init_peak, "train_peak": train_peak})
+    if mesh.rank == 0:
+        states = 16 * psi
+        out = {"params": psi, "model_states_bytes": states, "offload": args.offload, "ranks": rows,
+               "step_s": sorted(times)[len(times) // 2], "loss": m["loss"]}
+        print(json.dumps(out, indent=1))
+        for r in rows:
+            print(f"rank {r['rank']}: fp32 model states {states / 2**30:.2f} GiB (16 B x {psi:,} params); peak RSS "
+                  f"training {r['train_peak'] / 2**30:.2f} GiB ({states / r['train_peak']:.2f}x smaller), "
+                  f"incl. init {r['init_peak'] / 2**30:.2f} GiB")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
