@@ -229,3 +229,20 @@ def test_metrics_report_lr_loss_scale_skipped_grad_norm():
     m = out[0][1]
     assert {"loss", "grad_norm", "lr", "loss_scale", "skipped", "step"} <= set(m)
     assert m["lr"] == pytest.approx(1e-3) and m["loss_scale"] == 1.0 and m["skipped"] is False
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_reduce_dtype_sums_bf16_gradients_in_fp32(stages):
+    prob = PROBLEMS["gpt"](steps=2)
+    policy = fzero.Precision(compute=torch.bfloat16, reduce=torch.float32)
+    mesh = fzero.count_collectives(fzero.local_mesh(2))
+    step = fzero.compile(prob.loss_fn, stages=stages, mesh=mesh, precision=policy)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, m = step(state, b)
+    grads = {c.itemsize for c in mesh.counter.calls if c.tag == "grads"}
+    params = {c.itemsize for c in mesh.counter.calls if c.tag == "params"}
+    assert grads == {4}  # gradients travel and are summed in fp32
+    assert params <= {2}  # params travel in bf16
+    assert state[0].meta.layout.units[0].dtype == torch.bfloat16
+    assert m["loss"] < 6 and m["grad_norm"] > 0
