@@ -196,6 +196,10 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     log(f"fzero stage {args.stages} on {world} ranks ({args.mesh} mesh) | GPT {args.layers}x{args.width}, "
         f"{args.heads} heads, seq {args.seq}, {psi:,} params | {len(train_data):,} training bytes "
         f"({args.data or 'Python stdlib sources'}) | {tokens_per_step:,} tokens per step")
+    # Before training: what fzero.estimate_memory predicts per rank; the measured table is printed at the end.
+    estimate = fzero.estimate_memory(model, stages=args.stages, world_size=world, precision=args.precision,
+                                     optimizer=optimizer, offload=args.offload)
+    log(f"{estimate}\n(activations not included; measured model states at the end)")
 
     losses: list[float] = []
     evals: list[dict] = []
@@ -256,7 +260,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                                                  "precision", "grad_accum", "clip", "schedule", "offload")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss,
-        "memory": {"ranks": rows, "formula": formula},
+        "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict()},
     }
     if args.json_out and is_main:
         with open(args.json_out, "w") as f:

@@ -5,8 +5,10 @@ are pure functions from a step to a step, lowered to the collectives of a mesh.
 """
 
 from fzero import memory, optim, testing
+from fzero import config  # DeepSpeed config files: fzero.config.from_deepspeed
 from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
+from fzero._estimate import MemoryEstimate, estimate_memory
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero._module import apply, params_of
 from fzero._precision import DynamicLossScale, Precision, StaticLossScale
@@ -25,6 +27,7 @@ __all__ = [
     "DistMesh",
     "DynamicLossScale",
     "LocalMesh",
+    "MemoryEstimate",
     "MeshTimeout",
     "Precision",
     "RankStates",
@@ -36,8 +39,10 @@ __all__ = [
     "TrainState",
     "apply",
     "compile",
+    "config",
     "count_collectives",
     "dist_mesh",
+    "estimate_memory",
     "local_mesh",
     "memory",
     "offload",

@@ -36,6 +36,9 @@ def compile(  # noqa: A001 - the public name is the design's
     ``unit_elements``, ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
     ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` (see ``shard_params``).
 
+    ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
+    settings); keywords given explicitly win over it (see ``fzero.config``).
+
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
     so, never a silent fallback.
     """
@@ -43,7 +46,10 @@ def compile(  # noqa: A001 - the public name is the design's
 
     if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
         raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
-    _not_yet("config", config, None, "DeepSpeed config files are the config issue")
+    if config is not None:  # a DeepSpeed config: its settings, and the keywords given here win over them
+        from fzero.config import merge_with_keywords
+
+        return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
     units = details.pop("units", None)
     stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
     if units is not None and stages < 2:
@@ -66,8 +72,3 @@ def compile(  # noqa: A001 - the public name is the design's
     elif offload_params or offload_dir is not None:
         raise ValueError(f"fzero.compile: offload_params/offload_dir need offload='cpu' or 'disk', but offload=None.")
     return step
-
-
-def _not_yet(name: str, value: Any, supported: Any, why: str) -> None:
-    if value != supported:
-        raise NotImplementedError(f"fzero.compile: {name}={value!r} is not supported yet ({why}). Leave {name}={supported!r}.")

@@ -1,0 +1,257 @@
+"""``fzero.estimate_memory``: per-rank bytes of a ZeRO run, by category and by place, before running it.
+
+Model states follow the ZeRO paper (DESIGN.md §6), with Ψ parameters, N ranks, P bytes per param and gradient
+(4 in fp32, 2 in bf16/fp16) and K optimizer bytes per parameter (the fp32 master, when the policy keeps one,
+plus the optimizer's state: 8 for Adam's m and v in fp32)::
+
+    stage 0: (2P + K)Ψ     stage 1: 2PΨ + KΨ/N     stage 2: PΨ + (P + K)Ψ/N     stage 3: (2P + K)Ψ/N
+
+Given a model or a params pytree (not just a count) the estimate uses fzero's own layout: units padded as
+``Step.init`` pads them, and the working set of a step on top of the model states:
+
+* ``gathered`` (stage 3): the unit that runs and the one prefetched (the two largest units), and the root unit
+  (parameters outside every unit, gathered for the whole step);
+* ``transient``: what else the step's peak holds. In backward, one unit's whole gradient before it is reduced
+  (stages 0-1: a size bucket; stage 2: the unit's gradient and its per-parameter pieces before they are joined;
+  stage 3: the gradient of the unit recomputed). In the update, the fp32 gradient the optimizer reads: fzero
+  converts the reduced gradient of what a rank owns to fp32 (4 bytes per owned element), which under a
+  master-weight policy outgrows the 2-byte gradients it replaces (the paper counts 2).
+  The peak is the larger of the two phases; activations are not counted (they depend on the batch).
+
+Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads;
+``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in files
+and two sub-groups of it in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from fzero import _tree
+from fzero._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
+from fzero._offload import DEFAULT_SUB_GROUP, KINDS
+from fzero._precision import policy
+from fzero._units import by_container_child, by_prefixes
+
+API = "fzero.estimate_memory"
+CATEGORIES = ("params", "grads", "optimizer", "gathered", "transient")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """Bytes one rank holds in one place, by category."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0  # the optimizer's state, fp32 master weights included
+    gathered: float = 0.0  # stage 3: gathered units (running + prefetched + root)
+    transient: float = 0.0  # the rest of the step's peak (see the module docstring)
+
+    @property
+    def model_states(self) -> float:
+        """params + grads + optimizer: the ZeRO paper's model states."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """The peak of a step: model states + gathered + transient."""
+        return self.model_states + self.gathered + self.transient
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes of one configuration. ``print(est)`` shows them; ``est.device.total`` is the device peak."""
+
+    num_params: int  # Ψ, without padding
+    stages: int
+    world_size: int
+    precision: str
+    optimizer: str
+    offload: str | None
+    offload_params: bool
+    device: Bytes
+    host: Bytes
+    disk: Bytes
+    units: int | None  # units of the layout, when a model or params were given
+
+    @property
+    def model_states(self) -> float:
+        """params + grads + optimizer per rank, wherever they are (the paper's Figure 1 column)."""
+        return self.device.model_states + self.host.model_states + self.disk.model_states
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("num_params", "stages", "world_size", "precision", "optimizer", "offload",
+                                             "offload_params", "units")}
+        for place in ("device", "host", "disk"):
+            b = getattr(self, place)
+            out[place] = {**{c: getattr(b, c) for c in CATEGORIES}, "model_states": b.model_states, "total": b.total}
+        return out
+
+    def __str__(self) -> str:
+        where = "none" if self.offload is None else self.offload + (" + params" if self.offload_params else "")
+        head = (f"estimated memory per rank: {self.num_params:,} params, stage {self.stages}, {self.world_size} ranks, "
+                f"{self.precision}, {self.optimizer}, offload {where}")
+        lines = [head, f"{'':8s}" + "".join(f"{c:>12s}" for c in (*CATEGORIES, "total"))]
+        for place in ("device", "host", "disk"):
+            b = getattr(self, place)
+            if place == "device" or b.total:
+                lines.append(f"{place:8s}" + "".join(f"{_fmt(getattr(b, c)):>12s}" for c in CATEGORIES) + f"{_fmt(b.total):>12s}")
+        return "\n".join(lines)
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def estimate_memory(
+    model_or_params_or_count: Any,
+    *,
+    stages: int,
+    world_size: int,
+    offload: str | None = None,
+    precision: Any = "fp32",
+    optimizer: Any = "adamw",
+    offload_params: bool = False,
+    units: Any = None,
+    unit_elements: int = DEFAULT_UNIT_ELEMENTS,
+    prefetch: bool = True,
+    sub_group_size: int = DEFAULT_SUB_GROUP,
+) -> MemoryEstimate:
+    """Per-rank bytes of ZeRO stage ``stages`` on ``world_size`` ranks, by category, on device, host and disk.
+
+    ``model_or_params_or_count``: an ``nn.Module`` (its trainable parameters; meta-device models work, nothing
+    is allocated), a params pytree (e.g. ``fzero.params_of(model)``) or a parameter count. ``precision``: "fp32",
+    "bf16", "fp16" or a ``fzero.Precision``. ``optimizer``: "adamw", "adam", "lamb", "lion", "sgd" (momentum), a
+    ``fzero.optim`` transform (its state is measured on meta tensors), or bytes of optimizer state per parameter.
+    ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, "cpu"). ``units``, ``unit_elements`` and
+    ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload.
+    """
+    if isinstance(stages, bool) or stages not in (0, 1, 2, 3):
+        raise ValueError(f"{API}: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{API}: world_size must be an int >= 1, got {world_size!r}.")
+    if offload is not None and offload not in KINDS:
+        raise ValueError(f"{API}: offload must be None or one of {sorted(KINDS)}, got {offload!r}.")
+    if offload is not None and stages == 0:
+        raise ValueError(f"{API}: offload needs stages >= 1 (each rank offloads its shard of the optimizer state), as fzero.offload does.")
+    if offload_params and (stages != 3 or offload != "cpu"):
+        raise ValueError(f"{API}: offload_params=True needs stages=3 and offload='cpu', got stages={stages}, offload={offload!r}.")
+    prec = policy(precision, api=API)
+    p_bytes = torch.empty((), dtype=prec.compute).element_size()
+    state_dtype = torch.float32 if prec.has_master else prec.compute
+    opt_name, state_bytes = _optimizer_bytes(optimizer, state_dtype)
+    k_bytes = state_bytes + (4 if prec.has_master else 0)
+    n = world_size
+
+    sizes = _unit_sizes(model_or_params_or_count, stages, n, units, unit_elements)
+    if isinstance(sizes, int):  # a count: Ψ itself, no layout
+        psi = numel = sizes
+        largest, second, root, n_units = 0, 0, 0, None
+    else:
+        psi = sum(s for _, s, _ in sizes)
+        numel = sum(p for _, _, p in sizes)  # padded, as the state holds it
+        others = sorted((p for name, _, p in sizes if name != ROOT), reverse=True) + [0, 0]
+        root = next((p for name, _, p in sizes if name == ROOT), 0)
+        largest, second, n_units = others[0], others[1], len(sizes)
+        if stages <= 1:  # size buckets: no root unit, the largest bucket is the largest unit
+            largest = max(p for _, _, p in sizes)
+
+    params_e = numel / n if stages == 3 else numel  # elements held, per rank
+    grads_e = numel / n if stages >= 2 else numel
+    owned_e = numel if stages == 0 else numel / n
+    gathered = p_bytes * (largest + (second if prefetch else 0) + root) if stages == 3 else 0.0
+    backward_extra = p_bytes * largest * {0: 1, 1: 1, 2: 2, 3: 1}[stages]
+    opt_grad = 4 * owned_e  # the optimizer's fp32 gradient of what this rank owns
+
+    params, grads, opt = p_bytes * params_e, p_bytes * grads_e, k_bytes * owned_e
+    device, host, disk = {"params": params, "grads": grads, "optimizer": opt}, {}, {}
+    if offload is not None:
+        (disk if KINDS[offload] == "disk" else host)["optimizer"] = device.pop("optimizer")
+        if offload_params:
+            host["params"] = device.pop("params")
+        host_work = opt_grad  # the fp32 gradient, copied to the host for the optimizer
+        if KINDS[offload] == "disk":  # two sub-groups of the state in RAM: the one updated and the one read ahead
+            owned_unit = largest / n if largest else owned_e  # the largest unit's shard; all of it for a count
+            host_work += 2 * k_bytes * min(sub_group_size, owned_unit)
+        host["transient"] = host_work
+    held = device.get("params", 0.0) + device.get("optimizer", 0.0)
+    backward_peak = held + grads + gathered + backward_extra
+    bucket = p_bytes * largest if stages == 0 else 0.0  # the all-reduce's output next to its input
+    update_peak = held + max(grads, opt_grad if prec.has_master else grads) + bucket
+    device["gathered"] = gathered
+    device["transient"] = max(backward_peak, update_peak) - held - grads - gathered
+    return MemoryEstimate(
+        num_params=psi, stages=stages, world_size=n, precision=_precision_name(prec), optimizer=opt_name,
+        offload=offload, offload_params=offload_params, device=Bytes(**device), host=Bytes(**host), disk=Bytes(**disk),
+        units=n_units,
+    )
+
+
+def _precision_name(prec) -> str:
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[prec.compute]
+    return name + (" (fp32 master)" if prec.has_master else "")
+
+
+def _optimizer_bytes(optimizer: Any, dtype: torch.dtype) -> tuple[str, float]:
+    """(name, bytes of optimizer state per parameter in ``dtype``), measured from ``init`` on meta tensors."""
+    from fzero import optim
+
+    names = {"adamw": lambda: optim.adamw(1e-3), "adam": lambda: optim.adam(1e-3), "lamb": lambda: optim.lamb(1e-3),
+             "lion": lambda: optim.lion(1e-4), "sgd": lambda: optim.sgd(1e-3, momentum=0.9)}
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ValueError(f"{API}: optimizer as a number is bytes of state per parameter (>= 0), got {optimizer!r}.")
+        return f"{optimizer:g} B/param optimizer", float(optimizer)
+    if isinstance(optimizer, str):
+        if optimizer not in names:
+            raise ValueError(f"{API}: optimizer must be one of {sorted(names)}, a fzero.optim transform or bytes per "
+                             f"parameter, got {optimizer!r}.")
+        name, opt = optimizer, names[optimizer]()
+    elif callable(getattr(optimizer, "init", None)):
+        name, opt = "given optimizer", optimizer
+    else:
+        raise TypeError(f"{API}: optimizer must be a name such as 'adamw', a fzero.optim transform or bytes per parameter, "
+                        f"got {type(optimizer).__name__}.")
+    n = 4096
+    state = opt.init({"w": torch.empty(n, dtype=dtype, device="meta")})
+    total = sum(t.numel() * t.element_size() for t in _tree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.numel() == n)
+    return name, total / n
+
+
+def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int) -> int | list[tuple[str, int, int]]:
+    """A count, or the layout's units as (name, numel, padded numel), as ``Step.init`` would build them."""
+    if isinstance(source, (int, float)) and not isinstance(source, bool):
+        if not (source >= 1 and math.isfinite(source)):
+            raise ValueError(f"{API}: a parameter count must be >= 1, got {source!r}.")
+        return int(round(source))
+    if isinstance(source, nn.Module):
+        named = [(k, p) for k, p in source.named_parameters() if p.requires_grad]
+    else:
+        paths, leaves, _ = _tree.flatten_with_paths(source)
+        named = list(zip(paths, leaves))
+    if not named or not all(isinstance(t, torch.Tensor) for _, t in named):
+        raise TypeError(f"{API}: expected an nn.Module with trainable parameters, a params pytree of tensors, or a count; "
+                        f"got {type(source).__name__}.")
+    paths, leaves = [k for k, _ in named], [t for _, t in named]
+    if stages <= 1:
+        groups = _by_size(paths, leaves, unit_elements)
+    else:
+        unit_of = by_container_child if units is None else by_prefixes(units, api=API)
+        by_name: dict[str, list[int]] = {}
+        for i, path in enumerate(paths):
+            by_name.setdefault(unit_of(path), []).append(i)
+        groups = list(by_name.items())
+    quantum = n * SHARD_ALIGN
+    out = []
+    for name, idx in groups:
+        numel = sum(leaves[i].numel() for i in idx)
+        out.append((name, numel, math.ceil(numel / quantum) * quantum))
+    return out

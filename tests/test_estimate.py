@@ -1,0 +1,124 @@
+"""``fzero.estimate_memory`` and ``python -m fzero.estimate``: the ZeRO paper's Figure 1, and agreement with the
+bytes fzero runs really hold.
+
+Measured = the storages a rank's state holds (``fzero.memory.state_bytes``) + the peak of the live bytes the
+rank allocates during a step (``fzero.memory.LiveBytes``, per rank thread), as tests/test_memory.py measures.
+The estimate counts the model states, the stage-3 gathered units and the step's transients, not activations;
+the model (32 wide layers, one sample per rank) keeps activations under 1 % of the total.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+
+import fzero
+from fzero.estimate import main as estimate_cli
+from fzero.memory import GatheredBytes, LiveBytes, state_bytes
+from problems import gpt_problem, mlp_problem
+
+GB = 1e9
+WIDTH, LAYERS = 128, 32
+UNIT = WIDTH * WIDTH + WIDTH  # one Linear per unit, and per size bucket at stages 0-1
+
+
+def test_zero_paper_figure_1():
+    # Ψ = 7.5B, N = 64, mixed precision with Adam (2-byte params and grads, K = 12): 120, 31.4, 16.6, 1.9 GB
+    got = [fzero.estimate_memory(7.5e9, stages=s, world_size=64, precision="fp16").model_states / GB for s in range(4)]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+    assert got == [120.0, 30 + 90 / 64, 15 + 105 / 64, 120 / 64]
+    bf16 = fzero.estimate_memory(7.5e9, stages=2, world_size=64, precision="bf16")
+    assert bf16.model_states == got[2] * GB
+    # fp32 AdamW: 4 + 4 + 8 bytes (no master copy)
+    fp32 = [fzero.estimate_memory(1e9, stages=s, world_size=8).model_states / GB for s in range(4)]
+    assert fp32 == [16.0, 8 + 1.0, 4 + 1.5, 2.0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_estimate_agrees_with_live_bytes(stages, precision):
+    ranks = 2
+    prob = mlp_problem(steps=2, sizes=[WIDTH] * (LAYERS + 1), batch=ranks)
+    counters = {}
+    mesh = dataclasses.replace(fzero.local_mesh(ranks), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
+    step = fzero.compile(prob.loss_fn, stages=stages, mesh=mesh, precision=precision, unit_elements=UNIT)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:  # the second step sees Adam's state already allocated
+        state, _ = step(state, b)
+    est = fzero.estimate_memory(prob.model, stages=stages, world_size=ranks, precision=precision, unit_elements=UNIT)
+    for rank in range(ranks):
+        held = state_bytes(state[rank])
+        assert held["params"] == est.device.params and held["optimizer"] == pytest.approx(est.device.optimizer, abs=16)
+        measured = held["params"] + held["optimizer"] + counters[rank].peak
+        assert measured == pytest.approx(est.device.total, rel=0.025), (rank, measured, est.device)
+        assert measured >= est.device.total  # what is not estimated (activations) only adds
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gathered_working_set_is_what_stage_3_gathers(precision):
+    prob = gpt_problem(steps=2, batch=2)  # 2 blocks and a root unit (embeddings, final norm)
+    peaks = {}
+
+    @contextlib.contextmanager
+    def per_rank(rank):
+        with GatheredBytes() as g:
+            peaks[rank] = g
+            yield
+
+    mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=per_rank)
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=mesh, precision=precision)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, _ = step(state, b)
+    est = fzero.estimate_memory(prob.model, stages=3, world_size=2, precision=precision)
+    assert est.units == 3 and peaks[0].peak == peaks[1].peak == est.device.gathered  # running + prefetched + root
+    no_prefetch = fzero.estimate_memory(prob.model, stages=3, world_size=2, precision=precision, prefetch=False)
+    assert no_prefetch.device.gathered < est.device.gathered
+
+
+def test_offload_moves_state_off_the_device():
+    base = dict(stages=2, world_size=4, precision="bf16")
+    none = fzero.estimate_memory(1e8, **base)
+    cpu = fzero.estimate_memory(1e8, offload="cpu", **base)
+    disk = fzero.estimate_memory(1e8, offload="nvme", sub_group_size=1 << 20, **base)
+    assert cpu.device.optimizer == disk.device.optimizer == 0 and cpu.host.optimizer == none.device.optimizer
+    assert disk.disk.optimizer == none.device.optimizer and disk.host.optimizer == 0
+    assert cpu.host.transient == 4 * 1e8 / 4  # the fp32 gradient the host optimizer reads
+    assert disk.host.transient == 4 * 1e8 / 4 + 2 * 12 * (1 << 20)  # ... and two sub-groups of state
+    assert none.model_states == cpu.model_states == disk.model_states
+    params = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="cpu", offload_params=True)
+    assert params.device.params == 0 and params.host.params == 4 * 1e8 / 4
+
+
+@pytest.mark.parametrize("optimizer, k", [("adamw", 8), ("lamb", 8), ("lion", 4), ("sgd", 4), (fzero.optim.sgd(0.1), 0), (6, 6)])
+def test_optimizer_state_is_measured_from_its_init(optimizer, k):
+    est = fzero.estimate_memory(1000, stages=0, world_size=1, optimizer=optimizer)
+    assert est.device.optimizer == k * 1000
+    mixed = fzero.estimate_memory(1000, stages=0, world_size=1, optimizer=optimizer, precision="bf16")
+    assert mixed.device.optimizer == (k + 4) * 1000  # the fp32 master on top
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(stages=4, world_size=2), r"stages must be 0, 1, 2 or 3"),
+    (dict(stages=0, world_size=2, offload="cpu"), r"offload needs stages >= 1"),
+    (dict(stages=2, world_size=2, offload="cpu", offload_params=True), r"offload_params=True needs stages=3"),
+    (dict(stages=1, world_size=0), r"world_size must be an int >= 1"),
+    (dict(stages=1, world_size=2, optimizer="adagrad"), r"optimizer must be one of"),
+])
+def test_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fzero.estimate_memory(1e6, **kwargs)
+
+
+def test_cli_prints_every_stage_and_offload_choice(capsys):
+    estimates = estimate_cli(["--params", "7.5e9", "--world-size", "64"])
+    out = capsys.readouterr().out
+    assert len(estimates) == 11 and {(e.stages, e.offload, e.offload_params) for e in estimates} >= {(3, "cpu", True), (2, "nvme", False)}
+    rows = {tuple(line.split()[:2]): line.split()[2] for line in out.splitlines()[2:] if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])}
+    assert [rows[(s, "none")] for s in "0123"] == ["120.00", "31.41", "16.64", "1.88"]  # Figure 1, GB per rank
+    estimate_cli(["--model", "gpt-tiny", "--world-size", "2", "--precision", "fp32", "--unit", "MiB"])
+    assert "gpt-tiny" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        estimate_cli(["--world-size", "2"])  # --params or --model
