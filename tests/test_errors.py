@@ -30,13 +30,6 @@ def test_unit_settings_at_other_stages(prob):
         fzero.compile(prob.loss_fn, stages=2, prefetch=False)
 
 
-@pytest.mark.parametrize("setting", [{"offload": "cpu"}, {"config": "ds_config.json"}])
-def test_settings_not_built_yet_are_refused_not_ignored(prob, setting):
-    (name, value), = setting.items()
-    with pytest.raises(NotImplementedError, match=rf"fzero.compile: {name}={value!r} is not supported yet"):
-        fzero.compile(prob.loss_fn, **setting)
-
-
 def test_unknown_setting_names_the_closest(prob):
     with pytest.raises(TypeError, match=r"unknown setting 'unit_element'.*Did you mean 'unit_elements'"):
         fzero.compile(prob.loss_fn, unit_element=10)
