@@ -4,7 +4,7 @@ Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params``
 are pure functions from a step to a step, lowered to the collectives of a mesh.
 """
 
-from fzero import memory, optim, testing
+from fzero import checkpoint, memory, optim, testing
 from fzero import config  # DeepSpeed config files: fzero.config.from_deepspeed
 from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
@@ -38,6 +38,7 @@ __all__ = [
     "Step",
     "TrainState",
     "apply",
+    "checkpoint",
     "compile",
     "config",
     "count_collectives",

@@ -1,0 +1,271 @@
+"""What a checkpoint holds, as logical per-parameter tensors, and how rank states map onto them.
+
+Keys (every per-parameter tensor is 1-D, the parameter flattened; its shape is in ``fzero.json``):
+
+- ``params/<name>``: the parameters in the dtype the step computes in;
+- ``master/<name>``: fp32 master weights (mixed precision);
+- ``opt/<path>/<name>``: an optimizer-state leaf shaped like the params (Adam's ``0.mu``, ``0.nu``);
+- ``opt/<path>``: any other optimizer-state leaf (step counts), replicated, written once;
+- ``step``, ``loss_scale/<field>``, ``rng/<process>``.
+
+A rank of a layout owns the window ``[r*S, (r+1)*S)`` of each unit's padded flat buffer (S = padded/N).
+Whatever it holds of a unit (the whole buffer, or only the shard) it *writes* that window: the windows
+of the N ranks cover every parameter element once. It *reads* everything it holds. Both are, per
+parameter, one contiguous range of the flattened parameter: a DCP chunk (see ``_checkpoint_dcp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import optree
+import torch
+
+from fzero import _tree
+from fzero._checkpoint_dcp import CheckpointError, Dest, Piece
+from fzero._layout import Unit
+from fzero._offload import DiskOptState
+from fzero._state import TrainState
+from fzero._update import MasterState
+
+PARAM = "param"  # an optimizer-state entry shaped like the params (one tensor per unit)
+TENSOR = "tensor"  # any other optimizer-state tensor
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- per-unit sources: a dict of tensors, or the files of disk offload -----------------------------------
+
+
+class _Memory:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def numel(self, unit: str) -> int:
+        return self.tensors[unit].numel()
+
+    def dtype(self, unit: str) -> torch.dtype:
+        return self.tensors[unit].dtype
+
+    def get(self, unit: str, a: int, b: int) -> torch.Tensor:
+        return self.tensors[unit][a:b]
+
+    def dest(self, unit: str, a: int, b: int) -> dict[str, Any]:
+        return {"view": self.tensors[unit][a:b]}
+
+
+class _Disk:
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key  # key: "opt/0/1" or "master"; the file of unit u is f"{key}/{u}"
+
+    def numel(self, unit: str) -> int:
+        return self.store.sizes[f"{self.key}/{unit}"]
+
+    def dtype(self, unit: str) -> torch.dtype:
+        return torch.float32
+
+    def get(self, unit: str, a: int, b: int) -> torch.Tensor:
+        return self.store.read(f"{self.key}/{unit}", a, torch.empty(b - a, dtype=torch.float32))
+
+    def dest(self, unit: str, a: int, b: int) -> dict[str, Any]:
+        key = f"{self.key}/{unit}"
+        return {"write": lambda off, data: self.store.write(key, a + off, data.to(torch.float32).contiguous())}
+
+
+@dataclasses.dataclass
+class Entries:
+    """One rank state's contents: per-parameter sources by key prefix, replicated tensors by key."""
+
+    per_param: dict[str, Any]  # "params" / "master" / "opt/<path>" -> _Memory | _Disk
+    tensors: dict[str, torch.Tensor]  # "step", "loss_scale/<field>", "opt/<path>" -> tensor
+
+
+def entries(state: TrainState, *, api: str) -> Entries:
+    layout = state.meta.layout
+    units = {u.name for u in layout.units}
+    per_param: dict[str, Any] = {"params": _Memory(state.params)}
+    tensors: dict[str, torch.Tensor] = {"step": state.step}
+    opt = state.opt_state
+    if isinstance(opt, DiskOptState):
+        if opt.master:
+            per_param["master"] = _Disk(opt.store, "master")
+        for names, index, leaf in _walk(opt.small, (), (), units=units, disk=True, api=api):
+            if leaf is PARAM:
+                per_param[_opt_key(names)] = _Disk(opt.store, "opt/" + "/".join(str(i) for i in index))
+            else:
+                tensors[_opt_key(names)] = leaf
+    else:
+        if isinstance(opt, MasterState):
+            per_param["master"] = _Memory(opt.master)
+            opt = opt.inner
+        for names, _index, leaf in _walk(opt, (), (), units=units, disk=False, api=api):
+            if isinstance(leaf, dict):
+                per_param[_opt_key(names)] = _Memory(leaf)
+            else:
+                tensors[_opt_key(names)] = leaf
+    if state.loss_scale is not None:
+        ls = state.loss_scale
+        fields = getattr(ls, "_fields", None)
+        if fields is None or not all(isinstance(x, torch.Tensor) for x in ls):
+            raise TypeError(f"{api}: state.loss_scale is a {type(ls).__name__}; expected a NamedTuple of tensors (fzero's LossScaleState).")
+        tensors.update({f"loss_scale/{f}": x for f, x in zip(fields, ls)})
+    if state.rng is not None:
+        raise NotImplementedError(f"{api}: state.rng holds a {type(state.rng).__name__}; saving it is not supported yet (fzero leaves it None).")
+    return Entries(per_param, tensors)
+
+
+def _opt_key(names: tuple[str, ...]) -> str:
+    return "opt/" + (".".join(names) if names else "<root>")
+
+
+def _walk(tree: Any, names: tuple, index: tuple, *, units: set[str], disk: bool, api: str) -> Iterator[tuple[tuple, tuple, Any]]:
+    """(field-name path, pytree index path, leaf) for every tensor of an optimizer state; a dict keyed by the
+    layout's units (in memory) or ``{"g": None}`` (disk offload's per-unit template) is one per-parameter leaf."""
+    if tree is None:
+        return
+    if isinstance(tree, torch.Tensor):
+        yield names, index, tree
+    elif isinstance(tree, dict):
+        if disk and set(tree) == {"g"} and tree["g"] is None:
+            yield names, index, PARAM
+        elif not disk and set(tree) == units and all(isinstance(v, torch.Tensor) for v in tree.values()):
+            yield names, index, tree
+        else:
+            for k, v in tree.items():
+                yield from _walk(v, names + (str(k),), index + (k,), units=units, disk=disk, api=api)
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        for i, (f, v) in enumerate(zip(tree._fields, tree)):
+            yield from _walk(v, names + (f,), index + (i,), units=units, disk=disk, api=api)
+    elif isinstance(tree, (tuple, list)):
+        for i, v in enumerate(tree):
+            yield from _walk(v, names + (str(i),), index + (i,), units=units, disk=disk, api=api)
+    else:
+        raise TypeError(
+            f"{api}: the optimizer state holds a {type(tree).__name__} at {'.'.join(names) or '<root>'}; a checkpoint "
+            f"saves tensors in dicts, tuples, lists and NamedTuples only."
+        )
+
+
+# -- description (fzero.json) --------------------------------------------------------------------------
+
+
+def describe(state: TrainState, e: Entries) -> dict[str, Any]:
+    """The JSON description of what rank states like ``state`` hold (rank 0's view; all ranks agree)."""
+    layout = state.meta.layout
+    slots = {s.path: s for u in layout.units for s in u.slots}
+    names = [""] * len(layout.order)  # in pytree leaf order: a dict rebuilt from them flattens to the same layout
+    for slot_index, leaf_index in enumerate(layout.order):
+        names[leaf_index] = layout.paths[slot_index]
+    flat_dict = layout.treespec == optree.tree_structure({n: 0 for n in names}, namespace=_tree.NAMESPACE)
+    return {
+        "params": [{"name": n, "shape": list(slots[n].shape)} for n in names],
+        "params_tree": "dict" if flat_dict else str(layout.treespec),
+        "params_dtype": dtype_name(layout.units[0].dtype),
+        "master": "master" in e.per_param,
+        "opt": [{"key": k, "kind": PARAM} for k in e.per_param if k.startswith("opt/")]
+        + [{"key": k, "kind": TENSOR, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in e.tensors.items() if k.startswith("opt/")],
+        "loss_scale": [k.removeprefix("loss_scale/") for k in e.tensors if k.startswith("loss_scale/")] or None,
+        "stage": state.meta.stage,
+        "world_size": state.meta.world_size,
+        "gather_order": list(state.meta.gather_order),
+    }
+
+
+def check_fits(path: str, info: dict[str, Any], state: TrainState, e: Entries, *, api: str) -> None:
+    """Raise unless the checkpoint's params and optimizer state have the names and shapes of ``state``'s."""
+    saved = {p["name"]: tuple(p["shape"]) for p in info["params"]}
+    mine = {s.path: s.shape for u in state.meta.layout.units for s in u.slots}
+    problems = [f"missing from the checkpoint: {_few(sorted(set(mine) - set(saved)))}"] if set(mine) - set(saved) else []
+    if set(saved) - set(mine):
+        problems.append(f"not in the state: {_few(sorted(set(saved) - set(mine)))}")
+    shapes = [f"{n}: saved {list(saved[n])}, state {list(mine[n])}" for n in sorted(set(saved) & set(mine)) if saved[n] != mine[n]]
+    if shapes:
+        problems.append(f"shapes differ: {_few(shapes)}")
+    if problems:
+        raise CheckpointError(
+            f"{api}: the checkpoint {path} does not hold this model's parameters ({'; '.join(problems)}). Load it with "
+            f"the model (and params pytree) it was saved from."
+        )
+    saved_opt = {o["key"]: (o["kind"], tuple(o.get("shape", ()))) for o in info["opt"]}
+    my_opt = {k: (PARAM, ()) for k in e.per_param if k.startswith("opt/")}
+    my_opt.update({k: (TENSOR, tuple(t.shape)) for k, t in e.tensors.items() if k.startswith("opt/")})
+    if saved_opt != my_opt:
+        raise CheckpointError(
+            f"{api}: the optimizer state in {path} ({_few(sorted(saved_opt))}) differs from this step's optimizer's "
+            f"({_few(sorted(my_opt))}). Load with the optimizer the checkpoint was saved with (same transforms, same "
+            f"kind of learning rate: a float or a schedule)."
+        )
+
+
+def _few(items: list[str], n: int = 5) -> str:
+    return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+# -- pieces to write, destinations to read ------------------------------------------------------------------
+
+
+def _window(unit: Unit, source: Any, rank: int, n: int, *, holding: bool, api: str) -> tuple[int, int, int]:
+    """(lo, hi, base): the range of the unit's padded buffer to write (holding=False) or to read (holding=True),
+    and the buffer index where ``source``'s tensor starts (0 if it holds the whole buffer, r*S if only its shard)."""
+    numel, (lo, hi) = source.numel(unit.name), unit.shard_range(rank, n)
+    if numel == unit.padded:
+        return (0, unit.padded, 0) if holding else (lo, hi, 0)
+    if numel == hi - lo:
+        return lo, hi, lo
+    raise CheckpointError(
+        f"{api}: unit {unit.name!r} holds {numel} elements on rank {rank}, neither the whole padded buffer "
+        f"({unit.padded}) nor a shard ({hi - lo}); the state does not match its layout."
+    )
+
+
+def _overlaps(unit: Unit, lo: int, hi: int) -> Iterator[tuple[Any, int, int]]:
+    for slot in unit.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            yield slot, a, b
+
+
+def pieces(state: TrainState, e: Entries, *, replicated: bool, api: str) -> list[Piece]:
+    """What this rank state writes: its window of every per-parameter source, and (once) the replicated tensors."""
+    layout, rank, n = state.meta.layout, state.meta.rank, state.meta.world_size
+    out = []
+    for unit in layout.units:
+        for prefix, source in e.per_param.items():
+            lo, hi, base = _window(unit, source, rank, n, holding=False, api=api)
+            for slot, a, b in _overlaps(unit, lo, hi):
+                out.append(Piece(
+                    f"{prefix}/{slot.path}", (slot.numel,), (a - slot.offset,), (b - a,), source.dtype(unit.name),
+                    lambda s=source, u=unit.name, i=a - base, j=b - base: s.get(u, i, j),
+                ))
+    if replicated:
+        for key, t in e.tensors.items():
+            out.append(Piece(key, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, lambda t=t: t))
+    return out
+
+
+def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
+    """Where this rank state's tensors come from: all it holds of every unit, and the replicated tensors."""
+    layout, rank, n = state.meta.layout, state.meta.rank, state.meta.world_size
+    saved_master = info["master"]
+    out = []
+    for unit in layout.units:
+        for prefix, source in e.per_param.items():
+            key = prefix
+            if prefix == "params" and saved_master and source.dtype(unit.name) == torch.float32:
+                key = "master"  # an fp32 step resumes from the fp32 masters, not their rounding
+            elif prefix == "master" and not saved_master:
+                key = "params"
+            lo, hi, base = _window(unit, source, rank, n, holding=True, api="fzero.checkpoint.load")
+            for slot, a, b in _overlaps(unit, lo, hi):
+                out.append(Dest(
+                    f"{key}/{slot.path}", (a - slot.offset,), (b - a,), source.dtype(unit.name), **source.dest(unit.name, a - base, b - base)
+                ))
+    saved_scale = set(info["loss_scale"] or ())
+    for key, t in e.tensors.items():
+        if key.startswith("loss_scale/") and key.removeprefix("loss_scale/") not in saved_scale:
+            continue  # a policy with a loss scale resumed from one without: keep the initial scale
+        out.append(Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
+    return out

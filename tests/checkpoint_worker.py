@@ -1,0 +1,92 @@
+"""A fresh process for tests/test_checkpoint.py: train a problem for a range of steps, loading and saving checkpoints.
+
+    python tests/checkpoint_worker.py train --problem mlp --stages 3 --ranks 2 --first 5 --last 10 \
+        --load /tmp/ck --out /tmp/out.pt                         # a local mesh of 2 ranks (0: no mesh)
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/checkpoint_worker.py train \
+        --dist --problem mlp --stages 3 --first 0 --last 5 --save /tmp/ck
+    python tests/checkpoint_worker.py crash --save /tmp/ck [--keep]   # saves a large-ish state until killed
+
+``--out`` gets (rank 0) ``{"params": gathered params, "losses": [...]}``, written with torch.save and read back
+with ``weights_only=True``.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import fzero  # noqa: E402
+from problems import B1, B2, EPS, LR, PROBLEMS, WD  # noqa: E402
+
+
+def make_step(problem, *, stages: int, mesh, precision: str = "fp32"):
+    schedule = fzero.optim.warmup_cosine_decay_schedule(0.0, LR, 3, 20)  # a schedule: its count is state too
+    opt = fzero.optim.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    return fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, precision=precision, unit_elements=512)
+
+
+def train(args) -> None:
+    mesh = fzero.dist_mesh() if args.dist else (fzero.local_mesh(args.ranks) if args.ranks else None)
+    prob = PROBLEMS[args.problem](steps=args.last)
+    batches = prob.batches
+    if args.dist:  # under dist_mesh each process passes its own share of the global batch
+        batches = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in batches]
+    step = make_step(prob, stages=args.stages, mesh=mesh, precision=args.precision)
+    state = fzero.checkpoint.load(args.load, like=step) if args.load else step.init(fzero.params_of(prob.model))
+    losses = []
+    for b in batches[args.first : args.last]:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    if args.save:
+        fzero.checkpoint.save(args.save, state, extra={"next_batch": args.last})
+    params = step.gather(state)
+    if args.out and (not args.dist or mesh.rank == 0):
+        torch.save({"params": params, "losses": losses}, args.out)
+    if args.dist:
+        torch.distributed.destroy_process_group()
+
+
+def crash_step():
+    """The step (and params) of the state ``crash`` saves: ~50 MB of checkpoint at stage 1 on local_mesh(2)."""
+    from fzero.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([1024, 2048, 1024])
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), optimizer=fzero.optim.adamw(1e-3), stages=1, mesh=fzero.local_mesh(2))
+    return step, fzero.params_of(model)
+
+
+def crash(args) -> None:
+    """Save the same state at steps 1, 2, ... into one path (or, with --keep, into a keep=2 parent) until killed."""
+    step, params = crash_step()
+    state = step.init(params)
+    for k in range(1, 10_000):
+        state = fzero.RankStates(tuple(dataclasses.replace(s, step=torch.tensor(k)) for s in state.states))
+        fzero.checkpoint.save(args.save, state, extra={"k": k}, keep=2 if args.keep else None)
+        print(k, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "crash"])
+    parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--dist", action="store_true")
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--last", type=int, default=5)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    parser.add_argument("--out")
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    train(args) if args.mode == "train" else crash(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""fzero.checkpoint: bit-exact resume in a fresh process (local mesh and torchrun), resharding across stages and
+world sizes, mixed precision and offloaded state, consolidation, keep=K, crash safety under kill -9, and errors.
+
+Bit-exact comparisons pin torch to one intra-op thread, as the worker processes are (DESIGN.md §4).
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fzero
+from checkpoint_worker import crash_step, make_step
+from fzero.checkpoint import CheckpointError
+from fzero.testing import assert_trees_close, assert_trees_equal
+from problems import PROBLEMS, gpt_problem, mlp_problem
+
+HERE = os.path.dirname(__file__)
+WORKER = os.path.join(HERE, "checkpoint_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def worker(*args: str, torchrun: bool = False, timeout: int = 120) -> None:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if torchrun else [sys.executable]
+    proc = subprocess.run([*launch, WORKER, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, losses
+
+
+def straight_run(problem: str, *, stages: int, mesh, precision: str = "fp32", save: str | None = None, at: int = 5, stop: int = 10):
+    """10 steps in this process, saving after ``at`` steps: the gathered params and the losses of steps at..stop."""
+    prob = PROBLEMS[problem](steps=stop)
+    step = make_step(prob, stages=stages, mesh=mesh, precision=precision)
+    state, _ = train(step, step.init(fzero.params_of(prob.model)), prob.batches[:at])
+    if save:
+        fzero.checkpoint.save(save, state, extra={"next_batch": at})
+    state, losses = train(step, state, prob.batches[at:stop])
+    return step.gather(state), losses
+
+
+# -- resume ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("problem,stages,precision", [("mlp", 3, "fp32"), ("gpt", 2, "fp16")])
+def test_resume_in_a_fresh_process_is_bitexact(tmp_path, one_thread, problem, stages, precision):
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out.pt")
+    params, losses = straight_run(problem, stages=stages, mesh=fzero.local_mesh(2), precision=precision, save=ck)
+    worker("train", "--problem", problem, "--stages", str(stages), "--ranks", "2", "--precision", precision,
+           "--first", "5", "--last", "10", "--load", ck, "--out", out)
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["losses"] == losses
+    assert_trees_equal(resumed["params"], params)
+    assert fzero.checkpoint.read_extra(ck) == {"next_batch": 5}
+
+
+@pytest.mark.torchrun
+def test_resume_under_torchrun_is_bitexact_and_crosses_mesh_kinds(tmp_path, one_thread):
+    """torchrun saves (each rank its own files) and the local mesh resumes it; the local mesh saves and torchrun resumes."""
+    local_ck, dist_ck, out = str(tmp_path / "local"), str(tmp_path / "dist"), str(tmp_path / "out.pt")
+    params, losses = straight_run("mlp", stages=3, mesh=fzero.local_mesh(2), save=local_ck)
+    worker("train", "--dist", "--problem", "mlp", "--stages", "3", "--first", "0", "--last", "5", "--save", dist_ck, torchrun=True)
+    worker("train", "--dist", "--problem", "mlp", "--stages", "3", "--first", "5", "--last", "10", "--load", local_ck,
+           "--out", out, torchrun=True)
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["losses"] == losses
+    assert_trees_equal(resumed["params"], params)
+    files = os.listdir(dist_ck)
+    assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)  # each rank wrote its part
+    prob = mlp_problem(steps=10)
+    step = make_step(prob, stages=3, mesh=fzero.local_mesh(2))
+    assert_trees_equal(fzero.checkpoint.load(dist_ck, like=step), fzero.checkpoint.load(local_ck, like=step))
+    wider = make_step(prob, stages=1, mesh=fzero.local_mesh(4))  # and it reshards like any other
+    assert_trees_equal(wider.gather(fzero.checkpoint.load(dist_ck, like=wider)), step.gather(fzero.checkpoint.load(local_ck, like=step)))
+    state, got = train(step, fzero.checkpoint.load(dist_ck, like=step), prob.batches[5:])
+    assert got == losses
+    assert_trees_equal(step.gather(state), params)
+
+
+# -- resharding ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source,targets", [((3, 4), [(1, 2), (0, 1)]), ((0, 1), [(3, 4), (1, 2)])])
+def test_reshard_across_stages_and_world_sizes(tmp_path, source, targets):
+    """Saved at one (stage, ranks), loaded at others: same params, and training follows the 1-rank reference."""
+    prob = gpt_problem(steps=6)
+
+    def step_for(stages, ranks):
+        return make_step(prob, stages=stages, mesh=fzero.local_mesh(ranks) if ranks > 1 else None)
+
+    ref = step_for(0, 1)
+    state, ref_history = ref.init(fzero.params_of(prob.model)), []
+    for b in prob.batches:
+        state, _ = ref(state, b)
+        ref_history.append(ref.gather(state))
+    saver = step_for(*source)
+    state, _ = train(saver, saver.init(fzero.params_of(prob.model)), prob.batches[:3])
+    ck = fzero.checkpoint.save(str(tmp_path / "ck"), state)
+    saved = saver.gather(state)
+    for stages, ranks in targets:
+        step = step_for(stages, ranks)
+        state = fzero.checkpoint.load(ck, like=step)
+        assert_trees_equal(step.gather(state), saved)
+        for k, b in enumerate(prob.batches[3:], start=3):
+            state, _ = step(state, b)
+            assert_trees_close(step.gather(state), ref_history[k], rtol=1e-5, atol=1e-6)
+
+
+# -- precision and offload -------------------------------------------------------------------------------------
+
+
+def test_bf16_masters_round_trip_and_feed_other_policies(tmp_path):
+    prob = PROBLEMS["any"]()
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=2, mesh=fzero.local_mesh(2), precision="bf16")
+    state, _ = train(step, step.init(fzero.params_of(prob.model)), prob.batches[:2])
+    ck = fzero.checkpoint.save(str(tmp_path / "ck"), state)
+    with open(os.path.join(ck, "fzero.json")) as f:
+        info = json.load(f)
+    assert info["master"] and info["params_dtype"] == "bfloat16"
+    assert_trees_equal(fzero.checkpoint.load(ck, like=step), state)  # bf16 params, fp32 masters, moments: all bitwise
+    masters = step.gather(state)  # the fp32 masters
+    for other in (fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=0),  # fp32: resumes from the masters
+                  fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(4), precision="bf16")):
+        assert_trees_equal(other.gather(fzero.checkpoint.load(ck, like=other)), masters)
+
+
+def test_disk_offloaded_state_saves_and_loads_both_ways(tmp_path):
+    prob = mlp_problem(steps=4)
+    opt = fzero.optim.adamw(1e-3)
+    disk = fzero.compile(prob.loss_fn, optimizer=opt, stages=1, mesh=fzero.local_mesh(2), precision="bf16", offload="disk",
+                         offload_dir=str(tmp_path), sub_group_size=256)
+    plain = fzero.compile(prob.loss_fn, optimizer=opt, stages=1, mesh=fzero.local_mesh(2), precision="bf16")
+    state, _ = train(disk, disk.init(fzero.params_of(prob.model)), prob.batches[:2])
+    ck = fzero.checkpoint.save(str(tmp_path / "ck"), state)
+    a, la = train(plain, fzero.checkpoint.load(ck, like=plain), prob.batches[2:])
+    b, lb = train(disk, fzero.checkpoint.load(ck, like=disk), prob.batches[2:])
+    assert la == lb
+    assert_trees_equal(disk.gather(b), plain.gather(a))
+    ck2 = fzero.checkpoint.save(str(tmp_path / "ck2"), a)
+    assert_trees_equal(disk.gather(fzero.checkpoint.load(ck2, like=disk)), plain.gather(a))
+
+
+# -- consolidate ----------------------------------------------------------------------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    """A head tied by alias (``head.weight is emb.weight``: two state-dict keys), a buffer and a frozen layer."""
+
+    def __init__(self, vocab: int = 16, d: int = 8) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(2)])
+        self.frozen = torch.nn.Linear(d, d).requires_grad_(False)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x)) * self.scale
+        return self.head(x + 0.1 * self.frozen(x))
+
+
+def test_consolidate_loads_strictly_into_the_model_and_from_the_command_line(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 16, (4, 6), generator=gen) for _ in range(2)]
+
+    def loss_fn(params, idx):
+        return torch.nn.functional.cross_entropy(fzero.apply(model, params, idx).flatten(0, 1), idx.flatten())
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=1, mesh=fzero.local_mesh(2), precision="bf16")
+    state, _ = train(step, step.init(fzero.params_of(model)), batches)
+    ck = fzero.checkpoint.save(str(tmp_path / "ck"), state, keep=1)
+    trained = step.gather(state)  # fp32 masters
+    out = fzero.checkpoint.consolidate(str(tmp_path / "ck"), str(tmp_path / "model.pt"), model=model)  # the newest
+    fresh = TiedLM()
+    fresh.load_state_dict(torch.load(out, weights_only=True))  # strict
+    assert fresh.head.weight is fresh.emb.weight
+    for name, value in trained.items():
+        assert torch.equal(fresh.get_parameter(name), value), name
+    assert torch.equal(fresh.frozen.weight, model.frozen.weight) and torch.equal(fresh.scale, model.scale)
+
+    cli = subprocess.run([sys.executable, "-m", "fzero.checkpoint", "consolidate", ck, str(tmp_path / "cli.pt")],
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "Warning" not in cli.stderr, cli.stderr
+    plain = torch.load(tmp_path / "cli.pt", weights_only=True)
+    assert sorted(plain) == sorted(trained)
+    for name, value in trained.items():
+        assert plain[name].dtype == torch.float32 and torch.equal(plain[name], value)
+
+
+# -- keep, rng, crash safety ----------------------------------------------------------------------------------
+
+
+def test_keep_the_last_k_and_load_the_newest(tmp_path):
+    prob = mlp_problem(steps=4)
+    step = make_step(prob, stages=1, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(prob.model))
+    (tmp_path / ".step_00000001.partial").mkdir()  # a save that died long ago
+    assert fzero.checkpoint.latest(tmp_path) is None
+    for b in prob.batches:
+        state, _ = step(state, b)
+        fzero.checkpoint.save(tmp_path, state, keep=2, extra={"k": state.step_count})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]
+    assert fzero.checkpoint.latest(tmp_path) == str(tmp_path / "step_00000004")
+    assert fzero.checkpoint.read_extra(tmp_path) == {"k": 4}
+    assert_trees_equal(fzero.checkpoint.load(tmp_path, like=step), state)
+
+
+def test_rng_state_is_restored(tmp_path):
+    prob = mlp_problem(steps=1)
+    step = make_step(prob, stages=0, mesh=None)
+    state = step.init(fzero.params_of(prob.model))
+    torch.manual_seed(123)
+    fzero.checkpoint.save(tmp_path / "ck", state)
+    expected = torch.rand(4)
+    fzero.checkpoint.load(tmp_path / "ck", like=step)
+    assert torch.equal(torch.rand(4), expected)
+    torch.rand(4)
+    fzero.checkpoint.load(tmp_path / "ck", like=step, restore_rng=False)
+    assert not torch.equal(torch.rand(4), expected)
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    fixed, parent = str(tmp_path / "ck"), str(tmp_path / "keep")
+    logs = {fixed: tmp_path / "fixed.log", parent: tmp_path / "keep.log"}
+    procs = {}
+    for where, extra in ((fixed, []), (parent, ["--keep"])):
+        with open(logs[where], "wb") as log:
+            procs[where] = subprocess.Popen([sys.executable, WORKER, "crash", "--save", where, *extra], env=ENV, stdout=log, stderr=log)
+
+    def mid_save(where: str) -> bool:  # a complete checkpoint exists and a later one is being written
+        if where == fixed:
+            return os.path.exists(os.path.join(fixed, "COMPLETE")) and os.path.exists(os.path.join(tmp_path, ".ck.partial"))
+        return os.path.isdir(parent) and fzero.checkpoint.latest(parent) is not None and any(e.endswith(".partial") for e in os.listdir(parent))
+
+    deadline = time.monotonic() + 60
+    try:
+        while procs and time.monotonic() < deadline:
+            for where, proc in list(procs.items()):
+                assert proc.poll() is None, logs[where].read_text()[-3000:]
+                if mid_save(where):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    del procs[where]
+            time.sleep(0.005)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert not procs, "the workers never reached a second save"
+    step, params = crash_step()
+    expected = step.gather(step.init(params))
+    for where in (fixed, parent):
+        state = fzero.checkpoint.load(where, like=step)
+        assert state.step_count == fzero.checkpoint.read_extra(where)["k"] >= 1
+        assert_trees_equal(step.gather(state), expected)
+    assert os.path.isdir(tmp_path / ".ck.partial")  # the killed save's leftovers
+    fzero.checkpoint.save(fixed, state)  # the next save replaces them
+    assert not os.path.exists(os.path.join(tmp_path, ".ck.partial"))
+
+
+# -- errors -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    prob = mlp_problem(steps=1)
+    step = make_step(prob, stages=1, mesh=fzero.local_mesh(2))
+    state, _ = train(step, step.init(fzero.params_of(prob.model)), prob.batches)
+    path = fzero.checkpoint.save(str(tmp_path_factory.mktemp("saved") / "ck"), state)
+    return path, step, state
+
+
+def copy_of(saved, tmp_path) -> str:
+    return shutil.copytree(saved[0], str(tmp_path / "copy"))
+
+
+def data_file(path: str) -> str:
+    return os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0])
+
+
+def test_load_errors_name_the_path_and_what_is_wrong(saved, tmp_path):
+    _, step, _ = saved
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*nowhere"):
+        fzero.checkpoint.load(tmp_path / "nowhere", like=step)
+    ck = copy_of(saved, tmp_path)
+    os.remove(os.path.join(ck, "COMPLETE"))
+    with pytest.raises(CheckpointError, match=r"copy is incomplete: it has no COMPLETE marker"):
+        fzero.checkpoint.load(ck, like=step)
+    shutil.rmtree(ck)
+    ck = copy_of(saved, tmp_path)
+    os.remove(data_file(ck))
+    with pytest.raises(CheckpointError, match=r"copy is damaged: the file __0_0.distcp is missing"):
+        fzero.checkpoint.load(ck, like=step)
+    shutil.rmtree(ck)
+    ck = copy_of(saved, tmp_path)
+    with open(data_file(ck), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp has 100 bytes, \d+ were written"):
+        fzero.checkpoint.load(ck, like=step)
+    shutil.rmtree(ck)
+    ck = copy_of(saved, tmp_path)
+    size = os.path.getsize(data_file(ck))
+    with open(data_file(ck), "r+b") as f:  # same size, garbage inside: DCP's own error, re-raised as an Exception
+        f.write(b"\xff" * size)
+    with pytest.raises(CheckpointError, match=r"fzero.checkpoint.load: .*copy: could not read the data \(a data file is corrupted or was changed\)"):
+        fzero.checkpoint.load(ck, like=step)
+
+
+def test_metadata_that_would_run_code_is_refused(saved, tmp_path):
+    _, step, _ = saved
+    ck = copy_of(saved, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(os.path.join(ck, ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    files = {f: os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck) if f != "COMPLETE"}
+    (tmp_path / "copy" / "COMPLETE").write_text(json.dumps({"files": files}))  # so that only the unpickler stands in the way
+    with pytest.raises(CheckpointError, match=r"\.metadata is corrupted or not DCP metadata .*refusing to load (posix|os)\.system"):
+        fzero.checkpoint.load(ck, like=step)
+    with pytest.raises(CheckpointError, match="refusing"):
+        fzero.checkpoint.consolidate(ck, tmp_path / "out.pt")
+    assert not marker.exists()
+
+
+def test_load_into_another_model_or_optimizer_is_refused(saved):
+    path, _, _ = saved
+    other = mlp_problem(steps=1, sizes=(16, 32, 4))
+    with pytest.raises(CheckpointError, match=r"does not hold this model's parameters .*not in the state: layers.4.bias"):
+        fzero.checkpoint.load(path, like=make_step(other, stages=1, mesh=None).init(fzero.params_of(other.model)))
+    prob = mlp_problem(steps=1)
+    sgd = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1, momentum=0.9), stages=0)
+    with pytest.raises(CheckpointError, match=r"optimizer state in .* differs from this step's optimizer's"):
+        fzero.checkpoint.load(path, like=sgd)
+    with pytest.raises(TypeError, match="like must be the Step to resume with"):
+        fzero.checkpoint.load(path, like=prob.model)
+
+
+def test_save_errors(saved, tmp_path):
+    _, step, state = saved
+    with pytest.raises(ValueError, match="pass the whole RankStates"):
+        fzero.checkpoint.save(tmp_path / "a", state[0])
+    with pytest.raises(ValueError, match="keep must be None .* or an int >= 1"):
+        fzero.checkpoint.save(tmp_path / "a", state, keep=0)
+    with pytest.raises(TypeError, match="extra must be JSON data"):
+        fzero.checkpoint.save(tmp_path / "a", state, extra={"when": object()})
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="mine exists and is not an fzero checkpoint; refusing to replace it"):
+        fzero.checkpoint.save(tmp_path / "mine", state)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+    donor = fzero.compile(mlp_problem().loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=0)
+    s0 = donor.init(fzero.params_of(mlp_problem().model))
+    donor(s0, mlp_problem().batches[0])
+    with pytest.raises(ValueError, match="reused its buffers"):
+        fzero.checkpoint.save(tmp_path / "b", s0)
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
