@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload", choices=("cpu", "disk"), default=None,
                    help="optimizer state and fp32 masters on the host, or in files under --offload-dir (stages 1-3)")
     p.add_argument("--offload-dir", default=None, help="directory for --offload disk (e.g. an NVMe mount)")
+    p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (keeping the last 2)")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every this many steps (needs --ckpt-dir)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block in backward instead of storing its activations (stages 0-2; "
                         "stage 3 already recomputes every unit)")
@@ -152,6 +155,8 @@ def print_memory(rows: list[dict[str, int]], formula: dict[str, float], psi: int
 # -- the run ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if (args.save_every or args.resume) and not args.ckpt_dir:
+        raise SystemExit("train_gpt.py: --save-every and --resume need --ckpt-dir.")
     if args.remat and args.stages == 3:
         raise SystemExit("train_gpt.py: --remat is for stages 0-2; stage 3 already recomputes every unit in backward.")
     mesh, rank, world = make_mesh(args)
@@ -191,6 +196,10 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                          grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
                          offload_dir=args.offload_dir)
     state = step.init(fzero.params_of(model))
+    first = 0
+    if args.resume:  # the newest complete checkpoint, resharded for this step's stage and world size
+        state = fzero.checkpoint.load(args.ckpt_dir, like=step)
+        first = fzero.checkpoint.read_extra(args.ckpt_dir)["next_batch"]
 
     tokens_per_step = args.batch_size * world * args.seq
     log(f"fzero stage {args.stages} on {world} ranks ({args.mesh} mesh) | GPT {args.layers}x{args.width}, "
@@ -206,8 +215,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     timed_s, timed_tokens = 0.0, 0  # step time after the first (warm-up) step, evaluation excluded
     window_s, window_tokens = 0.0, 0  # since the last log line, for the progress bar's tok/s
     start = time.perf_counter()
-    bar = tqdm(total=args.steps, disable=not is_main, mininterval=1.0, unit="step", dynamic_ncols=True)
-    for k in range(args.steps):
+    bar = tqdm(total=args.steps, initial=first, disable=not is_main, mininterval=1.0, unit="step", dynamic_ncols=True)
+    for k in range(first, args.steps):
         batch = batch_at(train_data, k, batch_size=args.batch_size * world, seq_len=args.seq, seed=args.seed)
         if args.mesh == "dist":  # every process drew the same global batch; each keeps its own slice
             batch = {name: t[rank * args.batch_size:(rank + 1) * args.batch_size] for name, t in batch.items()}
@@ -231,6 +240,9 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         if args.eval_every and (k + 1) % args.eval_every == 0 and k + 1 < args.steps:
             evals.append({"step": k + 1, "val_loss": evaluate(model, step.gather(state), val_data, args, world)})
             log(f"step {k + 1:5d}  val loss {evals[-1]['val_loss']:.4f}")
+        if args.save_every and (k + 1) % args.save_every == 0:  # collective under torchrun: every rank saves
+            fzero.checkpoint.save(args.ckpt_dir, state, extra={"next_batch": k + 1}, keep=2)
+            log(f"step {k + 1:5d}  checkpoint saved in {args.ckpt_dir}")
         if args.max_seconds is not None and out_of_time(start, args.max_seconds, args.mesh):
             break
     bar.close()
