@@ -70,7 +70,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     # Global norm from this rank's slice of every unit, summed over ranks (grouped by unit: size buckets
     # at stages 0-1, modules at 2-3, so its last bits may differ between those).
     slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if step.stage == 0 else owned_grads
-    sumsq = torch.stack([s.pow(2).sum() for s in slices]).sum()
+    sumsq = torch.stack([torch.dot(s, s) for s in slices]).sum()  # dot: no unit-sized temporary, unlike pow(2)
     reduced = comm.all_reduce(torch.stack([loss.detach().float(), sumsq]), tag="metrics")
     grad_norm = math.sqrt(float(reduced[1])) if math.isfinite(float(reduced[1])) else float(reduced[1])
     step_no = int(state.step) + 1
