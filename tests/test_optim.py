@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 
-import optree
 import pytest
 import torch
-import torch.utils._pytree as torch_pytree
 
 import fzero.optim as fo
 
@@ -246,75 +244,7 @@ def test_non_contiguous_params_take_the_pure_path():
     assert torch.equal(base[:, 1], other_column)  # the interleaved elements were not touched
 
 
-# -- contract suite over a registry of optimizers ------------------------------------------------------------
-
-REGISTRY = {
-    "adamw": lambda lr: fo.adamw(lr),
-    "adam": lambda lr: fo.adam(lr),
-    "sgd": lambda lr: fo.sgd(lr),
-    "sgd_momentum": lambda lr: fo.sgd(lr, momentum=0.9),
-    "sgd_nesterov_wd": lambda lr: fo.sgd(lr, momentum=0.9, nesterov=True, weight_decay=1e-4),
-    "chain_adam_scale": lambda lr: fo.chain(fo.scale_by_adam(), fo.scale_by_learning_rate(lr)),
-    "chain_trace": lambda lr: fo.chain(fo.trace(0.5), fo.scale_by_learning_rate(lr)),
-}
-LR = {"adamw": 0.05, "adam": 0.05, "chain_adam_scale": 0.05}
-
-
-def _signature(state):
-    leaves, spec = optree.tree_flatten(state)
-    return spec, [(t.shape, t.dtype, t.device) for t in leaves]
-
-
-@pytest.mark.parametrize("name", list(REGISTRY))
-@pytest.mark.parametrize("path", ["inplace", "pure"])
-def test_state_structure_dtypes_and_shapes_are_stable(name, path):
-    opt = REGISTRY[name](1e-2)
-    params = make_params()
-    state = opt.init(params)
-    first = _signature(state)
-    for grads in make_grads(params, steps=3):
-        if path == "inplace":
-            state = fo.apply_inplace(opt, grads, state, params)
-        else:
-            updates, state = opt.update(grads, state, params)
-            assert _signature(updates) == _signature(params)
-            params = fo.apply_updates(params, updates)
-        assert _signature(state) == first
-    # torch.func flattens with torch.utils._pytree: it must see the same tensors
-    assert len(torch_pytree.tree_leaves(state)) == len(optree.tree_leaves(state))
-
-
-@pytest.mark.parametrize("name", list(REGISTRY))
-def test_init_on_meta_tensors(name):
-    opt = REGISTRY[name](1e-2)
-    params = {"w": torch.empty(5, device="meta"), "b": torch.empty(2, 3, device="meta")}
-    state = opt.init(params)
-    leaves = optree.tree_leaves(state)
-    assert all(t.device.type in ("meta", "cpu") for t in leaves)
-    assert all(t.device.type == "meta" for t in leaves if t.dim() > 0)
-    # and the pure update is shape-correct abstractly (no data, no host sync on the moments)
-    if name in ("adam", "adamw", "chain_adam_scale"):
-        updates, _ = opt.update(params, state, params)
-        assert _signature(updates) == _signature(params)
-
-
-@pytest.mark.parametrize("name", list(REGISTRY))
-def test_converges_on_least_squares(name):
-    g = torch.Generator().manual_seed(5)
-    a, x_true = torch.randn(32, 8, generator=g), torch.randn(8, generator=g)
-    b = a @ x_true
-    params = {"x": torch.zeros(8)}
-    opt = REGISTRY[name](LR.get(name, 0.01))
-    state = opt.init(params)
-
-    def loss(x):
-        return ((a @ x - b) ** 2).mean()
-
-    start = float(loss(params["x"]))
-    for _ in range(300):
-        grads = {"x": torch.func.grad(loss)(params["x"])}
-        state = fo.apply_inplace(opt, grads, state, params)
-    assert float(loss(params["x"])) < 1e-2 * start
+# The state/meta/convergence contract over a registry of optimizers and compositions: tests/test_optim_contract.py.
 
 
 @pytest.mark.parametrize("make", [lambda lr: fo.adamw(lr), lambda lr: fo.adam(lr), lambda lr: fo.sgd(lr, momentum=0.9)])

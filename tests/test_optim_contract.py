@@ -32,6 +32,15 @@ REGISTRY = {
 }
 # Lion's fixed-size sign steps hover about the optimum at a constant lr (and its decay pulls off it): decay the lr.
 CONVERGENCE_LR = {"adamw": 0.05, "adam": 0.05, "sgd_momentum": 0.01, "lion": fo.cosine_decay_schedule(0.05, 300), "lamb": 0.05}
+# Compositions checked by the state/meta/convergence contract too (they are not separate ZeRO cases).
+TRANSFORMS = {
+    **REGISTRY,
+    "sgd": lambda lr: fo.sgd(lr),
+    "sgd_nesterov_wd": lambda lr: fo.sgd(lr, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "chain_adam_scale": lambda lr: fo.chain(fo.scale_by_adam(), fo.scale_by_learning_rate(lr)),
+    "chain_trace": lambda lr: fo.chain(fo.trace(0.5), fo.scale_by_learning_rate(lr)),
+}
+CONVERGENCE_LR.update({"sgd": 0.01, "sgd_nesterov_wd": 0.01, "chain_adam_scale": 0.05, "chain_trace": 0.01})
 SHAPES = {"a": (7,), "b": (1000,), "c": (33, 17)}
 
 
@@ -53,10 +62,10 @@ def signature(tree):
 # -- the contract -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", list(TRANSFORMS))
 @pytest.mark.parametrize("path", ["inplace", "pure"])
 def test_state_structure_dtypes_and_shapes_are_stable(name, path):
-    opt = REGISTRY[name](1e-2)
+    opt = TRANSFORMS[name](1e-2)
     params = make_params()
     state = opt.init(params)
     first = signature(state)
@@ -72,9 +81,9 @@ def test_state_structure_dtypes_and_shapes_are_stable(name, path):
     assert len(torch_pytree.tree_leaves(state)) == len(optree.tree_leaves(state))
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_init_and_update_on_meta_tensors(name):
-    opt = REGISTRY[name](1e-2)
+    opt = TRANSFORMS[name](1e-2)
     params = {"w": torch.empty(5, device="meta"), "b": torch.empty(2, 3, device="meta")}
     state = opt.init(params)
     leaves = optree.tree_leaves(state)
@@ -86,13 +95,13 @@ def test_init_and_update_on_meta_tensors(name):
     assert signature(new_state) == signature(state)
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_converges_on_least_squares(name):
     g = torch.Generator().manual_seed(5)
     a, x_true = torch.randn(32, 8, generator=g), torch.randn(8, generator=g)
     b = a @ x_true
     params = {"x": torch.full((8,), 0.1)}  # not zeros: LAMB's trust ratio ||p|| / ||u|| needs some ||p||
-    opt = REGISTRY[name](CONVERGENCE_LR[name])
+    opt = TRANSFORMS[name](CONVERGENCE_LR[name])
     state = opt.init(params)
 
     def loss(x):
