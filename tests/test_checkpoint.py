@@ -33,14 +33,6 @@ def worker(*args: str, torchrun: bool = False, timeout: int = 120) -> None:
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def train(step, state, batches):
     losses = []
     for b in batches:

@@ -28,14 +28,6 @@ def run_torchrun(tmp_path, problem: str, stages: int, *extra: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.torchrun
 @pytest.mark.parametrize("problem", ["mlp", "gpt", "any"])
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
