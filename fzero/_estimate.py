@@ -20,7 +20,8 @@ Given a model or a params pytree (not just a count) the estimate uses fzero's ow
 
 Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads;
 ``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in files
-and two sub-groups of it in host memory.
+and two sub-groups of it in host memory; with ``offload_params=True`` the param shards are files too (mapped:
+their pages are resident only while a gather or the update uses them, which this estimate does not count).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def estimate_memory(
     is allocated), a params pytree (e.g. ``fzero.params_of(model)``) or a parameter count. ``precision``: "fp32",
     "bf16", "fp16" or a ``fzero.Precision``. ``optimizer``: "adamw", "adam", "lamb", "lion", "sgd" (momentum), a
     ``fzero.optim`` transform (its state is measured on meta tensors), or bytes of optimizer state per parameter.
-    ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, "cpu"). ``units``, ``unit_elements`` and
+    ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, with either offload). ``units``, ``unit_elements`` and
     ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload.
     """
     if isinstance(stages, bool) or stages not in (0, 1, 2, 3):
@@ -142,8 +143,8 @@ def estimate_memory(
         raise ValueError(f"{API}: offload must be None or one of {sorted(KINDS)}, got {offload!r}.")
     if offload is not None and stages == 0:
         raise ValueError(f"{API}: offload needs stages >= 1 (each rank offloads its shard of the optimizer state), as fzero.offload does.")
-    if offload_params and (stages != 3 or offload != "cpu"):
-        raise ValueError(f"{API}: offload_params=True needs stages=3 and offload='cpu', got stages={stages}, offload={offload!r}.")
+    if offload_params and (stages != 3 or offload is None):
+        raise ValueError(f"{API}: offload_params=True needs stages=3 and an offload ('cpu' or 'disk'), got stages={stages}, offload={offload!r}.")
     prec = policy(precision, api=API)
     p_bytes = torch.empty((), dtype=prec.compute).element_size()
     state_dtype = torch.float32 if prec.has_master else prec.compute
@@ -176,7 +177,7 @@ def estimate_memory(
     if offload is not None:
         (disk if KINDS[offload] == "disk" else host)["optimizer"] = device.pop("optimizer")
         if offload_params:
-            host["params"] = device.pop("params")
+            (disk if KINDS[offload] == "disk" else host)["params"] = device.pop("params")
         host_work = opt_grad  # the fp32 gradient, copied to the host for the optimizer
         if KINDS[offload] == "disk":  # two sub-groups of the state in RAM: the one updated and the one read ahead
             owned_unit = largest / n if largest else owned_e  # the largest unit's shard; all of it for a count

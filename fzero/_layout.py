@@ -82,13 +82,21 @@ class Layout:
     # -- packing -----------------------------------------------------------------------------------
     def pack(self, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit (in ``dtype`` if given)."""
-        flats, order = {}, iter(self.order)
-        for unit in self.units:
-            flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
-            for slot in unit.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(leaves[next(order)].detach().reshape(-1))
-            flats[unit.name] = flat
-        return flats
+        return {unit.name: self.pack_unit(unit, leaves, dtype=dtype) for unit in self.units}
+
+    def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One unit's fresh padded flat buffer from ``leaves`` (pytree order); meta leaves leave zeros."""
+        first = 0
+        for u in self.units:
+            if u.name == unit.name:
+                break
+            first += len(u.slots)
+        flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
+        for i, slot in enumerate(unit.slots):
+            leaf = leaves[self.order[first + i]]
+            if not leaf.is_meta:
+                flat[slot.offset : slot.offset + slot.numel].copy_(leaf.detach().reshape(-1))
+        return flat
 
     def unit_views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{path: view}`` of one unit's whole buffer (differentiable through one ``split``)."""
@@ -139,7 +147,7 @@ def build_layout(
                 f"{api}: the parameter {path!r} has dtype {leaf.dtype}; only floating-point tensors are trained. "
                 f"Keep integer tensors out of params (as buffers of the module, or in the batch)."
             )
-        if leaf.device.type != "cpu":
+        if leaf.device.type not in ("cpu", "meta"):  # meta: shapes only, checked by Step.init
             raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero runs on CPU tensors for now. Move params to CPU.")
     if unit_of is None:
         groups = _by_size(paths, leaves, unit_elements)

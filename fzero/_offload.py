@@ -14,6 +14,11 @@
   the current one. The optimizer runs on each sub-group as on any leaf, so element-wise optimizers give
   the same numbers as without offload (sub-groups start on multiples of ``SHARD_ALIGN``); a layer-wise
   one (LAMB) cannot see whole parameters there and is refused.
+- ``"disk"`` with ``params=True`` (stage 3): each param shard is a file too, mapped into memory
+  (``MAP_SHARED``) so that the step reads and updates it as an ordinary tensor. Its pages come in when a
+  gather reads the shard (the prefetch of the next unit reads ahead) and are given back to the kernel
+  (``madvise(MADV_DONTNEED)``) as soon as the gather or the unit's update is done; dirty pages go back
+  to the file, so nothing is lost, and the shard costs no resident memory between uses.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -65,11 +71,6 @@ def make_policy(where: Any, *, params: bool, dir: Any, sub_group_size: Any, api:
             raise ValueError(f"{api}: offload_dir={dir!r} does not exist or is not a directory; create it first.")
         if not os.access(dir, os.W_OK | os.X_OK):
             raise PermissionError(f"{api}: offload_dir={dir!r} is not writable by this process; pick a directory it can write.")
-        if params:
-            raise NotImplementedError(
-                f"{api}: offload_params=True with offload={where!r} (param shards in files) is not built yet; param shards "
-                f"can live on the host with offload='cpu', offload_params=True."
-            )
     elif dir is not None:
         raise ValueError(f"{api}: offload_dir={dir!r} only applies to offload='disk'/'nvme', not {where!r}.")
     return OffloadPolicy(kind, params, dir, sub_group_size)
@@ -96,7 +97,27 @@ class DiskStore:
     def __init__(self, root: str, rank: int) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"fzero-rank{rank}-{uuid.uuid4().hex[:8]}-", dir=root)
         self.sizes: dict[str, int] = {}
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.maps: dict[int, mmap.mmap] = {}  # storage address -> the mapping of a param shard's file
+        self._finalizer = weakref.finalize(self, _remove, self.dir, self.maps)
+
+    def map(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        """``source`` written to a fresh file, and a tensor of its dtype whose memory is that file (shared mapping)."""
+        path = self.path(key)
+        with open(path, "wb") as f:
+            f.write(_bytes(source.detach().contiguous()))
+        with open(path, "r+b") as f:
+            mapping = mmap.mmap(f.fileno(), 0)
+        t = torch.frombuffer(mapping, dtype=source.dtype)  # keeps the mapping alive as long as the tensor lives
+        self.maps[t.untyped_storage().data_ptr()] = mapping
+        _FILE_BACKED.add(t.untyped_storage().data_ptr())
+        mapping.madvise(mmap.MADV_DONTNEED)  # written through the page cache; nothing resident in this process
+        return t
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give the resident pages of a mapped tensor back (no-op for others); its data stays in the file."""
+        mapping = self.maps.get(t.untyped_storage().data_ptr())
+        if mapping is not None:
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key.replace("/", "__") + ".bin")
@@ -123,7 +144,22 @@ class DiskStore:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    """The bytes of a contiguous CPU tensor of any dtype (numpy has no bfloat16, so through uint8)."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+
+
+_FILE_BACKED: set[int] = set()  # storage addresses of mapped param shards, for fzero.memory.state_bytes
+
+
+def is_file_backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is a param shard's file (disk offload with params=True), not RAM."""
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _FILE_BACKED
+
+
+def _remove(path: str, maps: dict[int, mmap.mmap]) -> None:
+    _FILE_BACKED.difference_update(maps)
+    maps.clear()  # the mappings themselves close when the tensors viewing them are gone
+    shutil.rmtree(path, True)
 
 
 class DiskOptState(NamedTuple):
@@ -207,6 +243,8 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
                 params[unit][a:b].copy_(target)  # the low-precision params follow the fp32 master
             new_small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, group_state, none_is_leaf=True)
             io.submit(write, i, data)  # the next read into these buffers is queued behind this write
+            if b == params[unit].numel():  # the unit's last sub-group: a mapped param shard goes back to its file
+                store.release(params[unit])
     return DiskOptState(store, new_small, state.master)
 
 

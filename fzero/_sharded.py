@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -324,8 +324,10 @@ class Schedule:
     and dropped, on every rank alike), and the order this step really took goes into the new state.
     """
 
-    def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool) -> None:
+    def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
+                 release: Callable[[torch.Tensor], None] | None = None) -> None:
         self.comm = comm
+        self.release = release  # disk offload of params: give a shard's pages back once it is gathered
         self.units = {u.name: u for u in layout.units}
         self.shards = shards  # the state's own shard tensors (not the autograd-wrapped ones)
         self.order = order
@@ -360,6 +362,8 @@ class Schedule:
                 self._drain()
             full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
             self.comm.all_gather(full, shard, tag="params")
+        if self.release is not None:
+            self.release(self.shards[name])
         if self.following:
             self._issue(pos + 1)
         return full

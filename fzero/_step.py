@@ -69,27 +69,41 @@ class Step:
         low = None if prec.compute == torch.float32 else prec.compute
         layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, dtype=low, api="fzero.Step.init")
         leaves = _tree.tree_leaves(params)
-        flats = layout.pack(leaves)  # in the compute dtype
-        masters = layout.pack(leaves, dtype=torch.float32) if prec.has_master else None  # from the fp32 values, not rounded
-        if isinstance(self.mesh, LocalMesh):
-            return RankStates(tuple(
-                self._init_rank(layout, _copy(flats) if r else flats, masters and (_copy(masters) if r else masters), r) for r in range(n)
-            ))
-        if isinstance(self.mesh, DistMesh):
-            comm = self.mesh.comm()
-            for flat in (*flats.values(), *(masters or {}).values()):  # every rank starts from rank 0's params, as DDP does
-                comm.broadcast(flat, src=0, tag="init")
-            return self._init_rank(layout, flats, masters, self.mesh.rank)
-        return self._init_rank(layout, flats, masters, 0)
+        dist = isinstance(self.mesh, DistMesh)
+        ranks = list(range(n)) if isinstance(self.mesh, LocalMesh) else [self.mesh.rank if dist else 0]
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves) and not (dist and ranks[0] != 0):
+            where = f"rank {ranks[0]} of dist_mesh" if dist else ("a local_mesh" if n > 1 else "a single rank")
+            raise ValueError(
+                "fzero.Step.init: params hold meta tensors (shapes without values) on " + where + ". Only ranks other "
+                "than 0 under fzero.dist_mesh() may pass meta params (rank 0's values are broadcast to them, as FSDP's "
+                "sync_module_states); build the model with real weights here, e.g. outside `with torch.device('meta')`."
+            )
+        # Unit by unit: pack, broadcast rank 0's values (as DDP does), keep what each rank holds, drop the
+        # whole buffer; at stage 3 the params are never whole all at once (only shards and one unit).
+        comm = self.mesh.comm() if dist else None
+        flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
+        masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
+        for unit in layout.units:
+            flat = layout.pack_unit(unit, leaves)  # in the compute dtype
+            master = layout.pack_unit(unit, leaves, dtype=torch.float32) if prec.has_master else None  # from fp32 values
+            for t in (flat, master):
+                if comm is not None and t is not None:
+                    comm.broadcast(t, src=0, tag="init")
+            for i, r in enumerate(ranks):
+                lo, hi = unit.shard_range(r, n)
+                flats[r][unit.name] = flat[lo:hi].clone() if self.stage == 3 else (flat.clone() if i else flat)
+                if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
+                    masters[r][unit.name] = (master if self.stage == 0 else master[lo:hi]).clone()
+            del flat, master
+        states = [self._init_rank(layout, flats.pop(r), masters and masters.pop(r), r) for r in ranks]
+        return RankStates(tuple(states)) if isinstance(self.mesh, LocalMesh) else states[0]
 
-    def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], masters: dict | None, rank: int) -> TrainState:
-        if self.stage == 3:  # keep only this rank's shard of every unit
-            flats = {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))].clone() for u in layout.units}
-        master = None
-        if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
-            master = {k: v.clone() for k, v in owned(layout, masters, min(self.stage, 1), rank).items()}
+    def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int) -> TrainState:
+        """``flats``: this rank's shards at stage 3, whole units otherwise; ``master``: the fp32 copy of what it owns."""
         if self.offload is not None and self.offload.where == "disk":
             opt_state: Any = init_disk(self.optimizer, self.offload, owned(layout, flats, self.stage, rank), master, rank)
+            if self.offload.params:  # stage 3: the shards become files, mapped (see _offload.py)
+                flats = {name: opt_state.store.map(f"param/{name}", t) for name, t in flats.items()}
         elif master is not None:
             opt_state = MasterState(master, self.optimizer.init(master))
         else:
@@ -131,6 +145,8 @@ class Step:
         ranges = [u.shard_range(comm.rank, n) for u in units]
         names = [u.name for u in units]
 
+        # disk offload of params: a mapped shard's pages go back to its file after each use
+        release = state.opt_state.store.release if isinstance(state.opt_state, DiskOptState) else None
         if self.stage == 2:
             inputs = [flats[u.name][lo:hi] for u, (lo, hi) in zip(units, ranges)]
 
@@ -138,7 +154,7 @@ class Step:
                 return ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype)
         elif self.stage == 3:
             inputs = [flats[u.name] for u in units]  # the shards themselves
-            schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch)
+            schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release)
 
             def build(xs):
                 return ShardedParams(dict(zip(names, xs)), layout, comm, schedule, reduce_dtype=reduce_dtype)
@@ -171,7 +187,11 @@ class Step:
         if self.stage == 3:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        return finish(self, comm, state, acc, loss, scale, meta, aux)
+        new_state, metrics = finish(self, comm, state, acc, loss, scale, meta, aux)
+        if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
+            for t in new_state.params.values():
+                release(t)
+        return new_state, metrics
 
     # -- gather ------------------------------------------------------------------------------------
     def gather(self, state: TrainState | RankStates) -> Any:
@@ -256,9 +276,6 @@ def _gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor]
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
     return grads, loss, aux
 
-
-def _copy(flats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in flats.items()}
 
 
 def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:

@@ -610,10 +610,16 @@ def _offload(zero: dict, stages: int, ctx: _Ctx) -> dict[str, Any]:
         if where == "none":
             raise NotImplementedError(f"{API}: offload_param without offload_optimizer (params on the host, optimizer on "
                                       f"the device) is not in fzero. Add \"offload_optimizer\": {{\"device\": \"{pwhere}\"}}.")
-        if pwhere != where or pwhere == "nvme":
+        if pwhere != where:
             raise NotImplementedError(
                 f"{API}: offload_param to {pwhere!r} with offload_optimizer to {where!r}: fzero offloads param shards to "
-                f"host memory only, with the optimizer there too. Use device \"cpu\" for offload_param."
+                f"where the optimizer state goes. Give both the same device."
+            )
+        ppath, opath = par.get("nvme_path"), opt.get("nvme_path")
+        if pwhere == "nvme" and ppath is not None and opath is not None and str(ppath) != str(opath):
+            raise NotImplementedError(
+                f"{API}: offload_param.nvme_path={json.dumps(ppath)} differs from offload_optimizer.nvme_path="
+                f"{json.dumps(opath)}; fzero keeps a rank's param and optimizer files in one directory. Give both the same path."
             )
     if where == "none":
         if "sub_group_size" in zero:
@@ -624,6 +630,8 @@ def _offload(zero: dict, stages: int, ctx: _Ctx) -> dict[str, Any]:
                          f"of the optimizer state), but stage is 0.")
     out["offload"], out["offload_params"] = where, pwhere != "none"
     if where == "nvme":
+        if not opt.get("nvme_path") and par.get("nvme_path"):  # the param block's path serves both
+            opt = {**opt, "nvme_path": par["nvme_path"]}
         if not opt.get("nvme_path"):
             raise ValueError(f"{API}: zero_optimization.offload_optimizer.device is \"nvme\" but nvme_path is missing: "
                              f"name a directory on the fast disk, e.g. \"nvme_path\": \"/local_nvme\".")

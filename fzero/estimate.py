@@ -27,7 +27,8 @@ UNITS = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}
 MODELS = ("gpt-tiny", "gpt-small", "gpt-218m")
 # (stage, offload, offload_params): every combination fzero.compile accepts
 CHOICES = ((0, None, False), (1, None, False), (1, "cpu", False), (1, "nvme", False), (2, None, False), (2, "cpu", False),
-           (2, "nvme", False), (3, None, False), (3, "cpu", False), (3, "cpu", True), (3, "nvme", False))
+           (2, "nvme", False), (3, None, False), (3, "cpu", False), (3, "cpu", True), (3, "nvme", False),
+           (3, "nvme", True))
 
 
 def _model(name: str) -> torch.nn.Module:

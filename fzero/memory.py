@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fzero import _tree
+from fzero._offload import is_file_backed
 
 
 def zero_model_state_bytes(
@@ -44,7 +45,7 @@ def zero_model_state_bytes(
 def _storage_bytes(tensors: Any) -> int:
     seen, total = set(), 0
     for t in _tree.tree_leaves(tensors):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not is_file_backed(t):  # a mapped file's pages are not RAM the state holds
             s = t.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
@@ -53,7 +54,8 @@ def _storage_bytes(tensors: Any) -> int:
 
 
 def state_bytes(state: Any) -> dict[str, int]:
-    """Bytes that one rank's ``TrainState`` holds: params and optimizer state (distinct storages)."""
+    """Bytes that one rank's ``TrainState`` holds in memory: params and optimizer state (distinct storages;
+    the files of disk offload, mapped param shards included, are not counted)."""
     return {"params": _storage_bytes(state.params), "optimizer": _storage_bytes(state.opt_state)}
 
 

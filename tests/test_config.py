@@ -95,6 +95,12 @@ def test_hf_zero3_cpu_offload_of_optimizer_and_params():
         assert key in notes, key
 
 
+def test_zero_infinity_nvme_offload_of_optimizer_and_params(tmp_path):
+    s = from_deepspeed(with_(zero_optimization__stage=3, zero_optimization__offload_param={"device": "nvme", "nvme_path": str(tmp_path)},
+                             zero_optimization__offload_optimizer={"device": "nvme"}))
+    assert (s.stages, s.offload, s.offload_params, s.offload_dir) == (3, "nvme", True, str(tmp_path))
+
+
 def test_onebitadam_with_warmuplr_is_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"optimizer.type='OneBitAdam' is 1-bit Adam .*fzero does not implement.*AdamW"):
         from_deepspeed(ONEBIT, world_size=2)
@@ -163,6 +169,10 @@ def test_config_errors_name_the_key_and_the_fix(cfg, match):
     (with_(optimizer__params={"amsgrad": True}), r"amsgrad=true is not in fzero's adamw"),
     (with_(fp16={"enabled": True, "consecutive_hysteresis": True}), r"consecutive_hysteresis"),
     (with_(zero_optimization__stage=3, zero_optimization__offload_param={"device": "cpu"}), r"offload_param without offload_optimizer"),
+    (with_(zero_optimization__stage=3, zero_optimization__offload_param={"device": "cpu"},
+           zero_optimization__offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}), r"offload_param to 'cpu'.*'nvme'.*same device"),
+    (with_(zero_optimization__stage=3, zero_optimization__offload_param={"device": "nvme", "nvme_path": "/a"},
+           zero_optimization__offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}), r"nvme_path=\"/a\" differs"),
     (with_(optimizer={"type": "Lamb", "params": {}}, scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}}),
      r"OneCycle cycles the first beta of Lamb.*cycle_momentum to false"),
     (with_(scheduler={"type": "WarmupLR", "params": {"last_batch_iteration": 5}}), r"last_batch_iteration=5: resuming"),

@@ -90,6 +90,8 @@ def test_offload_moves_state_off_the_device():
     assert none.model_states == cpu.model_states == disk.model_states
     params = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="cpu", offload_params=True)
     assert params.device.params == 0 and params.host.params == 4 * 1e8 / 4
+    files = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="disk", offload_params=True)
+    assert files.device.params == files.host.params == 0 and files.disk.params == 4 * 1e8 / 4
 
 
 @pytest.mark.parametrize("optimizer, k", [("adamw", 8), ("lamb", 8), ("lion", 4), ("sgd", 4), (fzero.optim.sgd(0.1), 0), (6, 6)])
@@ -115,7 +117,7 @@ def test_errors(kwargs, match):
 def test_cli_prints_every_stage_and_offload_choice(capsys):
     estimates = estimate_cli(["--params", "7.5e9", "--world-size", "64"])
     out = capsys.readouterr().out
-    assert len(estimates) == 11 and {(e.stages, e.offload, e.offload_params) for e in estimates} >= {(3, "cpu", True), (2, "nvme", False)}
+    assert len(estimates) == 12 and {(e.stages, e.offload, e.offload_params) for e in estimates} >= {(3, "cpu", True), (2, "nvme", False)}
     rows = {tuple(line.split()[:2]): line.split()[2] for line in out.splitlines()[2:] if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])}
     assert [rows[(s, "none")] for s in "0123"] == ["120.00", "31.41", "16.64", "1.88"]  # Figure 1, GB per rank
     estimate_cli(["--model", "gpt-tiny", "--world-size", "2", "--precision", "fp32", "--unit", "MiB"])

@@ -60,6 +60,87 @@ def test_offload_params_on_the_host_at_stage3():
         assert_trees_equal(g, e)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_disk_offload_of_params_equals_no_offload_bitwise(tmp_path, precision, ranks):
+    prob = PROBLEMS["gpt"]()
+    base, _ = run(prob, stages=3, mesh=fzero.local_mesh(ranks), precision=precision)
+    got, state = run(prob, stages=3, mesh=fzero.local_mesh(ranks), precision=precision, offload="disk",
+                     offload_params=True, offload_dir=str(tmp_path), sub_group_size=1000)
+    for g, e in zip(got, base):
+        assert_trees_equal(g, e)
+    assert state_bytes(state[0]) == {"params": 0, "optimizer": state_bytes(state[0])["optimizer"]}
+    assert state_bytes(state[0])["optimizer"] < 100  # step counts only
+
+
+def _resident_bytes_of_files_under(path) -> int:
+    """Rss of this process's mappings of files under ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5].startswith(str(path))
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path):
+    prob = PROBLEMS["gpt"]()
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_params=True,
+                         offload_dir=str(tmp_path), unit_elements=2048)
+    state = step.init(fzero.params_of(prob.model))
+    units = [u.name for u in state[0].meta.layout.units]
+    rank_dir = next(d for d in os.listdir(tmp_path) if d.startswith("fzero-rank0-"))
+    files = set(os.listdir(tmp_path / rank_dir))
+    assert {f"param__{u}.bin" for u in units} <= files
+    shard = state[0].params[units[1]]
+    assert os.path.getsize(tmp_path / rank_dir / f"param__{units[1]}.bin") == shard.numel() * 4
+    mapped = sum(t.numel() * 4 for s in state.states for t in s.params.values())
+    assert _resident_bytes_of_files_under(tmp_path) == 0  # written, then given back
+    shard.sum()  # reading a shard brings its pages in
+    assert _resident_bytes_of_files_under(tmp_path) > 0
+    for b in prob.batches:
+        state, _ = step(state, b)
+        # every gather and every update gives its pages back: nothing of the shards stays resident
+        assert _resident_bytes_of_files_under(tmp_path) == 0, mapped
+    after = step.gather(state)
+    with open(tmp_path / rank_dir / f"param__{units[1]}.bin", "rb") as f:  # the file holds the updated values
+        on_disk = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+    assert torch.equal(on_disk, state[0].params[units[1]])
+    assert not torch.equal(on_disk, shard.new_zeros(shard.shape))
+    assert after  # gathered from the files
+    del state, shard
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_offload_of_params_checkpoint_round_trip(tmp_path):
+    prob = PROBLEMS["gpt"]()
+    kw = dict(stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_params=True, offload_dir=str(tmp_path / "off"))
+    os.makedirs(kw["offload_dir"])
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), **kw)
+    state = step.init(fzero.params_of(prob.model))
+    state, _ = step(state, prob.batches[0])
+    fzero.checkpoint.save(str(tmp_path / "ckpt"), state)
+    loaded = fzero.checkpoint.load(str(tmp_path / "ckpt"), like=step)
+    assert_trees_equal(step.gather(loaded), step.gather(state))
+    for b in prob.batches[1:3]:  # both continue alike
+        state, m1 = step(state, b)
+        loaded, m2 = step(loaded, b)
+        assert m1["loss"] == m2["loss"]
+    assert_trees_equal(step.gather(loaded), step.gather(state))
+
+
+def test_meta_params_are_refused_where_no_rank_0_gives_values():
+    prob = mlp_problem(steps=1)
+    params = {k: v.to("meta") for k, v in fzero.params_of(prob.model).items()}
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"fzero.Step.init: params hold meta tensors .* on a local_mesh.*dist_mesh"):
+        step.init(params)
+
+
 def test_disk_files_are_fresh_per_run_and_removed_with_the_state(tmp_path):
     prob = mlp_problem(steps=2)
     step = fzero.compile(prob.loss_fn, stages=2, mesh=fzero.local_mesh(2), offload="disk", offload_dir=str(tmp_path))
@@ -113,7 +194,7 @@ def test_disk_offload_keeps_the_optimizer_state_out_of_ram():
         ({"offload": "cpu", "stages": 0}, ValueError, r"fzero.offload: needs fzero.shard_optimizer inside it"),
         ({"offload_params": True}, ValueError, r"offload_params/offload_dir need offload="),
         ({"offload": "disk", "offload_dir": "/tmp", "donate": False}, ValueError, r"an old state cannot be kept \(donate=False\)"),
-        ({"offload": "disk", "offload_dir": "/tmp", "offload_params": True, "stages": 3}, NotImplementedError, r"offload_params=True with offload='disk'.*not built yet"),
+        ({"offload": "disk", "offload_dir": "/tmp", "offload_params": True, "stages": 2}, ValueError, r"params=True offloads param shards.*stage 2"),
     ],
 )
 def test_offload_errors(kw, error, match):

@@ -56,3 +56,15 @@ def test_torchrun_offload_equals_local_mesh_without_offload(tmp_path, one_thread
         assert_trees_equal(d, l)
     if where == "disk":
         assert os.listdir(tmp_path) == [f"gpt-{stages}.pt"]  # the ranks' offload files are gone with their states
+
+
+@pytest.mark.torchrun
+def test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh(tmp_path, one_thread):
+    # rank 1 passes shapes only (meta) to init and receives rank 0's values; param shards live in files
+    extra = ["--offload", "disk", "--offload-dir", str(tmp_path), "--offload-params", "--meta-init"]
+    dist = run_torchrun(tmp_path, "gpt", 3, *extra)
+    local, metrics = fzero_run(PROBLEMS["gpt"](), stages=3, mesh=fzero.local_mesh(2))
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
+    assert os.listdir(tmp_path) == ["gpt-3.pt"]

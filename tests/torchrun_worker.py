@@ -23,14 +23,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--offload", choices=("cpu", "disk"), default=None)
     parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--offload-params", action="store_true")
+    parser.add_argument("--meta-init", action="store_true", help="ranks other than 0 pass meta params to init")
     args = parser.parse_args()
     mesh = fzero.count_collectives(fzero.dist_mesh())
     prob = PROBLEMS[args.problem]()
     # under dist_mesh each process passes its own share of the global batch
     local = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in prob.batches]
     prob = type(prob)(prob.model, prob.loss_fn, local)
-    extra = {"offload": args.offload, "offload_dir": args.offload_dir} if args.offload else {}
-    history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, **extra)
+    extra = {"offload": args.offload, "offload_dir": args.offload_dir, "offload_params": args.offload_params} if args.offload else {}
+    history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, meta_params=args.meta_init and mesh.rank != 0, **extra)
     calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
     if mesh.rank == 0:
         torch.save({"history": history, "metrics": metrics, "calls": calls, "world": mesh.size}, args.out)
