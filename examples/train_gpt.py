@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload", choices=("cpu", "disk"), default=None,
                    help="optimizer state and fp32 masters on the host, or in files under --offload-dir (stages 1-3)")
     p.add_argument("--offload-dir", default=None, help="directory for --offload disk (e.g. an NVMe mount)")
+    p.add_argument("--offload-params", action="store_true",
+                   help="stage 3: the param shards too (on the host, or in files under --offload-dir)")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (keeping the last 2)")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every this many steps (needs --ckpt-dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
@@ -174,9 +176,13 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
 
     data = load_corpus(args.data)
     train_data, val_data = train_val_split(data)
-    torch.manual_seed(args.seed)  # same init on every rank (and Step.init broadcasts rank 0's anyway)
+    torch.manual_seed(args.seed)
     cfg = GPTConfig(n_layer=args.layers, d_model=args.width, n_head=args.heads, seq_len=args.seq)
-    model = GPT(cfg)
+    # The model is built on the meta device (shapes only) and step.init makes its params one unit at a
+    # time with model.init_value, keeping each rank's share: the whole model never exists in memory.
+    # (Under torchrun rank 0 makes them and broadcasts; the other ranks only receive.)
+    with torch.device("meta"):
+        model = GPT(cfg)
     psi = num_params(model)
 
     def loss_fn(params, batch):
@@ -194,8 +200,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     optimizer = fzero.optim.adamw(schedule, weight_decay=args.weight_decay)
     step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
                          grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
-                         offload_dir=args.offload_dir)
-    state = step.init(fzero.params_of(model))
+                         offload_params=args.offload_params, offload_dir=args.offload_dir)
+    state = step.init(fzero.params_of(model, copy=False), materialize=model.init_value)
     first = 0
     if args.resume:  # the newest complete checkpoint, resharded for this step's stage and world size
         state = fzero.checkpoint.load(args.ckpt_dir, like=step)
@@ -207,7 +213,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         f"({args.data or 'Python stdlib sources'}) | {tokens_per_step:,} tokens per step")
     # Before training: what fzero.estimate_memory predicts per rank; the measured table is printed at the end.
     estimate = fzero.estimate_memory(model, stages=args.stages, world_size=world, precision=args.precision,
-                                     optimizer=optimizer, offload=args.offload)
+                                     optimizer=optimizer, offload=args.offload,
+                                     offload_params=args.offload_params)
     log(f"{estimate}\n(activations not included; measured model states at the end)")
 
     losses: list[float] = []
@@ -261,15 +268,17 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     low = args.precision != "fp32"  # the paper's mixed precision: 2-byte params and grads, K = 12 (master, m, v)
     formula = zero_model_state_bytes(rank_state.meta.layout.numel, stage=args.stages, world_size=world,
                                      param_bytes=2 if low else 4, grad_bytes=2 if low else 4, optimizer_bytes=12 if low else 8)
-    if args.offload == "disk":  # the optimizer state and masters are in files, not in RAM
-        formula = {**formula, "optimizer": 0.0, "total": formula["params"] + formula["grads"]}
+    if args.offload == "disk":  # the optimizer state and masters are in files, not in RAM (and the params, if asked)
+        params_held = 0.0 if args.offload_params else formula["params"]
+        formula = {**formula, "params": params_held, "optimizer": 0.0, "total": params_held + formula["grads"]}
     if is_main:
         print_memory(rows, formula, psi, args.stages, world)
 
     result = {
         "stages": args.stages, "mesh": args.mesh, "world_size": world, "num_params": psi,
         "config": {k: getattr(args, k) for k in ("layers", "width", "heads", "seq", "batch_size", "lr", "seed",
-                                                 "precision", "grad_accum", "clip", "schedule", "offload")},
+                                                 "precision", "grad_accum", "clip", "schedule", "offload",
+                                                 "offload_params")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss,
         "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict()},

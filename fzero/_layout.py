@@ -85,7 +85,8 @@ class Layout:
         return {unit.name: self.pack_unit(unit, leaves, dtype=dtype) for unit in self.units}
 
     def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One unit's fresh padded flat buffer from ``leaves`` (pytree order); meta leaves leave zeros."""
+        """One unit's fresh padded flat buffer from ``leaves`` (pytree order); a meta leaf leaves zeros (a rank
+        that receives rank 0's values by broadcast)."""
         first = 0
         for u in self.units:
             if u.name == unit.name:
@@ -184,3 +185,15 @@ def _by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -
             groups.append((f"unit{len(groups)}", [i]))
             size = leaf.numel()
     return groups
+
+
+def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
+    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
+    value = materialize(slot.path, meta)
+    if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.device.type != "cpu" or value.is_meta:
+        got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
+        raise ValueError(
+            f"fzero.Step.init: materialize({slot.path!r}, ...) returned {got}; it must return the parameter's initial "
+            f"value, a CPU tensor of shape {tuple(meta.shape)}."
+        )
+    return value

@@ -11,16 +11,19 @@ from fzero._context import cast_floating, current_compute_dtype, module_for_thre
 from fzero._sharded import UnitParams, apply_units
 
 
-def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
     """The trainable parameters of ``module`` as ``{name: detached copy}``, in ``named_parameters`` order.
 
     Copies, so that training never writes into the module; a tied parameter appears once, under its first
     name (as ``named_parameters`` lists it). Frozen parameters (``requires_grad=False``) are left out: they
-    stay in the module and ``fzero.apply`` reads them from there.
+    stay in the module and ``fzero.apply`` reads them from there. ``copy=False`` gives the module's own
+    tensors, detached: for ``step.init``, which copies anyway, so that a large model is not held twice.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.params_of: expected an nn.Module, got {type(module).__name__}.")
-    return {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+    if not isinstance(copy, bool):
+        raise TypeError(f"fzero.params_of: copy must be True or False, got {copy!r}.")
+    return {name: p.detach().clone() if copy else p.detach() for name, p in module.named_parameters() if p.requires_grad}
 
 
 def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ import torch
 from fzero import _tree
 from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import compute_dtype, simulated_rank
-from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, build_layout
+from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, _materialized, build_layout
 from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
 from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
@@ -59,8 +59,18 @@ class Step:
         return 1 if self.mesh is None else self.mesh.size
 
     # -- init --------------------------------------------------------------------------------------
-    def init(self, params: Any) -> TrainState | RankStates:
-        """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased)."""
+    def init(self, params: Any, *, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> TrainState | RankStates:
+        """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased).
+
+        ``materialize(path, meta_tensor) -> tensor``: params may be meta tensors (a model built under
+        ``torch.device("meta")``), each made by this function when its unit is packed, so that a model
+        too large for memory is never whole: only one unit and each rank's share exist at a time (as
+        FSDP's ``param_init_fn`` or DeepSpeed's ``zero.Init``). ``path`` is the leaf's path, the
+        ``named_parameters`` name for a dict from ``params_of``. Under ``dist_mesh`` ranks other than 0
+        may pass meta params without it: rank 0's values are broadcast to them.
+        """
+        if materialize is not None and not callable(materialize):
+            raise TypeError(f"fzero.Step.init: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
         n = self.world_size
         unit_of = None
         if self.stage >= 2:  # units by module: each one's gradient is reduced (stage 2) or gathered (3) as it runs
@@ -71,21 +81,32 @@ class Step:
         leaves = _tree.tree_leaves(params)
         dist = isinstance(self.mesh, DistMesh)
         ranks = list(range(n)) if isinstance(self.mesh, LocalMesh) else [self.mesh.rank if dist else 0]
-        if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves) and not (dist and ranks[0] != 0):
+        receives = dist and ranks[0] != 0  # its values come from rank 0's broadcast
+        if materialize is None and not receives and any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
             where = f"rank {ranks[0]} of dist_mesh" if dist else ("a local_mesh" if n > 1 else "a single rank")
             raise ValueError(
-                "fzero.Step.init: params hold meta tensors (shapes without values) on " + where + ". Only ranks other "
-                "than 0 under fzero.dist_mesh() may pass meta params (rank 0's values are broadcast to them, as FSDP's "
-                "sync_module_states); build the model with real weights here, e.g. outside `with torch.device('meta')`."
+                "fzero.Step.init: params hold meta tensors (shapes without values) on " + where + ", and no materialize= "
+                "makes them. Pass materialize=fn(path, meta_tensor) -> initial value (e.g. model.init_value), or real "
+                "params; only ranks other than 0 under fzero.dist_mesh() may pass meta params alone (rank 0's values "
+                "are broadcast to them, as FSDP's sync_module_states)."
             )
+        make = None if receives else materialize
         # Unit by unit: pack, broadcast rank 0's values (as DDP does), keep what each rank holds, drop the
         # whole buffer; at stage 3 the params are never whole all at once (only shards and one unit).
         comm = self.mesh.comm() if dist else None
         flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
         masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
         for unit in layout.units:
-            flat = layout.pack_unit(unit, leaves)  # in the compute dtype
-            master = layout.pack_unit(unit, leaves, dtype=torch.float32) if prec.has_master else None  # from fp32 values
+            values = leaves
+            if make is not None:  # this unit's meta leaves made once, for both packings below
+                values = list(leaves)
+                first = sum(len(u.slots) for u in layout.units[: layout.units.index(unit)])
+                for i, slot in enumerate(unit.slots):
+                    j = layout.order[first + i]
+                    if values[j].is_meta:
+                        values[j] = _materialized(make, slot, values[j])
+            flat = layout.pack_unit(unit, values)  # in the compute dtype
+            master = layout.pack_unit(unit, values, dtype=torch.float32) if prec.has_master else None  # from fp32 values
             for t in (flat, master):
                 if comm is not None and t is not None:
                     comm.broadcast(t, src=0, tag="init")
@@ -94,7 +115,7 @@ class Step:
                 flats[r][unit.name] = flat[lo:hi].clone() if self.stage == 3 else (flat.clone() if i else flat)
                 if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
                     masters[r][unit.name] = (master if self.stage == 0 else master[lo:hi]).clone()
-            del flat, master
+            del flat, master, values
         states = [self._init_rank(layout, flats.pop(r), masters and masters.pop(r), r) for r in ranks]
         return RankStates(tuple(states)) if isinstance(self.mesh, LocalMesh) else states[0]
 

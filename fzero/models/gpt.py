@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,9 @@ class GPT(nn.Module):
     """Decoder-only transformer: ``forward(idx: int64 (B, T)) -> logits (B, T, vocab_size)``.
 
     Initialisation depends only on the global RNG (``torch.manual_seed``) and works on the meta device.
+    Each parameter's initial value comes from its own generator (the model's seed and the parameter's
+    name), so ``init_value`` can make any one of them alone: a model built on the meta device can be
+    materialised one unit at a time by ``step.init(params, materialize=model.init_value)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -124,6 +128,8 @@ class GPT(nn.Module):
             raise TypeError(f"GPT(cfg): expected a GPTConfig, got {type(cfg).__name__}; "
                             "e.g. GPT(GPTConfig.tiny()).")
         self.cfg = cfg
+        # drawn first: the submodules' own default inits consume the global RNG on CPU but not on meta
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
@@ -135,17 +141,22 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """N(0, 0.02) weights; residual-branch outputs scaled by 1/sqrt(2 n_layer) so the residual
         stream's variance does not grow with depth; zero biases; LayerNorm weight 1."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():  # registration order: deterministic
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual = name.endswith(("attn.proj", "mlp.down"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else 0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                p.copy_(self.init_value(name, p))
+
+    def init_value(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The initial value of parameter ``name`` (as ``named_parameters`` names it), shaped like ``like``, on CPU."""
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        out = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+        if isinstance(module, nn.LayerNorm):
+            return out.fill_(1.0 if kind == "weight" else 0.0)
+        if kind == "bias":
+            return out.zero_()
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if module_name.endswith(("attn.proj", "mlp.down")) else 0.02
+        gen = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+        return out.normal_(0.0, std, generator=gen)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.dim() != 2:
