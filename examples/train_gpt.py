@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 import torch
@@ -84,15 +85,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=int, default=8, help="batches of validation data per evaluation")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="batches of validation data per evaluation; 0 skips validation (it gathers the full params "
+                        "on every rank, which a model sharded for memory may not afford)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop early after this much training wall time")
     p.add_argument("--json-out", default=None, help="write the final metrics (loss curve, tok/s, memory table) here")
     args = p.parse_args(argv)
-    for name in ("ranks", "layers", "width", "heads", "seq", "batch_size", "steps", "log_every", "eval_batches"):
+    for name in ("ranks", "layers", "width", "heads", "seq", "batch_size", "steps", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_every < 0 or args.warmup < 0:
-        p.error("--eval-every and --warmup must be >= 0")
+    if args.eval_every < 0 or args.warmup < 0 or args.eval_batches < 0:
+        p.error("--eval-every, --eval-batches and --warmup must be >= 0")
     launched_by_torchrun = "RANK" in os.environ
     args.mesh = args.mesh or ("dist" if launched_by_torchrun else "local")
     if args.mesh == "local" and launched_by_torchrun:
@@ -152,6 +155,16 @@ def print_memory(rows: list[dict[str, int]], formula: dict[str, float], psi: int
         print(f"{'rank ' + str(r):14s}" + "".join(f"{row[k] / MiB:11.3f}" for k in keys)
               + f"{row['total'] / formula['total']:11.3f}x")
     print(f"{'ZeRO formula':14s}" + "".join(f"{formula[k] / MiB:11.3f}" for k in keys))
+
+
+def peak_rss_table(mesh, world: int) -> list[int]:
+    """Each process's peak resident memory so far, in bytes (one process holds every rank of a local mesh)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if isinstance(mesh, fzero.LocalMesh):
+        return [own]
+    rows: list = [None] * world
+    dist.all_gather_object(rows, own)
+    return rows
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -256,7 +269,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     elapsed = time.perf_counter() - start
     steps_done = len(losses)
 
-    val_loss = evaluate(model, step.gather(state), val_data, args, world)
+    peak_rss = peak_rss_table(mesh, world)  # init and training, before any gather of full params for validation
+    val_loss = evaluate(model, step.gather(state), val_data, args, world) if args.eval_batches else float("nan")
     evals.append({"step": steps_done, "val_loss": val_loss})
     tok_s = timed_tokens / timed_s if timed_s else tokens_per_step * steps_done / elapsed
     head, tail = losses[0], sum(losses[-10:]) / len(losses[-10:])
@@ -273,6 +287,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         formula = {**formula, "params": params_held, "optimizer": 0.0, "total": params_held + formula["grads"]}
     if is_main:
         print_memory(rows, formula, psi, args.stages, world)
+        print("peak RSS per process, MiB (init and training): " + ", ".join(f"{b / MiB:,.0f}" for b in peak_rss))
 
     result = {
         "stages": args.stages, "mesh": args.mesh, "world_size": world, "num_params": psi,
@@ -281,7 +296,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                                                  "offload_params")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss,
-        "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict()},
+        "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict(), "peak_rss": peak_rss},
     }
     if args.json_out and is_main:
         with open(args.json_out, "w") as f:
