@@ -38,9 +38,10 @@ So the roofline is bandwidth / 28 elements/s, and "vs roofline" is a system's el
 
 - ``fzero cpu``: ``fzero.optim.apply_inplace(adamw)`` on one flat buffer. This runs torch's fused CPU
   AdamW, the path ``offload="cpu"`` takes.
-- ``fzero disk``: the ``offload="disk"`` update: m and v live in files and are updated in sub-groups with
-  read-ahead. After round 1 the files sit in the page cache, so this measures the extra copies, not the
-  device. It is held to the same 28 B/element roofline.
+- ``fzero disk``: the ``offload="disk"`` update: m and v live in mapped files, updated in place in
+  sub-groups while the kernel reads the next one ahead. After round 1 the files sit in the page cache, so
+  this measures the cost of going through the files (page faults after each release), not the device.
+  It is held to the same 28 B/element roofline.
 - ``DeepSpeedCPUAdam`` (``--deepspeed``): DeepSpeed's AVX CPU Adam, built by DeepSpeed's JIT on first use.
 - ``fzero cpu, cache-resident``: the same fused step over ``--cache-elements`` elements (4 arrays that fit
   in the last-level cache), called repeatedly to cover ``--elements``. DRAM is hardly touched, so this is
