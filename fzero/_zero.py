@@ -89,8 +89,10 @@ def offload(step: Step, where: str, *, params: bool = False, dir: str | None = N
     """Optimizer state and fp32 master weights off the device: ``"cpu"`` (ZeRO-Offload) or ``"disk"``/``"nvme"``
     (ZeRO-Infinity: files under ``dir``, updated in sub-groups of ``sub_group_size`` elements).
 
-    ``params=True`` (stage 3, ``"cpu"``): the param shards live on the host too, copied in at gather time.
-    Needs a sharded optimizer (stages 1-3), as DeepSpeed's offload does.
+    ``params=True`` (stage 3): the param shards live there too: on the host with ``"cpu"``, in mapped
+    files with ``"disk"``, read in when a unit is gathered and released after. Needs a sharded optimizer
+    (stages 1-3), as DeepSpeed's offload does. A model larger than memory also needs a streaming init:
+    build it on the meta device and pass ``materialize=`` to ``step.init``.
     """
     step = _check_step(step, "fzero.offload")
     if step.stage == 0:
