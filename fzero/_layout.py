@@ -87,17 +87,21 @@ class Layout:
     def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One unit's fresh padded flat buffer from ``leaves`` (pytree order); a meta leaf leaves zeros (a rank
         that receives rank 0's values by broadcast)."""
+        flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
+        for j, slot in zip(self.leaf_indices(unit), unit.slots):
+            leaf = leaves[j]
+            if not leaf.is_meta:
+                flat[slot.offset : slot.offset + slot.numel].copy_(leaf.detach().reshape(-1))
+        return flat
+
+    def leaf_indices(self, unit: Unit) -> tuple[int, ...]:
+        """The pytree leaf index of each of ``unit``'s slots."""
         first = 0
         for u in self.units:
             if u.name == unit.name:
                 break
             first += len(u.slots)
-        flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
-        for i, slot in enumerate(unit.slots):
-            leaf = leaves[self.order[first + i]]
-            if not leaf.is_meta:
-                flat[slot.offset : slot.offset + slot.numel].copy_(leaf.detach().reshape(-1))
-        return flat
+        return self.order[first : first + len(unit.slots)]
 
     def unit_views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{path: view}`` of one unit's whole buffer (differentiable through one ``split``)."""
@@ -185,15 +189,3 @@ def _by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -
             groups.append((f"unit{len(groups)}", [i]))
             size = leaf.numel()
     return groups
-
-
-def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
-    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
-    value = materialize(slot.path, meta)
-    if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.device.type != "cpu" or value.is_meta:
-        got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
-        raise ValueError(
-            f"fzero.Step.init: materialize({slot.path!r}, ...) returned {got}; it must return the parameter's initial "
-            f"value, a CPU tensor of shape {tuple(meta.shape)}."
-        )
-    return value

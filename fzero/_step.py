@@ -23,7 +23,7 @@ import torch
 from fzero import _tree
 from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import compute_dtype, simulated_rank
-from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, _materialized, build_layout
+from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, Slot, build_layout
 from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
 from fzero._units import by_container_child, by_prefixes
 from fzero._mesh import DistMesh, LocalMesh, Mesh
@@ -100,9 +100,7 @@ class Step:
             values = leaves
             if make is not None:  # this unit's meta leaves made once, for both packings below
                 values = list(leaves)
-                first = sum(len(u.slots) for u in layout.units[: layout.units.index(unit)])
-                for i, slot in enumerate(unit.slots):
-                    j = layout.order[first + i]
+                for j, slot in zip(layout.leaf_indices(unit), unit.slots):
                     if values[j].is_meta:
                         values[j] = _materialized(make, slot, values[j])
             flat = layout.pack_unit(unit, values)  # in the compute dtype
@@ -297,6 +295,17 @@ def _gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor]
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
     return grads, loss, aux
 
+
+def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
+    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
+    value = materialize(slot.path, meta)
+    if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.device.type != "cpu" or value.is_meta:
+        got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
+        raise ValueError(
+            f"fzero.Step.init: materialize({slot.path!r}, ...) returned {got}; it must return the parameter's initial "
+            f"value, a CPU tensor of shape {tuple(meta.shape)}."
+        )
+    return value
 
 
 def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
