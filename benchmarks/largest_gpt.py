@@ -3,8 +3,7 @@
     python benchmarks/largest_gpt.py --dir /tmp/fzero-offload --modes none cpu disk disk+params
 
 For each offload mode it runs ``examples/train_gpt.py`` itself, as a user would, for ``--steps``
-optimizer steps (model on the meta device, streaming ``step.init``, no validation: it would gather
-the full params on every rank):
+optimizer steps (model on the meta device, streaming ``step.init``; no validation, to save time):
 
 1. at two small depths (``--calibrate``), to fit the two processes' summed peak RSS as ``a + b * params``
    (the per-rank numbers come from the main job's ``peak_rss``: ru_maxrss, init and training);

@@ -86,8 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8,
-                   help="batches of validation data per evaluation; 0 skips validation (it gathers the full params "
-                        "on every rank, which a model sharded for memory may not afford)")
+                   help="batches of validation data per evaluation; 0 skips validation")
     p.add_argument("--max-seconds", type=float, default=None, help="stop early after this much training wall time")
     p.add_argument("--json-out", default=None, help="write the final metrics (loss curve, tok/s, memory table) here")
     args = p.parse_args(argv)
@@ -112,15 +111,17 @@ def make_mesh(args: argparse.Namespace):
     return fzero.local_mesh(args.ranks), 0, args.ranks
 
 
-# -- evaluation: plain forward passes on the gathered full params -----------------------------------
-@torch.no_grad()
-def evaluate(model: GPT, params: dict, val: torch.Tensor, args: argparse.Namespace, world: int) -> float:
-    # Every rank computes the same number on the same batches: forward-only and small, so no collective
-    # is needed here and no rank waits for another. (step.gather is one at stage 3: all ranks call it.)
+# -- evaluation: the loss without an update, from the sharded state -----------------------------------
+def evaluate(step, state, val: torch.Tensor, args: argparse.Namespace, rank: int, world: int) -> float:
+    # step.evaluate runs loss_fn as a step would (at stage 3 one unit gathered at a time), without a
+    # gradient or an update, and averages the loss over ranks. Under torchrun it is a collective: every
+    # rank takes its slice of the same global validation batch, as in training.
     losses = []
     for k in range(args.eval_batches):
         b = batch_at(val, k, batch_size=args.batch_size * world, seq_len=args.seq, seed=args.seed)
-        losses.append(float(gpt_loss(fzero.apply(model, params, b["x"]), b["y"])))
+        if args.mesh == "dist":
+            b = {name: t[rank * args.batch_size:(rank + 1) * args.batch_size] for name, t in b.items()}
+        losses.append(step.evaluate(state, b)["loss"])
     return sum(losses) / len(losses)
 
 
@@ -258,7 +259,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                 f"grad norm {metrics['grad_norm']:.3f}  {window_tokens / window_s:,.0f} tok/s{extra}")
             window_s, window_tokens = 0.0, 0
         if args.eval_every and (k + 1) % args.eval_every == 0 and k + 1 < args.steps:
-            evals.append({"step": k + 1, "val_loss": evaluate(model, step.gather(state), val_data, args, world)})
+            evals.append({"step": k + 1, "val_loss": evaluate(step, state, val_data, args, rank, world)})
             log(f"step {k + 1:5d}  val loss {evals[-1]['val_loss']:.4f}")
         if args.save_every and (k + 1) % args.save_every == 0:  # collective under torchrun: every rank saves
             fzero.checkpoint.save(args.ckpt_dir, state, extra={"next_batch": k + 1}, keep=2)
@@ -269,8 +270,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     elapsed = time.perf_counter() - start
     steps_done = len(losses)
 
-    peak_rss = peak_rss_table(mesh, world)  # init and training, before any gather of full params for validation
-    val_loss = evaluate(model, step.gather(state), val_data, args, world) if args.eval_batches else float("nan")
+    peak_rss = peak_rss_table(mesh, world)  # init and training
+    val_loss = evaluate(step, state, val_data, args, rank, world) if args.eval_batches else float("nan")
     evals.append({"step": steps_done, "val_loss": val_loss})
     tok_s = timed_tokens / timed_s if timed_s else tokens_per_step * steps_done / elapsed
     head, tail = losses[0], sum(losses[-10:]) / len(losses[-10:])

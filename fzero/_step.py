@@ -151,10 +151,50 @@ class Step:
         return new_state, metrics
 
     def _rank_step(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        return self._as_rank(comm, self._rank_program, state, batch)
+
+    def _as_rank(self, comm, program: Callable, *args: Any) -> Any:
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
             with simulated_rank(comm.rank):
-                return self._rank_program(comm, state, batch)
-        return self._rank_program(comm, state, batch)
+                return program(comm, *args)
+        return program(comm, *args)
+
+    # -- evaluate ----------------------------------------------------------------------------------
+    def evaluate(self, state: TrainState | RankStates, batch: Any) -> dict[str, Any]:
+        """``loss_fn`` on ``batch`` with the state's params, without a gradient or an update: metrics "loss"
+        (mean over ranks) and "aux" (this rank's, when loss_fn returns one).
+
+        The state is only read (not donated). At stage 3 each unit is gathered when it runs, as in a
+        step, so the full params never exist at once, unlike ``gather`` followed by a plain forward.
+        Under ``dist_mesh`` it is a collective: every rank calls it, each with its own batch.
+        """
+        self._check_state(state, api="fzero.Step.evaluate")
+        if isinstance(self.mesh, LocalMesh):
+            batches = split_batch(batch, self.mesh.size)
+            return self.mesh.run(lambda comm, s, b: self._as_rank(comm, self._eval_program, s, b),
+                                 [(s, b) for s, b in zip(state.states, batches)])[0]
+        comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
+        return self._as_rank(comm, self._eval_program, state, batch)
+
+    def _eval_program(self, comm, state: TrainState, batch: Any) -> dict[str, Any]:
+        layout, prec = state.meta.layout, self.precision
+        with torch.no_grad(), compute_dtype(None if prec.compute == torch.float32 else prec.compute):
+            if self.stage == 3:
+                release = state.opt_state.store.release if isinstance(state.opt_state, DiskOptState) else None
+                schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release)
+                params: Any = ShardedParams(dict(state.params), layout, comm, schedule)
+            else:  # every rank holds whole params
+                params = layout.unpack(state.params)
+            loss, aux = _split_loss(self.loss_fn(params, batch))
+        if self.stage == 3:
+            schedule.finish()  # the order a step records is not changed by an evaluation
+            params.release()
+            for t in state.params.values() if release is not None else ():  # the root unit's shard too
+                release(t)
+        metrics: dict[str, Any] = {"loss": float(comm.all_reduce(loss.detach().float().reshape(1), tag="metrics")[0]) / comm.size}
+        if aux is not None:
+            metrics["aux"] = aux
+        return metrics
 
     def _rank_program(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         layout, n, prec = state.meta.layout, comm.size, self.precision

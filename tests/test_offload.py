@@ -105,6 +105,8 @@ def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path)
         state, _ = step(state, b)
         # every gather and every update gives its pages back: nothing of the shards stays resident
         assert _resident_bytes_of_files_under(tmp_path) == 0, mapped
+    step.evaluate(state, prob.batches[0])  # an evaluation gathers unit by unit and gives the pages back too
+    assert _resident_bytes_of_files_under(tmp_path) == 0
     after = step.gather(state)
     with open(tmp_path / rank_dir / f"param__{units[1]}.bin", "rb") as f:  # the file holds the updated values
         on_disk = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
