@@ -274,7 +274,12 @@ class Step:
             elif isinstance(self.mesh, DistMesh):  # a collective: under dist_mesh every rank must call gather
                 comm = self.mesh.comm()
                 flats = {u.name: comm.all_gather(torch.empty(u.padded, dtype=flats[u.name].dtype), flats[u.name], tag="gather") for u in layout.units}
-        return optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
+        out = optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
+        if on_disk:  # mapped param shards read for this: their pages go back to the files
+            for s in state.states if isinstance(state, RankStates) else (state,):
+                for t in s.params.values():
+                    s.opt_state.store.release(t)
+        return out
 
     # -- checks ------------------------------------------------------------------------------------
     def _check_state(self, state: Any, *, api: str = "fzero.Step.__call__") -> None:

@@ -108,6 +108,7 @@ def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path)
     step.evaluate(state, prob.batches[0])  # an evaluation gathers unit by unit and gives the pages back too
     assert _resident_bytes_of_files_under(tmp_path) == 0
     after = step.gather(state)
+    assert _resident_bytes_of_files_under(tmp_path) == 0
     with open(tmp_path / rank_dir / f"param__{units[1]}.bin", "rb") as f:  # the file holds the updated values
         on_disk = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
     assert torch.equal(on_disk, state[0].params[units[1]])
