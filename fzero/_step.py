@@ -14,7 +14,6 @@ that have moved on. ``donate=False`` copies the state first.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import optree
@@ -31,6 +30,8 @@ from fzero._precision import Precision, init_loss_scale, policy
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
 from fzero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
 from fzero._update import MasterState, current_lr, finish, owned
+from fzero._batch import split_batch, split_micro
+from fzero._gradient import gradient, split_loss
 
 STAGE_NAMES = {0: "stage 0 (replicated, like DDP)", 1: "stage 1 (ZeRO-1)", 2: "stage 2 (ZeRO-2)", 3: "stage 3 (ZeRO-3)"}
 
@@ -185,7 +186,7 @@ class Step:
                 params: Any = ShardedParams(dict(state.params), layout, comm, schedule)
             else:  # every rank holds whole params
                 params = layout.unpack(state.params)
-            loss, aux = _split_loss(self.loss_fn(params, batch))
+            loss, aux = split_loss(self.loss_fn(params, batch))
         if self.stage == 3:
             schedule.finish()  # the order a step records is not changed by an evaluation
             params.release()
@@ -234,7 +235,7 @@ class Step:
         losses, aux = [], None
         with compute_dtype(None if prec.compute == torch.float32 else prec.compute):
             for micro in split_micro(batch, self.grad_accum):
-                grads, loss, aux = _gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff)
+                grads, loss, aux = gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff)
                 for params in made:
                     if isinstance(params, UnitParams):
                         params.release()
@@ -313,34 +314,6 @@ class Step:
 _REINIT_HINT = "Make the state with this step's init(params); to move a state between steps: new_step.init(old_step.gather(old_state))."
 
 
-def _gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str):
-    """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux.
-
-    By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
-    unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
-    """
-    box: dict[str, Any] = {}
-
-    def objective(xs):
-        loss, aux = _split_loss(loss_fn(as_params(xs), batch))
-        leaves, box["spec"] = optree.tree_flatten(aux)
-        box["leaves"] = leaves
-        scaled = loss if scale == 1.0 else loss.float() * scale  # fp16: the loss scale, in fp32
-        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
-
-    if autodiff == "func":
-        grads, (loss, tensors) = torch.func.grad(objective, has_aux=True)(inputs)
-    else:
-        leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
-        with torch.enable_grad():
-            scaled, (loss, tensors) = objective(leaves)
-            grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
-        loss, tensors = loss.detach(), [t.detach() for t in tensors]
-    it = iter(tensors)
-    aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
-    return grads, loss, aux
-
-
 def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
     """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
     value = materialize(slot.path, meta)
@@ -351,56 +324,6 @@ def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torc
             f"value, a CPU tensor of shape {tuple(meta.shape)}."
         )
     return value
-
-
-def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
-    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"fzero.train_step: loss_fn must return a scalar tensor or a (loss, aux) pair; got {type(out).__name__}. "
-            f"Return e.g. F.cross_entropy(logits, y), or (loss, {{'acc': acc}})."
-        )
-    if loss.dim() != 0 or not loss.is_floating_point():
-        raise ValueError(
-            f"fzero.train_step: loss_fn must return a 0-d floating-point loss; got a {loss.dtype} tensor of shape "
-            f"{tuple(loss.shape)}. Reduce it to a scalar, e.g. loss.mean()."
-        )
-    return loss, aux
-
-
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split every tensor of the global ``batch`` on dim 0 into n equal per-rank batches (other leaves are copied to all)."""
-    return _split_dim0(batch, n, lambda path, size: (
-        f"fzero.Step.__call__: under local_mesh({n}) the global batch is split on dim 0 across {n} ranks, but "
-        f"batch leaf {path!r} has {size}, which does not divide by {n}. Pass a batch whose dim 0 "
-        f"is a multiple of {n} (e.g. drop the last partial batch)."
-    ))
-
-
-def split_micro(batch: Any, k: int) -> list[Any]:
-    """This rank's batch as k micro-batches, split on dim 0 (other leaves are given to every micro-batch)."""
-    if k == 1:
-        return [batch]
-    return _split_dim0(batch, k, lambda path, size: (
-        f"fzero.Step.__call__: grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0, but "
-        f"batch leaf {path!r} has {size} on this rank. Pass a per-rank batch whose dim 0 is a multiple of {k}."
-    ))
-
-
-def _split_dim0(batch: Any, k: int, message: Callable[[str, str], str]) -> list[Any]:
-    paths, leaves, spec = _tree.flatten_with_paths(batch)
-    parts: list[list[Any]] = [[] for _ in range(k)]
-    for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.dim() == 0 or leaf.shape[0] % k:
-                size = "a 0-d tensor" if leaf.dim() == 0 else f"dim 0 of size {leaf.shape[0]}"
-                raise ValueError(message(path or "<root>", size))
-            chunks = leaf.chunk(k)
-        else:
-            chunks = [leaf] * k
-        for i in range(k):
-            parts[i].append(chunks[i])
-    return [spec.unflatten(p) for p in parts]
 
 
 def train_step(
