@@ -200,10 +200,12 @@ def init_disk(optimizer: Any, policy: OffloadPolicy, owned: dict[str, torch.Tens
     """Write the initial optimizer state (and masters) of what this rank owns into fresh files."""
     store = DiskStore(policy.dir, rank)
     small = None
-    for name, t in owned.items():
+    for i, (name, t) in enumerate(owned.items()):
         source = masters[name] if masters is not None else t
         state = optimizer.init({"g": source})
         paths, leaves, _ = optree.tree_flatten_with_path(state)
+        if i == 0:  # before anything is written: the files must fit
+            _check_space(policy, owned, sum(map(_is_param_leaf, paths)) + (masters is not None), rank)
         for path, leaf in zip(paths, leaves):
             if _is_param_leaf(path):
                 store.create(_key(path, name), leaf)
@@ -212,6 +214,25 @@ def init_disk(optimizer: Any, policy: OffloadPolicy, owned: dict[str, torch.Tens
             store.create(f"master/{name}", source)
     small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, small, none_is_leaf=True)
     return DiskOptState(store, small, masters is not None)
+
+
+def _check_space(policy: OffloadPolicy, owned: dict[str, torch.Tensor], fp32_files_per_unit: int, rank: int) -> None:
+    """A clear error up front instead of running out of disk space while writing (or, mapped, on first touch)."""
+    need = sum(t.numel() for t in owned.values()) * 4 * fp32_files_per_unit
+    if policy.params:
+        need += sum(t.numel() * t.element_size() for t in owned.values())
+    free = shutil.disk_usage(policy.dir).free
+    if need > free:
+        what = "optimizer state" + (" and param shards" if policy.params else "")
+        raise OSError(
+            f"fzero.offload('disk'): rank {rank} needs {_mib(need)} in offload_dir={policy.dir!r} for its {what}, "
+            f"but only {_mib(free)} are free there. Free space, point offload_dir at a larger disk, or shard "
+            f"over more ranks (each rank writes only its share)."
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
 
 
 def _key(path: tuple, unit: str) -> str:

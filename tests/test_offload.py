@@ -6,6 +6,7 @@ on the host or sub-group by sub-group (sub-groups start on multiples of SHARD_AL
 import dataclasses
 import gc
 import os
+import shutil
 
 import pytest
 import torch
@@ -220,3 +221,15 @@ def test_disk_offload_refuses_a_layer_wise_optimizer(tmp_path):
                          offload="disk", offload_dir=str(tmp_path))
     with pytest.raises(NotImplementedError, match=r"per-parameter norms .*lamb.*sub-groups"):
         step(step.init(fzero.params_of(prob.model)), prob.batches[0])
+
+
+def test_disk_offload_says_up_front_when_the_files_will_not_fit(tmp_path, monkeypatch):
+    prob = mlp_problem(steps=1)
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_params=True,
+                         offload_dir=str(tmp_path))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(OSError, match=r"fzero.offload\('disk'\): rank 0 needs 0.\d MiB in offload_dir=.* for its optimizer "
+                                      r"state and param shards, but only 0.0 MiB are free there.*larger disk"):
+        step.init(fzero.params_of(prob.model))
+    assert all(not os.listdir(tmp_path / d) for d in os.listdir(tmp_path))  # nothing was written
