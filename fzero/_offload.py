@@ -232,7 +232,7 @@ def _check_space(policy: OffloadPolicy, owned: dict[str, torch.Tensor], fp32_fil
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB"
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes:,} bytes"
 
 
 def _key(path: tuple, unit: str) -> str:
