@@ -5,8 +5,9 @@
 Each rank reports VmHWM (peak resident set, from /proc/self/status) twice: over the whole process,
 and over the training steps only (reset by writing 5 to /proc/self/clear_refs after ``Step.init``).
 The module is moved to the meta device after its params are copied out: at stage 3 ``fzero.apply``
-needs its structure, not its weights. The init peak is still several full copies of the params
-(the module, ``params_of``'s copy, the packed buffers), because ``Step.init`` takes whole params.
+needs its structure, not its weights. The init peak is several full copies of the params (the module,
+``params_of``'s copy), because this script passes whole params to ``Step.init``, as its first table
+did; ``benchmarks/largest_gpt.py`` measures the streaming init (``materialize=``) through the main job.
 """
 
 from __future__ import annotations
