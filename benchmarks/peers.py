@@ -30,6 +30,10 @@ batches. Systems:
   ``fzero.optim.adamw`` (torch's fused kernel). After ``step.init`` the user's module is moved to the
   meta device (fzero needs only its structure), as FSDP2 and DeepSpeed free the module's full weights.
 * ``fzero-s3-nopf``: stage 3 with ``prefetch=False``: step time with vs without prefetch overlap.
+* ``fsdp2-meta`` and ``fzero-s3-meta`` (memory runs only): the model is built on the meta device, so no
+  rank ever holds it whole. FSDP2's recipe: ``fully_shard`` on meta, ``to_empty``, then each parameter's
+  value (``GPT.init_value``) distributed so each rank keeps its shard. fzero's:
+  ``step.init(params, materialize=model.init_value)``, one unit at a time. Same values as the others.
 * ``deepspeed-z3``: DeepSpeed ZeRO-3 on its CPU accelerator (gloo), client ``torch.optim.AdamW``, with
   the ZeRO settings at DeepSpeed 0.19.8's defaults, written out explicitly in ``DS_ZERO3``.
 * ``deepspeed-z3-small``: the same with 5 M-element buckets (reduce, allgather, prefetch) and
@@ -48,6 +52,7 @@ big buffers every step (the memory runs' step times show it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -61,8 +66,9 @@ from _common import (LR, WEIGHT_DECAY, build_model, gpt_loss, machine, make_batc
                      num_params, peak_rss_reset, rss_kib, write_json)
 
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fzero-s0", "fzero-s1", "fzero-s2", "fzero-s3",
-           "fzero-s3-nopf")
-PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small")
+           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta")
+PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fsdp2-meta")
+META = ("fsdp2-meta", "fzero-s3-meta")  # built on the meta device; memory runs only
 
 # DeepSpeed 0.19.8's ZeRO-3 defaults, spelled out (deepspeed/runtime/zero/config.py), so the comparison
 # does not depend on a default changing. Clipping is off (DeepSpeed's default is 1.0).
@@ -132,16 +138,23 @@ def make_system(name: str, args, model):
 
         return step, "DDP(bucket_cap_mb=25) + AdamW(fused=True)"
 
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2-meta"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor
 
-        for p in model.parameters():  # same start as every other system: rank 0's weights
+        meta = name.endswith("-meta")
+        for p in () if meta else model.parameters():  # same start as every other system: rank 0's weights
             dist.broadcast(p.data, src=0)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if meta:  # sharded on meta: allocate the local shards, then fill them one parameter at a time
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    p.copy_(distribute_tensor(model.init_value(pname, p), p.device_mesh, p.placements))
         kind = {"fused": True} if args.fsdp_fused else {"foreach": True}
         opt = torch_adamw(model.parameters(), **kind)
 
@@ -189,8 +202,11 @@ def make_system(name: str, args, model):
 
         fstep = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY), stages=stage,
                               mesh=fzero.dist_mesh(), **kw)
-        box = {"state": fstep.init(fzero.params_of(model))}  # broadcasts rank 0's params
-        model.to("meta")  # fzero reads only the module's structure: drop its full weights
+        if name.endswith("-meta"):  # one unit at a time, from the meta-device model
+            box = {"state": fstep.init(fzero.params_of(model, copy=False), materialize=model.init_value)}
+        else:
+            box = {"state": fstep.init(fzero.params_of(model))}  # broadcasts rank 0's params
+            model.to("meta")  # fzero reads only the module's structure: drop its full weights
 
         def step(batch):
             box["state"], metrics = fstep(box["state"], batch)
@@ -231,7 +247,8 @@ def memory_worker(args) -> None:
     batch_at = _batch_fn(args, rank, world)
     base = rss_kib("VmRSS")
     peak_rss_reset()
-    model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab)
+    with torch.device("meta") if args.system in META else contextlib.nullcontext():
+        model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab)
     psi = num_params(model)
     step, notes = make_system(args.system, args, model)
     del model  # the system holds what it needs
@@ -267,6 +284,9 @@ def timing_worker(args) -> None:
     import torch.distributed as dist
 
     names = [s.strip() for s in args.interleave.split(",") if s.strip()]
+    if set(names) & set(META):
+        raise SystemExit(f"peers.py: {sorted(set(names) & set(META))} are for memory runs; time their non-meta twins "
+                         f"(the step is the same once built). Pass --rounds 0 to skip the timing run.")
     rank, world = _init(args, names)
     batch_at = _batch_fn(args, rank, world)
     systems, notes, psi = {}, {}, None
