@@ -119,6 +119,18 @@ def torch_adamw(params, **kw):
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WEIGHT_DECAY, **kw)
 
 
+def torch_step(module, opt):
+    """The plain PyTorch training step that DDP and FSDP2 both run: zero, forward, backward, step."""
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = gpt_loss(module(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
 def make_system(name: str, args, model):
     """Returns (step(batch) -> loss, notes). ``model`` is freshly built on CPU, identical on every rank."""
     import torch.distributed as dist
@@ -127,16 +139,7 @@ def make_system(name: str, args, model):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)  # broadcasts rank 0's weights
-        opt = torch_adamw(ddp.parameters(), fused=True)
-
-        def step(batch):
-            opt.zero_grad(set_to_none=True)
-            loss = gpt_loss(ddp(batch["x"]), batch["y"])
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        return step, "DDP(bucket_cap_mb=25) + AdamW(fused=True)"
+        return torch_step(ddp, torch_adamw(ddp.parameters(), fused=True)), "DDP(bucket_cap_mb=25) + AdamW(fused=True)"
 
     if name in ("fsdp2", "fsdp2-meta"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -156,16 +159,7 @@ def make_system(name: str, args, model):
                 for pname, p in model.named_parameters():
                     p.copy_(distribute_tensor(model.init_value(pname, p), p.device_mesh, p.placements))
         kind = {"fused": True} if args.fsdp_fused else {"foreach": True}
-        opt = torch_adamw(model.parameters(), **kind)
-
-        def step(batch):
-            opt.zero_grad(set_to_none=True)
-            loss = gpt_loss(model(batch["x"]), batch["y"])
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        return step, f"fully_shard per block + root, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
+        return torch_step(model, torch_adamw(model.parameters(), **kind)), f"fully_shard per block + root, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
 
     if name.startswith("deepspeed"):
         import deepspeed
