@@ -9,6 +9,15 @@ order 0, 1, ..., N-1 (deterministic); ``DistComm`` calls ``torch.distributed``.
 Every call is reported to the mesh's ``Counter`` (when it has one) with the number of elements each
 rank moves on a ring: all-gather and reduce-scatter move T·(N-1)/N of a T-element buffer, all-reduce
 twice that. Tests assert communication volume from it.
+
+Ranks must agree, or the mesh says so. A collective takes an optional ``label`` (what it moves, e.g. a
+unit's name). On the thread mesh every collective is matched across ranks by op, tag, label, size and
+dtype (and ``src`` for a broadcast), and when a rank's program ends it meets the others once more: a
+mismatch, or one rank finishing while another still communicates, raises ``RanksDisagree`` on every
+rank, naming what each rank called, instead of silently pairing unrelated buffers of the same size (a
+rank-dependent model, LayerDrop decided per rank) or hanging until the timeout. On ``torch.distributed``
+a per-call check would cost a round trip per collective; there ``Step.init`` checks once, with
+``agree``, that every rank runs the same layout and settings.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter as _Tally
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -31,6 +40,7 @@ class Call:
     numel: int  # elements of the whole (unsharded) buffer
     itemsize: int
     world_size: int
+    label: str | None = None  # what the call moves, e.g. a unit's name (None: unlabelled)
 
     @property
     def ring_elements(self) -> float:
@@ -72,23 +82,33 @@ class Counter:
 
 
 class Comm(Protocol):
+    """``tag``: the kind of traffic ("params", "grads", ...), for the counter; ``label``: what exactly is
+    moved (e.g. a unit's name), matched across ranks on the thread mesh and kept in the counter."""
+
     rank: int
     size: int
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str) -> torch.Tensor:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str, label: str | None = None) -> torch.Tensor:
         """Fill ``out`` (N·len(shard) elements) with every rank's shard, rank order. ``shard`` may be a view of ``out``."""
 
-    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str) -> "Pending":
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str, label: str | None = None) -> "Pending":
         """Start ``all_gather``; ``.wait()`` on the result returns ``out`` once filled. Ranks must issue in the same order."""
 
-    def reduce_scatter(self, full: torch.Tensor, *, tag: str) -> torch.Tensor:
+    def reduce_scatter(self, full: torch.Tensor, *, tag: str, label: str | None = None) -> torch.Tensor:
         """Return this rank's 1/N slice of the sum over ranks of ``full`` (``full`` itself when N = 1)."""
 
-    def all_reduce(self, tensor: torch.Tensor, *, tag: str) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, label: str | None = None) -> torch.Tensor:
         """Sum ``tensor`` over ranks, in place; returns it."""
 
-    def broadcast(self, tensor: torch.Tensor, *, src: int, tag: str) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, *, src: int, tag: str, label: str | None = None) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
+
+    def agree(self, fields: list[tuple[str, Any]], *, api: str, fix: str) -> None:
+        """Raise ``RanksDisagree`` naming the first field (in rank 0's order) whose value differs on some rank.
+
+        ``fields`` are small picklable (name, value) pairs describing what every rank must share. Not a
+        counted collective: it moves a description, not training data.
+        """
 
 
 class Pending:
@@ -109,9 +129,68 @@ class _Recording:
 
     counter: Counter | None
 
-    def _note(self, op: str, tag: str, numel: int, tensor: torch.Tensor) -> None:
+    def _note(self, op: str, tag: str, numel: int, tensor: torch.Tensor, label: str | None = None) -> None:
         if self.counter is not None:
-            self.counter.record(Call(self.rank, op, tag, numel, tensor.element_size(), self.size))
+            self.counter.record(Call(self.rank, op, tag, numel, tensor.element_size(), self.size, label))
+
+
+# -- agreement --------------------------------------------------------------------------------------
+
+
+class RanksDisagree(RuntimeError):
+    """Ranks of one mesh issued different collectives, or hold different layouts or settings."""
+
+
+def first_difference(described: list[list[tuple[str, Any]]]) -> tuple[str, int, Any, Any] | None:
+    """(field, rank, rank 0's value, that rank's value) of the first field, in rank 0's order, that some rank
+    has differently or lacks; a field only another rank has comes after. None when every rank agrees."""
+    if all(d == described[0] for d in described[1:]):
+        return None
+    mine = dict(described[0])
+    names = [k for k, _ in described[0]] + [k for d in described[1:] for k, _ in d if k not in mine]
+    missing = "(nothing: no such field)"
+    for name in dict.fromkeys(names):
+        for r, d in enumerate(described[1:], start=1):
+            theirs = dict(d)
+            if mine.get(name, missing) != theirs.get(name, missing):
+                return name, r, mine.get(name, missing), theirs.get(name, missing)
+    return None
+
+
+def disagreement(described: list[list[tuple[str, Any]]], *, api: str, fix: str) -> RanksDisagree | None:
+    diff = first_difference(described)
+    if diff is None:
+        return None
+    field, r, v0, vr = diff
+    return RanksDisagree(f"{api}: ranks disagree on {field}: rank 0 has {v0}, rank {r} has {vr}. {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sig:
+    """What one rank asked of a collective: every rank of the thread mesh must ask the same."""
+
+    op: str
+    tag: str
+    label: str | None
+    numel: int
+    dtype: torch.dtype | None
+    src: int | None = None
+
+    def __str__(self) -> str:
+        if self.op == _FINISHED:
+            return "finished its program (no more collectives)"
+        label = "" if self.label is None else f" {self.label!r}"
+        src = "" if self.src is None else f" from rank {self.src}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.op} {self.tag}{label}{src} {self.numel} x {dtype}"
+
+
+_FINISHED = "finished"
+_MISMATCH_FIX = (
+    "Every rank must run the same model with the same units and issue the same collectives in the same order. "
+    "Look for what differs per rank: a model or settings built differently on one rank, a unit skipped on some "
+    "ranks only (LayerDrop, early exit, routing), or control flow that depends on the rank or on its data."
+)
 
 
 # -- threads ---------------------------------------------------------------------------------------
@@ -127,7 +206,8 @@ class Rendezvous:
     def __init__(self, size: int, timeout: float) -> None:
         self.size = size
         self.timeout = timeout
-        self.slots: list[torch.Tensor | None] = [None] * size
+        self.slots: list[Any] = [None] * size  # each rank's tensor (or description, for ``agree``)
+        self.sigs: list[_Sig | None] = [None] * size  # what each rank called, matched after the barrier
         self.where: list[str] = ["not started"] * size
         self.barrier = threading.Barrier(size, timeout=timeout)
 
@@ -153,23 +233,54 @@ class ThreadComm(_Recording):
         self.counter = counter
         self._seq = 0
 
-    def _exchange(self, op: str, tag: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, sig: _Sig, payload: Any) -> list[Any]:
         self._seq += 1
-        self.rv.where[self.rank] = f"collective #{self._seq} ({op}, {tag}, {tensor.numel()} elements)"
-        self.rv.slots[self.rank] = tensor
+        self.rv.where[self.rank] = f"collective #{self._seq} ({sig})"
+        self.rv.slots[self.rank] = payload
+        self.rv.sigs[self.rank] = sig
         self.rv.wait(self.rank)
+        sigs = list(self.rv.sigs)
+        if any(other != sigs[0] for other in sigs):  # every rank sees the same sigs, so every rank raises
+            raise RanksDisagree(self._mismatch(sigs))
         return list(self.rv.slots)
+
+    def _mismatch(self, sigs: list[_Sig]) -> str:
+        shown = [0] + [r for r in range(1, self.size) if sigs[r] != sigs[0]][:3]
+        calls = ", ".join(f"rank {r} {sigs[r]}" for r in shown)
+        more = self.size - len(shown) - sum(1 for r in range(1, self.size) if sigs[r] == sigs[0])
+        rest = f" (and {more} more ranks that differ)" if more > 0 else ""
+        return f"fzero.local_mesh({self.size}): ranks disagree at collective #{self._seq}: {calls}{rest}. {_MISMATCH_FIX}"
 
     def _done(self) -> None:
         # Second barrier: nobody may overwrite its slot (or its buffer) while another rank still reads it.
         self.rv.wait(self.rank)
         self.rv.where[self.rank] = f"after collective #{self._seq}"
 
-    def all_gather(self, out, shard, *, tag):
-        self._note("all_gather", tag, out.numel(), out)
+    @staticmethod
+    def _sig(op, tag, label, numel, tensor, src=None) -> _Sig:
+        return _Sig(op, tag, label, numel, tensor.dtype, src)
+
+    def finish(self) -> None:
+        """The end of this rank's program: meet the others once more, so that a rank still waiting at a
+        collective learns at once that this one will never join it (instead of timing out)."""
+        if self.size > 1:
+            self._exchange(_Sig(_FINISHED, "", None, 0, None), None)
+            self._done()
+
+    def agree(self, fields, *, api, fix):
+        if self.size == 1:
+            return
+        described = self._exchange(_Sig("agree", api, None, 0, None), list(fields))
+        self._done()
+        error = disagreement(described, api=api, fix=fix)
+        if error is not None:
+            raise error
+
+    def all_gather(self, out, shard, *, tag, label=None):
+        self._note("all_gather", tag, out.numel(), out, label)
         if self.size == 1:  # one rank: nothing to exchange
             return out if out.data_ptr() == shard.data_ptr() else out.copy_(shard)
-        slots = self._exchange("all_gather", tag, shard)
+        slots = self._exchange(self._sig("all_gather", tag, label, out.numel(), out), shard)
         n = shard.numel()
         # Safe to write ``out`` before the closing barrier: the others read only our ``shard``, which is
         # either separate memory or our own region of ``out``, and we write every region but that one.
@@ -182,16 +293,16 @@ class ThreadComm(_Recording):
         self._done()
         return out
 
-    def all_gather_async(self, out, shard, *, tag):
+    def all_gather_async(self, out, shard, *, tag, label=None):
         # Threads of one process have no transfer to overlap with compute, so the exchange runs when the
         # result is waited for: at the same point of the program on every rank, so ranks stay matched.
-        return Pending(lambda: self.all_gather(out, shard, tag=tag))
+        return Pending(lambda: self.all_gather(out, shard, tag=tag, label=label))
 
-    def reduce_scatter(self, full, *, tag):
-        self._note("reduce_scatter", tag, full.numel(), full)
+    def reduce_scatter(self, full, *, tag, label=None):
+        self._note("reduce_scatter", tag, full.numel(), full, label)
         if self.size == 1:
             return full
-        slots = self._exchange("reduce_scatter", tag, full)
+        slots = self._exchange(self._sig("reduce_scatter", tag, label, full.numel(), full), full)
         n = full.numel() // self.size
         lo, hi = self.rank * n, (self.rank + 1) * n
         acc = slots[0][lo:hi].clone()
@@ -200,22 +311,22 @@ class ThreadComm(_Recording):
         self._done()
         return acc
 
-    def all_reduce(self, tensor, *, tag):
-        self._note("all_reduce", tag, tensor.numel(), tensor)
+    def all_reduce(self, tensor, *, tag, label=None):
+        self._note("all_reduce", tag, tensor.numel(), tensor, label)
         if self.size == 1:
             return tensor
-        slots = self._exchange("all_reduce", tag, tensor)
+        slots = self._exchange(self._sig("all_reduce", tag, label, tensor.numel(), tensor), tensor)
         acc = slots[0].clone()
         for theirs in slots[1:]:
             acc += theirs
         self._done()
         return tensor.copy_(acc)
 
-    def broadcast(self, tensor, *, src, tag):
-        self._note("broadcast", tag, tensor.numel(), tensor)
+    def broadcast(self, tensor, *, src, tag, label=None):
+        self._note("broadcast", tag, tensor.numel(), tensor, label)
         if self.size == 1:
             return tensor
-        slots = self._exchange("broadcast", tag, tensor)
+        slots = self._exchange(self._sig("broadcast", tag, label, tensor.numel(), tensor, src), tensor)
         theirs = slots[src].clone() if self.rank != src else None
         self._done()
         return tensor if theirs is None else tensor.copy_(theirs)
@@ -231,40 +342,51 @@ class DistComm(_Recording):
         self.group = group
         self.counter = counter
 
-    def all_gather(self, out, shard, *, tag):
+    def agree(self, fields, *, api, fix):
         import torch.distributed as dist
 
-        self._note("all_gather", tag, out.numel(), out)
+        if self.size == 1:
+            return
+        described: list[Any] = [None] * self.size
+        dist.all_gather_object(described, list(fields), group=self.group)
+        error = disagreement(described, api=api, fix=fix)
+        if error is not None:
+            raise error
+
+    def all_gather(self, out, shard, *, tag, label=None):
+        import torch.distributed as dist
+
+        self._note("all_gather", tag, out.numel(), out, label)
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
         _all_gather_single(dist)(out, shard.clone(), group=self.group)
         return out
 
-    def all_gather_async(self, out, shard, *, tag):
+    def all_gather_async(self, out, shard, *, tag, label=None):
         import torch.distributed as dist
 
-        self._note("all_gather", tag, out.numel(), out)
+        self._note("all_gather", tag, out.numel(), out, label)
         work = _all_gather_single(dist)(out, shard.clone(), group=self.group, async_op=True)
         return Pending(lambda: (work.wait(), out)[1])
 
-    def reduce_scatter(self, full, *, tag):
+    def reduce_scatter(self, full, *, tag, label=None):
         import torch.distributed as dist
 
-        self._note("reduce_scatter", tag, full.numel(), full)
+        self._note("reduce_scatter", tag, full.numel(), full, label)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
         _reduce_scatter_single(dist)(out, full, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
-    def all_reduce(self, tensor, *, tag):
+    def all_reduce(self, tensor, *, tag, label=None):
         import torch.distributed as dist
 
-        self._note("all_reduce", tag, tensor.numel(), tensor)
+        self._note("all_reduce", tag, tensor.numel(), tensor, label)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
-    def broadcast(self, tensor, *, src, tag):
+    def broadcast(self, tensor, *, src, tag, label=None):
         import torch.distributed as dist
 
-        self._note("broadcast", tag, tensor.numel(), tensor)
+        self._note("broadcast", tag, tensor.numel(), tensor, label)
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 

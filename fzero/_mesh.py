@@ -2,7 +2,10 @@
 
 - ``local_mesh(n)``: n ranks simulated in this process, one thread per rank (DESIGN.md §2). For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
-  batch and splits dim 0 across ranks.
+  batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
+  stream, a copy of the process's generator at the start of the call (``fzero._rng``), and every
+  collective is matched across ranks (``fzero._comm``), so a simulated mesh equals n ``torchrun``
+  processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
   (gloo on CPU, NCCL on CUDA). Each process passes its own batch.
 - no mesh (``None``): one rank.
@@ -20,7 +23,8 @@ import os
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
-from fzero._comm import Counter, DistComm, Rendezvous, ThreadComm
+from fzero._comm import Counter, DistComm, RanksDisagree, Rendezvous, ThreadComm
+from fzero._rng import own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -36,8 +40,15 @@ class LocalMesh:
     def run(self, fn: Callable[[Any], Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
 
+        Each rank thread draws random numbers from its own stream, which starts as a copy of the global
+        CPU generator; afterwards the global generator holds rank 0's final state, as if this process
+        were rank 0 of a torchrun job (``fzero._rng``). A single rank runs in the caller's thread on the
+        global generator itself, as plain PyTorch does.
+
         If a rank raises, the others are released from the barrier and the first real error is re-raised
-        here, with the rank that raised it noted, so a failure never turns into a hang.
+        here, with the rank that raised it noted, so a failure never turns into a hang. A rank that
+        finishes meets the others once more, so a rank left waiting at a collective fails at once with
+        both ranks' calls named (``RanksDisagree``) rather than after the timeout.
         """
         rv = Rendezvous(self.size, self.timeout)
         if self.size == 1:  # no thread to start: one rank meets nobody
@@ -46,19 +57,26 @@ class LocalMesh:
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
 
-        def body(rank: int) -> None:
+        def body(rank: int, generator) -> None:
             try:
-                with self._context(rank):
-                    results[rank] = fn(ThreadComm(rank, rv, self.counter), *args[rank])
+                with self._context(rank), own_stream(generator):
+                    comm = ThreadComm(rank, rv, self.counter)
+                    results[rank] = fn(comm, *args[rank])
+                    comm.finish()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
                 errors[rank] = e
-                rv.abort()
+                # Every rank sees the same disagreement and raises it by itself; breaking the barrier
+                # would turn a rank that was released but not yet awake into a secondary MeshTimeout.
+                if not isinstance(e, RanksDisagree):
+                    rv.abort()
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"fzero-rank{r}", daemon=True) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with rank_streams(self.size) as generators:
+            threads = [threading.Thread(target=body, args=(r, generators[r]), name=f"fzero-rank{r}", daemon=True)
+                       for r in range(self.size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         first = next((e for e in errors if e is not None and not _is_secondary(e)), None)
         first = first or next((e for e in errors if e is not None), None)
         if first is not None:
@@ -129,3 +147,30 @@ def count_collectives(mesh: Mesh) -> Mesh:
     if not isinstance(mesh, (LocalMesh, DistMesh)):
         raise TypeError(f"fzero.count_collectives: expected a mesh from fzero.local_mesh or fzero.dist_mesh, got {mesh!r}.")
     return dataclasses.replace(mesh, counter=Counter())
+
+
+# -- what the ranks of a mesh must agree on ---------------------------------------------------------
+
+AGREE_FIX = (
+    "Every rank must build the same model (the same parameter names, shapes and dtypes, hence the same units) and "
+    "the same step (stages, precision, grad_accum): build both from the same code and config on every rank, and keep "
+    "rank-dependent choices out of them."
+)
+
+
+def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int) -> list[tuple[str, Any]]:
+    """What every rank of one job must share, as (name, value) pairs in the order a difference is reported.
+
+    Ranks that differ in any of these would issue collectives of different units or sizes, or pair
+    unrelated buffers of the same padded size and train silently wrong; ``Comm.agree`` compares them once.
+    """
+    fields: list[tuple[str, Any]] = [
+        ("the ZeRO stage", stage), ("the precision", precision), ("grad_accum", grad_accum),
+        ("the number of units", len(layout.units)),
+    ]
+    fields += [(f"unit #{i}", repr(u.name)) for i, u in enumerate(layout.units)]
+    for u in layout.units:
+        fields += [(f"the number of params in unit {u.name!r}", len(u.slots)), (f"the dtype of unit {u.name!r}", str(u.dtype))]
+        for j, s in enumerate(u.slots):
+            fields += [(f"param #{j} of unit {u.name!r}", repr(s.path)), (f"the shape of {s.path!r}", tuple(s.shape))]
+    return fields

@@ -24,8 +24,8 @@ from fzero._comm import Rendezvous, ThreadComm
 from fzero._context import compute_dtype, simulated_rank
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, Slot, build_layout
 from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
-from fzero._units import by_container_child, by_prefixes
-from fzero._mesh import DistMesh, LocalMesh, Mesh
+from fzero._units import by_container_child, by_prefixes, check_units_exist
+from fzero._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
 from fzero._precision import Precision, init_loss_scale, policy
 from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
 from fzero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
@@ -79,6 +79,8 @@ class Step:
         prec = self.precision
         low = None if prec.compute == torch.float32 else prec.compute
         layout = build_layout(params, world_size=n, unit_elements=self.unit_elements, unit_of=unit_of, dtype=low, api="fzero.Step.init")
+        if self.units is not None:  # a typo would otherwise silently leave its params in the root unit
+            check_units_exist(self.units, layout.paths, api="fzero.Step.init")
         leaves = _tree.tree_leaves(params)
         dist = isinstance(self.mesh, DistMesh)
         ranks = list(range(n)) if isinstance(self.mesh, LocalMesh) else [self.mesh.rank if dist else 0]
@@ -95,6 +97,9 @@ class Step:
         # Unit by unit: pack, broadcast rank 0's values (as DDP does), keep what each rank holds, drop the
         # whole buffer; at stage 3 the params are never whole all at once (only shards and one unit).
         comm = self.mesh.comm() if dist else None
+        if comm is not None:  # once, before any collective could pair unrelated buffers of one padded size
+            fields = program_fields(layout, stage=self.stage, precision=prec, grad_accum=self.grad_accum)
+            comm.agree(fields, api="fzero.Step.init", fix=AGREE_FIX)
         flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
         masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
         for unit in layout.units:
@@ -156,6 +161,13 @@ class Step:
 
     def _as_rank(self, comm, program: Callable, *args: Any) -> Any:
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
+            # The states of a local mesh come from one init, unless assembled by hand (or loaded): check
+            # that the ranks hold one layout, as Step.init does once under dist_mesh. A description, not a
+            # counted collective.
+            state = args[0]
+            api = "fzero.Step.evaluate" if program == self._eval_program else "fzero.Step.__call__"
+            fields = program_fields(state.meta.layout, stage=state.meta.stage, precision=self.precision, grad_accum=self.grad_accum)
+            comm.agree(fields, api=api, fix=AGREE_FIX)
             with simulated_rank(comm.rank):
                 return program(comm, *args)
         return program(comm, *args)

@@ -1,6 +1,6 @@
 """Which parameters form a stage-3 *unit*: gathered together, just before the unit's forward.
 
-A unit is a submodule whose forward runs as one gathered, recomputed block (DESIGN.md §3); every
+A unit is a submodule whose params are gathered as one flat buffer when its forward runs (DESIGN.md §3); every
 parameter outside all units belongs to the root unit, gathered once at the top of ``fzero.apply``.
 
 Units are named by module path, and a parameter belongs to the unit whose path prefixes its name.
@@ -12,7 +12,8 @@ module type and size instead, like FSDP's wrap policies, and returns the paths t
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import difflib
+from typing import Callable, Iterable, Sequence
 
 from torch import nn
 
@@ -46,6 +47,37 @@ def by_prefixes(prefixes: Sequence[str], *, api: str) -> Callable[[str], str]:
         return ROOT
 
     return unit_of
+
+
+def check_units_exist(units: Sequence[str], paths: Iterable[str], *, api: str) -> None:
+    """Raise for a ``units`` entry that names no module holding trainable parameters.
+
+    Such an entry prefixes no parameter, so it would silently hold nothing (and if every entry is a
+    typo, the whole model becomes the root unit: stage 3 with no sharding benefit). ``Step.init`` sees
+    only parameter paths, not the module, so the module paths are every dotted prefix of them.
+    """
+    paths = set(paths)
+    modules: set[str] = set()
+    for path in paths:
+        parts = path.split(".")
+        modules.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    for unit in units:
+        if unit in modules:
+            continue
+        close = difflib.get_close_matches(unit, sorted(modules), n=1, cutoff=0.5)
+        if unit in paths:
+            owner = unit.rpartition(".")[0]
+            hint = f"It is a parameter, not a module; the module that holds it is {owner!r}." if owner else "It is a parameter, not a module."
+        elif close:
+            hint = f"The closest module path is {close[0]!r}."
+        else:
+            tops = sorted({m.split(".")[0] for m in modules})
+            hint = f"Top-level modules with parameters: {', '.join(map(repr, tops[:8]))}{', ...' if len(tops) > 8 else ''}."
+        raise ValueError(
+            f"{api}: units entry {unit!r} matches no module with trainable parameters (no parameter name starts with "
+            f"{unit + '.'!r}). {hint} Pass module paths as fzero.units_of(model) returns them, e.g. "
+            f"units=fzero.units_of(model, module_types=Block)."
+        )
 
 
 def units_of(model: nn.Module, *, module_types: tuple[type, ...] | type | None = None, min_elements: int = 0) -> tuple[str, ...]:

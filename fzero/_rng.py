@@ -1,0 +1,163 @@
+"""One RNG stream per simulated rank, so that ``local_mesh(n)`` behaves as n processes.
+
+Under ``torchrun`` every rank is a process with its own CPU generator: n processes that ran the same
+seeded program start a step with equal generator states and each draws its own dropout masks,
+LayerDrop decisions and ``torch.rand`` values from its own copy. The rank threads of a ``local_mesh``
+share one process, hence one global CPU generator: they would draw from one stream in whatever order
+the threads happen to run (masks race, and two runs of one program differ). This module gives each
+rank thread its own stream (DESIGN.md §3b):
+
+* ``rank_streams(n)`` (entered by ``LocalMesh.run`` in the main thread): every rank's stream starts as a
+  copy of the global generator's state; when the ranks are done, the global generator is set to rank
+  0's final state, so the main thread goes on as rank 0 of a torchrun job would.
+* ``own_stream(gen)`` (entered in each rank thread, for the length of the rank's program) is a
+  ``TorchDispatchMode``: dispatch-mode stacks are thread-local, so it sees exactly the ops of its own
+  rank, under ``torch.func.grad`` and plain autograd alike (``F.dropout`` on CPU decomposes to
+  ``bernoulli``, which it sees). Every op tagged ``torch.Tag.nondeterministic_seeded`` that would use
+  the global CPU generator draws from the rank's ``torch.Generator`` instead: passed as the op's
+  ``generator=`` argument where the op has one (no lock, and no one else's state is touched), or, for
+  the few ops without one (``native_dropout``, ``rand.default``...), run under a process-wide lock
+  with the global generator's state swapped to the rank's for the op. An op given an explicit
+  generator, or on another device, is left alone. Both ways draw exactly what the op would draw from
+  the global generator in that state, so the streams are bitwise those of torchrun processes.
+* ``get_state()`` / ``replay(state)``: the current stream's state (the rank's in a rank thread, the
+  global generator's elsewhere) and a context in which draws come from a saved state and after which
+  the stream is back where it was (as ``torch.random.fork_rng``). A recompute (``fzero.remat``) uses
+  them, so it replays its own rank's draws and never touches the shared global generator.
+
+A single-rank mesh, no mesh, and ``dist_mesh`` install nothing: they use torch's global generator
+exactly as plain PyTorch does. Not covered: ``torch.manual_seed``/``torch.set_rng_state`` called
+inside a rank's program (they set the shared global generator, which rank threads do not draw from),
+Python's ``random`` and NumPy, and CUDA generators (``local_mesh`` runs on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_local = threading.local()  # .generator: this rank thread's torch.Generator, or absent
+_GLOBAL = threading.Lock()  # held while a rank's state is swapped into the global generator
+
+# How an op draws, per OpOverload: None (it does not), or the index of its ``generator`` argument
+# (-1: the op has none, so the global generator is swapped for it).
+_HOW: dict[Any, tuple[int, bool] | None] = {}
+
+
+def _how(func) -> tuple[int, bool] | None:
+    """(index of ``generator`` in the schema or -1, whether it is keyword-only), or None for an op that draws nothing."""
+    try:
+        return _HOW[func]
+    except KeyError:
+        pass
+    how = None
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        how = (-1, False)
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.name == "generator":
+                how = (i, arg.kwarg_only)
+                break
+    _HOW[func] = how
+    return how
+
+
+def _on_cpu(args: tuple, kwargs: dict) -> bool:
+    """Whether an op runs on the CPU: its first tensor argument's device, else (a factory) its device=."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "cpu"
+    device = kwargs.get("device")
+    if device is None:
+        return torch.get_default_device().type == "cpu"
+    return torch.device(device).type == "cpu"
+
+
+class _OwnStream(TorchDispatchMode):
+    """Sends this thread's draws from the global CPU generator to ``generator`` (see the module docstring)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        how = _how(func)
+        if how is None or not _on_cpu(args, kwargs):
+            return func(*args, **kwargs)
+        index, kwarg_only = how
+        if index >= 0:
+            if kwarg_only or len(args) <= index:
+                if kwargs.get("generator") is None:
+                    kwargs = {**kwargs, "generator": self.generator}
+            elif args[index] is None:
+                args = (*args[:index], self.generator, *args[index + 1 :])
+            return func(*args, **kwargs)
+        with _GLOBAL:  # no generator argument: lend the op the global generator, in this rank's state
+            default = torch.default_generator
+            saved = default.get_state()
+            default.set_state(self.generator.get_state())
+            try:
+                out = func(*args, **kwargs)
+                self.generator.set_state(default.get_state())
+            finally:
+                default.set_state(saved)
+        return out
+
+
+@contextlib.contextmanager
+def rank_streams(n: int) -> Iterator[list[torch.Generator]]:
+    """n generators, each a copy of the global CPU generator's state; on exit the global generator takes
+    rank 0's final state (the main thread continues as rank 0 would). Entered in the main thread."""
+    start = torch.get_rng_state()
+    gens = []
+    for _ in range(n):
+        g = torch.Generator()
+        g.set_state(start)
+        gens.append(g)
+    try:
+        yield gens
+    finally:
+        torch.set_rng_state(gens[0].get_state())
+
+
+@contextlib.contextmanager
+def own_stream(generator: torch.Generator) -> Iterator[None]:
+    """In a rank thread: every draw this thread makes from the global CPU generator comes from ``generator``."""
+    outer = getattr(_local, "generator", None)
+    _local.generator = generator
+    try:
+        with _OwnStream(generator):
+            yield
+    finally:
+        _local.generator = outer
+
+
+def get_state() -> torch.Tensor:
+    """The CPU RNG state this thread draws from: its rank's stream in a rank thread, else the global generator's."""
+    gen = getattr(_local, "generator", None)
+    return gen.get_state() if gen is not None else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def replay(state: torch.Tensor) -> Iterator[None]:
+    """Draws inside come from ``state`` (from ``get_state``); after, this thread's stream is where it was.
+
+    In a rank thread only the rank's own generator is touched, never the global one, which other rank
+    threads may be borrowing at that moment.
+    """
+    gen = getattr(_local, "generator", None)
+    if gen is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state)
+            yield
+        return
+    saved = gen.get_state()
+    gen.set_state(state)
+    try:
+        yield
+    finally:
+        gen.set_state(saved)
