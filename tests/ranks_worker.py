@@ -25,18 +25,34 @@ from problems import B1, B2, EPS, LR, WD, Problem  # noqa: E402
 SEED = 1234  # the seed every "process" sets before training: dropout masks come from it
 
 
-def dropout_model(width: int = 32, p: float = 0.25) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, width), nn.GELU(), nn.Dropout(p),
-        nn.Linear(width, width), nn.GELU(), nn.Dropout(p),
-        nn.Linear(width, 4),
-    )
+class _Block(nn.Module):
+    def __init__(self, fan_in: int, fan_out: int, p: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(fan_in, fan_out)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(nn.functional.gelu(self.lin(x)))
+
+
+class DropoutMLP(nn.Module):
+    """Dropout inside the units (the blocks), so that a stage-3 unit's forward draws random numbers."""
+
+    def __init__(self, width: int = 32, p: float = 0.25) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(8, width, p), _Block(width, width, p)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 def dropout_problem(*, width: int = 32, steps: int = 4, batch: int = 8) -> Problem:
-    """An MLP with two dropout layers (units at stages 2-3: the three Linears)."""
-    model = dropout_model(width)
+    """An MLP with a dropout layer in each of its two blocks (the units at stages 2-3)."""
+    torch.manual_seed(0)
+    model = DropoutMLP(width)
     gen = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(batch, 8, generator=gen), "y": torch.randn(batch, 4, generator=gen)} for _ in range(steps)]
 

@@ -10,7 +10,7 @@
 * ``units=`` entries that name no module raise, naming the closest module path.
 """
 
-import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
+import fzero._sharded
 from fzero._comm import MeshTimeout, RanksDisagree
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, Problem, fzero_run, reference_run
@@ -164,8 +165,15 @@ def run_torchrun(tmp_path, case: str, stages: int) -> str:
     return str(out)
 
 
+# The first stage 3 recomputed each unit in backward, replaying torch's *global* generator: in a rank thread
+# that is not the rank's stream, so the recompute drew other masks than the forward. The one-forward stage 3
+# (DESIGN.md §3) has no replay; recompute goes through fzero.remat, which replays the rank's own stream.
+_STAGE3_REPLAYS_GLOBAL_RNG = "torch.get_rng_state()" in inspect.getsource(fzero._sharded)
+
+
 @pytest.mark.torchrun
-@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("stages", [0, pytest.param(3, marks=pytest.mark.xfail(
+    _STAGE3_REPLAYS_GLOBAL_RNG, strict=True, reason="stage 3 recompute replays the global RNG; fixed by the one-forward stage 3"))])
 def test_torchrun_equals_local_mesh_with_dropout(tmp_path, one_thread, stages):
     dist = torch.load(run_torchrun(tmp_path, "dropout", stages), weights_only=False)
     local, losses = train(dropout_problem(), stages=stages, mesh=fzero.local_mesh(2))
@@ -264,17 +272,12 @@ def test_ranks_that_run_different_units_raise(stages, autodiff):
         step(state, batch)
 
 
-def _width_model(width: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Linear(width, 4))
-
-
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_ranks_with_different_models_raise_on_local_mesh(stages):
     """Rank 0 holds a model of hidden width 8, rank 1 of width 16 (states assembled by hand, each rank
     running its own model). Padded to the same unit sizes, their collectives would pair up and train
     silently wrong; the step names the first difference instead."""
-    models = [_width_model(8), _width_model(16)]
+    models = [dropout_problem(width=8).model, dropout_problem(width=16).model]
 
     def loss_fn(params, b):
         return F.mse_loss(fzero.apply(models[_rank()], params, b["x"]), b["y"])
@@ -283,8 +286,8 @@ def test_ranks_with_different_models_raise_on_local_mesh(stages):
     states = [step.init(fzero.params_of(m)) for m in models]
     state = fzero.RankStates((states[0][0], states[1][1]))
     batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 4)}
-    # params are packed in sorted name order: '0.bias' comes first
-    message = r"fzero.Step.__call__: ranks disagree on the shape of '0.bias': rank 0 has \(8,\), rank 1 has \(16,\)\. Every rank must build the same model"
+    # params are packed in sorted name order: the bias comes first
+    message = r"fzero.Step.__call__: ranks disagree on the shape of 'blocks.0.lin.bias': rank 0 has \(8,\), rank 1 has \(16,\)\. Every rank must build the same model"
     with pytest.raises(RanksDisagree, match=message) as info:
         step(state, batch)
     assert "(raised on rank 0 of fzero.local_mesh(2))" in info.value.__notes__
@@ -299,7 +302,7 @@ def test_torchrun_ranks_with_different_models_raise_at_init(tmp_path, stages):
     for rank in (0, 1):
         message = torch.load(f"{out}.{rank}", weights_only=False)["message"]
         assert message is not None, f"rank {rank} trained with a model unlike rank {1 - rank}'s"
-        assert message.startswith("RanksDisagree: fzero.Step.init: ranks disagree on the shape of '0.bias': "
+        assert message.startswith("RanksDisagree: fzero.Step.init: ranks disagree on the shape of 'blocks.0.lin.bias': "
                                   "rank 0 has (8,), rank 1 has (16,). Every rank must build the same model"), message
 
 
