@@ -1,0 +1,136 @@
+"""Model zoo (issue 12): models nobody here wrote train under fzero exactly as plain PyTorch trains them.
+
+Every zoo model (tests/zoo.py: Hugging Face GPT-2, Llama, Mistral, Qwen2, T5, BERT, OPT with LayerDrop,
+each from its default config with tiny sizes; a BatchNorm CNN; nn.TransformerEncoder; LSTM/GRU; a forward
+hook feeding an auxiliary loss; a unit returning a dataclass; in-place adds; an unused head;
+spectral_norm) runs 4 AdamW steps at stages 0-3 on local_mesh(1) and local_mesh(2), against
+torch.optim.AdamW on the same batches, with DDP's semantics for two ranks (zoo.py's docstring). Asserted:
+params after every step within 1e-5 (elements whose reference gradient is rounding noise skipped, a param
+that never gets a gradient bitwise as torch leaves it), the loss of every step, the user's module
+bitwise untouched, and ``step.state_dict(state)`` (params and buffers) against ``model.state_dict()``.
+
+Cases that fail because of a known cause are ``xfail(strict=True)`` with that cause, so each turns into
+an XPASS failure the moment its fix lands: then take that cause out of ``_known``. Tolerances are never
+widened to let a real difference pass.
+
+Warnings: none is filtered. transformers 5.x emits no Python warning for these models in train mode
+(the out-of-vocabulary GPT-2 bos/eos ids and ``loss_type=None`` are log records, not warnings).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+
+import fzero
+from zoo import B1, B2, EPS, WD, ZOO, Reference, check, compared, fzero_run, reference_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the reference and the rank threads on one intra-op thread each
+
+STAGES = (0, 1, 2, 3)
+MESHES = (1, 2)
+
+# -- known causes (issue 12 unless said otherwise), measured on commit 4dfffdc (isolated rank RNG streams) -----
+
+RECOMPUTE_KV = ("stage 3 re-runs each unit's forward in backward (issue 12, item 1): with the default use_cache=True "
+                "the recompute appends to the DynamicCache again, so attention sees twice the keys (~7e-3 after one step)")
+RECOMPUTE_T5 = "stage 3 recompute (issue 12, item 1): HF T5 crashes with a tensor size mismatch inside the recompute"
+RECOMPUTE_HOOK = ("stage 3 recompute (issue 12, item 1): the forward hook captured the no-grad forward's output, so "
+                  "the auxiliary loss sends no gradient into the unit (5e-3)")
+RECOMPUTE_DATACLASS = "stage 3 recompute (issue 12, item 1): a unit output that is not a pytree (@dataclass) gets no gradient (8e-3)"
+RECOMPUTE_INPLACE = ("stage 3 recompute (issue 12, item 1): a unit adding into its input in place crashes ('a leaf "
+                     "Variable that requires grad is being used in an in-place operation')")
+RECOMPUTE_SPECTRAL = "stage 3 recompute (issue 12, item 1): spectral_norm runs an extra power iteration per step"
+RECOMPUTE_DROPOUT = ("stage 3 recompute (issue 12, item 1) on local_mesh(2): the recomputed units' dropout masks are "
+                     "not the forward's (~7e-3 after one step; on one rank they are)")
+UNUSED = ("a param that gets no gradient is still decayed and moved by momentum (issue 12, item 5); torch.optim "
+          "skips a param whose grad is None")
+LAYERDROP = ("LayerDrop skips whole layers in some steps: fzero still decays them and moves them by momentum there "
+             "(issue 12, item 5), where torch.optim skips a param whose grad is None (2.6e-3)")
+BN_BUFFERS = ("buffers are not state (issue 12, item 2): BatchNorm's running-stat update is refused under "
+              "autodiff='func' at stages 0-2; at stage 3 fzero writes the stats into the user's module; no step.state_dict")
+SN_BUFFERS = ("buffers are not state (issue 12, item 2): spectral_norm's power iteration writes u/v into the user's "
+              "module, and there is no step.state_dict to compare them")
+SN_SHARED = "simulated ranks share buffers (issue 12, item 3): both rank threads update the module's one u/v"
+# Not in issue 12; a torch.func behaviour. Under torch.func.grad, dropout on a non-contiguous tensor draws its
+# mask in another element order than eager autograd does (same generator state, same numbers, other places):
+#   x = torch.randn(8, 4, 16).transpose(0, 1); seed; F.dropout(x, .1, True)  vs  seed; torch.func.grad(...)
+# nn.TransformerEncoderLayer applies dropout1 to the transposed attention output, so under the default
+# autodiff="func" its masks differ from plain PyTorch's; transformer_encoder_autograd shows "autograd" matches.
+# At stage 3 the committed code runs units eagerly (in its recompute Functions), so stage 3 on one rank passes.
+FUNC_DROPOUT = ("torch.func.grad draws dropout masks on non-contiguous tensors (TransformerEncoderLayer.dropout1) "
+                "in another element order than eager autograd: the default autodiff='func' cannot match "
+                "PyTorch's masks (not in issue 12; autodiff='autograd' does)")
+
+
+def _known(name: str, stages: int, ranks: int) -> list[str]:
+    """Why (name, stages, ranks) fails on the committed code, or [] if it passes."""
+    s3, two = stages == 3, ranks == 2
+    causes = {
+        "gpt2": [RECOMPUTE_KV] * s3,
+        "llama": [RECOMPUTE_KV] * s3,
+        "mistral": [RECOMPUTE_KV] * s3,
+        "qwen2": [RECOMPUTE_KV] * s3,
+        "t5": [RECOMPUTE_T5] * s3,
+        "bert": [RECOMPUTE_DROPOUT] * (s3 and two),
+        "opt_layerdrop": [LAYERDROP] + [RECOMPUTE_KV] * s3,
+        "bn_cnn": [BN_BUFFERS],
+        "transformer_encoder": [FUNC_DROPOUT] * (not s3) + [RECOMPUTE_DROPOUT] * (s3 and two),
+        "transformer_encoder_autograd": [RECOMPUTE_DROPOUT] * (s3 and two),
+        "lstm_gru": [],
+        "hook_aux": [RECOMPUTE_HOOK] * s3,
+        "dataclass_out": [RECOMPUTE_DATACLASS] * s3,
+        "inplace_add": [],
+        "inplace_input": [RECOMPUTE_INPLACE] * s3,
+        "unused_head": [UNUSED],
+        "spectral_norm": [SN_BUFFERS] + [RECOMPUTE_SPECTRAL] * s3 + [SN_SHARED] * two,
+    }
+    return causes[name]
+
+
+def _cases():
+    for name in ZOO:
+        for ranks in MESHES:
+            for stages in STAGES:
+                causes = _known(name, stages, ranks)
+                # raises=: a wrong number or a crash inside fzero; a TypeError in this file's own code is not hidden
+                marks = [pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason="; ".join(causes))] if causes else []
+                yield pytest.param(name, stages, ranks, marks=marks, id=f"{name}-stage{stages}-mesh{ranks}")
+
+
+@functools.cache
+def _reference(name: str, ranks: int) -> Reference:
+    return reference_run(ZOO[name], ranks)  # the same for every stage: computed once per model and mesh
+
+
+@pytest.mark.parametrize("name, stages, ranks", list(_cases()))
+def test_trains_as_pytorch(name, stages, ranks):
+    entry = ZOO[name]
+    if entry.hf:
+        pytest.importorskip("transformers")
+    ref = _reference(name, ranks)
+    run = fzero_run(entry, stages=stages, ranks=ranks)
+    check(entry, ref, run)
+
+
+def test_reference_optimizer_has_fzero_defaults():
+    """The reference's torch.optim.AdamW and fzero.optim.adamw agree on the defaults zoo.py relies on."""
+    torch_defaults = {k: p.default for k, p in inspect.signature(torch.optim.AdamW).parameters.items()}
+    fzero_defaults = {k: p.default for k, p in inspect.signature(fzero.optim.adamw).parameters.items()}
+    assert torch_defaults["betas"] == (fzero_defaults["b1"], fzero_defaults["b2"]) == (B1, B2)
+    assert torch_defaults["eps"] == fzero_defaults["eps"] == EPS
+    assert torch_defaults["weight_decay"] == fzero_defaults["weight_decay"] == WD
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_reference_compares_most_of_each_model(name):
+    """The noise rule skips few elements (key biases, unused embedding rows), so a pass says something."""
+    if ZOO[name].hf:
+        pytest.importorskip("transformers")
+    ref = _reference(name, 1)
+    total = sum(p.numel() for p in ref.params[0].values())
+    skipped = sum(int((~keep).sum()) for keep in (compared(n, ref) for n in ref.params[0]) if keep is not None)
+    assert skipped < 0.1 * total, f"{name}: {skipped} of {total} elements are below the noise threshold"

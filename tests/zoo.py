@@ -1,0 +1,578 @@
+"""A zoo of tiny random-init models that nobody here wrote, and the plain-PyTorch reference they must match.
+
+Each entry builds its model from its library's default config with only the sizes made tiny (2 layers,
+hidden 16-32, vocab 64-128, sequence 8), in train mode as a trainer would run it, and gives a loss
+``loss(call, batch)`` where ``call(*args, **kwargs)`` runs the model: the module itself in the reference,
+``fzero.apply(model, params, ...)`` under fzero. Nothing is downloaded (weights are random).
+
+The reference follows what ``torchrun`` + DDP would do with the same seeded program:
+
+- one rank: the plain loop (forward, backward, ``torch.optim.AdamW.step``);
+- n ranks: n replicas of the model, each on its 1/n of the global batch (split on dim 0, as
+  ``local_mesh(n)`` splits it); gradients averaged over ranks (a param no rank used keeps ``grad=None``,
+  one that some rank used counts as zero on the others, as DDP with ``find_unused_parameters``); one
+  AdamW step. Buffers as ``broadcast_buffers=True``: each step every rank starts from rank 0's buffers.
+  RNG: every rank's stream starts as a copy of the process generator at the step start (n processes
+  that ran the same seeded program), and the process generator goes on from rank 0's end state.
+
+``python tests/zoo.py`` prints the pass/fail matrix (model x stage x mesh, with the max param
+difference or the exception) without pytest's xfail marks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree
+
+import fzero
+
+LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01  # torch.optim.AdamW's defaults, weight decay set explicitly
+STEPS = 4
+GLOBAL_BATCH = 4  # 2 per rank on local_mesh(2)
+SEQ = 8
+SEED = 1234  # the process generator is seeded with this before the first step (dropout, LayerDrop)
+NOISE = 1e-6  # reference gradients below this in every step are rounding noise (DESIGN.md §4)
+RTOL = ATOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    build: Callable[[], nn.Module]  # seeded, in train mode
+    batches: Callable[[], list[Any]]  # global batches, one per step
+    loss: Callable[[Callable[..., Any], Any], torch.Tensor]
+    buffers: bool = False  # has state_dict buffers (BatchNorm stats, spectral-norm vectors) that training writes
+    check: Callable[["Reference"], None] | None = None  # asserts the reference exercises what the entry is for
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # fzero.compile details, e.g. autodiff
+    hf: bool = False  # built with transformers
+
+
+def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return make().train()
+
+    return build
+
+
+def _tokens(vocab: int, *, seed: int, labels: str = "shift") -> Callable[[], list[dict[str, torch.Tensor]]]:
+    def batches():
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(STEPS):
+            x = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=gen)
+            if labels == "shift":  # causal LM: the model shifts labels itself
+                out.append({"input_ids": x, "labels": x.clone()})
+            elif labels == "seq2seq":
+                out.append({"input_ids": x, "labels": torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=gen)})
+            else:  # masked LM: ~30% of positions predicted, position 0 always (no row without a label)
+                masked = torch.rand(GLOBAL_BATCH, SEQ, generator=gen) < 0.3
+                masked[:, 0] = True
+                y = torch.where(masked, x, torch.full_like(x, -100))
+                out.append({"input_ids": torch.where(masked, torch.full_like(x, 3), x), "labels": y})
+        return out
+
+    return batches
+
+
+def _hf_loss(call, b):
+    return call(input_ids=b["input_ids"], labels=b["labels"]).loss
+
+
+# ------------------------------------------------------------------------------------ Hugging Face
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # bos/eos: the default 50256 lies outside the tiny vocab (transformers logs it); they play no part in the loss
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=127,
+                                      eos_token_id=127))
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=32))
+
+
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    # decoder_start_token_id: T5Config has no default for it in transformers 5.x and T5 cannot shift labels without
+    # it; the released T5 configs set it to the pad token, 0
+    return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                               decoder_start_token_id=0))
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32))
+
+
+def opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # layerdrop=0.3 (default 0): OPTDecoder skips each layer with this probability in training (modeling_opt.py)
+    return OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=2,
+                                    ffn_dim=64, num_attention_heads=4, max_position_embeddings=32, layerdrop=0.3))
+
+
+def _layers_dropped(ref: "Reference") -> None:
+    """LayerDrop must drop a layer in some step and run it in another, or the entry tests nothing."""
+    layer0 = [n for n in ref.params[0] if ".layers.0." in n]
+    assert layer0, "no OPT layer 0 params"
+    used = [n in ref.used[k] for k in range(STEPS) for n in layer0[:1]]
+    assert any(used) and not all(used), f"LayerDrop made no difference over {STEPS} steps (layer 0 used: {used}); change SEED"
+
+
+# --------------------------------------------------------------------------------------- torch.nn
+
+
+def bn_cnn():
+    """Conv2d-BatchNorm2d-ReLU blocks in a Sequential, as torchvision's ResNet builds them (no torchvision here)."""
+
+    def block(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+    return nn.Sequential(block(3, 8), block(8, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def _images():
+    gen = torch.Generator().manual_seed(5)
+    return [{"x": torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=gen), "y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen)}
+            for _ in range(STEPS)]
+
+
+def _classify(call, b):
+    return F.cross_entropy(call(b["x"]), b["y"])
+
+
+class TokenModel(nn.Module):
+    """Embedding, a body, a head: the frame of the small torch.nn entries below."""
+
+    def __init__(self, body: nn.Module, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = body
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+
+def _lm_loss(call, b):
+    logits = call(b["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
+
+
+def transformer_encoder():
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)  # dropout 0.1 by default
+    return TokenModel(nn.TransformerEncoder(layer, num_layers=2))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.rnns = nn.ModuleList([nn.LSTM(d, d, batch_first=True), nn.GRU(d, d, batch_first=True)])
+
+    def forward(self, h):
+        for rnn in self.rnns:
+            h, _ = rnn(h)  # LSTM: (out, (h, c)); GRU: (out, h)
+        return h
+
+
+def lstm_gru():
+    return TokenModel(Recurrent())
+
+
+class Blocks(nn.Module):
+    """Linear-GELU blocks in a ModuleList (the default stage-3 units), each one's output added to its input."""
+
+    def __init__(self, d: int = 16, n: int = 2, block: Callable[[int], nn.Module] | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([(block or _linear_gelu)(d) for _ in range(n)])
+
+    def forward(self, h):
+        for b in self.blocks:
+            h = h + b(h)
+        return h
+
+
+def _linear_gelu(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, d), nn.GELU())
+
+
+# a forward hook on a unit feeding an auxiliary loss. The hook writes into a thread-local store: each rank
+# thread of local_mesh(n) is a process of its own under torchrun, with its own copy of a global like this
+_CAPTURED = threading.local()
+
+
+def _capture(module, inputs, output):
+    _CAPTURED.h = output
+
+
+def hooked():
+    model = TokenModel(Blocks())
+    model.body.blocks[0].register_forward_hook(_capture)
+    return model
+
+
+def _hooked_loss(call, b):
+    main = _lm_loss(call, b)
+    return main + 0.1 * _CAPTURED.h.pow(2).mean()  # what the hook saw, with its gradient
+
+
+@dataclasses.dataclass
+class BlockOut:
+    h: torch.Tensor
+    gate: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    """A unit that returns a @dataclass (not a registered pytree)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.gate = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return BlockOut(h=F.gelu(self.lin(x)), gate=torch.sigmoid(self.gate(x)))
+
+
+class DataclassBody(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DataclassBlock(d) for _ in range(2)])
+
+    def forward(self, h):
+        for b in self.blocks:
+            out = b(h)
+            h = h + out.gate * out.h
+        return h
+
+
+def dataclass_out():
+    return TokenModel(DataclassBody())
+
+
+class InplaceBody(Blocks):
+    def forward(self, h):
+        for b in self.blocks:
+            h = b(h).add_(h)  # the unit's output, added into in place (GELU's backward needs its input, not its output)
+        return h
+
+
+def inplace_add():
+    return TokenModel(InplaceBody())
+
+
+class ShiftBlock(nn.Module):
+    """A unit that adds into its own input in place before using it (add's backward saves nothing, so
+    eager autograd allows it); what the previous unit returned is changed."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(d) * 0.1)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        x.add_(self.shift)
+        return F.gelu(self.lin(x))
+
+
+def inplace_input():
+    return TokenModel(Blocks(block=ShiftBlock))
+
+
+class TwoHeads(nn.Module):
+    """A trunk and a ModuleDict of heads; the loss uses one, so the other's params get grad=None every step."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.trunk = Blocks(d)
+        self.heads = nn.ModuleDict({"lm": nn.Linear(d, vocab), "unused": nn.Linear(d, vocab)})
+
+    def forward(self, x, *, head: str = "lm"):
+        return self.heads[head](self.trunk(self.emb(x)))
+
+
+def unused_head():
+    return TwoHeads()
+
+
+def _unused_never_gets_grad(ref: "Reference") -> None:
+    assert not any(n.startswith("heads.unused.") for k in range(STEPS) for n in ref.used[k])
+    assert {"heads.unused.weight", "heads.unused.bias"} <= set(ref.params[0])
+
+
+def spectral():
+    sn = torch.nn.utils.parametrizations.spectral_norm
+    return TokenModel(Blocks(block=lambda d: nn.Sequential(sn(nn.Linear(d, d)), nn.Tanh())))
+
+
+ZOO: dict[str, Entry] = {
+    "gpt2": Entry(_seeded(gpt2), _tokens(128, seed=1), _hf_loss, hf=True),
+    "llama": Entry(_seeded(llama), _tokens(128, seed=2), _hf_loss, hf=True),
+    "mistral": Entry(_seeded(mistral), _tokens(128, seed=3), _hf_loss, hf=True),
+    "qwen2": Entry(_seeded(qwen2), _tokens(128, seed=4), _hf_loss, hf=True),
+    "t5": Entry(_seeded(t5), _tokens(128, seed=5, labels="seq2seq"), _hf_loss, hf=True),
+    "bert": Entry(_seeded(bert), _tokens(128, seed=6, labels="mlm"), _hf_loss, hf=True),
+    "opt_layerdrop": Entry(_seeded(opt), _tokens(128, seed=7), _hf_loss, check=_layers_dropped, hf=True),
+    "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
+    "transformer_encoder": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss),
+    # the same with plain autograd instead of torch.func.grad: tells fzero's causes from torch.func's (test_zoo.py)
+    "transformer_encoder_autograd": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss,
+                                          settings={"autodiff": "autograd"}),
+    "lstm_gru": Entry(_seeded(lstm_gru), _tokens(64, seed=9), _lm_loss),
+    "hook_aux": Entry(_seeded(hooked), _tokens(64, seed=10), _hooked_loss),
+    "dataclass_out": Entry(_seeded(dataclass_out), _tokens(64, seed=11), _lm_loss),
+    "inplace_add": Entry(_seeded(inplace_add), _tokens(64, seed=12), _lm_loss),
+    "inplace_input": Entry(_seeded(inplace_input), _tokens(64, seed=15), _lm_loss),
+    "unused_head": Entry(_seeded(unused_head), _tokens(64, seed=13), _lm_loss, check=_unused_never_gets_grad),
+    "spectral_norm": Entry(_seeded(spectral), _tokens(64, seed=14), _lm_loss, buffers=True),
+}
+
+
+# ------------------------------------------------------------------------------------ the reference
+
+
+@dataclasses.dataclass
+class Reference:
+    params: list[dict[str, torch.Tensor]]  # after each step, keyed as named_parameters (= fzero.params_of)
+    losses: list[float]  # mean over ranks
+    used: list[set[str]]  # per step: params some rank gave a gradient (grad is not None)
+    grad_max: dict[str, torch.Tensor]  # elementwise max |averaged grad| over the steps (0 where None)
+    state_dict: dict[str, torch.Tensor]  # rank 0's model.state_dict() after the last step
+    aliases: dict[str, str]  # state_dict key of a param -> its named_parameters name (tied weights)
+
+
+def split(batch: Any, n: int) -> list[Any]:
+    """The global batch's tensors split on dim 0 into n per-rank batches, as ``local_mesh(n)`` splits it."""
+    leaves, spec = _pytree.tree_flatten(batch)
+    parts = [leaf.chunk(n) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in leaves]
+    return [_pytree.tree_unflatten([p[r] for p in parts], spec) for r in range(n)]
+
+
+def reference_run(entry: Entry, ranks: int) -> Reference:
+    model = entry.build()
+    replicas = [model] + [copy.deepcopy(model) for _ in range(ranks - 1)]
+    named = dict(model.named_parameters())
+    by_id = {id(p): n for n, p in named.items()}
+    aliases = {k: by_id[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
+    opt = torch.optim.AdamW(list(named.values()), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    grad_max = {n: torch.zeros_like(p) for n, p in named.items()}
+    params, losses, used = [], [], []
+    torch.manual_seed(SEED)
+    for batch in entry.batches():
+        state = model.state_dict()
+        for rep in replicas[1:]:  # DDP: the same params, and rank 0's buffers (broadcast_buffers=True)
+            rep.load_state_dict(state)
+        start, end = torch.get_rng_state(), None
+        grads, rank_losses = [], []
+        for r, (rep, half) in enumerate(zip(replicas, split(batch, ranks))):
+            if r:
+                torch.set_rng_state(start)  # each rank's stream starts where the process's did
+            rep.zero_grad(set_to_none=True)
+            loss = entry.loss(rep, half)
+            loss.backward()
+            rank_losses.append(loss.item())
+            grads.append([p.grad for p in rep.parameters()])
+            if r == 0:
+                end = torch.get_rng_state()
+        torch.set_rng_state(end)  # the process goes on as rank 0 did
+        model.zero_grad(set_to_none=True)
+        for (n, p), gs in zip(named.items(), zip(*grads)):
+            present = [g for g in gs if g is not None]
+            if present:
+                p.grad = sum(present[1:], present[0].clone()) / ranks if ranks > 1 else present[0]
+                grad_max[n] = torch.maximum(grad_max[n], p.grad.abs())
+        used.append({n for n, p in named.items() if p.grad is not None})
+        opt.step()
+        params.append({n: p.detach().clone() for n, p in named.items()})
+        losses.append(sum(rank_losses) / ranks)
+    ref = Reference(params, losses, used, grad_max, {k: v.clone() for k, v in model.state_dict().items()}, aliases)
+    if entry.check is not None:
+        entry.check(ref)
+    return ref
+
+
+# ------------------------------------------------------------------------------------------ fzero
+
+
+@dataclasses.dataclass
+class Run:
+    params: list[dict[str, torch.Tensor]]  # step.gather after each step
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor] | None  # step.state_dict(state), None while that API does not exist
+    model: nn.Module  # the user's module fzero was given
+    before: dict[str, torch.Tensor]  # its state_dict before training
+
+
+def fzero_state_dict(step: Any, state: Any) -> dict[str, torch.Tensor] | None:
+    """``step.state_dict(state)`` (issue 12: params and buffers, as ``model.state_dict()``), or None where it is missing."""
+    fn = getattr(step, "state_dict", None)
+    return None if fn is None else fn(state)
+
+
+def fzero_run(entry: Entry, *, stages: int, ranks: int) -> Run:
+    model = entry.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss_fn(params, batch):
+        return entry.loss(lambda *a, **k: fzero.apply(model, params, *a, **k), batch)
+
+    optimizer = fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    step = fzero.compile(loss_fn, optimizer=optimizer, stages=stages, mesh=fzero.local_mesh(ranks), **entry.settings)
+    state = step.init(fzero.params_of(model))
+    params, losses = [], []
+    torch.manual_seed(SEED)
+    for batch in entry.batches():
+        state, metrics = step(state, batch)
+        params.append(step.gather(state))
+        losses.append(float(metrics["loss"]))
+    return Run(params, losses, fzero_state_dict(step, state), model, before)
+
+
+# ------------------------------------------------------------------------------------ comparisons
+
+
+def compared(name: str, ref: Reference) -> torch.Tensor | None:
+    """Which elements of param ``name`` are compared: those whose reference gradient reached NOISE in some
+    step. Elements below it in every step are rounding noise (e.g. attention key biases, also the key third
+    of GPT-2's fused c_attn bias), which Adam turns into O(lr) steps (DESIGN.md §4), or exact zeros (rows of
+    an embedding never looked up): skipped. None for a param that never got a gradient (grad is None in
+    every step): it must be bitwise what torch.optim left, its initial value."""
+    if not any(name in used for used in ref.used):
+        return None
+    return ref.grad_max[name] >= NOISE
+
+
+def _param_error(name: str, got: torch.Tensor, ref: Reference, k: int) -> str | None:
+    expected, keep = ref.params[k][name], compared(name, ref)
+    if keep is None:
+        if torch.equal(got, expected):
+            return None
+        return (f"step {k + 1}: {name} never gets a gradient in torch, so AdamW leaves it as it is; fzero moved it by "
+                f"{(got - expected).abs().max().item():.3g}")
+    try:
+        torch.testing.assert_close(got[keep], expected[keep], rtol=RTOL, atol=ATOL)
+    except AssertionError as err:
+        return f"step {k + 1}: param {name}: {err}"
+    return None
+
+
+def assert_params_match(got: dict[str, torch.Tensor], ref: Reference, k: int) -> None:
+    """Params after step k within RTOL/ATOL of the reference, on the elements ``compared`` says."""
+    if set(got) != set(ref.params[k]):
+        raise AssertionError(f"step {k + 1}: param names differ: {sorted(set(got) ^ set(ref.params[k]))}")
+    for name in ref.params[k]:
+        error = _param_error(name, got[name], ref, k)
+        if error:
+            raise AssertionError(error)
+
+
+def param_difference(got: dict[str, torch.Tensor], ref: Reference, k: int) -> tuple[float, str]:
+    """Max abs difference of step k's params from the reference over the compared elements, and where."""
+    worst, where = 0.0, ""
+    for name, expected in ref.params[k].items():
+        keep = compared(name, ref)
+        keep = torch.ones_like(expected, dtype=torch.bool) if keep is None else keep
+        if keep.any():
+            d = (got[name].double() - expected.double())[keep].abs().max().item()
+            if d > worst or d != d:
+                worst, where = d, name
+    return worst, where
+
+
+def assert_state_dict_match(run: Run, ref: Reference, entry: Entry) -> None:
+    """``step.state_dict(state)`` against rank 0's ``model.state_dict()``: the same keys, params (tied
+    aliases included) as ``assert_params_match``, buffers within RTOL/ATOL (integer ones equal), and
+    ``load_state_dict(strict=True)`` accepts it."""
+    if run.state_dict is None:
+        if entry.buffers:
+            raise AssertionError("fzero's Step has no state_dict(state) (issue 12, item 2): the buffers that training "
+                                 "writes (BatchNorm running stats, spectral-norm vectors) cannot be compared")
+        return  # no buffers in this model's state_dict: the params were compared through gather
+    sd, expected = run.state_dict, ref.state_dict
+    if set(sd) != set(expected):
+        raise AssertionError(f"step.state_dict keys differ from model.state_dict(): {sorted(set(sd) ^ set(expected))}")
+    for key, e in expected.items():
+        g = sd[key]
+        if key in ref.aliases:
+            error = _param_error(ref.aliases[key], g, ref, len(ref.params) - 1)
+            if error:
+                raise AssertionError(f"step.state_dict()[{key!r}]: {error}")
+        elif e.is_floating_point():
+            torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"buffer {key}: {m}")
+        elif not torch.equal(g, e):
+            raise AssertionError(f"buffer {key}: {g} != {e}")
+    copy.deepcopy(run.model).load_state_dict(sd, strict=True)
+
+
+def assert_module_untouched(run: Run) -> None:
+    after = run.model.state_dict()
+    for key, e in run.before.items():
+        g = after[key]
+        if g.dtype != e.dtype or g.shape != e.shape or not torch.equal(g, e):
+            raise AssertionError(f"fzero wrote into the user's module: {key} changed")
+
+
+def check(entry: Entry, ref: Reference, run: Run) -> None:
+    """Everything the zoo asserts, in order: params each step, loss each step, module untouched, state_dict."""
+    for k in range(len(ref.params)):
+        assert_params_match(run.params[k], ref, k)
+        if abs(run.losses[k] - ref.losses[k]) > RTOL * abs(ref.losses[k]) + ATOL:
+            raise AssertionError(f"step {k + 1}: loss {run.losses[k]} != reference {ref.losses[k]}")
+    assert_module_untouched(run)
+    assert_state_dict_match(run, ref, entry)
+
+
+def matrix() -> None:
+    """Print model x stage x mesh: pass, or why not (max param difference over the steps, or the exception)."""
+    torch.set_num_threads(1)
+    for name, entry in ZOO.items():
+        for ranks in (1, 2):
+            ref = reference_run(entry, ranks)
+            for stages in (0, 1, 2, 3):
+                try:
+                    run = fzero_run(entry, stages=stages, ranks=ranks)
+                except Exception as e:  # noqa: BLE001 - reported
+                    print(f"{name:20s} stage {stages} mesh {ranks}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+                    continue
+                diff = max(param_difference(run.params[k], ref, k) for k in range(STEPS))
+                try:
+                    check(entry, ref, run)
+                    verdict = "pass"
+                except AssertionError as e:
+                    verdict = "FAIL " + str(e).splitlines()[0][:150]
+                print(f"{name:20s} stage {stages} mesh {ranks}: {verdict} (max param diff {diff[0]:.2e} at {diff[1]})", flush=True)
+
+
+if __name__ == "__main__":
+    matrix()
