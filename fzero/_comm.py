@@ -179,6 +179,8 @@ class _Sig:
     def __str__(self) -> str:
         if self.op == _FINISHED:
             return "finished its program (no more collectives)"
+        if self.op == _AGREE:
+            return f"compared its layout and settings ({self.tag})"
         label = "" if self.label is None else f" {self.label!r}"
         src = "" if self.src is None else f" from rank {self.src}"
         dtype = str(self.dtype).removeprefix("torch.")
@@ -186,6 +188,7 @@ class _Sig:
 
 
 _FINISHED = "finished"
+_AGREE = "agree"
 _MISMATCH_FIX = (
     "Every rank must run the same model with the same units and issue the same collectives in the same order. "
     "Look for what differs per rank: a model or settings built differently on one rank, a unit skipped on some "
@@ -270,7 +273,7 @@ class ThreadComm(_Recording):
     def agree(self, fields, *, api, fix):
         if self.size == 1:
             return
-        described = self._exchange(_Sig("agree", api, None, 0, None), list(fields))
+        described = self._exchange(_Sig(_AGREE, api, None, 0, None), list(fields))
         self._done()
         error = disagreement(described, api=api, fix=fix)
         if error is not None:
