@@ -78,8 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every this many steps (needs --ckpt-dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     p.add_argument("--remat", action="store_true",
-                   help="recompute each block in backward instead of storing its activations (stages 0-2; "
-                        "stage 3 already recomputes every unit)")
+                   help="recompute each block in backward instead of storing its activations (at stage 3: "
+                        "compile(remat=True), which gathers each unit again for its recompute)")
     p.add_argument("--schedule", choices=("cosine", "warmup-decay", "constant"), default="cosine",
                    help="cosine: warm-up then cosine to lr/10; warmup-decay: DeepSpeed's WarmupDecayLR")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
@@ -173,8 +173,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if (args.save_every or args.resume) and not args.ckpt_dir:
         raise SystemExit("train_gpt.py: --save-every and --resume need --ckpt-dir.")
-    if args.remat and args.stages == 3:
-        raise SystemExit("train_gpt.py: --remat is for stages 0-2; stage 3 already recomputes every unit in backward.")
     mesh, rank, world = make_mesh(args)
     try:
         return train(args, mesh, rank, world)
@@ -200,7 +198,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     psi = num_params(model)
 
     def loss_fn(params, batch):
-        logits = forward_remat(model, params, batch["x"]) if args.remat else fzero.apply(model, params, batch["x"])
+        remat_here = args.remat and args.stages < 3  # stage 3 recomputes its units itself (remat= below)
+        logits = forward_remat(model, params, batch["x"]) if remat_here else fzero.apply(model, params, batch["x"])
         return gpt_loss(logits, batch["y"])
 
     warmup = min(args.warmup, args.steps - 1)
@@ -214,7 +213,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     optimizer = fzero.optim.adamw(schedule, weight_decay=args.weight_decay)
     step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
                          grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
-                         offload_params=args.offload_params, offload_dir=args.offload_dir)
+                         offload_params=args.offload_params, offload_dir=args.offload_dir,
+                         **({"remat": True} if args.remat and args.stages == 3 else {}))
     state = step.init(fzero.params_of(model, copy=False), materialize=model.init_value)
     first = 0
     if args.resume:  # the newest complete checkpoint, resharded for this step's stage and world size

@@ -34,7 +34,7 @@ def compile(  # noqa: A001 - the public name is the design's
     "disk"/"nvme" with ``offload_dir`` and ``sub_group_size``; ``offload_params`` (stage 3) — see
     ``fzero.offload``. Details (keyword):
     ``unit_elements``, ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
-    ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` (see ``shard_params``).
+    ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` and ``remat`` (see ``shard_params``).
 
     ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
     settings); keywords given explicitly win over it (see ``fzero.config``).
@@ -51,7 +51,7 @@ def compile(  # noqa: A001 - the public name is the design's
 
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
     units = details.pop("units", None)
-    stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
+    stage3 = {k: details.pop(k) for k in ("prefetch", "remat") if k in details}
     if units is not None and stages < 2:
         raise ValueError(f"fzero.compile: units only apply at stages=2 or 3 (units by module), but stages={stages}.")
     if stage3 and stages != 3:

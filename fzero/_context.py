@@ -11,13 +11,13 @@ step call; single-rank runs use the module itself.
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 from typing import Any, Iterator
 
 import torch
-
 from torch import nn
+
+from fzero._clone import clone_structure
 
 _local = threading.local()
 
@@ -39,8 +39,7 @@ def module_for_thread(module: nn.Module) -> nn.Module:
         return module
     clone = _local.clones.get(id(module))
     if clone is None:
-        shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
-        clone = _local.clones[id(module)] = copy.deepcopy(module, memo=shared)
+        clone = _local.clones[id(module)] = clone_structure(module)
     return clone
 
 

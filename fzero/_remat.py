@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
+from fzero import _tree
 from fzero._sharded import ShardedParams, UnitParams
 
 __all__ = ["remat"]
@@ -49,8 +50,8 @@ _UNIT_PARAMS = """fzero.remat: {name} was given the {kind} that loss_fn receives
 differentiate it (it is not a tensor). {fix}"""
 _UNIT_FIX = {
     2: "Pass the tensors themselves, e.g. remat(f)({k: params[k] for k in names}, x).",
-    3: "At stage 3, fzero.apply(model, params, ...) already recomputes every unit in backward (only one unit's "
-       "activations live at a time): call it without remat.",
+    3: "At stage 3, recompute the units with fzero.compile(..., stages=3, remat=True) (or "
+       "fzero.shard_params(step, remat=True)): each unit is then recomputed in backward, gathered again.",
 }
 
 
@@ -68,7 +69,8 @@ def remat(fn: Callable, *, offload: str | None = None) -> Callable:
     be passed in ``args``/``kwargs``: ``remat(lambda params, x: fzero.apply(block, params, x))(params, x)``.
     A call that reads a captured tensor requiring grad raises a ``RuntimeError`` in the forward. In a
     ``loss_fn`` at stages 0-1, ``params`` is a dict and can be passed as is; at stage 2 pass its tensors
-    (``{k: params[k] ...}``); at stage 3 ``fzero.apply`` already recomputes each unit, and passing the
+    (``{k: params[k] ...}``); at stage 3 pass ``remat=True`` to ``compile``/``shard_params`` instead (each unit is
+    recomputed, gathered again), and passing the
     ``ShardedParams`` to a remat'ed function raises a ``TypeError`` that says so.
 
     ``offload="cpu"`` keeps the saved inputs in host memory between forward and backward (pinned, with
@@ -106,9 +108,7 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
     call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
     outs = _RematForward.apply(call, *tensors)
-    it = iter(outs)
-    out_leaves = [next(it) if x is _SLOT else x for x in call.out_leaves]
-    return torch_pytree.tree_unflatten(out_leaves, call.out_spec)
+    return call.rebuild(list(outs))
 
 
 _SLOT = object()  # where a tensor goes back into a flattened pytree of inputs or outputs
@@ -125,8 +125,7 @@ class _Call:
         self.fn, self.offload = fn, offload
         self.spec, self.leaves, self.tensor_pos, self.diff = spec, leaves, tensor_pos, diff
         self.devices: list[torch.device] = []  # of the inputs, where the recompute puts them back
-        self.out_spec = None
-        self.out_leaves: list[Any] = []
+        self.rebuild: Callable[[list[torch.Tensor]], Any] | None = None  # the forward's output, from its tensors
         self.n_out = 0
         self.rng: _RngState | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
@@ -141,17 +140,16 @@ class _Call:
         for pos, t in zip(self.tensor_pos, tensors):
             leaves[pos] = t
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-        out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
-        outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-        if self.out_spec is None:
-            self.out_spec = out_spec
-            self.out_leaves = [_SLOT if isinstance(x, torch.Tensor) else x for x in out_leaves]
-            self.n_out = len(outs)
-        elif out_spec != self.out_spec or len(outs) != self.n_out:
+        outs, rebuild = _tree.tensors_and_rebuild(self.fn(*args, **kwargs))  # dataclasses too
+        if self.rebuild is None:
+            self.rebuild, self.n_out = rebuild, len(outs)
+        elif len(outs) != self.n_out or [o.shape for o in outs] != self.shapes:
             raise RuntimeError(
-                f"fzero.remat: the recompute of {self.name} returned a different structure than its forward "
-                f"({out_spec} vs {self.out_spec}); the wrapped function must be deterministic in what it returns."
+                f"fzero.remat: the recompute of {self.name} returned {len(outs)} tensors of shapes "
+                f"{[tuple(o.shape) for o in outs]}, its forward {self.n_out} of shapes {[tuple(s) for s in self.shapes]}; "
+                f"the wrapped function must be deterministic in what it returns."
             )
+        self.shapes = [o.shape for o in outs]
         return outs
 
 

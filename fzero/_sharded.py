@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -31,10 +30,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from fzero import _tree
+from fzero._clone import clone_structure
 from fzero._autograd import AllGather, ReplicatedShardGrad
 from fzero._context import cast_floating, current_compute_dtype
 from fzero._layout import ROOT, Layout, Unit
-from fzero.memory import note_gathered
+from fzero.memory import note_gathered, note_resized
 
 
 class UnitParams(Mapping):
@@ -119,11 +120,13 @@ class ReplicatedParams(UnitParams):
 
 
 class ShardedParams(UnitParams):
-    """Stage 3: this rank's shard of every unit; a unit exists whole only while it runs."""
+    """Stage 3: this rank's shard of every unit; a unit exists whole only while it runs (and while its
+    backward runs). ``remat``: recompute each unit in backward instead of keeping its activations."""
 
-    def __init__(self, inputs, layout, comm, schedule: "Schedule", **kw) -> None:
+    def __init__(self, inputs, layout, comm, schedule: "Schedule", *, remat: bool = False, **kw) -> None:
         super().__init__(inputs, layout, comm, **kw)
         self.schedule = schedule
+        self.remat = remat
 
     def __getitem__(self, name: str) -> Any:
         raise TypeError(
@@ -151,16 +154,14 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
 
 def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     api = f"fzero.apply (stage {3 if isinstance(params, ShardedParams) else 2})"
-    memo: dict[int, Any] = {}
     dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
-    for p in module.parameters():
+
+    def skeleton_param(p):
         if p.requires_grad:
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True)
-        else:
-            memo[id(p)] = nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
-    for b in module.buffers():
-        memo[id(b)] = cast_floating(b, dtype)
-    skel = copy.deepcopy(module, memo)
+            return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True)
+        return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
+
+    skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
     trainable = {n for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
     layout = params.layout
     for unit in layout.units:
@@ -221,89 +222,175 @@ class _UnitCall(nn.Module):
 
 
 class _Call:
-    """One invocation of one unit: what both Functions need to (re)run it."""
+    """One invocation of one unit at stage 3, and its gathered buffer.
 
-    def __init__(self, inner, unit, params, spec, leaves, tensor_pos):
+    ``full`` is the buffer the unit was gathered into for its forward. The forward's graph keeps views of
+    it (a linear layer saves its weight), so the buffer object lives as long as the graph; what is freed
+    between the forward and the backward is its *storage* (``resize_(0)``), refilled in place just before
+    the unit's backward needs it and freed again once the unit's gradient is reduce-scattered.
+    """
+
+    def __init__(self, inner: nn.Module, unit: Unit, params: "ShardedParams") -> None:
         self.inner, self.unit, self.params = inner, unit, params
-        self.spec, self.leaves, self.tensor_pos = spec, leaves, tensor_pos
-        self.out_spec = None
-        self.out_leaves = None
-        self.pos = None  # this call's position in the step's gather order (forward)
+        self.full: torch.Tensor | None = None
+        self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
 
-    def gather(self, shard: torch.Tensor, phase: str) -> torch.Tensor:
-        return self.params.schedule.gather(self, shard, phase)
+    @property
+    def schedule(self) -> "Schedule":
+        return self.params.schedule
 
-    def run(self, full: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, full: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         prefix = len(self.unit.name) + 1
         views = {path[prefix:]: v for path, v in self.params.layout.unit_views(self.unit, full).items()}
-        leaves = list(self.leaves)
-        for pos, t in zip(self.tensor_pos, tensors):
-            leaves[pos] = t
-        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-        out = torch.func.functional_call(self.inner, views, args, kwargs, tie_weights=True, strict=False)
-        out_leaves, self.out_spec = torch_pytree.tree_flatten(out)
-        self.out_leaves = [_SLOT if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        return torch.func.functional_call(self.inner, views, args, kwargs, tie_weights=True, strict=False)
+
+    def free(self) -> None:
+        """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
+        if self.full is not None and self.full.untyped_storage().nbytes():
+            self.full.untyped_storage().resize_(0)
+            note_resized(self.full)
+
+    def unalloc(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().nbytes() == 0
+
+    def alloc(self) -> torch.Tensor:
+        """The buffer with its memory back (contents undefined until a gather fills it)."""
+        full = self.full
+        if not full.untyped_storage().nbytes():
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            note_resized(full)
+        return full
 
 
-_SLOT = object()  # marks where a tensor goes back into a flattened pytree of a unit's inputs or outputs
+def _run_unit(inner: nn.Module, unit: Unit, params: "ShardedParams", args: tuple, kwargs: dict) -> Any:
+    """One unit call at stage 3: gather, run once with its graph, free; the backward refills (see ``_Call``).
+
+    With ``remat`` (``shard_params(..., remat=True)``) the unit is instead run through ``fzero.remat``: no
+    graph is kept, and the recompute in backward gathers the unit again.
+    """
+    call = _Call(inner, unit, params)
+    shard = params.inputs[unit.name]
+    if params.remat and torch.is_grad_enabled():
+        from fzero._remat import remat
+
+        def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
+            return call.run(_UnitGather.apply(shard, call, False), args, kwargs)
+
+        unit_forward.__qualname__ = f"unit {unit.name!r}"
+        return remat(unit_forward)(shard, args, kwargs)
+    full = _UnitGather.apply(shard, call, True)
+    out = call.run(full, args, kwargs)
+    if not torch.is_grad_enabled():  # no graph: nothing will read the buffer again
+        out = _unalias(out, call.full)
+        call.free()
+        return out
+    call.free()
+    return _before_backward(out, call)
 
 
-def _run_unit(inner, unit, params, args, kwargs):
-    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    call = _Call(inner, unit, params, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos)
-    rng = torch.get_rng_state()  # the recompute in backward replays the same random numbers (dropout)
-    outs = _UnitForward.apply(params.inputs[unit.name], call, rng, *[leaves[i] for i in tensor_pos])
-    out_leaves = list(call.out_leaves)
-    it = iter(outs)
-    out_leaves = [next(it) if x is _SLOT else x for x in out_leaves]
-    return torch_pytree.tree_unflatten(out_leaves, call.out_spec)
+def _unalias(out: Any, full: torch.Tensor) -> Any:
+    """``out`` with any tensor that shares the gathered buffer's memory copied (the buffer is about to be freed)."""
+    ptr = full.untyped_storage().data_ptr()
+    return torch_pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr else t, out
+    )
 
 
-class _UnitForward(torch.autograd.Function):
+def _before_backward(out: Any, call: _Call) -> Any:
+    """``out`` with its differentiable tensors passed through ``_RefillBeforeBackward``: the unit's backward
+    cannot start before the gradient of every output that reaches the loss has arrived there, so that is
+    where the buffer is refilled (as FSDP's pre-backward hook on a module's outputs).
+
+    Pytrees, dataclasses (a unit may return one) and Hugging Face ``ModelOutput``s are searched; a tensor
+    that leaves the unit another way (stored on a module, captured by a hook on a submodule inside the
+    unit) and is the only path of a gradient into the unit is not seen (see the module docstring).
+    """
+    found, rebuild = _tree.tensors_and_rebuild(out)
+    wanted = [i for i, t in enumerate(found) if t.requires_grad]
+    if not wanted:
+        return out
+    passed = _RefillBeforeBackward.apply(call, *[found[i] for i in wanted])
+    for i, t in zip(wanted, passed):
+        found[i] = t
+    return rebuild(found)
+
+
+class _UnitGather(torch.autograd.Function):
+    """Forward: the unit's gathered buffer (becomes ``call.full``). Backward: ``_UnitReduce``."""
+
     @staticmethod
-    def forward(shard, call, rng, *inputs):
-        full = call.gather(shard, "forward")
-        with torch.no_grad():
-            outs = call.run(full, list(inputs))
-        del full  # the gathered unit is dropped here, not kept for backward
-        # a Function must not return one of its inputs as is
-        return tuple(o.view_as(o) if any(o is x for x in inputs) else o for o in outs)
+    def forward(shard, call, free_after):
+        full = call.schedule.gather(call, shard.detach())  # values only: the gradient is this Function's
+        if free_after:
+            call.full = full
+        return full
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        shard, call, rng, *ins = inputs
-        ctx.call = call
-        ctx.save_for_backward(shard, rng, *ins)
-        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+        ctx.call, ctx.free_after = inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx, *grad_outs):
-        shard, rng, *ins = ctx.saved_tensors
-        res = _UnitBackward.apply(shard, ctx.call, rng, len(ins), *ins, *grad_outs)
-        grads_in = list(res[1:])
-        return (res[0], None, None, *[grads_in.pop(0) if x.is_floating_point() else None for x in ins])
+    def backward(ctx, grad_full):
+        return _UnitReduce.apply(grad_full, ctx.call, ctx.free_after), None, None
 
 
-class _UnitBackward(torch.autograd.Function):
+class _UnitReduce(torch.autograd.Function):
+    """Forward: reduce-scatter the unit's gradient into the shard's, and free the gathered buffer again."""
+
     @staticmethod
-    def forward(shard, call, rng, n_in, *rest):
-        ins, grad_outs = rest[:n_in], rest[n_in:]
-        full = call.gather(shard, "backward").requires_grad_()
-        leaves = [x.detach().requires_grad_() if x.is_floating_point() else x for x in ins]
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(rng)
-            outs = call.run(full, leaves)
-        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad]
-        wrt = [full] + [x for x in leaves if x.is_floating_point()]
-        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(wrt)
-        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
-        del outs, pairs, full
-        grad_full = grads[0] if call.params.reduce_dtype is None else grads[0].to(call.params.reduce_dtype)
-        grad_shard = call.params.comm.reduce_scatter(grad_full, tag="grads")
-        grad_shard = grad_shard.to(shard.dtype)  # summed in the reduce dtype, kept in the params' dtype
-        return (grad_shard, *[g.detach() for g in grads[1:]])
+    def forward(grad_full, call, free_after):
+        if free_after and not call.refilled:
+            raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
+        params = call.params
+        grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
+        grad_shard = params.comm.reduce_scatter(grad, tag="grads").to(params.inputs[call.unit.name].dtype)
+        if free_after:
+            call.free()
+            call.refilled = False
+        return grad_shard.view_as(grad_shard) if grad_shard is grad_full else grad_shard
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("fzero (stage 3): double backward through a unit's gradient reduction is not supported.")
+
+
+class _RefillBeforeBackward(torch.autograd.Function):
+    """Forward: the unit's outputs, copied. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
+
+    The outputs are copies, not views: a view made by a custom Function cannot be modified in place under
+    plain autograd, and models do that to a block's output (``h = block(h); h.add_(x)``).
+    """
+
+    @staticmethod
+    def forward(call, *outs):
+        return tuple(o.clone() for o in outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_Refill.apply(ctx.call, *grads))
+
+
+class _Refill(torch.autograd.Function):
+    """Forward: gather the unit into its own (freed) buffer again; returns the gradients unchanged.
+
+    The refill is a collective, so it runs in a Function's forward (DESIGN.md §4). It writes the same
+    values the forward read, under ``_unsafe_preserve_version_counter``: autograd's check of the views it
+    saved must not see a modification.
+    """
+
+    @staticmethod
+    def forward(call, *grads):
+        call.schedule.refill(call)
+        call.refilled = True
+        return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -311,17 +398,26 @@ class _UnitBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("fzero (stage 3): double backward through a unit is not supported (a unit's backward is a recompute).")
+        raise RuntimeError("fzero (stage 3): double backward through a unit is not supported.")
+
+
+_NOT_REFILLED = """fzero (stage 3): unit {unit!r} computed its parameter gradient, but its gathered parameters were never
+brought back for its backward: the gradient reached the inside of the unit without passing through the
+unit's return value (a tensor made inside the unit that left it another way, e.g. stored on a module or
+captured by a hook on a submodule of the unit). Return such tensors from the unit's forward, put the hook
+on the unit itself, or keep that module out of the units (units=... without {unit!r})."""
 
 
 class Schedule:
-    """The gathers of one step on one rank, with prefetch.
+    """The gathers of one step on one rank, with prefetch, forward and backward.
 
     ``order`` is the sequence of units the previous step gathered (forward, then backward), carried in
     the state. While this step follows it, every gather starts the next one asynchronously, so it
-    overlaps the current unit's compute; at most one prefetched unit is held at a time. The first
-    departure from the order stops prefetch for the rest of the step (pending gathers are completed
-    and dropped, on every rank alike), and the order this step really took goes into the new state.
+    overlaps the current unit's compute; at most one prefetched unit is held at a time. A prefetch for
+    a backward refill goes straight into the freed buffer of the call it will refill (the latest call of
+    that unit still waiting for its backward). The first departure from the order stops prefetch for
+    the rest of the step (pending gathers are completed and dropped, on every rank alike), and the order
+    this step really took goes into the new state.
     """
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
@@ -332,43 +428,104 @@ class Schedule:
         self.shards = shards  # the state's own shard tensors (not the autograd-wrapped ones)
         self.order = order
         self.seen: list[str] = []
-        self.pending: dict[int, tuple[str, Any]] = {}
+        self.waiting: dict[str, list[_Call]] = {}  # calls whose buffer is freed until their backward, by unit
+        self.pending: dict[int, tuple[str, Any, _Call | None]] = {}
         self.following = prefetch and bool(order)
         if self.following:
             self._issue(0)
 
     def _issue(self, pos: int) -> None:
-        if pos < len(self.order):
-            unit = self.units[self.order[pos]]
+        if pos >= len(self.order):
+            return
+        name = self.order[pos]
+        unit = self.units[name]
+        waiting = self.waiting.get(name)
+        target = waiting[-1] if waiting and waiting[-1].unalloc() else None
+        if target is not None:  # a backward refill: into the buffer the graph already points at
+            out = target.alloc()
+            with _same_version(out):
+                handle = self.comm.all_gather_async(out, self.shards[name], tag="params")
+        else:
             out = note_gathered(torch.empty(unit.padded, dtype=unit.dtype))
-            self.pending[pos] = (unit.name, self.comm.all_gather_async(out, self.shards[unit.name], tag="params"))
+            handle = self.comm.all_gather_async(out, self.shards[name], tag="params")
+        self.pending[pos] = (name, handle, target)
 
-    def _drain(self) -> None:
-        for _, handle in self.pending.values():
-            handle.wait()
+    def _stop_following(self, ahead) -> None:
+        """Off the recorded order: complete what is in flight (every rank alike), drop it, prefetch no more."""
+        self.following = False
+        self._drain([ahead] if ahead is not None else [])
+
+    def _drain(self, extra: list) -> None:
+        for _, handle, target in extra + list(self.pending.values()):
+            if target is None:
+                handle.wait()
+                continue
+            with _same_version(target.full):
+                handle.wait()
+            target.free()
         self.pending.clear()
 
-    def gather(self, call: "_Call", shard: torch.Tensor, phase: str) -> torch.Tensor:
-        pos, name = len(self.seen), call.unit.name
+    def _next(self, name: str):
+        pos = len(self.seen)
         self.seen.append(name)
         ahead = self.pending.pop(pos, None)
-        if self.following and ahead is not None and ahead[0] == name:
+        return pos, ahead
+
+    def gather(self, call: _Call, shard: torch.Tensor) -> torch.Tensor:
+        """A unit's buffer for its forward (or a remat recompute): prefetched, or gathered now."""
+        name = call.unit.name
+        pos, ahead = self._next(name)
+        if self.following and ahead is not None and ahead[0] == name and ahead[2] is None:
             full = ahead[1].wait()
         else:
-            if self.following:  # off the recorded order: stop prefetching this step
-                self.following = False
-                if ahead is not None:
-                    ahead[1].wait()
-                self._drain()
+            if self.following:
+                self._stop_following(ahead)
             full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
             self.comm.all_gather(full, shard, tag="params")
+        self._after(name, pos)
+        if torch.is_grad_enabled() and not call.params.remat:
+            self.waiting.setdefault(name, []).append(call)
+        return full
+
+    def refill(self, call: _Call) -> None:
+        """Gather ``call``'s unit back into its freed buffer, just before its backward."""
+        name = call.unit.name
+        pos, ahead = self._next(name)
+        calls = self.waiting.get(name, [])
+        if call in calls:
+            calls.remove(call)
+        full = call.full
+        if self.following and ahead is not None and ahead[0] == name and ahead[2] in (call, None):
+            with _same_version(full), torch.no_grad():
+                got = ahead[1].wait()
+                if ahead[2] is None:  # gathered ahead while the forward still used this buffer: copy it in
+                    call.alloc().copy_(got)
+            del got, ahead  # the pending gather holds its buffer: drop it before the next one is issued
+        else:
+            if self.following:
+                self._stop_following(ahead)
+            out = call.alloc()
+            with _same_version(out):
+                self.comm.all_gather(out, self.shards[name], tag="params")
+        self._after(name, pos)
+
+    def _after(self, name: str, pos: int) -> None:
         if self.release is not None:
             self.release(self.shards[name])
         if self.following:
             self._issue(pos + 1)
-        return full
 
     def finish(self) -> tuple[str, ...]:
-        """Complete what is still in flight; the order this step took."""
-        self._drain()
+        """Complete what is still in flight and free every buffer; the order this step took."""
+        self._drain([])
+        for calls in self.waiting.values():
+            for c in calls:
+                c.free()
+        self.waiting.clear()
         return tuple(self.seen)
+
+
+def _same_version(buffer: torch.Tensor):
+    """Writes into a unit's buffer that restore the values its forward read: autograd's saved views of it
+    must not count them as modifications (FSDP refills its unsharded params the same way)."""
+    return torch.autograd._unsafe_preserve_version_counter(buffer)

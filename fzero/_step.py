@@ -48,6 +48,7 @@ class Step:
     donate: bool = True
     units: tuple[str, ...] | None = None  # stages 2-3: unit module paths; None = children of ModuleList/Sequential
     prefetch: bool = True  # stage 3: gather the next unit while the current one computes
+    remat: bool = False  # stage 3: recompute each unit in backward (gathering it again) instead of keeping activations
     autodiff: str = "func"  # "func": torch.func.grad; "autograd": plain torch.autograd.grad
     precision: Precision = Precision()  # fp32 unless a policy says otherwise
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -229,7 +230,7 @@ class Step:
             schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release)
 
             def build(xs):
-                return ShardedParams(dict(zip(names, xs)), layout, comm, schedule, reduce_dtype=reduce_dtype)
+                return ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype)
         else:
             inputs = [flats[u.name] for u in units]
 

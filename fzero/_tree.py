@@ -8,6 +8,7 @@ custom nodes: ours is ``"fzero"``; pass ``namespace="fzero"`` to optree calls th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -70,3 +71,38 @@ def is_tensor(x: Any) -> bool:
 def replace(obj: Any, **changes: Any) -> Any:
     """``dataclasses.replace``, named here so call sites read as the pure update they are."""
     return dataclasses.replace(obj, **changes)
+
+
+def tensors_and_rebuild(obj: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    """The tensors inside ``obj`` and a function that rebuilds ``obj`` with replacements for them.
+
+    Looks inside ``torch.utils._pytree`` nodes (tuples, dicts, Hugging Face ``ModelOutput``s) and, unlike a
+    pytree flatten, inside dataclasses, which models return (a unit returning a ``@dataclass``): a tensor
+    missed here would silently get no gradient through a stage-3 unit or a ``fzero.remat`` recompute.
+    """
+    found: list[torch.Tensor] = []
+    rebuild = _walk(obj, found)
+    return found, lambda tensors: rebuild(iter(tensors))
+
+
+def _walk(obj: Any, found: list) -> Callable[[Any], Any]:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+        return lambda it: next(it)
+    node = None if torch_pytree.tree_is_leaf(obj) else torch_pytree.SUPPORTED_NODES[torch_pytree._get_node_type(obj)]
+    if node is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]
+        parts = [_walk(getattr(obj, n), found) for n in names]
+
+        def rebuild_dc(it):
+            clone = copy.copy(obj)
+            for n, part in zip(names, parts):
+                object.__setattr__(clone, n, part(it))
+            return clone
+
+        return rebuild_dc
+    if node is not None:  # one level of a pytree node (tuple, dict, HF ModelOutput, ...), its children walked
+        children, context = node.flatten_fn(obj)
+        parts = [_walk(c, found) for c in children]
+        return lambda it: node.unflatten_fn([p(it) for p in parts], context)
+    return lambda it: obj

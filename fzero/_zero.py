@@ -67,11 +67,17 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None) -> Step:
     return dataclasses.replace(step, stage=2, units=_check_units(units, "fzero.shard_grads"))
 
 
-def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: bool = True) -> Step:
+def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: bool = True, remat: bool = False) -> Step:
     """ZeRO-3: each rank holds only its 1/N shard of the params; each unit is gathered just before it runs.
 
+    Each unit's forward runs once, with its graph, as in plain PyTorch; its gathered params are freed
+    after the forward and gathered again just before its backward, then its gradient is reduce-scattered.
     ``units``: module paths (see ``fzero.units_of``); default, each child of a ``ModuleList``/``Sequential``.
-    ``prefetch``: gather the next unit while the current one computes (order recorded on the first step).
+    ``prefetch``: gather the next unit while the current one computes, in forward and in backward (order
+    recorded on the first step). ``remat=True``: recompute each unit in backward (``fzero.remat``, which
+    gathers it again) instead of keeping its activations: less memory, one more forward per unit. As with
+    ``torch.utils.checkpoint``, a forward with side effects then has them twice (a KV cache appended to
+    twice, BatchNorm statistics updated twice, hooks run twice): turn them off (HF: ``use_cache=False``).
     """
     step = _check_step(step, "fzero.shard_params")
     if step.stage != 2:
@@ -82,7 +88,9 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
     units = _check_units(units, "fzero.shard_params") if units is not None else step.units
     if not isinstance(prefetch, bool):
         raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
-    return dataclasses.replace(step, stage=3, units=units, prefetch=prefetch)
+    if not isinstance(remat, bool):
+        raise TypeError(f"fzero.shard_params: remat must be True or False, got {remat!r}.")
+    return dataclasses.replace(step, stage=3, units=units, prefetch=prefetch, remat=remat)
 
 
 def offload(step: Step, where: str, *, params: bool = False, dir: str | None = None, sub_group_size: int = DEFAULT_SUB_GROUP) -> Step:

@@ -71,33 +71,35 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen: set[int] = set()
+        self._sizes: dict[int, int] = {}  # storage (its StorageImpl address) -> bytes it holds now
         self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _set(self, key: int, nbytes: int) -> None:
         with self._lock:
-            self._seen.discard(key)
-            self.live -= nbytes
+            self.live += nbytes - self._sizes.get(key, 0)
+            self._sizes[key] = nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # A storage is new when no input shares it: views and in-place results are not allocations.
-        inputs = {t.untyped_storage().data_ptr() for t in _tree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in _tree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in _tree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in inputs or key in self._seen:
+            key, nbytes = storage._cdata, storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._sizes:
                 continue
-            with self._lock:
-                self._seen.add(key)
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, nbytes)
+            self._set(key, nbytes)
+            weakref.finalize(storage, self._free, key)
         return out
 
 
@@ -114,6 +116,7 @@ class GatheredBytes:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self._sizes: dict[int, int] = {}  # storage -> bytes it holds now (stage 3 frees and refills storages)
         self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
 
     def __enter__(self) -> "GatheredBytes":
@@ -124,21 +127,35 @@ class GatheredBytes:
     def __exit__(self, *exc: Any) -> None:
         _local.gathered = self._outer
 
-    def _add(self, nbytes: int) -> None:
+    def _set(self, key: int, nbytes: int) -> None:
         with self._lock:
-            self.live += nbytes
+            self.live += nbytes - self._sizes.get(key, 0)
+            self._sizes[key] = nbytes
             self.peak = max(self.peak, self.live)
 
-    def _sub(self, nbytes: int) -> None:
+    def _drop(self, key: int) -> None:
         with self._lock:
-            self.live -= nbytes
+            self.live -= self._sizes.pop(key, 0)
 
 
 def note_gathered(buffer: torch.Tensor) -> torch.Tensor:
     """Report a freshly gathered unit buffer to this thread's ``GatheredBytes``, if one is active."""
     tracker = getattr(_local, "gathered", None)
     if tracker is not None:
-        nbytes = buffer.untyped_storage().nbytes()
-        tracker._add(nbytes)
-        weakref.finalize(buffer.untyped_storage(), tracker._sub, nbytes)
+        storage = buffer.untyped_storage()
+        tracker._set(storage._cdata, storage.nbytes())
+        weakref.finalize(storage, tracker._drop, storage._cdata)
     return buffer
+
+
+def note_resized(buffer: torch.Tensor) -> None:
+    """Report that a gathered buffer's storage was freed (``resize_(0)``) or given its memory back: stage 3
+    frees a unit's buffer between its forward and its backward while the graph keeps views of it."""
+    storage = buffer.untyped_storage()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    trackers = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveBytes)]
+    trackers.append(getattr(_local, "gathered", None))
+    for tracker in trackers:
+        if tracker is not None and storage._cdata in tracker._sizes:
+            tracker._set(storage._cdata, storage.nbytes())

@@ -35,17 +35,6 @@ MESHES = (1, 2)
 
 # -- known causes (issue 12 unless said otherwise), measured on commit 4dfffdc (isolated rank RNG streams) -----
 
-RECOMPUTE_KV = ("stage 3 re-runs each unit's forward in backward (issue 12, item 1): with the default use_cache=True "
-                "the recompute appends to the DynamicCache again, so attention sees twice the keys (~7e-3 after one step)")
-RECOMPUTE_T5 = "stage 3 recompute (issue 12, item 1): HF T5 crashes with a tensor size mismatch inside the recompute"
-RECOMPUTE_HOOK = ("stage 3 recompute (issue 12, item 1): the forward hook captured the no-grad forward's output, so "
-                  "the auxiliary loss sends no gradient into the unit (5e-3)")
-RECOMPUTE_DATACLASS = "stage 3 recompute (issue 12, item 1): a unit output that is not a pytree (@dataclass) gets no gradient (8e-3)"
-RECOMPUTE_INPLACE = ("stage 3 recompute (issue 12, item 1): a unit adding into its input in place crashes ('a leaf "
-                     "Variable that requires grad is being used in an in-place operation')")
-RECOMPUTE_SPECTRAL = "stage 3 recompute (issue 12, item 1): spectral_norm runs an extra power iteration per step"
-RECOMPUTE_DROPOUT = ("stage 3 recompute (issue 12, item 1) on local_mesh(2): the recomputed units' dropout masks are "
-                     "not the forward's (~7e-3 after one step; on one rank they are)")
 UNUSED = ("a param that gets no gradient is still decayed and moved by momentum (issue 12, item 5); torch.optim "
           "skips a param whose grad is None")
 LAYERDROP = ("LayerDrop skips whole layers in some steps: fzero still decays them and moves them by momentum there "
@@ -60,7 +49,7 @@ SN_SHARED = "simulated ranks share buffers (issue 12, item 3): both rank threads
 #   x = torch.randn(8, 4, 16).transpose(0, 1); seed; F.dropout(x, .1, True)  vs  seed; torch.func.grad(...)
 # nn.TransformerEncoderLayer applies dropout1 to the transposed attention output, so under the default
 # autodiff="func" its masks differ from plain PyTorch's; transformer_encoder_autograd shows "autograd" matches.
-# At stage 3 the committed code runs units eagerly (in its recompute Functions), so stage 3 on one rank passes.
+# Stage 3 runs each unit once under torch.func.grad too, so it has the same difference.
 FUNC_DROPOUT = ("torch.func.grad draws dropout masks on non-contiguous tensors (TransformerEncoderLayer.dropout1) "
                 "in another element order than eager autograd: the default autodiff='func' cannot match "
                 "PyTorch's masks (not in issue 12; autodiff='autograd' does)")
@@ -68,25 +57,25 @@ FUNC_DROPOUT = ("torch.func.grad draws dropout masks on non-contiguous tensors (
 
 def _known(name: str, stages: int, ranks: int) -> list[str]:
     """Why (name, stages, ranks) fails on the committed code, or [] if it passes."""
-    s3, two = stages == 3, ranks == 2
+    two = ranks == 2
     causes = {
-        "gpt2": [RECOMPUTE_KV] * s3,
-        "llama": [RECOMPUTE_KV] * s3,
-        "mistral": [RECOMPUTE_KV] * s3,
-        "qwen2": [RECOMPUTE_KV] * s3,
-        "t5": [RECOMPUTE_T5] * s3,
-        "bert": [RECOMPUTE_DROPOUT] * (s3 and two),
-        "opt_layerdrop": [LAYERDROP] + [RECOMPUTE_KV] * s3,
+        "gpt2": [],
+        "llama": [],
+        "mistral": [],
+        "qwen2": [],
+        "t5": [],
+        "bert": [],
+        "opt_layerdrop": [LAYERDROP],
         "bn_cnn": [BN_BUFFERS],
-        "transformer_encoder": [FUNC_DROPOUT] * (not s3) + [RECOMPUTE_DROPOUT] * (s3 and two),
-        "transformer_encoder_autograd": [RECOMPUTE_DROPOUT] * (s3 and two),
+        "transformer_encoder": [FUNC_DROPOUT],
+        "transformer_encoder_autograd": [],
         "lstm_gru": [],
-        "hook_aux": [RECOMPUTE_HOOK] * s3,
-        "dataclass_out": [RECOMPUTE_DATACLASS] * s3,
+        "hook_aux": [],
+        "dataclass_out": [],
         "inplace_add": [],
-        "inplace_input": [RECOMPUTE_INPLACE] * s3,
+        "inplace_input": [],
         "unused_head": [UNUSED],
-        "spectral_norm": [SN_BUFFERS] + [RECOMPUTE_SPECTRAL] * s3 + [SN_SHARED] * two,
+        "spectral_norm": [SN_BUFFERS] + [SN_SHARED] * two,
     }
     return causes[name]
 
