@@ -10,7 +10,6 @@
 * ``units=`` entries that name no module raise, naming the closest module path.
 """
 
-import inspect
 import os
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
-import fzero._sharded
 from fzero._comm import MeshTimeout, RanksDisagree
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, Problem, fzero_run, reference_run
@@ -165,15 +163,8 @@ def run_torchrun(tmp_path, case: str, stages: int) -> str:
     return str(out)
 
 
-# The first stage 3 recomputed each unit in backward, replaying torch's *global* generator: in a rank thread
-# that is not the rank's stream, so the recompute drew other masks than the forward. The one-forward stage 3
-# (DESIGN.md §3) has no replay; recompute goes through fzero.remat, which replays the rank's own stream.
-_STAGE3_REPLAYS_GLOBAL_RNG = "torch.get_rng_state()" in inspect.getsource(fzero._sharded)
-
-
 @pytest.mark.torchrun
-@pytest.mark.parametrize("stages", [0, pytest.param(3, marks=pytest.mark.xfail(
-    _STAGE3_REPLAYS_GLOBAL_RNG, strict=True, reason="stage 3 recompute replays the global RNG; fixed by the one-forward stage 3"))])
+@pytest.mark.parametrize("stages", [0, 3])
 def test_torchrun_equals_local_mesh_with_dropout(tmp_path, one_thread, stages):
     dist = torch.load(run_torchrun(tmp_path, "dropout", stages), weights_only=False)
     local, losses = train(dropout_problem(), stages=stages, mesh=fzero.local_mesh(2))
