@@ -10,6 +10,7 @@ from fzero._comm import Call, Counter, MeshTimeout
 from fzero._compile import compile
 from fzero._estimate import MemoryEstimate, estimate_memory
 from fzero._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
+from fzero._buffers import buffers_of
 from fzero._module import apply, params_of
 from fzero._precision import DynamicLossScale, Precision, StaticLossScale
 from fzero._remat import remat
@@ -38,6 +39,7 @@ __all__ = [
     "Step",
     "TrainState",
     "apply",
+    "buffers_of",
     "checkpoint",
     "compile",
     "config",

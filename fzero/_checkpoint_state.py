@@ -6,7 +6,8 @@ Keys (every per-parameter tensor is 1-D, the parameter flattened; its shape is i
 - ``master/<name>``: fp32 master weights (mixed precision);
 - ``opt/<path>/<name>``: an optimizer-state leaf shaped like the params (Adam's ``0.mu``, ``0.nu``);
 - ``opt/<path>``: any other optimizer-state leaf (step counts), replicated, written once;
-- ``step``, ``loss_scale/<field>``, ``rng/<process>``.
+- ``step``, ``loss_scale/<field>``, ``rng/<process>``;
+- ``buffers/<name>``: the module's persistent buffers (BatchNorm statistics), rank 0's, as the state holds them.
 
 A rank of a layout owns the window ``[r*S, (r+1)*S)`` of each unit's padded flat buffer (S = padded/N).
 Whatever it holds of a unit (the whole buffer, or only the shard) it *writes* that window: the windows
@@ -112,6 +113,7 @@ def entries(state: TrainState, *, api: str) -> Entries:
         if fields is None or not all(isinstance(x, torch.Tensor) for x in ls):
             raise TypeError(f"{api}: state.loss_scale is a {type(ls).__name__}; expected a NamedTuple of tensors (fzero's LossScaleState).")
         tensors.update({f"loss_scale/{f}": x for f, x in zip(fields, ls)})
+    tensors.update({f"buffers/{name}": t for name, t in state.buffers.items()})
     if state.rng is not None:
         raise NotImplementedError(f"{api}: state.rng holds a {type(state.rng).__name__}; saving it is not supported yet (fzero leaves it None).")
     return Entries(per_param, tensors)
@@ -168,10 +170,19 @@ def describe(state: TrainState, e: Entries) -> dict[str, Any]:
         "opt": [{"key": k, "kind": PARAM} for k in e.per_param if k.startswith("opt/")]
         + [{"key": k, "kind": TENSOR, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in e.tensors.items() if k.startswith("opt/")],
         "loss_scale": [k.removeprefix("loss_scale/") for k in e.tensors if k.startswith("loss_scale/")] or None,
+        "buffers": [{"name": k.removeprefix("buffers/"), "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                    for k, t in e.tensors.items() if k.startswith("buffers/")],
         "stage": state.meta.stage,
         "world_size": state.meta.world_size,
         "gather_order": list(state.meta.gather_order),
     }
+
+
+def with_saved_buffers(state: TrainState, info: dict[str, Any]) -> TrainState:
+    """``state`` with a tensor (to be read into) for every buffer the checkpoint holds and the state lacks."""
+    missing = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())
+               if b["name"] not in state.buffers}
+    return dataclasses.replace(state, buffers={**state.buffers, **missing}) if missing else state
 
 
 def check_fits(path: str, info: dict[str, Any], state: TrainState, e: Entries, *, api: str) -> None:
@@ -264,8 +275,11 @@ def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
                     f"{key}/{slot.path}", (a - slot.offset,), (b - a,), source.dtype(unit.name), **source.dest(unit.name, a - base, b - base)
                 ))
     saved_scale = set(info["loss_scale"] or ())
+    saved_buffers = {b["name"] for b in info.get("buffers", ())}
     for key, t in e.tensors.items():
         if key.startswith("loss_scale/") and key.removeprefix("loss_scale/") not in saved_scale:
             continue  # a policy with a loss scale resumed from one without: keep the initial scale
+        if key.startswith("buffers/") and key.removeprefix("buffers/") not in saved_buffers:
+            continue  # saved before a step adopted it: the state keeps its own (or adopts it at its first step)
         out.append(Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
     return out

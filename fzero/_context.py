@@ -60,6 +60,64 @@ def current_compute_dtype() -> "torch.dtype | None":
     return getattr(_local, "dtype", None)
 
 
+@contextlib.contextmanager
+def step_scope() -> Iterator[None]:
+    """The length of one micro-batch's forward *and* backward: modules run by ``call_module`` keep the
+    tensors they were given until it ends."""
+    outer = getattr(_local, "scope", None)
+    with contextlib.ExitStack() as stack:
+        _local.scope = stack
+        try:
+            yield
+        finally:
+            _local.scope = outer
+
+
+def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+    """``torch.func.functional_call(module, tensors, args, kwargs)``, but within a step the module keeps
+    ``tensors`` until the step's backward is done, not only until the forward returns.
+
+    ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``) recomputes a block in
+    backward by calling it again: with the tensors put back when the forward returned, the recompute
+    would read the module's own stale weights (or a skeleton's meta tensors) and train silently wrong.
+    The module is restored when the step's scope closes; the user's module is never left changed.
+    """
+    scope = getattr(_local, "scope", None)
+    if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
+        return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    scope.enter_context(_reparametrize_module(module, tensors, tie_weights=True, strict=False))
+    return module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def outside_step_scope() -> Iterator[None]:
+    """For fzero.remat's own recompute, which needs no module to keep its tensors (and must not keep a
+    stage-3 unit's gathered buffer alive until the step ends)."""
+    outer = getattr(_local, "scope", None)
+    _local.scope = None
+    try:
+        yield
+    finally:
+        _local.scope = outer
+
+
+@contextlib.contextmanager
+def step_buffers(bank: Any) -> Iterator[None]:
+    """Within a step's forward: the ``fzero._buffers.Buffers`` bank that ``fzero.apply`` runs modules with."""
+    outer = getattr(_local, "buffers", None)
+    _local.buffers = bank
+    try:
+        yield
+    finally:
+        _local.buffers = outer
+
+
+def current_buffers() -> Any:
+    return getattr(_local, "buffers", None)
+
+
 def cast_floating(tree: Any, dtype: "torch.dtype | None") -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype`` (unchanged when ``dtype`` is None)."""
     if dtype is None:

@@ -1,5 +1,6 @@
 """The gradient of one micro-batch: ``loss_fn`` differentiated with respect to the flat unit inputs,
-by ``torch.func.grad`` or plain autograd, with the loss and aux it returned."""
+by ``torch.func.grad`` or plain autograd, with the loss and aux it returned and the buffers its forward
+left (see ``fzero._buffers``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from typing import Any, Callable
 import optree
 import torch
 
+from fzero._buffers import Buffers, lift_for
+from fzero._context import step_buffers, step_scope
 
-def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str):
-    """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux.
+
+def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
+             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+    """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
+    and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
+    compute dtype floating buffers meet the params in).
 
     By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
     unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
@@ -18,23 +25,42 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
     box: dict[str, Any] = {}
 
     def objective(xs):
-        loss, aux = split_loss(loss_fn(as_params(xs), batch))
+        bank = Buffers(buffers, lift=lift_for(autodiff, xs[0].detach() if xs else None), dtype=dtype)
+        with step_buffers(bank):
+            loss, aux = split_loss(loss_fn(as_params(xs), batch))
         leaves, box["spec"] = optree.tree_flatten(aux)
         box["leaves"] = leaves
         scaled = loss if scale == 1.0 else loss.float() * scale  # fp16: the loss scale, in fp32
-        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)])
+        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)], bank.result())
 
     if autodiff == "func":
-        grads, (loss, tensors) = torch.func.grad(objective, has_aux=True)(inputs)
+        try:
+            with step_scope():
+                grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
+        except RuntimeError as e:
+            if any(m in str(e) for m in _FUNC_REFUSALS):
+                raise RuntimeError(_FUNC_HINT.format(error=str(e).splitlines()[0])) from e
+            raise
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
-        with torch.enable_grad():
-            scaled, (loss, tensors) = objective(leaves)
+        with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
+            scaled, (loss, tensors, new_buffers) = objective(leaves)
             grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
+        new_buffers = {k: v.detach() for k, v in new_buffers.items()}
     it = iter(tensors)
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
-    return grads, loss, aux
+    return grads, loss, aux, new_buffers
+
+
+# What torch.func.grad says when the model does what only plain autograd supports: torch.utils.checkpoint's
+# saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
+_FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support")
+_FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
+This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
+activation_checkpointing_enable(), or requires_grad_() on an activation). Build the step with plain autograd, which
+supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkpointing off and recompute with
+fzero's own (fzero.remat at stages 0-2, compile(..., stages=3, remat=True))."""
 
 
 def split_loss(out: Any) -> tuple[torch.Tensor, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero._context import cast_floating, current_compute_dtype, module_for_thread
+from fzero._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
 from fzero._sharded import UnitParams, apply_units
 
 
@@ -30,7 +30,9 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``module`` with ``params`` in place of its own (``torch.func.functional_call``); the module is unchanged.
 
     ``params`` maps names as in ``params_of``; tied names are resolved by torch (``tie_weights=True``), and
-    parameters and buffers not in ``params`` come from the module. At stages 2 and 3 ``params`` is what
+    parameters not in ``params`` come from the module. Inside a step, persistent buffers come from the
+    train state and what the forward writes into them goes back there (BatchNorm statistics); outside a
+    step, buffers are the module's. At stages 2 and 3 ``params`` is what
     ``loss_fn`` was given (``ReplicatedParams``/``ShardedParams``) and the model runs unit by unit.
     """
     if not isinstance(module, nn.Module):
@@ -42,7 +44,10 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero._context)
+    bank = current_buffers()
+    if bank is not None:  # in a step: the state's buffers, never the module's (see fzero._buffers)
+        params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
         extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}
         params = {**cast_floating(extra, dtype), **params}
-    return torch.func.functional_call(target, params, args, kwargs, tie_weights=True, strict=False)
+    return call_module(target, params, args, kwargs)

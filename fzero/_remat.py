@@ -29,6 +29,7 @@ import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
 from fzero import _tree
+from fzero._context import outside_step_scope
 from fzero._sharded import ShardedParams, UnitParams
 
 __all__ = ["remat"]
@@ -291,7 +292,7 @@ class _RematBackward(torch.autograd.Function):
         # stream, ordered before the recompute that reads it.
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
         leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
-        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast):
+        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), outside_step_scope():
             outs = call.run(leaves)
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         wrt = [x for x, need in zip(leaves, call.diff) if need]

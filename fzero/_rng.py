@@ -26,8 +26,9 @@ rank thread its own stream (DESIGN.md §3b):
   them, so it replays its own rank's draws and never touches the shared global generator.
 
 A single-rank mesh, no mesh, and ``dist_mesh`` install nothing: they use torch's global generator
-exactly as plain PyTorch does. Not covered: ``torch.manual_seed``/``torch.set_rng_state`` called
-inside a rank's program (they set the shared global generator, which rank threads do not draw from),
+exactly as plain PyTorch does. While rank threads run, ``torch.get_rng_state``/``torch.set_rng_state`` act on the calling rank's stream
+(``_rank_aware_state_functions``), so ``torch.utils.checkpoint`` and ``fork_rng`` replay a rank's own draws.
+Not covered: ``torch.manual_seed`` called inside a rank's program (it seeds the shared global generator),
 Python's ``random`` and NumPy, and CUDA generators (``local_mesh`` runs on CPU).
 """
 
@@ -108,6 +109,48 @@ class _OwnStream(TorchDispatchMode):
         return out
 
 
+_TORCH_GET, _TORCH_SET = torch.get_rng_state, torch.set_rng_state  # torch's own, for threads outside a rank
+
+
+def _rank_get_rng_state() -> torch.Tensor:
+    gen = getattr(_local, "generator", None)
+    return gen.get_state() if gen is not None else _TORCH_GET()
+
+
+def _rank_set_rng_state(new_state: torch.Tensor) -> None:
+    gen = getattr(_local, "generator", None)
+    if gen is not None:
+        gen.set_state(new_state)
+    else:
+        _TORCH_SET(new_state)
+
+
+_meshes_running = 0  # rank_streams contexts open (nested or in several threads), under _PATCH
+_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _rank_aware_state_functions() -> Iterator[None]:
+    """``torch.get_rng_state``/``torch.set_rng_state`` (and ``torch.random``'s) read and set the calling rank's
+    stream while rank threads run: ``torch.utils.checkpoint`` (Hugging Face's gradient checkpointing) and
+    ``torch.random.fork_rng`` save and restore the CPU generator through them, and must replay the rank's
+    own draws in their recompute, not the global generator's. Outside rank threads they are torch's own."""
+    global _meshes_running
+    with _PATCH:
+        if _meshes_running == 0:
+            torch.get_rng_state = torch.random.get_rng_state = _rank_get_rng_state
+            torch.set_rng_state = torch.random.set_rng_state = _rank_set_rng_state
+        _meshes_running += 1
+    try:
+        yield
+    finally:
+        with _PATCH:
+            _meshes_running -= 1
+            if _meshes_running == 0:
+                torch.get_rng_state = torch.random.get_rng_state = _TORCH_GET
+                torch.set_rng_state = torch.random.set_rng_state = _TORCH_SET
+
+
 @contextlib.contextmanager
 def rank_streams(n: int) -> Iterator[list[torch.Generator]]:
     """n generators, each a copy of the global CPU generator's state; on exit the global generator takes
@@ -119,7 +162,8 @@ def rank_streams(n: int) -> Iterator[list[torch.Generator]]:
         g.set_state(start)
         gens.append(g)
     try:
-        yield gens
+        with _rank_aware_state_functions():
+            yield gens
     finally:
         torch.set_rng_state(gens[0].get_state())
 
@@ -139,7 +183,7 @@ def own_stream(generator: torch.Generator) -> Iterator[None]:
 def get_state() -> torch.Tensor:
     """The CPU RNG state this thread draws from: its rank's stream in a rank thread, else the global generator's."""
     gen = getattr(_local, "generator", None)
-    return gen.get_state() if gen is not None else torch.get_rng_state()
+    return gen.get_state() if gen is not None else _TORCH_GET()
 
 
 @contextlib.contextmanager

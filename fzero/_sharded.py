@@ -29,11 +29,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero import _tree
 from fzero._clone import clone_structure
 from fzero._autograd import AllGather, ReplicatedShardGrad
-from fzero._context import cast_floating, current_compute_dtype
+from fzero._context import call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero._layout import ROOT, Layout, Unit
 from fzero.memory import note_gathered, note_resized
 
@@ -55,6 +56,12 @@ class UnitParams(Mapping):
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[str, dict[str, torch.Tensor]] = {}
         self._skeletons: dict[int, nn.Module] = {}
+        self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero._buffers)
+
+    def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The step's buffers inside ``unit``, by name relative to it."""
+        prefix = unit.name + "."
+        return {k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._unit_of)
@@ -116,7 +123,7 @@ class ReplicatedParams(UnitParams):
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
         views = {path[prefix:]: v for path, v in self.views(unit).items()}
-        return torch.func.functional_call(inner, views, args, kwargs, tie_weights=True, strict=False)
+        return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs)
 
 
 class ShardedParams(UnitParams):
@@ -149,7 +156,12 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
     skel = params.skeleton(module)
     root = params.units.get(ROOT)
     views = params.views(root) if root is not None else {}
-    return torch.func.functional_call(skel, views, args, kwargs, tie_weights=True, strict=False)
+    bank = current_buffers()
+    if bank is not None:  # the state's buffers: the root's go to this call, each unit's to the unit's call
+        params.buffers = bank.for_module(module)
+        units = [u + "." for u in params.units if u != ROOT]
+        views = {**{k: v for k, v in params.buffers.items() if not k.startswith(tuple(units))}, **views}
+    return call_module(skel, views, args, kwargs)
 
 
 def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
@@ -234,15 +246,46 @@ class _Call:
         self.inner, self.unit, self.params = inner, unit, params
         self.full: torch.Tensor | None = None
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
+        self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
+        self._bound: Any = None
 
     @property
     def schedule(self) -> "Schedule":
         return self.params.schedule
 
-    def run(self, full: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    def run(self, full: torch.Tensor, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+        """The unit's forward on ``full``; ``keep``: hold its tensors for ``bind`` in its backward."""
         prefix = len(self.unit.name) + 1
-        views = {path[prefix:]: v for path, v in self.params.layout.unit_views(self.unit, full).items()}
-        return torch.func.functional_call(self.inner, views, args, kwargs, tie_weights=True, strict=False)
+        self.tensors = {path[prefix:]: v for path, v in self.params.layout.unit_views(self.unit, full).items()}
+        self.tensors.update(self.params.unit_buffers(self.unit))
+        self.bind()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.unbind()
+            if not keep:
+                self.tensors = {}
+
+    def done(self) -> None:
+        """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
+        graph, whose nodes hold this call: a cycle through C++ objects that Python's collector cannot break,
+        which would keep the step's state (and a disk-offloaded state's files) alive."""
+        self.unbind()
+        self.tensors = {}
+
+    def bind(self) -> None:
+        """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
+        for its forward, and again for its backward, where ``torch.utils.checkpoint`` (HF's gradient
+        checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
+        gets the error of ``_UnitCall.__getattr__``, never a view of a freed buffer."""
+        if self._bound is None and self.tensors:
+            self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
+            self._bound.__enter__()
+
+    def unbind(self) -> None:
+        if self._bound is not None:
+            bound, self._bound = self._bound, None
+            bound.__exit__(None, None, None)
 
     def free(self) -> None:
         """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
@@ -279,7 +322,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: "ShardedParams", args: tuple
         unit_forward.__qualname__ = f"unit {unit.name!r}"
         return remat(unit_forward)(shard, args, kwargs)
     full = _UnitGather.apply(shard, call, True)
-    out = call.run(full, args, kwargs)
+    out = call.run(full, args, kwargs, keep=torch.is_grad_enabled())
     if not torch.is_grad_enabled():  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()
@@ -343,8 +386,9 @@ class _UnitReduce(torch.autograd.Function):
             raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
         params = call.params
         grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
-        grad_shard = params.comm.reduce_scatter(grad, tag="grads").to(params.inputs[call.unit.name].dtype)
+        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(params.inputs[call.unit.name].dtype)
         if free_after:
+            call.done()
             call.free()
             call.refilled = False
         return grad_shard.view_as(grad_shard) if grad_shard is grad_full else grad_shard
@@ -390,6 +434,7 @@ class _Refill(torch.autograd.Function):
     def forward(call, *grads):
         call.schedule.refill(call)
         call.refilled = True
+        call.bind()
         return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
@@ -429,6 +474,7 @@ class Schedule:
         self.order = order
         self.seen: list[str] = []
         self.waiting: dict[str, list[_Call]] = {}  # calls whose buffer is freed until their backward, by unit
+        self.calls: list[_Call] = []  # every call that keeps its graph this step: each is let go at finish
         self.pending: dict[int, tuple[str, Any, _Call | None]] = {}
         self.following = prefetch and bool(order)
         if self.following:
@@ -444,10 +490,10 @@ class Schedule:
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
-                handle = self.comm.all_gather_async(out, self.shards[name], tag="params")
+                handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
         else:
             out = note_gathered(torch.empty(unit.padded, dtype=unit.dtype))
-            handle = self.comm.all_gather_async(out, self.shards[name], tag="params")
+            handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
         self.pending[pos] = (name, handle, target)
 
     def _stop_following(self, ahead) -> None:
@@ -481,10 +527,11 @@ class Schedule:
             if self.following:
                 self._stop_following(ahead)
             full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
-            self.comm.all_gather(full, shard, tag="params")
+            self.comm.all_gather(full, shard, tag="params", label=name)
         self._after(name, pos)
         if torch.is_grad_enabled() and not call.params.remat:
             self.waiting.setdefault(name, []).append(call)
+            self.calls.append(call)
         return full
 
     def refill(self, call: _Call) -> None:
@@ -506,7 +553,7 @@ class Schedule:
                 self._stop_following(ahead)
             out = call.alloc()
             with _same_version(out):
-                self.comm.all_gather(out, self.shards[name], tag="params")
+                self.comm.all_gather(out, self.shards[name], tag="params", label=name)
         self._after(name, pos)
 
     def _after(self, name: str, pos: int) -> None:
@@ -518,9 +565,10 @@ class Schedule:
     def finish(self) -> tuple[str, ...]:
         """Complete what is still in flight and free every buffer; the order this step took."""
         self._drain([])
-        for calls in self.waiting.values():
-            for c in calls:
-                c.free()
+        for c in self.calls:  # those whose backward never came, or came without reaching their params
+            c.done()
+            c.free()
+        self.calls.clear()
         self.waiting.clear()
         return tuple(self.seen)
 

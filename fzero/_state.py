@@ -44,6 +44,8 @@ class TrainState:
       loss_scale: reserved for the fp16 policy (None until then).
       rng: reserved for RNG state (None until then).
       meta: static layout facts (not a leaf).
+      buffers: dict buffer name -> tensor: the module's persistent buffers (BatchNorm statistics, ...), whole on
+        every rank, as the forward left them; adopted from the module at the first step (see ``fzero._buffers``).
     """
 
     params: Any
@@ -52,13 +54,14 @@ class TrainState:
     loss_scale: Any = None
     rng: Any = None
     meta: StateMeta | None = None
+    buffers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def step_count(self) -> int:
         return int(self.step)
 
 
-_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "rng"), static=("meta",))
+_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "rng", "buffers"), static=("meta",))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

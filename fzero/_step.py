@@ -18,10 +18,12 @@ from typing import Any, Callable
 
 import optree
 import torch
+from torch import nn
 
 from fzero import _tree
 from fzero._comm import Rendezvous, ThreadComm
-from fzero._context import compute_dtype, simulated_rank
+from fzero._buffers import Buffers, broadcast_buffers
+from fzero._context import compute_dtype, simulated_rank, step_buffers
 from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, Slot, build_layout
 from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
 from fzero._units import by_container_child, by_prefixes, check_units_exist
@@ -61,7 +63,8 @@ class Step:
         return 1 if self.mesh is None else self.mesh.size
 
     # -- init --------------------------------------------------------------------------------------
-    def init(self, params: Any, *, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> TrainState | RankStates:
+    def init(self, params: Any, *, buffers: dict[str, torch.Tensor] | None = None,
+             materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> TrainState | RankStates:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased).
 
         ``materialize(path, meta_tensor) -> tensor``: params may be meta tensors (a model built under
@@ -70,7 +73,11 @@ class Step:
         FSDP's ``param_init_fn`` or DeepSpeed's ``zero.Init``). ``path`` is the leaf's path, the
         ``named_parameters`` name for a dict from ``params_of``. Under ``dist_mesh`` ranks other than 0
         may pass meta params without it: rank 0's values are broadcast to them.
+
+        ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
+        from the start. Without it the first step adopts them from the module it runs (see ``fzero._buffers``).
         """
+        buffers = _checked_buffers(buffers)
         if materialize is not None and not callable(materialize):
             raise TypeError(f"fzero.Step.init: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
         n = self.world_size
@@ -121,7 +128,8 @@ class Step:
                 if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
                     masters[r][unit.name] = (master if self.stage == 0 else master[lo:hi]).clone()
             del flat, master, values
-        states = [self._init_rank(layout, flats.pop(r), masters and masters.pop(r), r) for r in ranks]
+        states = [dataclasses.replace(self._init_rank(layout, flats.pop(r), masters and masters.pop(r), r),
+                                      buffers={k: v.clone() for k, v in buffers.items()}) for r in ranks]
         return RankStates(tuple(states)) if isinstance(self.mesh, LocalMesh) else states[0]
 
     def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int) -> TrainState:
@@ -192,7 +200,10 @@ class Step:
 
     def _eval_program(self, comm, state: TrainState, batch: Any) -> dict[str, Any]:
         layout, prec = state.meta.layout, self.precision
-        with torch.no_grad(), compute_dtype(None if prec.compute == torch.float32 else prec.compute):
+        low = None if prec.compute == torch.float32 else prec.compute
+        # the state's buffers as the step would broadcast them; what the forward writes is dropped
+        bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low)
+        with torch.no_grad(), compute_dtype(low), step_buffers(bank):
             if self.stage == 3:
                 release = state.opt_state.store.release if isinstance(state.opt_state, DiskOptState) else None
                 schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release)
@@ -246,9 +257,11 @@ class Step:
         scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
         acc: list[torch.Tensor] | None = None
         losses, aux = [], None
-        with compute_dtype(None if prec.compute == torch.float32 else prec.compute):
+        low = None if prec.compute == torch.float32 else prec.compute
+        buffers = broadcast_buffers(comm, state.buffers)
+        with compute_dtype(low):
             for micro in split_micro(batch, self.grad_accum):
-                grads, loss, aux = gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff)
+                grads, loss, aux, buffers = gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff, buffers, low)
                 for params in made:
                     if isinstance(params, UnitParams):
                         params.release()
@@ -261,6 +274,7 @@ class Step:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         new_state, metrics = finish(self, comm, state, acc, loss, scale, meta, aux)
+        new_state = dataclasses.replace(new_state, buffers=buffers)
         if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
             for t in new_state.params.values():
                 release(t)
@@ -295,6 +309,38 @@ class Step:
                     s.opt_state.store.release(t)
         return out
 
+    def state_dict(self, state: TrainState | RankStates, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Params and buffers as ``model.state_dict()`` names them, for ``model.load_state_dict(sd, strict=True)``.
+
+        Params are gathered as by ``gather`` (a collective under ``dist_mesh``), buffers are rank 0's. Given
+        ``model`` (the module the params came from), the dict has exactly its ``state_dict`` keys in its
+        order: tied parameters under every name, and what the state does not hold (frozen parameters,
+        buffers a step has not adopted yet) from the model itself.
+        """
+        params = self.gather(state)
+        if not isinstance(params, dict):
+            raise TypeError(f"fzero.Step.state_dict: the params pytree is a {type(params).__name__}; a state dict needs "
+                            f"params by name, as fzero.params_of(model) gives them.")
+        first = state.states[0] if isinstance(state, RankStates) else state
+        own = {**params, **{k: v.detach().clone() for k, v in first.buffers.items()}}
+        if model is None:
+            return own
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fzero.Step.state_dict: model must be the nn.Module the params came from, got {type(model).__name__}.")
+        alias = {}  # id of a parameter -> the name it has in the state (tied parameters are held once)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name in own:
+                alias[id(p)] = name
+        out = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            key = name if name in own else alias.get(id(t))
+            out[name] = own[key] if key is not None else t.detach().clone()
+        unknown = sorted(set(own) - set(out))
+        if unknown:
+            raise ValueError(f"fzero.Step.state_dict: the state holds {unknown[:3]}, which {type(model).__name__}.state_dict() "
+                             f"does not name; pass the model the state was made from.")
+        return out
+
     # -- checks ------------------------------------------------------------------------------------
     def _check_state(self, state: Any, *, api: str = "fzero.Step.__call__") -> None:
         if is_donated(state):
@@ -322,6 +368,20 @@ class Step:
                     f"{api}: state was made for {made}, but this step is {STAGE_NAMES[self.stage]} on "
                     f"{self.world_size} rank(s). {_REINIT_HINT}"
                 )
+
+
+def _checked_buffers(buffers: Any) -> dict[str, torch.Tensor]:
+    if buffers is None:
+        return {}
+    if not isinstance(buffers, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items()):
+        raise TypeError(
+            f"fzero.Step.init: buffers must be a dict of buffer name -> tensor, as fzero.buffers_of(model) returns; got "
+            f"{type(buffers).__name__}."
+        )
+    meta = sorted(k for k, v in buffers.items() if v.is_meta)
+    if meta:
+        raise ValueError(f"fzero.Step.init: buffers {meta[:3]} are meta tensors; pass their values (fzero.buffers_of of a materialized model).")
+    return buffers
 
 
 _REINIT_HINT = "Make the state with this step's init(params); to move a state between steps: new_step.init(old_step.gather(old_state))."

@@ -44,7 +44,7 @@ import torch
 from fzero import _checkpoint_dcp as _dcp
 from fzero import _tree
 from fzero._checkpoint_dcp import CheckpointError
-from fzero._checkpoint_state import check_fits, dests, describe, entries, pieces
+from fzero._checkpoint_state import check_fits, dests, describe, entries, pieces, with_saved_buffers
 from fzero._offload import DiskOptState
 from fzero._state import RankStates, TrainState, is_donated
 
@@ -306,7 +306,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> Tra
     api = "fzero.checkpoint.load"
     found, info = _open(path, api)
     metadata = _dcp.read_metadata(found)
-    target = _target(like, info, found, api)
+    target = _with_buffers(_target(like, info, found, api), info)
     states, distributed = _held(target, api)
     ents = [entries(s, api=api) for s in states]
     check_fits(found, info, states[0], ents[0], api=api)
@@ -341,6 +341,12 @@ def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState 
     raise TypeError(f"{api}: like must be the Step to resume with, or a TrainState/RankStates from its init; got {type(like).__name__}.")
 
 
+def _with_buffers(state: Any, info: dict[str, Any]) -> Any:
+    if isinstance(state, RankStates):
+        return RankStates(tuple(with_saved_buffers(s, info) for s in state.states))
+    return with_saved_buffers(state, info)
+
+
 def _with_gather_order(state: Any, info: dict[str, Any]) -> Any:
     """Stage 3: keep the saved order of unit gathers (prefetch) when the units are the same."""
     import dataclasses
@@ -362,10 +368,11 @@ def _with_gather_order(state: Any, info: dict[str, Any]) -> Any:
 def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None) -> str:
     """Write the parameters of the checkpoint at ``path`` as one fp32 state dict file; returns ``out_file``.
 
-    Without ``model``: the trained parameters under their saved names (fp32 masters when the run kept them).
-    With ``model``: exactly ``model.state_dict()``'s keys, so that ``model.load_state_dict(torch.load(out,
-    weights_only=True))`` is strict: tied aliases get the saved tensor, buffers and frozen parameters come
-    from ``model``. Floating tensors are fp32.
+    Without ``model``: the trained parameters under their saved names (fp32 masters when the run kept them)
+    and the saved buffers. With ``model``: exactly ``model.state_dict()``'s keys, so that
+    ``model.load_state_dict(torch.load(out, weights_only=True))`` is strict: tied aliases get the saved
+    tensor, buffers the saved ones, and what the checkpoint lacks (frozen parameters, buffers never adopted)
+    comes from ``model``. Floating tensors are fp32.
     """
     api = "fzero.checkpoint.consolidate"
     found, info = _open(path, api)
@@ -374,6 +381,9 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
     flats = {p["name"]: torch.zeros(int(torch.Size(p["shape"]).numel()), dtype=torch.float32) for p in info["params"]}
     _dcp.load(found, metadata, [_dcp.Dest(f"{source}/{n}", (0,), tuple(t.shape), torch.float32, view=t) for n, t in flats.items() if t.numel()])
     tensors = {p["name"]: flats[p["name"]].view(p["shape"]) for p in info["params"]}
+    buffers = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
+    _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in buffers.items()])
+    tensors.update(buffers)
     out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
     out_file = os.path.abspath(os.fspath(out_file))
     tmp = f"{out_file}.partial"

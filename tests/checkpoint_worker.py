@@ -47,6 +47,7 @@ def train(args) -> None:
     if args.out and (not args.dist or mesh.rank == 0):
         torch.save({"params": params, "losses": losses}, args.out)
     if args.dist:
+        torch.distributed.barrier()  # tear down together (see torchrun_worker.py)
         torch.distributed.destroy_process_group()
 
 

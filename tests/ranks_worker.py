@@ -99,6 +99,7 @@ def main() -> None:
         except RuntimeError as e:
             message = f"{type(e).__name__}: {e}"
         torch.save({"message": message}, f"{args.out}.{mesh.rank}")
+    torch.distributed.barrier()  # tear down together (see torchrun_worker.py)
     torch.distributed.destroy_process_group()
 
 

@@ -200,7 +200,8 @@ def test_consolidate_loads_strictly_into_the_model_and_from_the_command_line(tmp
                          env=ENV, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and "Warning" not in cli.stderr, cli.stderr
     plain = torch.load(tmp_path / "cli.pt", weights_only=True)
-    assert sorted(plain) == sorted(trained)
+    assert sorted(plain) == sorted([*trained, "scale"])  # params and the buffers the state holds
+    assert torch.equal(plain["scale"], model.scale)
     for name, value in trained.items():
         assert plain[name].dtype == torch.float32 and torch.equal(plain[name], value)
 

@@ -36,6 +36,9 @@ def main() -> None:
     calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
     if mesh.rank == 0:
         torch.save({"history": history, "metrics": metrics, "calls": calls, "world": mesh.size}, args.out)
+    # every rank tears down together: a rank that destroys its gloo group while the other is still in (or just
+    # past) the last collective can abort in C++ ("terminate called without an active exception") under load
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

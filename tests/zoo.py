@@ -96,6 +96,19 @@ def gpt2():
                                       eos_token_id=127))
 
 
+def _checkpointed(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """The model with Hugging Face's activation (gradient) checkpointing on: torch.utils.checkpoint, non-reentrant,
+    around each decoder layer (gradient_checkpointing_enable() is its deprecated alias in transformers 5)."""
+
+    def checkpointed():
+        model = build()
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        return model
+
+    return checkpointed
+
+
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -344,6 +357,12 @@ ZOO: dict[str, Entry] = {
     "t5": Entry(_seeded(t5), _tokens(128, seed=5, labels="seq2seq"), _hf_loss, hf=True),
     "bert": Entry(_seeded(bert), _tokens(128, seed=6, labels="mlm"), _hf_loss, hf=True),
     "opt_layerdrop": Entry(_seeded(opt), _tokens(128, seed=7), _hf_loss, check=_layers_dropped, hf=True),
+    # HF activation checkpointing recomputes each layer in backward: needs autodiff="autograd" (under "func" fzero
+    # raises an error naming it, test_zoo.py); the recompute must read fzero's params, not the module's own
+    "gpt2_checkpointing": Entry(_seeded(_checkpointed(gpt2)), _tokens(128, seed=1), _hf_loss, hf=True,
+                                settings={"autodiff": "autograd"}),
+    "llama_checkpointing": Entry(_seeded(_checkpointed(llama)), _tokens(128, seed=2), _hf_loss, hf=True,
+                                 settings={"autodiff": "autograd"}),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
     "transformer_encoder": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss),
     # the same with plain autograd instead of torch.func.grad: tells fzero's causes from torch.func's (test_zoo.py)
@@ -429,15 +448,14 @@ def reference_run(entry: Entry, ranks: int) -> Reference:
 class Run:
     params: list[dict[str, torch.Tensor]]  # step.gather after each step
     losses: list[float]
-    state_dict: dict[str, torch.Tensor] | None  # step.state_dict(state), None while that API does not exist
+    state_dict: dict[str, torch.Tensor]  # step.state_dict(state, model)
     model: nn.Module  # the user's module fzero was given
     before: dict[str, torch.Tensor]  # its state_dict before training
 
 
-def fzero_state_dict(step: Any, state: Any) -> dict[str, torch.Tensor] | None:
-    """``step.state_dict(state)`` (issue 12: params and buffers, as ``model.state_dict()``), or None where it is missing."""
-    fn = getattr(step, "state_dict", None)
-    return None if fn is None else fn(state)
+def fzero_state_dict(step: Any, state: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``step.state_dict(state, model)``: params and buffers, keyed as ``model.state_dict()`` (tied aliases too)."""
+    return step.state_dict(state, model)
 
 
 def fzero_run(entry: Entry, *, stages: int, ranks: int) -> Run:
@@ -456,7 +474,7 @@ def fzero_run(entry: Entry, *, stages: int, ranks: int) -> Run:
         state, metrics = step(state, batch)
         params.append(step.gather(state))
         losses.append(float(metrics["loss"]))
-    return Run(params, losses, fzero_state_dict(step, state), model, before)
+    return Run(params, losses, fzero_state_dict(step, state, model), model, before)
 
 
 # ------------------------------------------------------------------------------------ comparisons
@@ -514,11 +532,6 @@ def assert_state_dict_match(run: Run, ref: Reference, entry: Entry) -> None:
     """``step.state_dict(state)`` against rank 0's ``model.state_dict()``: the same keys, params (tied
     aliases included) as ``assert_params_match``, buffers within RTOL/ATOL (integer ones equal), and
     ``load_state_dict(strict=True)`` accepts it."""
-    if run.state_dict is None:
-        if entry.buffers:
-            raise AssertionError("fzero's Step has no state_dict(state) (issue 12, item 2): the buffers that training "
-                                 "writes (BatchNorm running stats, spectral-norm vectors) cannot be compared")
-        return  # no buffers in this model's state_dict: the params were compared through gather
     sd, expected = run.state_dict, ref.state_dict
     if set(sd) != set(expected):
         raise AssertionError(f"step.state_dict keys differ from model.state_dict(): {sorted(set(sd) ^ set(expected))}")

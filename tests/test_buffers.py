@@ -1,0 +1,149 @@
+"""Buffers are state: BatchNorm statistics and other buffers a forward writes live in ``TrainState.buffers``,
+come back from the step, save and load with checkpoints, and never touch the user's module.
+
+The reference is plain PyTorch on a copy of the module (DDP's semantics on several ranks are in
+test_zoo.py); a forward that writes its buffers in place is refused by ``torch.func.grad`` unless they
+are tensors of its own level, which is what these tests guard at every stage.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero.testing import assert_trees_equal
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.ReLU()),  # cumulative average: reads the count
+        nn.Flatten(), nn.Linear(4 * 4 * 4, 2),
+    )
+
+
+def _batches(n=3, batch=4):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(batch, 3, 8, 8, generator=gen) for _ in range(n)]
+
+
+def _loss(out):
+    return out.pow(2).mean()
+
+
+def _plain(model, batches, *, accum=1):
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        for micro in b.chunk(accum):
+            (_loss(ref(micro)) / accum).backward()
+        opt.step()
+    return dict(ref.state_dict())
+
+
+def _fzero(model, batches, *, stages, autodiff="func", **kw):
+    def loss_fn(params, b):
+        return _loss(fzero.apply(model, params, b))
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1), autodiff=autodiff, **kw)
+    state = step.init(fzero.params_of(model))
+    for b in batches:
+        state, _ = step(state, b)
+    return step, state
+
+
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_batchnorm_trains_as_in_pytorch_and_the_module_is_untouched(stages, autodiff):
+    model = _cnn()
+    before = copy.deepcopy(model.state_dict())
+    step, state = _fzero(model, _batches(), stages=stages, autodiff=autodiff)
+    got = step.state_dict(state, model)
+    assert list(got) == list(model.state_dict())  # the model's keys, in its order
+    assert_trees_equal(got, _plain(model, _batches()))
+    assert int(got["1.num_batches_tracked"]) == 3
+    assert_trees_equal(dict(model.state_dict()), dict(before))
+    copy.deepcopy(model).load_state_dict(got, strict=True)
+
+
+def test_grad_accum_updates_the_statistics_once_per_micro_batch():
+    model = _cnn()
+    step, state = _fzero(model, _batches(), stages=2, grad_accum=2)
+    got = step.state_dict(state, model)
+    assert_trees_equal(got, _plain(model, _batches(), accum=2))
+    assert int(got["3.1.num_batches_tracked"]) == 6
+
+
+def test_init_takes_the_buffers_and_evaluate_leaves_them():
+    model = _cnn()
+
+    def loss_fn(params, b):
+        return _loss(fzero.apply(model, params, b))
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model), buffers=fzero.buffers_of(model))
+    assert_trees_equal(step.state_dict(state, model), dict(model.state_dict()))  # before any step
+    state, _ = step(state, torch.cat(_batches(2)))
+    held = {k: v.clone() for k, v in state[0].buffers.items()}
+    step.evaluate(state, torch.cat(_batches(2)))
+    assert_trees_equal(state[0].buffers, held)
+
+
+def test_under_bf16_buffers_stay_in_their_own_dtype():
+    model = _cnn()
+    step, state = _fzero(model, _batches(), stages=3, precision="bf16")
+    state = state[0]
+    assert state.buffers["1.running_mean"].dtype == torch.float32
+    assert state.buffers["1.num_batches_tracked"].dtype == torch.int64
+    assert int(state.buffers["1.num_batches_tracked"]) == 3
+    assert not torch.equal(state.buffers["1.running_mean"], model[1].running_mean)
+
+
+def test_checkpoints_keep_the_buffers_across_stages_and_consolidate_has_them(tmp_path):
+    model = _cnn()
+    batches = _batches(4, batch=8)
+
+    def loss_fn(params, b):
+        return _loss(fzero.apply(model, params, b))
+
+    def make(stages):
+        return fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(2))
+
+    s3 = make(3)
+    state = s3.init(fzero.params_of(model))
+    for b in batches[:2]:
+        state, _ = s3(state, b)
+    fzero.checkpoint.save(str(tmp_path / "ckpt"), state)
+    for b in batches[2:]:
+        state, _ = s3(state, b)
+    straight = s3.state_dict(state, model)
+
+    s1 = make(1)  # resharded to stage 1
+    resumed = fzero.checkpoint.load(str(tmp_path / "ckpt"), like=s1)
+    assert sorted(resumed[0].buffers) == sorted(k for k in model.state_dict() if ".running_" in k or "num_batches" in k)
+    for b in batches[2:]:
+        resumed, _ = s1(resumed, b)
+    assert_trees_equal(s1.state_dict(resumed, model), straight)
+
+    out = fzero.checkpoint.consolidate(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), model=model)
+    loaded = torch.load(out, weights_only=True)
+    assert int(loaded["1.num_batches_tracked"]) == 2
+    copy.deepcopy(model).load_state_dict(loaded, strict=True)
+
+
+def test_errors_name_the_api_and_the_fix():
+    model = _cnn()
+    step = fzero.compile(lambda p, b: _loss(fzero.apply(model, p, b)), optimizer=fzero.optim.sgd(0.1))
+    with pytest.raises(TypeError, match=r"fzero.Step.init: buffers must be a dict of buffer name -> tensor, as fzero.buffers_of"):
+        step.init(fzero.params_of(model), buffers=[1])
+    state, _ = step(step.init(fzero.params_of(model)), _batches(1)[0])
+    with pytest.raises(ValueError, match=r"fzero.Step.state_dict: the state holds .* which Linear.state_dict\(\) does not name"):
+        step.state_dict(state, nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"fzero.buffers_of: expected an nn.Module"):
+        fzero.buffers_of({})
