@@ -44,16 +44,23 @@ def module_for_thread(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
+def _set(name: str, value: Any) -> Iterator[None]:
+    """This thread's ``name`` is ``value`` for the length of the block, then what it was."""
+    outer = getattr(_local, name, None)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, outer)
+
+
+@contextlib.contextmanager
 def compute_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
     """Within a step under a bf16/fp16 policy: the dtype ``fzero.apply`` casts floating inputs, buffers
     and frozen parameters to, so that they meet the low-precision params (as FSDP's MixedPrecisionPolicy
     casts forward inputs)."""
-    outer = getattr(_local, "dtype", None)
-    _local.dtype = dtype
-    try:
+    with _set("dtype", dtype):
         yield
-    finally:
-        _local.dtype = outer
 
 
 def current_compute_dtype() -> "torch.dtype | None":
@@ -64,13 +71,8 @@ def current_compute_dtype() -> "torch.dtype | None":
 def step_scope() -> Iterator[None]:
     """The length of one micro-batch's forward *and* backward: modules run by ``call_module`` keep the
     tensors they were given until it ends."""
-    outer = getattr(_local, "scope", None)
-    with contextlib.ExitStack() as stack:
-        _local.scope = stack
-        try:
-            yield
-        finally:
-            _local.scope = outer
+    with contextlib.ExitStack() as stack, _set("scope", stack):
+        yield
 
 
 def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
@@ -95,23 +97,15 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
 def outside_step_scope() -> Iterator[None]:
     """For fzero.remat's own recompute, which needs no module to keep its tensors (and must not keep a
     stage-3 unit's gathered buffer alive until the step ends)."""
-    outer = getattr(_local, "scope", None)
-    _local.scope = None
-    try:
+    with _set("scope", None):
         yield
-    finally:
-        _local.scope = outer
 
 
 @contextlib.contextmanager
 def step_buffers(bank: Any) -> Iterator[None]:
     """Within a step's forward: the ``fzero._buffers.Buffers`` bank that ``fzero.apply`` runs modules with."""
-    outer = getattr(_local, "buffers", None)
-    _local.buffers = bank
-    try:
+    with _set("buffers", bank):
         yield
-    finally:
-        _local.buffers = outer
 
 
 def current_buffers() -> Any:
