@@ -119,6 +119,11 @@ def entries(state: TrainState, *, api: str) -> Entries:
     return Entries(per_param, tensors)
 
 
+def _is_skip_count(key: str) -> bool:
+    """An optimizer's per-parameter skip counts (``ScaleByAdamState.skipped``: steps a param had no gradient)."""
+    return key.startswith("opt/") and key.removeprefix("opt/").rpartition(".")[2] == "skipped"
+
+
 def _opt_key(names: tuple[str, ...]) -> str:
     return "opt/" + (".".join(names) if names else "<root>")
 
@@ -203,6 +208,8 @@ def check_fits(path: str, info: dict[str, Any], state: TrainState, e: Entries, *
     saved_opt = {o["key"]: (o["kind"], tuple(o.get("shape", ()))) for o in info["opt"]}
     my_opt = {k: (PARAM, ()) for k in e.per_param if k.startswith("opt/")}
     my_opt.update({k: (TENSOR, tuple(t.shape)) for k, t in e.tensors.items() if k.startswith("opt/")})
+    for k in [k for k in my_opt if _is_skip_count(k) and k not in saved_opt]:
+        del my_opt[k]  # saved before per-parameter skip counts existed: every param took every step (zeros)
     if saved_opt != my_opt:
         raise CheckpointError(
             f"{api}: the optimizer state in {path} ({_few(sorted(saved_opt))}) differs from this step's optimizer's "
@@ -275,11 +282,14 @@ def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
                     f"{key}/{slot.path}", (a - slot.offset,), (b - a,), source.dtype(unit.name), **source.dest(unit.name, a - base, b - base)
                 ))
     saved_scale = set(info["loss_scale"] or ())
+    saved_opt = {o["key"] for o in info["opt"]}
     saved_buffers = {b["name"] for b in info.get("buffers", ())}
     for key, t in e.tensors.items():
         if key.startswith("loss_scale/") and key.removeprefix("loss_scale/") not in saved_scale:
             continue  # a policy with a loss scale resumed from one without: keep the initial scale
         if key.startswith("buffers/") and key.removeprefix("buffers/") not in saved_buffers:
             continue  # saved before a step adopted it: the state keeps its own (or adopts it at its first step)
+        if _is_skip_count(key) and key not in saved_opt:
+            continue  # saved before per-parameter skip counts existed: the state's zeros are right
         out.append(Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
     return out

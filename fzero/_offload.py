@@ -268,7 +268,9 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
             small, none_is_leaf=True,
         )
         target = views[-1] if state.master else params[unit][a:b]
-        with use_segments(segments_guard):
+        # a layout's Segments narrowed to this sub-group (which params it holds, which skip the step)
+        guard = segments_guard.sub_group(unit, a, b) if hasattr(segments_guard, "sub_group") else segments_guard
+        with use_segments(guard):
             group_state = apply_inplace(optimizer, {"g": grads[unit][a:b].to(target.dtype)}, group_state, {"g": target})
         g_paths, g_leaves, _ = optree.tree_flatten_with_path(group_state, none_is_leaf=True)
         for view, new in zip(views, [x for p, x in zip(g_paths, g_leaves) if _is_param_leaf(p)]):

@@ -1,31 +1,42 @@
-"""Per-parameter reductions over ZeRO's flat shards, for layer-wise optimizers (LAMB's trust ratio).
+"""Per-parameter views of ZeRO's flat shards, for the optimizer: norms for layer-wise optimizers (LAMB's trust
+ratio), and which parameters take a step (torch.optim skips a parameter whose grad is None).
 
 The optimizer sees ``{unit: tensor}``: a unit's whole flat buffer at stage 0, this rank's shard of it
 at stages 1-3. ``LayoutSegments`` knows from the layout which parameter ("segment") each element
 belongs to, sums squares per segment over the part this rank holds, and all-reduces those few numbers
 when the parameter is spread over ranks. Segments are contiguous ranges, so nothing per element is
 stored: the expansion back to element shape is one ``repeat_interleave``.
+
+It also carries the step's ``active`` mask (``fzero._usage``: the parameters some rank used), indexed by
+the parameter's position in the user's params pytree (``Layout.order``), so per-parameter optimizer state
+(Adam's skip counts) means the same at every stage and world size. ``sub_group`` narrows it to a range of
+one unit, for disk offload's sub-group updates.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from fzero._layout import Layout
 
 
 class LayoutSegments:
-    def __init__(self, layout: Layout, *, stage: int, rank: int, comm: Any) -> None:
+    def __init__(self, layout: Layout, *, stage: int, rank: int, comm: Any, active: torch.Tensor | None = None) -> None:
         self.comm = comm
         self.sharded = stage >= 1
+        self.count = len(layout.order)
+        self._active = active  # 1-D bool over the params (pytree order); None: every param takes the step
         n = layout.world_size
         self.pieces: dict[str, list[tuple[int, int]]] = {}  # unit -> (start, stop) within the held range, per segment
+        self.params: dict[str, list[int]] = {}  # unit -> pytree leaf index of each segment's param (-1: padding)
         for unit in layout.units:
             lo, hi = unit.shard_range(rank, n) if self.sharded else (0, unit.padded)
             bounds = [(s.offset, s.offset + s.numel) for s in unit.slots] + [(unit.numel, unit.padded)]  # last: padding
             self.pieces[unit.name] = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in bounds]
+            self.params[unit.name] = list(layout.leaf_indices(unit)) + [-1]
 
     def sumsq(self, tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names = self._names(tree)
@@ -48,6 +59,31 @@ class LayoutSegments:
             out[k] = torch.repeat_interleave(per_segment[k], counts).to(like[k].device)
         return out
 
+    # -- which parameters take the step (fzero.optim.Segments' optional methods) -----------------------------
+    def param_count(self, tree: Any) -> int:
+        """Every parameter of the layout, whatever part of it ``tree`` holds."""
+        return self.count
+
+    def param_ranges(self, tree: dict[str, torch.Tensor]) -> list[list[tuple[int, int, int]]]:
+        self._names(tree)
+        units = [path[0] for path in optree.tree_paths(tree)]  # optree's leaf order (sorted keys)
+        return [self._ranges(k, 0, None) for k in units]
+
+    def active(self) -> torch.Tensor | None:
+        return self._active
+
+    def sub_group(self, unit: str, start: int, stop: int) -> "SubGroupSegments":
+        """The segments of elements ``start:stop`` of ``unit`` (what this rank holds of it), for a sub-group update."""
+        return SubGroupSegments(self, unit, start, stop)
+
+    def _ranges(self, unit: str, start: int, stop: int | None) -> list[tuple[int, int, int]]:
+        out = []
+        for (a, b), i in zip(self.pieces[unit], self.params[unit]):
+            a, b = max(a, start), b if stop is None else min(b, stop)
+            if b > a:
+                out.append((a - start, b - start, i))
+        return out
+
     def _names(self, tree: Any) -> list[str]:
         if not isinstance(tree, dict) or set(tree) != set(self.pieces):
             raise TypeError(
@@ -55,3 +91,33 @@ class LayoutSegments:
                 f"{{unit: tensor}} dict (got {type(tree).__name__}); call it on what the step passes it."
             )
         return list(tree)
+
+
+class SubGroupSegments:
+    """One sub-group of one unit (disk offload updates ``{"g": elements start:stop}`` at a time): which parameters
+    it holds and which take the step. Per-parameter norms cannot be had there (``NoSegments`` says why)."""
+
+    def __init__(self, parent: LayoutSegments, unit: str, start: int, stop: int) -> None:
+        self.parent, self.unit, self.start, self.stop = parent, unit, start, stop
+
+    def sumsq(self, tree: Any) -> Any:
+        from fzero._offload import NoSegments
+
+        return NoSegments().sumsq(tree)
+
+    expand = sumsq
+
+    def param_count(self, tree: Any) -> int:
+        return self.parent.count
+
+    def param_ranges(self, tree: Any) -> list[list[tuple[int, int, int]]]:
+        leaves = optree.tree_leaves(tree)
+        if len(leaves) != 1 or leaves[0].numel() != self.stop - self.start:
+            raise TypeError(
+                f"fzero (disk offload): the optimizer asked which parameters a tree holds, but it is not the sub-group "
+                f"of unit {self.unit!r} being updated ({self.stop - self.start} elements); call it on what the step passes it."
+            )
+        return [self.parent._ranges(self.unit, self.start, self.stop)]
+
+    def active(self) -> torch.Tensor | None:
+        return self.parent.active()

@@ -34,6 +34,9 @@ from fzero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
 from fzero._update import MasterState, current_lr, finish, owned
 from fzero._batch import split_batch, split_micro
 from fzero._gradient import gradient, split_loss
+from fzero._segments import LayoutSegments
+from fzero._usage import recording
+from fzero.optim._segments import use_segments
 
 STAGE_NAMES = {0: "stage 0 (replicated, like DDP)", 1: "stage 1 (ZeRO-1)", 2: "stage 2 (ZeRO-2)", 3: "stage 3 (ZeRO-3)"}
 
@@ -134,14 +137,16 @@ class Step:
 
     def _init_rank(self, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int) -> TrainState:
         """``flats``: this rank's shards at stage 3, whole units otherwise; ``master``: the fp32 copy of what it owns."""
-        if self.offload is not None and self.offload.where == "disk":
-            opt_state: Any = init_disk(self.optimizer, self.offload, owned(layout, flats, self.stage, rank), master, rank)
-            if self.offload.params:  # stage 3: the shards become files, mapped (see _offload.py)
-                flats = {name: opt_state.store.map(f"param/{name}", t) for name, t in flats.items()}
-        elif master is not None:
-            opt_state = MasterState(master, self.optimizer.init(master))
-        else:
-            opt_state = self.optimizer.init(owned(layout, flats, self.stage, rank))
+        # the optimizer's per-parameter state (Adam's skip counts) is sized by the layout's params, not its buffers
+        with use_segments(LayoutSegments(layout, stage=self.stage, rank=rank, comm=None)):
+            if self.offload is not None and self.offload.where == "disk":
+                opt_state: Any = init_disk(self.optimizer, self.offload, owned(layout, flats, self.stage, rank), master, rank)
+                if self.offload.params:  # stage 3: the shards become files, mapped (see _offload.py)
+                    flats = {name: opt_state.store.map(f"param/{name}", t) for name, t in flats.items()}
+            elif master is not None:
+                opt_state = MasterState(master, self.optimizer.init(master))
+            else:
+                opt_state = self.optimizer.init(owned(layout, flats, self.stage, rank))
         meta = StateMeta(layout=layout, stage=self.stage, world_size=layout.world_size, rank=rank)
         return TrainState(
             params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
@@ -259,7 +264,7 @@ class Step:
         losses, aux = [], None
         low = None if prec.compute == torch.float32 else prec.compute
         buffers = broadcast_buffers(comm, state.buffers)
-        with compute_dtype(low):
+        with compute_dtype(low), recording(layout) as usage:  # which params the gradients use (torch's grad=None)
             for micro in split_micro(batch, self.grad_accum):
                 grads, loss, aux, buffers = gradient(self.loss_fn, as_params, inputs, micro, scale, self.autodiff, buffers, low)
                 for params in made:
@@ -273,7 +278,7 @@ class Step:
         if self.stage == 3:
             meta = dataclasses.replace(meta, gather_order=schedule.finish())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        new_state, metrics = finish(self, comm, state, acc, loss, scale, meta, aux)
+        new_state, metrics = finish(self, comm, state, acc, loss, scale, meta, aux, usage)
         new_state = dataclasses.replace(new_state, buffers=buffers)
         if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
             for t in new_state.params.values():

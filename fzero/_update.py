@@ -4,7 +4,8 @@ Per rank: sum the gradient over ranks (all-reduce at stage 0, reduce-scatter at 
 arrive reduced), average it over ranks and micro-batches and unscale it, take the global norm, decide
 on overflow from that norm (summed over ranks, so every rank decides alike), clip, run the optimizer
 on what this rank owns (fp32 master weights when the policy keeps them), and all-gather the params
-back at stages 1-2.
+back at stages 1-2. A param that no rank's gradient used (``fzero._usage``; torch's ``grad is None``)
+skips the optimizer: the ``active`` mask travels to it through ``LayoutSegments``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 
 from fzero._layout import Layout
 from fzero._precision import StaticLossScale, next_loss_scale
-from fzero._offload import DiskOptState, NoSegments, disk_update, to_host
+from fzero._offload import DiskOptState, disk_update, to_host
 from fzero._segments import LayoutSegments
+from fzero._usage import Usage
 
 
 class MasterState(NamedTuple):
@@ -26,6 +28,17 @@ class MasterState(NamedTuple):
 
     master: Any  # dict unit -> fp32 tensor: this rank's master copy of what it updates
     inner: Any  # the optimizer's own state, over ``master``
+
+
+def _active(layout: Layout, used: torch.Tensor) -> torch.Tensor | None:
+    """The params that take this step, as a bool mask in the user's pytree order (``used``: per slot, in layout
+    order, summed over ranks); None when every param does (the common case: nothing more to do)."""
+    used = used > 0
+    if bool(used.all()):
+        return None
+    active = torch.empty(len(layout.order), dtype=torch.bool)
+    active[torch.tensor(layout.order, dtype=torch.int64)] = used
+    return active
 
 
 def owned(layout: Layout, flats: dict[str, torch.Tensor], stage: int, rank: int) -> dict[str, torch.Tensor]:
@@ -44,8 +57,10 @@ def current_lr(optimizer: Any, step: int) -> float:
     return float(lr(step)) if callable(lr) else float(lr)
 
 
-def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any):
-    """Everything after the gradient; returns (new state, metrics)."""
+def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
+           usage: Usage | None = None):
+    """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
+    gradients used (``fzero._usage``); None: all of them."""
     from fzero.optim import apply_inplace
     from fzero.optim._segments import use_segments
 
@@ -71,7 +86,11 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     # at stages 0-1, modules at 2-3, so its last bits may differ between those).
     slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if step.stage == 0 else owned_grads
     sumsq = torch.stack([torch.dot(s, s) for s in slices]).sum()  # dot: no unit-sized temporary, unlike pow(2)
-    reduced = comm.all_reduce(torch.stack([loss.detach().float(), sumsq]), tag="metrics")
+    # One all-reduce for the metrics and the usage of every param (1.0 per rank that used it): a param no rank
+    # used keeps torch's grad=None and skips the update; one some rank used gets the averaged gradient (DDP).
+    flags = usage.flags() if usage is not None else torch.ones(len(layout.order))
+    reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float(), sumsq]), flags]), tag="metrics")
+    active = _active(layout, reduced[2:])
     grad_norm = math.sqrt(float(reduced[1])) if math.isfinite(float(reduced[1])) else float(reduced[1])
     step_no = int(state.step) + 1
 
@@ -96,11 +115,12 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
                 g.mul_(coef)
         params = owned(layout, flats, step.stage, comm.rank)
         grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
-        segments = LayoutSegments(layout, stage=step.stage, rank=comm.rank, comm=comm)  # for per-parameter norms
+        # per-parameter norms, and which params skip the update
+        segments = LayoutSegments(layout, stage=step.stage, rank=comm.rank, comm=comm, active=active)
         if step.offload is not None:  # the optimizer runs on the host: gradients go there (a no-op on CPU)
             grad_tree = {k: to_host(g) for k, g in grad_tree.items()}
-        if isinstance(opt_state, DiskOptState):
-            opt_state = disk_update(step.optimizer, opt_state, grad_tree, params, step.offload, NoSegments())
+        if isinstance(opt_state, DiskOptState):  # sub-groups: which params they hold, but no per-parameter norms
+            opt_state = disk_update(step.optimizer, opt_state, grad_tree, params, step.offload, segments)
         elif isinstance(opt_state, MasterState):
             with use_segments(segments):
                 inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
@@ -128,6 +148,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     }
     if aux is not None:
         metrics["aux"] = aux
+    if active is not None:  # params no rank used in this step (torch's grad=None): left as they were
+        metrics["unused"] = tuple(layout.paths[s] for s in (reduced[2:] == 0).nonzero().flatten().tolist())
     new_state = dataclasses.replace(
         state, params=dict(flats), opt_state=opt_state, step=state.step + (0 if skipped else 1), loss_scale=loss_scale, meta=meta
     )

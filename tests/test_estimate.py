@@ -50,7 +50,9 @@ def test_estimate_agrees_with_live_bytes(stages, precision):
     est = fzero.estimate_memory(prob.model, stages=stages, world_size=ranks, precision=precision, unit_elements=UNIT)
     for rank in range(ranks):
         held = state_bytes(state[rank])
-        assert held["params"] == est.device.params and held["optimizer"] == pytest.approx(est.device.optimizer, abs=16)
+        # + Adam's step counts: one scalar, and one float32 per param (the steps it sat out without a gradient)
+        steps = 16 + 4 * len(state[rank].meta.layout.paths)
+        assert held["params"] == est.device.params and held["optimizer"] == pytest.approx(est.device.optimizer, abs=steps)
         measured = held["params"] + held["optimizer"] + counters[rank].peak
         assert measured == pytest.approx(est.device.total, rel=0.025), (rank, measured, est.device)
         assert measured >= est.device.total  # what is not estimated (activations) only adds

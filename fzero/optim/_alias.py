@@ -17,7 +17,7 @@ def adamw(
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * weight_decay``, then the Adam step.
 
-    State: ``(ScaleByAdamState(count, mu, nu), EmptyState(), lr_state)`` where ``lr_state`` is ``EmptyState()``
+    State: ``(ScaleByAdamState(count, mu, nu, skipped), EmptyState(), lr_state)`` where ``lr_state`` is ``EmptyState()``
     for a float learning rate and ``ScaleByScheduleState(count)`` for a schedule. ``apply_inplace`` runs
     ``torch._fused_adamw_`` on it (see ``fzero.optim._fused`` for when it can't and what is bitwise).
     """
@@ -36,7 +36,7 @@ def adamw(
 def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` (without weight decay; chain ``add_decayed_weights`` in front for L2).
 
-    State: ``(ScaleByAdamState(count, mu, nu), lr_state)``; ``apply_inplace`` runs ``torch._fused_adam_``.
+    State: ``(ScaleByAdamState(count, mu, nu, skipped), lr_state)``; ``apply_inplace`` runs ``torch._fused_adam_``.
     """
     api = "fzero.optim.adam"
     learning_rate = check_learning_rate(api, learning_rate)

@@ -15,6 +15,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import optree
 import torch
 
+from fzero.optim._segments import active_params, current_segments, param_ranges
+
 Schedule = Callable[[int], float]
 """A learning-rate schedule: a pure function of the step count (steps already taken, from 0) to a float."""
 
@@ -104,6 +106,12 @@ def apply_inplace(opt: GradientTransformation, grads: Any, state: Any, params: A
     params)`` followed by ``p.add_(u)`` per leaf (the same arithmetic as ``apply_updates``). Params are
     written through the given tensor objects, never rebound, so views into larger buffers stay valid. Runs
     under ``torch.no_grad()``.
+
+    Parameters that the current ``Segments`` says skip this step (``active()``; torch.optim's ``p.grad is
+    None``) come out as they went in, with every param-shaped part of the state (moments, momentum): their
+    ranges are copied before the step and written back after it, whatever the optimizer did to them. Step
+    counts are the optimizer's business (``scale_by_adam`` keeps one per parameter). When every parameter
+    takes the step (``active()`` is None) nothing is copied.
     """
     if not _is_transform(opt):
         raise TypeError(
@@ -117,12 +125,86 @@ def apply_inplace(opt: GradientTransformation, grads: Any, state: Any, params: A
             f"  grads:  {g_spec}\nPass one gradient per parameter, in the same containers."
         )
     with torch.no_grad():
+        segments = current_segments()
+        active = active_params(segments)
+        kept = None if active is None else _keep(active, param_ranges(params, segments), params, state)
         if opt.fused is not None:
-            return opt.fused(grads, state, params)
-        updates, state = opt.update(grads, state, params)
-        for p, u in zip(optree.tree_leaves(params), optree.tree_leaves(updates)):
-            p.add_(u)
+            state = opt.fused(grads, state, params)
+        else:
+            updates, state = opt.update(grads, state, params)
+            for p, u in zip(optree.tree_leaves(params), optree.tree_leaves(updates)):
+                p.add_(u)
+        if kept is not None:
+            _put_back(kept, params, state)
     return state
+
+
+# -- parameters that skip a step --------------------------------------------------------------------------------
+
+
+def _keep(active: torch.Tensor, ranges: list, params: Any, state: Any) -> list | None:
+    """Copies of what a step must not change: the ranges of every skipped parameter (``active`` False) in the
+    params and in each param-shaped part of the state. None if nothing skips.
+
+    Generic over optimizers: whatever a transform does to a parameter without a gradient (decay it, decay
+    its moments, ...) is undone, as torch.optim never visits it. Only the skipped ranges are copied."""
+    live = active.tolist()
+    spans = []
+    for leaf, leaf_ranges in enumerate(ranges):
+        merged: list[list[int]] = []
+        for a, b, i in leaf_ranges:
+            if i >= 0 and not live[i] and b > a:
+                if merged and merged[-1][1] == a:
+                    merged[-1][1] = b
+                else:
+                    merged.append([a, b])
+        spans += [(leaf, a, b) for a, b in merged]
+    if not spans:
+        return None
+    trees = [optree.tree_leaves(params)] + _param_shaped(state, params)
+    return [(leaf, a, b, [_window(t[leaf], a, b).clone() for t in trees]) for leaf, a, b in spans]
+
+
+def _put_back(kept: list, params: Any, state: Any) -> None:
+    trees = [optree.tree_leaves(params)] + _param_shaped(state, params)
+    for leaf, a, b, copies in kept:
+        for t, saved in zip(trees, copies):
+            _window(t[leaf], a, b).copy_(saved)
+
+
+def _window(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    if a == 0 and b == t.numel():
+        return t
+    if not t.is_contiguous():
+        raise ValueError(
+            "fzero.optim.apply_inplace: a parameter that skips this step lies in part of a non-contiguous leaf "
+            f"(shape {tuple(t.shape)}, elements {a}:{b}); its range cannot be kept apart. Give the optimizer "
+            "contiguous leaves (ZeRO's flat buffers are)."
+        )
+    return t.view(-1)[a:b]
+
+
+def _param_shaped(state: Any, params: Any) -> list[list[torch.Tensor]]:
+    """The leaves of each subtree of ``state`` shaped like ``params`` (Adam's mu and nu, a momentum trace, ...)."""
+    spec = optree.tree_structure(params)
+    shapes = [t.shape for t in optree.tree_leaves(params)]
+    found: list[list[torch.Tensor]] = []
+
+    def walk(node: Any) -> None:
+        if node is None or isinstance(node, torch.Tensor) and spec.num_nodes > 1:
+            return
+        leaves, node_spec = optree.tree_flatten(node)
+        if node_spec == spec and all(isinstance(t, torch.Tensor) and t.shape == s for t, s in zip(leaves, shapes)):
+            found.append(leaves)
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(state)
+    return found
 
 
 # -- shared checks ---------------------------------------------------------------------------------

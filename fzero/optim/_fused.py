@@ -9,6 +9,11 @@ its param. Anything else (meta tensors, non-contiguous views, grads of another d
 ``update`` followed by ``p.add_(u)``, which agrees with the kernel to rounding. Non-contiguous params must
 not reach the CPU kernel: it walks ``data_ptr`` densely and would write the wrong elements.
 
+Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._segments``): the
+kernel takes one step count per tensor, and a ZeRO leaf holds many parameters; ``_per_param_counts`` runs each
+leaf once with its most common count and redoes the others in aligned windows (its docstring says why that is
+the cheapest exact way). While no parameter has ever skipped a step, the one-call-per-dtype path runs as before.
+
 Bitwise facts about the CPU kernel (torch 2.13, measured; see tests/test_optim.py): it splits each tensor
 into 64-byte (16 fp32) aligned chunks and runs the last ``numel % Vec`` elements of a tensor (Vec = 16 fp32 on
 AVX512, 8 on AVX2) through a scalar loop whose rounding differs from the vector loop. So the result of an
@@ -25,7 +30,8 @@ import optree
 import torch
 
 from fzero.optim._base import LearningRate
-from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState
+from fzero.optim._segments import active_params, current_segments, param_ranges
+from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState, per_param_steps, skipped_after
 
 _KERNEL_DEVICES = ("cpu", "cuda")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -63,6 +69,7 @@ def adam_step(
     """The in-place step of a ``chain`` whose state holds a ``ScaleByAdamState`` at ``adam_index`` and the
     learning-rate state at ``lr_index``; ``update`` is the chain's pure update, used when the kernel can't run."""
     kernel_name = "_fused_adamw_" if decoupled else "_fused_adam_"
+    api = "fzero.optim.adamw" if decoupled else "fzero.optim.adam"
 
     def fused(grads: Any, state: tuple, params: Any) -> tuple:
         adam: ScaleByAdamState = state[adam_index]
@@ -73,18 +80,102 @@ def adam_step(
             for p, u in zip(p_leaves, optree.tree_leaves(updates)):
                 p.add_(u)
             return new_state
+        segments = current_segments()
+        active = active_params(segments)
+        skipped = skipped_after(api, adam.skipped, active)
         lr = _lr_now(learning_rate, state[lr_index])
         beta1 = float(b1(int(adam.count))) if callable(b1) else b1  # a momentum schedule (OneCycle)
         adam.count.add_(1)
+        if skipped is not adam.skipped:
+            adam.skipped.copy_(skipped)
+        steps = per_param_steps(adam.count, adam.skipped)
         kernel = getattr(torch, kernel_name)  # looked up per call so that tests can count kernel calls
-        for (device, _), (ps, gs, ms, vs) in groups.items():
-            step = adam.count if adam.count.device == device else adam.count.to(device)
-            # One shared step tensor: the kernel only reads it (torch keeps one per param, all equal).
-            kernel(ps, gs, ms, vs, [], [step] * len(ps), lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay,
-                   eps=eps, amsgrad=False, maximize=False)
+        settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        if active is None and steps is None:  # every parameter at the same count: one call per (device, dtype)
+            for (device, _), (ps, gs, ms, vs) in groups.items():
+                step = adam.count if adam.count.device == device else adam.count.to(device)
+                # One shared step tensor: the kernel only reads it (torch keeps one per param, all equal).
+                kernel(ps, gs, ms, vs, [], [step] * len(ps), **settings)
+            return state
+        _per_param_counts(kernel, settings, params, grads, adam, active, steps, segments)
         return state
 
     return fused
+
+
+# Windows recomputed with their own step count start and end on multiples of this many elements from their leaf's
+# start (or at its end): then no element of them falls in the kernel's scalar tail unless it does in the whole leaf
+# too (see the module docstring: 16 fp32 / 32 bf16 elements), and a ZeRO shard starts on such a multiple
+# (SHARD_ALIGN), so the recomputed elements get the bits the whole-buffer call would give them, at every stage.
+_WINDOW_ALIGN = 64
+
+
+def _per_param_counts(kernel: Callable, settings: dict, params: Any, grads: Any, adam: ScaleByAdamState,
+                      active: torch.Tensor | None, steps: torch.Tensor | None, segments: Any) -> None:
+    """Adam when parameters have different step counts, or some skip this step (torch.optim's per-parameter
+    ``state["step"]``, and ``p.grad is None``).
+
+    The cheapest exact way with a kernel that takes one step count per tensor, where a ZeRO leaf is a flat
+    buffer of many parameters: each leaf goes through the kernel once, with the count most of its live
+    parameters share (always ``count`` for a parameter that never skipped, so the common parameters get
+    the very bits they would get with no skip anywhere); the few parameters with another count are then
+    redone from copies taken before, in aligned windows, and only their ranges are copied back. A leaf
+    with no parameter taking the step is left out of the kernel. Parameters that skip this step are
+    updated here like the others and put back by ``apply_inplace``, which saved them (with every other
+    param-shaped piece of state). Extra work: the copies and recompute of the odd parameters only.
+
+    Rejected: one kernel call per parameter, or per run of equal counts, on slices of the leaf (a slice
+    that starts or ends off a 16-element boundary moves elements into the kernel's scalar tail, so the
+    bits would depend on where the ZeRO stage cuts the buffer, and a leaf of hundreds of parameters
+    would be hundreds of calls); a step count per element (the kernel takes none, and the pure path
+    costs a few times the kernel's time and 4 bytes per element).
+    """
+    own = steps.tolist() if steps is not None else None
+    live = active.tolist() if active is not None else None
+    base = float(adam.count)
+    p_leaves, g_leaves = optree.tree_leaves(params), optree.tree_leaves(grads)
+    m_leaves, v_leaves = optree.tree_leaves(adam.mu), optree.tree_leaves(adam.nu)
+    calls: dict[tuple[torch.device, torch.dtype, float], list[list[torch.Tensor]]] = {}
+    redo: list[tuple] = []  # (count, [p, m, v] flat targets, window copies, start and stop in the window, start in the leaf)
+    for quad, ranges in zip(zip(p_leaves, g_leaves, m_leaves, v_leaves), param_ranges(params, segments)):
+        counts = [(a, b, own[i] if own is not None else base) for a, b, i in ranges if i >= 0 and (live is None or live[i])]
+        if not counts:
+            continue  # nothing in this leaf takes the step
+        sizes: dict[float, int] = {}
+        for a, b, c in counts:
+            sizes[c] = sizes.get(c, 0) + b - a
+        main = base if base in sizes else max(sizes, key=sizes.__getitem__)
+        p = quad[0]
+        for t, lst in zip(quad, calls.setdefault((p.device, p.dtype, main), [[], [], [], []])):
+            lst.append(t)
+        numel = p.numel()
+        for c, a, b in _runs([(a, b, c) for a, b, c in counts if c != main]):
+            lo, hi = a // _WINDOW_ALIGN * _WINDOW_ALIGN, min(-(-b // _WINDOW_ALIGN) * _WINDOW_ALIGN, numel)
+            flat = [t.view(-1) for t in quad]
+            copies = [flat[0][lo:hi].clone(), flat[1][lo:hi], flat[2][lo:hi].clone(), flat[3][lo:hi].clone()]
+            redo.append((c, [flat[0], flat[2], flat[3]], copies, a - lo, b - lo, a))
+    for (device, _, c), (ps, gs, ms, vs) in calls.items():
+        kernel(ps, gs, ms, vs, [], [_step_tensor(adam.count, c, device)] * len(ps), **settings)
+    for c, targets, (p, g, m, v), a, b, start in redo:
+        kernel([p], [g], [m], [v], [], [_step_tensor(adam.count, c, p.device)], **settings)
+        for target, new in zip(targets, (p, m, v)):
+            target[start : start + b - a].copy_(new[a:b])
+
+
+def _runs(pieces: list[tuple[int, int, float]]) -> list[tuple[float, int, int]]:
+    """Adjacent ranges with the same count merged: (count, start, stop)."""
+    out: list[tuple[float, int, int]] = []
+    for a, b, c in pieces:
+        if out and out[-1][0] == c and out[-1][2] == a:
+            out[-1] = (c, out[-1][1], b)
+        else:
+            out.append((c, a, b))
+    return out
+
+
+def _step_tensor(count: torch.Tensor, value: float, device: torch.device) -> torch.Tensor:
+    step = count if float(count) == value else torch.full((), value, dtype=count.dtype)
+    return step if step.device == device else step.to(device)
 
 
 def sgd_step(

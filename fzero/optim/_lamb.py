@@ -27,8 +27,8 @@ import optree
 import torch
 
 from fzero.optim._base import GradientTransformation, LearningRate, chain, check_float, check_learning_rate
-from fzero.optim._segments import current_segments
-from fzero.optim._transforms import _common_device, scale_by_learning_rate
+from fzero.optim._segments import active_params, current_segments, param_ranges, per_element
+from fzero.optim._transforms import _common_device, init_skipped, per_param_steps, scale_by_learning_rate, skipped_after
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -44,6 +44,7 @@ class ScaleByLambState(NamedTuple):
     count: torch.Tensor
     mu: Any
     nu: Any
+    skipped: Any = None  # as ScaleByAdamState's: per parameter, the steps it sat out; its own count is count - skipped
 
 
 def _opmath(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def scale_by_lamb(
     def init(params: Any) -> ScaleByLambState:
         count = torch.zeros((), dtype=torch.float32, device=_common_device(params))
         zeros = lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format)  # noqa: E731
-        return ScaleByLambState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params))
+        return ScaleByLambState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params), init_skipped(params))
 
     def update(updates: Any, state: ScaleByLambState, params: Any = None) -> tuple[Any, ScaleByLambState]:
         if params is None:
@@ -70,6 +71,7 @@ def scale_by_lamb(
                 "Call opt.update(grads, state, params)."
             )
         count = state.count + 1
+        skipped = skipped_after(api, state.skipped, active_params())
         mu = optree.tree_map(lambda m, g: (_opmath(m) * b1 + _opmath(g) * (1 - b1)).to(m.dtype), state.mu, updates)
         nu = optree.tree_map(
             lambda v, g: (_opmath(v) * b2 + _opmath(g).square() * (1 - b2)).to(v.dtype), state.nu, updates
@@ -84,14 +86,28 @@ def scale_by_lamb(
         step = count.double()
         bias = (1 - torch.pow(b2, step)).sqrt() / (1 - torch.pow(b1, step))
 
-        def factor(w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-            trust = torch.where((w > 0) & (n > 0), (w / n).clamp(min_coeff, max_coeff), torch.ones_like(w))
-            return trust * bias.to(trust.dtype)
+        def trust(w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            return torch.where((w > 0) & (n > 0), (w / n).clamp(min_coeff, max_coeff), torch.ones_like(w))
 
-        per_segment = optree.tree_map(factor, p_norm, u_norm)
-        scale = segments.expand(per_segment, u)
+        def factor(w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            ratio = trust(w, n)
+            return ratio * bias.to(ratio.dtype)
+
+        steps = per_param_steps(count, skipped)
+        if steps is None:
+            per_segment = optree.tree_map(factor, p_norm, u_norm)
+            scale = segments.expand(per_segment, u)
+        else:  # some parameters have their own, smaller step counts: the bias factor per element (same product)
+            own = steps.double()
+            own_bias = ((1 - torch.pow(b2, own)).sqrt() / (1 - torch.pow(b1, own))).float()
+            ratios = optree.tree_leaves(segments.expand(optree.tree_map(trust, p_norm, u_norm), u))
+            u_leaves, spec = optree.tree_flatten(u)
+            scale = spec.unflatten([
+                r * per_element(own_bias, ranges, float(bias), x).to(r.dtype)
+                for r, x, ranges in zip(ratios, u_leaves, param_ranges(u))
+            ])
         directions = optree.tree_map(lambda x, s, g: (x * s).to(g.dtype), u, scale, updates)
-        return directions, ScaleByLambState(count, mu, nu)
+        return directions, ScaleByLambState(count, mu, nu, skipped)
 
     return GradientTransformation(init, update)
 
@@ -104,7 +120,7 @@ def lamb(
     ratio ``||p|| / ||update||`` clipped to ``[min_coeff, max_coeff]`` (see ``fzero.optim._lamb``).
 
     ``eps`` defaults to 1e-6 (the LAMB paper's and optax's; DeepSpeed's ``FusedLamb`` defaults to 1e-8).
-    State: ``(ScaleByLambState(count, mu, nu), lr_state)``, ``lr_state`` as in ``adamw``. No fused step:
+    State: ``(ScaleByLambState(count, mu, nu, skipped), lr_state)``, ``lr_state`` as in ``adamw``. No fused step:
     ``apply_inplace`` runs the pure update, then ``p.add_(u)``.
     """
     api = "fzero.optim.lamb"

@@ -13,6 +13,21 @@ The default, ``WholeLeaves``, treats every leaf as one parameter with no communi
 optimizer applied to a params pytree directly. fzero's train step installs a layout-aware ``Segments``
 around the optimizer call with ``use_segments`` (thread-local: a local mesh runs its ranks as threads).
 
+A ``Segments`` may also say which parameters take this step (optional methods; without them every
+parameter does). torch.optim skips a parameter whose ``grad`` is None: no decay, no moment update, and its
+own step count (Adam's ``state["step"]``) does not advance. The train step knows which parameters got no
+gradient (``fzero._usage``) and says so through three methods:
+
+- ``param_count(tree)``: P, the number of parameters the leaves hold parts of (over all ranks);
+- ``param_ranges(tree)``: for each leaf (in ``optree.tree_leaves`` order), its element ranges
+  ``(start, stop, param)``, in order, covering the leaf; ``param`` indexes ``[0, P)`` (in the order of the
+  user's params pytree, the same at every stage and world size), or is -1 for padding;
+- ``active()``: a 1-D bool tensor of P entries, False for a parameter that skips this step; or None when
+  every parameter takes it (the common case, which then costs nothing).
+
+``apply_inplace`` leaves a skipped parameter and its param-shaped optimizer state as they were, and
+optimizers with step counts (``scale_by_adam``, ``scale_by_lamb``) keep one count per parameter.
+
 ```python
 with fzero.optim.use_segments(my_segments):
     updates, state = opt.update(grads, state, params)
@@ -48,13 +63,23 @@ class Segments(Protocol):
 
 
 class WholeLeaves:
-    """Every leaf is one whole parameter; nothing to communicate. The default ``Segments``."""
+    """Every leaf is one whole parameter; nothing to communicate; every parameter takes every step. The default
+    ``Segments``."""
 
     def sumsq(self, tree: Any) -> Any:
         return optree.tree_map(lambda t: _opmath(t).square().sum().reshape(1), tree)
 
     def expand(self, per_segment: Any, like: Any) -> Any:
         return optree.tree_map(lambda s, t: s.reshape([1] * t.dim()).expand(t.shape), per_segment, like)
+
+    def param_count(self, tree: Any) -> int:
+        return len(optree.tree_leaves(tree))
+
+    def param_ranges(self, tree: Any) -> list[list[tuple[int, int, int]]]:
+        return [[(0, t.numel(), i)] for i, t in enumerate(optree.tree_leaves(tree))]
+
+    def active(self) -> None:
+        return None
 
     def __repr__(self) -> str:
         return "WholeLeaves()"
@@ -83,6 +108,40 @@ def use_segments(segments: Segments) -> Iterator[Segments]:
         yield segments
     finally:
         _local.segments = previous
+
+
+# -- the optional per-parameter methods, with WholeLeaves' answers where a Segments lacks them ---------------------
+
+
+def param_count(tree: Any, segments: Any = None) -> int:
+    """P: how many parameters ``tree``'s leaves hold parts of (the length of per-parameter state)."""
+    segments = segments or current_segments()
+    fn = getattr(segments, "param_count", None)
+    return fn(tree) if callable(fn) else _WHOLE_LEAVES.param_count(tree)
+
+
+def param_ranges(tree: Any, segments: Any = None) -> list[list[tuple[int, int, int]]]:
+    """Per leaf of ``tree`` (``optree.tree_leaves`` order): its ``(start, stop, param)`` element ranges."""
+    segments = segments or current_segments()
+    fn = getattr(segments, "param_ranges", None)
+    return fn(tree) if callable(fn) else _WHOLE_LEAVES.param_ranges(tree)
+
+
+def active_params(segments: Any = None) -> torch.Tensor | None:
+    """The 1-D bool mask of parameters that take this step, or None when all of them do."""
+    segments = segments or current_segments()
+    fn = getattr(segments, "active", None)
+    return fn() if callable(fn) else None
+
+
+def per_element(values: torch.Tensor, ranges: list[tuple[int, int, int]], pad: float, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``like`` (flattened leaf ``ranges``) holding ``values[param]`` on each range, ``pad``
+    on padding (param -1). ``values``: 1-D over the P parameters."""
+    index = torch.tensor([p for _, _, p in ranges], dtype=torch.int64)
+    lengths = torch.tensor([b - a for a, b, _ in ranges], dtype=torch.int64)
+    host = values.detach().to("cpu")
+    per_range = torch.where(index >= 0, host[index.clamp(min=0)], torch.tensor(pad, dtype=host.dtype))
+    return torch.repeat_interleave(per_range, lengths).to(like.device).reshape(like.shape)
 
 
 def _opmath(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import optree
 import torch
 
 from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, check_float, check_learning_rate
+from fzero.optim._segments import active_params, param_count, param_ranges
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -24,11 +25,16 @@ class ScaleByAdamState(NamedTuple):
       device when they share one, else on the CPU.
     mu: like params (same shapes, dtypes, devices): first moment, ``exp_avg``.
     nu: like params: second moment, ``exp_avg_sq``.
+    skipped: float32 1-D tensor on count's device, one entry per parameter (see ``per_param_steps``): the
+      steps that parameter sat out because it had no gradient. Its own step count, torch's per-parameter
+      ``state["step"]`` that its bias correction uses, is ``count - skipped``. None (a state built by hand):
+      no parameter may sit a step out.
     """
 
     count: torch.Tensor
     mu: Any
     nu: Any
+    skipped: Any = None
 
 
 class TraceState(NamedTuple):
@@ -41,6 +47,46 @@ class ScaleByScheduleState(NamedTuple):
     """count: int64 0-d CPU tensor, steps taken: the schedule is evaluated at it, on the host."""
 
     count: torch.Tensor
+
+
+def init_skipped(params: Any) -> torch.Tensor:
+    """Zero skip counts, one per parameter of ``params`` as the current ``Segments`` counts them."""
+    return torch.zeros(param_count(params), dtype=torch.float32, device=_common_device(params))
+
+
+def skipped_after(api: str, skipped: torch.Tensor | None, active: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-parameter skip counts after this step (``skipped + ~active``); ``skipped`` itself when every
+    parameter takes the step.
+
+    Why counts of *skips* next to one ``count``, and not one step count per parameter: ``count`` stays what a
+    learning-rate or momentum schedule reads (torch's schedulers are global too), the common case of no skip
+    is one comparison (``skipped.any()``) away from the single-count fast path, and a 1-D tensor over the
+    parameters, in the order of the user's params pytree, is the same at every stage and world size, so a
+    checkpoint saves it as one replicated tensor and reshards without knowing about it.
+    """
+    if active is None:
+        return skipped
+    if skipped is None:
+        raise ValueError(
+            f"{api}: parameters without a gradient must skip this step (as torch.optim skips p.grad is None), but the "
+            f"optimizer state has skipped=None: no per-parameter step counts. Make the state with the optimizer's "
+            f"init (opt.init(params), or step.init(params) in a train step), not by hand."
+        )
+    if skipped.numel() != active.numel():
+        raise ValueError(
+            f"{api}: the optimizer state counts steps for {skipped.numel()} parameters, but this step has "
+            f"{active.numel()}. The state was made for other params: make it with this step's init, "
+            f"step.init(params) (under a train step, opt.init sees one parameter per flat buffer otherwise)."
+        )
+    return skipped + (~active).to(skipped.device, skipped.dtype)
+
+
+def per_param_steps(count: torch.Tensor, skipped: torch.Tensor | None) -> torch.Tensor | None:
+    """Each parameter's own step count (``count - skipped``, at least 1), or None when no parameter ever
+    skipped a step: then ``count`` is everyone's and the single-count path runs, as before any skip."""
+    if skipped is None or skipped.device.type == "meta" or not bool(skipped.any()):
+        return None
+    return (count - skipped).clamp(min=1)
 
 
 def _common_device(params: Any) -> torch.device:
@@ -68,24 +114,38 @@ def scale_by_adam(b1: float | Schedule = 0.9, b2: float = 0.999, eps: float = 1e
     def init(params: Any) -> ScaleByAdamState:
         count = torch.zeros((), dtype=torch.float32, device=_common_device(params))
         zeros = lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format)  # noqa: E731
-        return ScaleByAdamState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params))
+        return ScaleByAdamState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params), init_skipped(params))
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, ScaleByAdamState]:
         del params
-        beta1 = float(b1(int(state.count))) if callable(b1) else b1
+        beta1 = float(b1(int(state.count))) if callable(b1) else b1  # a schedule of the step, global as torch's
         count = state.count + 1
+        skipped = skipped_after(api, state.skipped, active_params())
         mu = optree.tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1 - beta1), state.mu, updates)
         nu = optree.tree_map(lambda v, g: v.mul(b2).addcmul(g.to(v.dtype), g.to(v.dtype), value=1 - b2), state.nu, updates)
-        # Bias corrections in float64 on 0-d tensors: no host sync, and works on meta tensors.
-        step = count.double()
-        bias1 = 1 - torch.pow(beta1, step)
-        bias2_sqrt = (1 - torch.pow(b2, step)).sqrt()
 
-        def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def biases(step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # Bias corrections in float64 on 0-d tensors: no host sync, and works on meta tensors.
+            step = step.double()
+            return 1 - torch.pow(beta1, step), (1 - torch.pow(b2, step)).sqrt()
+
+        def direction(m: torch.Tensor, v: torch.Tensor, bias1: torch.Tensor, bias2_sqrt: torch.Tensor) -> torch.Tensor:
             denom = (_opmath(v).sqrt() / bias2_sqrt).add_(eps)
             return (_opmath(m) / bias1).div_(denom).to(m.dtype)
 
-        return optree.tree_map(direction, mu, nu), ScaleByAdamState(count, mu, nu)
+        bias1, bias2_sqrt = biases(count)
+        directions = optree.tree_map(lambda m, v: direction(m, v, bias1, bias2_sqrt), mu, nu)
+        steps = per_param_steps(count, skipped)
+        if steps is not None:  # a parameter that sat steps out has its own, smaller count: its ranges redone with it
+            own = steps.tolist()
+            base = float(count)
+            for d, m, v, ranges in zip(optree.tree_leaves(directions), optree.tree_leaves(mu), optree.tree_leaves(nu),
+                                       param_ranges(updates)):
+                for a, b, i in ranges:
+                    if i >= 0 and own[i] != base:
+                        b1_i, b2_i = biases(steps[i])
+                        d.view(-1)[a:b] = direction(m.reshape(-1)[a:b], v.reshape(-1)[a:b], b1_i, b2_i)
+        return directions, ScaleByAdamState(count, mu, nu, skipped)
 
     return GradientTransformation(init, update)
 
