@@ -11,8 +11,6 @@
 """
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +24,7 @@ from fzero._comm import MeshTimeout, RanksDisagree
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, Problem, fzero_run, reference_run
 from ranks_worker import SEED, dropout_problem, train
+from launch import torchrun
 
 HERE = os.path.dirname(__file__)
 
@@ -155,11 +154,7 @@ def test_evaluate_draws_from_rank_streams_too():
 
 def run_torchrun(tmp_path, case: str, stages: int) -> str:
     out = tmp_path / f"{case}-{stages}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "ranks_worker.py"), "--case", case, "--stages", str(stages), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    torchrun([os.path.join(HERE, "ranks_worker.py"), "--case", case, "--stages", str(stages), "--out", str(out)])
     return str(out)
 
 

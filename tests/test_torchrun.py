@@ -5,14 +5,13 @@ run pins torch to one thread too (DESIGN.md §4). Select with ``-m torchrun``; C
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fzero
 from fzero.testing import assert_trees_equal
+from launch import torchrun
 from problems import PROBLEMS, fzero_run
 
 HERE = os.path.dirname(__file__)
@@ -20,11 +19,7 @@ HERE = os.path.dirname(__file__)
 
 def run_torchrun(tmp_path, problem: str, stages: int, *extra: str) -> dict:
     out = tmp_path / f"{problem}-{stages}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    torchrun([os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra])
     return torch.load(out, weights_only=False)
 
 

@@ -23,8 +23,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import subprocess
-import sys
 from typing import Any, Callable
 
 import pytest
@@ -35,6 +33,7 @@ from torch import nn
 import fzero
 import fzero.optim as fo
 from fzero.testing import assert_trees_equal
+from launch import torchrun
 
 VOCAB, D, STEPS, BATCH, SEQ = 32, 16, 4, 4, 6
 LR = 1e-2
@@ -481,12 +480,7 @@ def test_apply_inplace_with_a_segments_that_skips_leaves_them_alone():
 @pytest.mark.parametrize("stages", [0, 3])
 def test_torchrun_equals_local_mesh(tmp_path, one_thread, stages):
     out = tmp_path / "run.pt"
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           "--worker", "--stages", str(stages), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    torchrun([__file__, "--worker", "--stages", str(stages), "--out", str(out)])
     dist = torch.load(out, weights_only=False)
     local, metrics, _ = run_fzero("net", "adamw", stages=stages, ranks=2)
     for d, l in zip(dist["history"], local):
