@@ -59,7 +59,28 @@ def state_bytes(state: Any) -> dict[str, int]:
     return {"params": _storage_bytes(state.params), "optimizer": _storage_bytes(state.opt_state)}
 
 
-class LiveBytes(TorchDispatchMode):
+class _Tally:
+    """Live and peak bytes over storages, each counted at the size it holds now: stage 3 frees a gathered
+    unit's storage (``resize_(0)``) and refills it while the tensor lives on, so a storage's bytes change."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # storage (its StorageImpl address) -> bytes it holds now
+        self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
+
+    def _set(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes - self._sizes.get(key, 0)
+            self._sizes[key] = nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
+
+
+class LiveBytes(TorchDispatchMode, _Tally):
     """Counts live tensor bytes created under it (this thread only), and their peak.
 
     ``with LiveBytes() as lb: ...`` then ``lb.peak`` and ``lb.live``. Storages that existed before are not
@@ -68,24 +89,11 @@ class LiveBytes(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}  # storage (its StorageImpl address) -> bytes it holds now
-        self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
+        TorchDispatchMode.__init__(self)
+        _Tally.__init__(self)
 
     def reset_peak(self) -> None:
         self.peak = self.live
-
-    def _set(self, key: int, nbytes: int) -> None:
-        with self._lock:
-            self.live += nbytes - self._sizes.get(key, 0)
-            self._sizes[key] = nbytes
-            self.peak = max(self.peak, self.live)
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            self.live -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -99,25 +107,19 @@ class LiveBytes(TorchDispatchMode):
             if nbytes == 0 or key in inputs or key in self._sizes:
                 continue
             self._set(key, nbytes)
-            weakref.finalize(storage, self._free, key)
+            weakref.finalize(storage, self._drop, key)
         return out
 
 
 _local = threading.local()
 
 
-class GatheredBytes:
+class GatheredBytes(_Tally):
     """Live and peak bytes of gathered stage-3 parameter buffers (whole units) in this thread.
 
     ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into;
     the count drops when the buffer is freed. On a ``local_mesh``, enter one per rank with ``rank_context``.
     """
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}  # storage -> bytes it holds now (stage 3 frees and refills storages)
-        self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
 
     def __enter__(self) -> "GatheredBytes":
         self._outer = getattr(_local, "gathered", None)
@@ -126,16 +128,6 @@ class GatheredBytes:
 
     def __exit__(self, *exc: Any) -> None:
         _local.gathered = self._outer
-
-    def _set(self, key: int, nbytes: int) -> None:
-        with self._lock:
-            self.live += nbytes - self._sizes.get(key, 0)
-            self._sizes[key] = nbytes
-            self.peak = max(self.peak, self.live)
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            self.live -= self._sizes.pop(key, 0)
 
 
 def note_gathered(buffer: torch.Tensor) -> torch.Tensor:
