@@ -11,14 +11,16 @@
 * The root unit (parameters outside every unit) is all-gathered once, through the ``AllGather``
   Function whose backward reduce-scatters, and passed to ``functional_call`` on the skeleton. Like
   FSDP2's root module, it stays gathered until backward is done with it.
-* A unit's forward is one autograd Function, ``_UnitForward``: gather the unit's flat shard, run the
-  unit with ``functional_call`` under no_grad, drop the gathered buffer; it saves only its inputs and
-  shard. Its backward is a second Function, ``_UnitBackward``, whose forward re-gathers, recomputes the
-  unit with grad, takes the vector-Jacobian product and reduce-scatters the parameter gradient into
-  the shard gradient. Collectives run only in Function forwards: the pattern that works under
-  ``torch.func`` (DESIGN.md §4), and under plain ``torch.autograd`` alike.
-* Prefetch: the order in which units are gathered is recorded on a step and carried in the state; the
-  next step issues the gather of the next unit asynchronously before it computes the current one.
+* A unit runs once per step, with its graph (``_run_unit``): ``_UnitGather`` gathers it into a buffer and
+  hands the module its params as views of that buffer; after the forward the buffer's storage is freed
+  while the graph keeps the views. ``_RefillBeforeBackward`` on the unit's outputs refills the storage in
+  place (``_Refill``) when the gradient reaches them, and ``_UnitGather``'s backward (``_UnitReduce``)
+  reduce-scatters the unit's gradient and frees the storage again. Collectives run only in Function
+  forwards: the pattern that works under ``torch.func`` (DESIGN.md §4) and plain ``torch.autograd`` alike.
+  ``remat=True`` instead recomputes each unit in backward through ``fzero.remat``.
+* Prefetch (``Schedule``): the order in which units are gathered is recorded on a step and carried in the
+  state; the next step issues the gather of the next unit asynchronously before it computes the current
+  one, in forward and in backward (where it gathers straight into the freed buffer it will refill).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fzero import _tree
+from fzero import _tree, _usage
 from fzero._clone import clone_structure
 from fzero._autograd import AllGather, ReplicatedShardGrad
 from fzero._context import call_module, cast_floating, current_buffers, current_compute_dtype
@@ -245,6 +247,9 @@ class _Call:
     def __init__(self, inner: nn.Module, unit: Unit, params: "ShardedParams") -> None:
         self.inner, self.unit, self.params = inner, unit, params
         self.full: torch.Tensor | None = None
+        # the call keeps its graph (grad enabled, no remat): its buffer waits, freed, for its backward. Decided
+        # before the gather Function runs: inside a Function's forward grad mode is always off.
+        self.keeps_graph = False
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
         self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
         self._bound: Any = None
@@ -253,10 +258,10 @@ class _Call:
     def schedule(self) -> "Schedule":
         return self.params.schedule
 
-    def run(self, full: torch.Tensor, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
-        """The unit's forward on ``full``; ``keep``: hold its tensors for ``bind`` in its backward."""
+    def run(self, views: tuple[torch.Tensor, ...], args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+        """The unit's forward on ``views`` (its params, in slot order); ``keep``: hold its tensors for ``bind`` in its backward."""
         prefix = len(self.unit.name) + 1
-        self.tensors = {path[prefix:]: v for path, v in self.params.layout.unit_views(self.unit, full).items()}
+        self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
         self.tensors.update(self.params.unit_buffers(self.unit))
         self.bind()
         try:
@@ -317,17 +322,19 @@ def _run_unit(inner: nn.Module, unit: Unit, params: "ShardedParams", args: tuple
         from fzero._remat import remat
 
         def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
-            return call.run(_UnitGather.apply(shard, call, False), args, kwargs)
+            return call.run(_UnitGather.apply(shard, call, False, _usage.active(unit)), args, kwargs)
 
         unit_forward.__qualname__ = f"unit {unit.name!r}"
         return remat(unit_forward)(shard, args, kwargs)
-    full = _UnitGather.apply(shard, call, True)
-    out = call.run(full, args, kwargs, keep=torch.is_grad_enabled())
+    call.keeps_graph = torch.is_grad_enabled()
+    views = _UnitGather.apply(shard, call, True, _usage.active(unit))
+    out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
     if not torch.is_grad_enabled():  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()
         return out
-    call.free()
+    if not call.params.schedule.kept(call):
+        call.free()
     return _before_backward(out, call)
 
 
@@ -352,29 +359,43 @@ def _before_backward(out: Any, call: _Call) -> Any:
     wanted = [i for i, t in enumerate(found) if t.requires_grad]
     if not wanted:
         return out
-    passed = _RefillBeforeBackward.apply(call, *[found[i] for i in wanted])
+    copy = not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]])  # plain autograd (see the Function)
+    passed = _RefillBeforeBackward.apply(call, copy, *[found[i] for i in wanted])
     for i, t in zip(wanted, passed):
         found[i] = t
     return rebuild(found)
 
 
 class _UnitGather(torch.autograd.Function):
-    """Forward: the unit's gathered buffer (becomes ``call.full``). Backward: ``_UnitReduce``."""
+    """Forward: gather the unit into a buffer (kept as ``call.full`` when ``free_after``) and return its params,
+    shaped views of that buffer in slot order. Backward: the params' gradients in one flat gradient
+    (``fzero._usage.join``, noting which params got one in ``usage``), reduce-scattered by ``_UnitReduce``.
+
+    One Function does what a gather, a ``split`` and a view per param would: under ``torch.func`` every
+    custom Function and every op on a wrapped tensor costs a layer of Python, paid per unit per step.
+    """
 
     @staticmethod
-    def forward(shard, call, free_after):
+    def forward(shard, call, free_after, usage):
         full = call.schedule.gather(call, shard.detach())  # values only: the gradient is this Function's
         if free_after:
             call.full = full
-        return full
+        return tuple(full.narrow(0, s.offset, s.numel).view(s.shape) for s in call.unit.slots)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.call, ctx.free_after = inputs[1], inputs[2]
+        shard, call, ctx.free_after, usage = inputs
+        ctx.call = call
+        unit = call.unit
+        ctx.sizes = tuple(s.numel for s in unit.slots) + ((unit.padded - unit.numel,) if unit.padded > unit.numel else ())
+        ctx.used = usage.used[unit.name] if usage is not None else None
+        ctx.like = (shard.dtype, shard.device)
+        ctx.set_materialize_grads(False)  # a param that got no gradient arrives as None
 
     @staticmethod
-    def backward(ctx, grad_full):
-        return _UnitReduce.apply(grad_full, ctx.call, ctx.free_after), None, None
+    def backward(ctx, *grads):
+        flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like)
+        return _UnitReduce.apply(flat, ctx.call, ctx.free_after), None, None, None
 
 
 class _UnitReduce(torch.autograd.Function):
@@ -403,15 +424,16 @@ class _UnitReduce(torch.autograd.Function):
 
 
 class _RefillBeforeBackward(torch.autograd.Function):
-    """Forward: the unit's outputs, copied. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
+    """Forward: the unit's outputs. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
 
-    The outputs are copies, not views: a view made by a custom Function cannot be modified in place under
-    plain autograd, and models do that to a block's output (``h = block(h); h.add_(x)``).
+    ``copy``: under plain autograd the outputs are copies, not views: a view made by a custom Function cannot
+    be modified in place there, and models do that to a block's output (``h = block(h); h.add_(x)``). Under
+    ``torch.func`` such a view can be, so no copy is made.
     """
 
     @staticmethod
-    def forward(call, *outs):
-        return tuple(o.clone() for o in outs)
+    def forward(call, copy, *outs):
+        return tuple(o.clone() if copy else o.view_as(o) for o in outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -419,7 +441,7 @@ class _RefillBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_Refill.apply(ctx.call, *grads))
+        return (None, None, *_Refill.apply(ctx.call, *grads))
 
 
 class _Refill(torch.autograd.Function):
@@ -480,11 +502,16 @@ class Schedule:
         if self.following:
             self._issue(0)
 
-    def _issue(self, pos: int) -> None:
+    def _issue(self, pos: int, current: _Call | None = None) -> None:
         if pos >= len(self.order):
             return
         name = self.order[pos]
         unit = self.units[name]
+        if current is not None and current.unit.name == name and current.keeps_graph:
+            # the unit's backward comes right after its forward (the last unit, at the turn): its buffer is
+            # kept rather than freed and gathered again, as FSDP keeps its last layer
+            self.pending[pos] = (name, None, current)
+            return
         waiting = self.waiting.get(name)
         target = waiting[-1] if waiting and waiting[-1].unalloc() else None
         if target is not None:  # a backward refill: into the buffer the graph already points at
@@ -503,6 +530,9 @@ class Schedule:
 
     def _drain(self, extra: list) -> None:
         for _, handle, target in extra + list(self.pending.values()):
+            if handle is None:  # a kept buffer (see ``_issue``): free it as every other
+                target.free()
+                continue
             if target is None:
                 handle.wait()
                 continue
@@ -528,8 +558,8 @@ class Schedule:
                 self._stop_following(ahead)
             full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
             self.comm.all_gather(full, shard, tag="params", label=name)
-        self._after(name, pos)
-        if torch.is_grad_enabled() and not call.params.remat:
+        self._after(name, pos, call)
+        if call.keeps_graph:
             self.waiting.setdefault(name, []).append(call)
             self.calls.append(call)
         return full
@@ -542,7 +572,9 @@ class Schedule:
         if call in calls:
             calls.remove(call)
         full = call.full
-        if self.following and ahead is not None and ahead[0] == name and ahead[2] in (call, None):
+        if self.following and ahead is not None and ahead[1] is None and ahead[2] is call and not call.unalloc():
+            pass  # kept since its forward (see ``_issue``)
+        elif self.following and ahead is not None and ahead[0] == name and ahead[2] in (call, None):
             with _same_version(full), torch.no_grad():
                 got = ahead[1].wait()
                 if ahead[2] is None:  # gathered ahead while the forward still used this buffer: copy it in
@@ -556,11 +588,15 @@ class Schedule:
                 self.comm.all_gather(out, self.shards[name], tag="params", label=name)
         self._after(name, pos)
 
-    def _after(self, name: str, pos: int) -> None:
+    def _after(self, name: str, pos: int, current: _Call | None = None) -> None:
         if self.release is not None:
             self.release(self.shards[name])
         if self.following:
-            self._issue(pos + 1)
+            self._issue(pos + 1, current)
+
+    def kept(self, call: _Call) -> bool:
+        """Whether ``call``'s buffer stays gathered after its forward, for its backward next (see ``_issue``)."""
+        return any(handle is None and target is call for _, handle, target in self.pending.values())
 
     def finish(self) -> tuple[str, ...]:
         """Complete what is still in flight and free every buffer; the order this step took."""

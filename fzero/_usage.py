@@ -66,17 +66,42 @@ def recording(layout: "Layout") -> Iterator[Usage]:
         _local.usage = previous
 
 
+def active(unit: "Unit") -> Usage | None:
+    """The record that gradients into ``unit`` should note, or None (not recording, or no gradient being built)."""
+    usage = getattr(_local, "usage", None)
+    if usage is None or not torch.is_grad_enabled() or unit.name not in usage.used:
+        return None
+    return usage
+
+
 def split(flat: torch.Tensor, unit: "Unit") -> tuple[torch.Tensor, ...]:
     """``flat`` cut into ``unit``'s slots (and its padding, last), 1-D views; recorded while a step records."""
     sizes = [s.numel for s in unit.slots]
     pad = unit.padded - unit.numel
     if pad:
         sizes.append(pad)
-    usage = getattr(_local, "usage", None)
-    if usage is None or not torch.is_grad_enabled() or unit.name not in usage.used:
+    usage = active(unit)
+    if usage is None:
         return torch.split(flat, sizes)
     # the record itself, not its list, is the argument: torch.func rebuilds list arguments (a copy would be written)
     return _RecordedSplit.apply(flat, tuple(sizes), usage, unit.name)
+
+
+def join(grads: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], used: list[bool] | None,
+         like: tuple[torch.dtype, torch.device]) -> torch.Tensor:
+    """The flat gradient of a split: ``grads`` (None where a piece got none: zeros) in one ``cat``, noting in
+    ``used`` which pieces got one. ``sizes`` may be longer than ``grads`` (trailing pieces without a view: zeros)."""
+    present = next((g for g in grads if g is not None), None)
+    parts = []
+    for i, n in enumerate(sizes):
+        g = grads[i] if i < len(grads) else None
+        if g is None:
+            parts.append(present.new_zeros(n) if present is not None else torch.zeros(n, dtype=like[0], device=like[1]))
+        else:
+            if used is not None and i < len(used):  # the last piece may be the padding, which is no parameter
+                used[i] = True
+            parts.append(g.reshape(-1))
+    return torch.cat(parts)
 
 
 class _RecordedSplit(torch.autograd.Function):
@@ -95,14 +120,4 @@ class _RecordedSplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        used = ctx.used
-        present = next((g for g in grads if g is not None), None)
-        parts = []
-        for i, (g, n) in enumerate(zip(grads, ctx.sizes)):
-            if g is None:
-                parts.append(present.new_zeros(n) if present is not None else torch.zeros(n, dtype=ctx.like[0], device=ctx.like[1]))
-            else:
-                if i < len(used):  # the last output may be the padding, which is no parameter
-                    used[i] = True
-                parts.append(g.reshape(-1))
-        return torch.cat(parts), None, None, None
+        return join(grads, ctx.sizes, ctx.used, ctx.like), None, None, None

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
 from fzero.memory import LiveBytes
@@ -241,3 +242,51 @@ def test_activations_are_kept_as_in_a_plain_step_and_remat_brings_them_down():
     assert peaks["stage3"] > activations  # the graph keeps them, as at stage 0
     assert peaks["stage3"] == pytest.approx(peaks["stage0"], rel=0.15)
     assert peaks["remat"] < 0.5 * peaks["stage3"]
+
+
+class _UnitSizedCopies(TorchDispatchMode):
+    """Counts ``copy_`` calls that write a whole unit buffer at once."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].numel() == self.numel:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_backward_prefetch_gathers_straight_into_the_buffer_it_refills():
+    """On two ranks a gather writes each rank's half, so a unit-sized copy would be a prefetched unit copied into
+    the buffer its graph points at: none is made. Every refill is gathered straight into its freed buffer, and
+    the last unit, whose backward comes right after its forward, keeps its buffer: one gather fewer per step."""
+    torch.manual_seed(0)
+    model = _Deep(depth=6, width=64)
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    unit = 2 * (64 * 64 + 64)
+    xs = torch.randn(3, 32, 64)
+    plain = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), mesh=fzero.local_mesh(2))
+    state = plain.init(fzero.params_of(model))
+    for x in xs:
+        state, _ = plain(state, x)
+    expected = plain.gather(state)
+    for prefetch, copies, gathers in ((True, 0, 2 * 6 - 1), (False, 0, 2 * 6)):
+        modes, counter = {}, fzero.Counter()
+        mesh = dataclasses.replace(fzero.local_mesh(2), counter=counter,
+                                   rank_context=lambda r: modes.setdefault(r, _UnitSizedCopies(unit)))
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=3, mesh=mesh, prefetch=prefetch)
+        state = step.init(fzero.params_of(model))
+        for i, x in enumerate(xs):
+            before = modes[0].count if modes else 0
+            counter.reset()
+            state, _ = step(state, x)
+            if i:  # the first step records the order: prefetch starts with the next
+                assert modes[0].count - before == copies
+                units = [c for c in counter.calls if c.rank == 0 and c.op == "all_gather" and c.tag == "params"
+                         and str(c.label).startswith("blocks.")]
+                assert len(units) == gathers, (prefetch, [c.label for c in units])
+        assert_trees_equal(step.gather(state), expected)
