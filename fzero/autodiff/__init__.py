@@ -1,0 +1,1 @@
+"""Differentiation: the gradient of one micro-batch and rematerialisation."""

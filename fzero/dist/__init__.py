@@ -1,0 +1,1 @@
+"""Meshes, collectives and per-rank randomness."""

@@ -1,0 +1,1 @@
+"""How a params pytree maps to flat unit buffers, shards and per-parameter segments."""

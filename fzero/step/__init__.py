@@ -1,0 +1,1 @@
+"""The pure train step: state, one rank's program, the gradient and the update."""
