@@ -61,7 +61,7 @@ import time
 import torch
 
 import fzero
-from fzero._offload import NoSegments, OffloadPolicy, disk_update, init_disk
+from fzero.zero._offload import NoSegments, OffloadPolicy, disk_update, init_disk
 
 ADAMW_BYTES = 28  # fp32: read p, g, m, v; write p, m, v
 

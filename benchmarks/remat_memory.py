@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import fzero
-from fzero._remat import remat
+from fzero.autodiff._remat import remat
 from fzero.memory import LiveBytes
 from fzero.models import GPT, GPTConfig, gpt_loss, num_params
 

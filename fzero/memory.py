@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fzero import _tree
-from fzero._offload import is_file_backed
+from fzero.layout import _tree
+from fzero.zero._offload import is_file_backed
 
 
 def zero_model_state_bytes(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fzero
-from fzero._offload import DiskOptState
+from fzero.zero._offload import DiskOptState
 from fzero.memory import LiveBytes, state_bytes
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, mlp_problem

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fzero
-from fzero._layout import SHARD_ALIGN
+from fzero.layout._layout import SHARD_ALIGN
 from fzero.memory import GatheredBytes, state_bytes, zero_model_state_bytes
 from fzero.models import GPT, GPTConfig, gpt_loss
 from fzero.testing import assert_trees_close, assert_trees_equal

@@ -1,6 +1,6 @@
 """The gradient of one micro-batch: ``loss_fn`` differentiated with respect to the flat unit inputs,
 by ``torch.func.grad`` or plain autograd, with the loss and aux it returned and the buffers its forward
-left (see ``fzero._buffers``)."""
+left (see ``fzero.step._buffers``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Callable
 import optree
 import torch
 
-from fzero._buffers import Buffers, lift_for
-from fzero._context import step_buffers, step_scope
+from fzero.step._buffers import Buffers, lift_for
+from fzero.step._context import step_buffers, step_scope
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,

@@ -2,7 +2,7 @@
 
 ``torch.utils.checkpoint`` and ``torch.autograd.graph.save_on_cpu`` are built on saved-tensor hooks,
 which ``torch.func.grad``/``vjp`` disable, so both raise there (DESIGN.md §4). ``remat`` is the recompute
-pattern of stage 3's units (``fzero._sharded``) on its own, for any function:
+pattern of stage 3's units (``fzero.zero._sharded``) on its own, for any function:
 
 * ``_RematForward`` runs ``fn`` under ``no_grad``; what backward keeps is ``fn``'s tensor inputs (or, with
   ``offload="cpu"``, host copies of them), the RNG states and the autocast state. None of ``fn``'s
@@ -28,9 +28,9 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
-from fzero import _tree
-from fzero._context import outside_step_scope
-from fzero._sharded import ShardedParams, UnitParams
+from fzero.layout import _tree
+from fzero.step._context import outside_step_scope
+from fzero.zero._sharded import ShardedParams, UnitParams
 
 __all__ = ["remat"]
 
@@ -158,13 +158,13 @@ class _RngState:
     """The CPU RNG state this thread draws from, and that of each CUDA device among the inputs, replayed by
     the recompute.
 
-    The CPU state is read and replayed through ``fzero._rng``: in a rank thread of a ``local_mesh`` that is
+    The CPU state is read and replayed through ``fzero.dist._rng``: in a rank thread of a ``local_mesh`` that is
     the rank's own stream (as in a torchrun process), never the global generator the rank threads share,
     so the recompute draws the mask this rank's forward drew, and no other rank's draws move it.
     """
 
     def __init__(self, tensors) -> None:
-        from fzero import _rng
+        from fzero.dist import _rng
 
         self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                             for t in tensors if t.device.type == "cuda"})
@@ -173,7 +173,7 @@ class _RngState:
 
     @contextlib.contextmanager
     def replay(self):
-        from fzero import _rng
+        from fzero.dist import _rng
 
         # As fork_rng: every generator is put back afterwards, so the recompute does not advance them.
         cuda_now = [torch.cuda.get_rng_state(d) for d in self.cuda]

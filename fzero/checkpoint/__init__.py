@@ -36,22 +36,18 @@ import os
 import re
 import shutil
 import sys
-import warnings
 from typing import Any
 
 import torch
 
-from fzero import _checkpoint_dcp as _dcp
-from fzero import _tree
-from fzero._checkpoint_dcp import CheckpointError
-from fzero._checkpoint_state import check_fits, dests, describe, entries, pieces, with_saved_buffers
-from fzero._offload import DiskOptState
-from fzero._state import RankStates, TrainState, is_donated
+from fzero.checkpoint import _dcp as _dcp
+from fzero.layout import _tree
+from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._state import check_fits, dests, describe, entries, pieces, with_saved_buffers
+from fzero.zero._offload import DiskOptState
+from fzero.step._state import RankStates, TrainState, is_donated
 
 __all__ = ["CheckpointError", "consolidate", "latest", "load", "read_extra", "save", "step_dir"]
-
-if sys.argv[:1] == ["-m"]:  # `python -m fzero.checkpoint`: `import fzero` imported this module before runpy runs it
-    warnings.filterwarnings("ignore", message="'fzero.checkpoint' found in sys.modules", category=RuntimeWarning)
 
 FORMAT, VERSION = "fzero.checkpoint", 1
 INFO, MARKER = "fzero.json", "COMPLETE"
@@ -323,7 +319,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> Tra
 
 
 def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState | RankStates:
-    from fzero._step import Step
+    from fzero.step._step import Step
 
     if isinstance(like, Step):
         if info["params_tree"] != "dict":
@@ -440,7 +436,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

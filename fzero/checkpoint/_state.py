@@ -23,12 +23,12 @@ from typing import Any, Iterator
 import optree
 import torch
 
-from fzero import _tree
-from fzero._checkpoint_dcp import CheckpointError, Dest, Piece
-from fzero._layout import Unit
-from fzero._offload import DiskOptState
-from fzero._state import TrainState
-from fzero._update import MasterState
+from fzero.layout import _tree
+from fzero.checkpoint._dcp import CheckpointError, Dest, Piece
+from fzero.layout._layout import Unit
+from fzero.zero._offload import DiskOptState
+from fzero.step._state import TrainState
+from fzero.step._update import MasterState
 
 PARAM = "param"  # an optimizer-state entry shaped like the params (one tensor per unit)
 TENSOR = "tensor"  # any other optimizer-state tensor

@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fzero import optim
-from fzero._config_schema import (  # noqa: F401 - the tables the reader walks
+from fzero.config._schema import (  # noqa: F401 - the tables the reader walks
     M,
     _Mapped,
     _NoEffect,
@@ -54,7 +54,7 @@ from fzero._config_schema import (  # noqa: F401 - the tables the reader walks
     _UNSUPPORTED_OPTIMIZERS,
     _Unsupported,
 )
-from fzero._precision import DynamicLossScale, Precision, StaticLossScale, policy
+from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale, policy
 
 __all__ = ["AUTO_RULES", "Settings", "from_deepspeed"]
 

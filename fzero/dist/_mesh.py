@@ -3,8 +3,8 @@
 - ``local_mesh(n)``: n ranks simulated in this process, one thread per rank (DESIGN.md §2). For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
-  stream, a copy of the process's generator at the start of the call (``fzero._rng``), and every
-  collective is matched across ranks (``fzero._comm``), so a simulated mesh equals n ``torchrun``
+  stream, a copy of the process's generator at the start of the call (``fzero.dist._rng``), and every
+  collective is matched across ranks (``fzero.dist._comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
   (gloo on CPU, NCCL on CUDA). Each process passes its own batch.
@@ -23,8 +23,8 @@ import os
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
-from fzero._comm import Counter, DistComm, RanksDisagree, Rendezvous, ThreadComm
-from fzero._rng import own_stream, rank_streams
+from fzero.dist._comm import Counter, DistComm, RanksDisagree, Rendezvous, ThreadComm
+from fzero.dist._rng import own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -42,7 +42,7 @@ class LocalMesh:
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global
         CPU generator; afterwards the global generator holds rank 0's final state, as if this process
-        were rank 0 of a torchrun job (``fzero._rng``). A single rank runs in the caller's thread on the
+        were rank 0 of a torchrun job (``fzero.dist._rng``). A single rank runs in the caller's thread on the
         global generator itself, as plain PyTorch does.
 
         If a rank raises, the others are released from the barrier and the first real error is re-raised
@@ -91,7 +91,7 @@ class LocalMesh:
 
 def _is_secondary(e: BaseException) -> bool:
     """A rank released from the barrier because another rank failed: not the root cause."""
-    from fzero._comm import MeshTimeout
+    from fzero.dist._comm import MeshTimeout
 
     return isinstance(e, MeshTimeout)
 

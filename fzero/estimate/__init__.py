@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from fzero._estimate import CATEGORIES, MemoryEstimate, estimate_memory
+from fzero.estimate._estimate import CATEGORIES, MemoryEstimate, estimate_memory
 
 __all__ = ["CHOICES", "MODELS", "estimate_memory", "main", "table"]
 
@@ -81,7 +81,3 @@ def main(argv: list[str] | None = None) -> list[MemoryEstimate]:
     if args.model is None:
         print("(a count has no units: the stage-3 gathered units and the step's transients need --model)")
     return estimates
-
-
-if __name__ == "__main__":
-    main()

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero import _tree
-from fzero._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
-from fzero._offload import DEFAULT_SUB_GROUP, KINDS
-from fzero._precision import policy
-from fzero._units import by_container_child, by_prefixes
+from fzero.layout import _tree
+from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
+from fzero.zero._offload import DEFAULT_SUB_GROUP, KINDS
+from fzero.step._precision import policy
+from fzero.layout._units import by_container_child, by_prefixes
 
 API = "fzero.estimate_memory"
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "transient")

@@ -8,7 +8,7 @@ rank's shard has the same length, a multiple of ``SHARD_ALIGN`` (ceil-padded: th
 One buffer per unit means one collective per unit (bucketing), and unflattening is one
 ``torch.split`` per unit: its backward is a single ``cat``, so the gradient of a unit arrives as one
 flat tensor without a full-size zero buffer per parameter. (During a step the split also records which
-params got a gradient at all: ``fzero._usage``.)
+params got a gradient at all: ``fzero.step._usage``.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fzero import _tree, _usage
+from fzero.layout import _tree
+from fzero.step import _usage
 
 DEFAULT_UNIT_ELEMENTS = 1 << 24  # 16 Mi elements (64 MiB in fp32): a few collectives per step for a 200M model
 # Every shard starts and ends on a multiple of this many elements (256 bytes in fp32). Element-wise CPU
@@ -106,7 +107,7 @@ class Layout:
 
     def unit_views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{path: view}`` of one unit's whole buffer (differentiable through one ``split``; while a step
-        records usage, a split that notes which params get a gradient: see ``fzero._usage``)."""
+        records usage, a split that notes which params get a gradient: see ``fzero.step._usage``)."""
         pieces = _usage.split(flat, unit)
         return {s.path: p.view(s.shape) for p, s in zip(pieces, unit.slots)}
 

@@ -7,7 +7,7 @@ belongs to, sums squares per segment over the part this rank holds, and all-redu
 when the parameter is spread over ranks. Segments are contiguous ranges, so nothing per element is
 stored: the expansion back to element shape is one ``repeat_interleave``.
 
-It also carries the step's ``active`` mask (``fzero._usage``: the parameters some rank used), indexed by
+It also carries the step's ``active`` mask (``fzero.step._usage``: the parameters some rank used), indexed by
 the parameter's position in the user's params pytree (``Layout.order``), so per-parameter optimizer state
 (Adam's skip counts) means the same at every stage and world size. ``sub_group`` narrows it to a range of
 one unit, for disk offload's sub-group updates.
@@ -20,7 +20,7 @@ from typing import Any
 import optree
 import torch
 
-from fzero._layout import Layout
+from fzero.layout._layout import Layout
 
 
 class LayoutSegments:
@@ -101,7 +101,7 @@ class SubGroupSegments:
         self.parent, self.unit, self.start, self.stop = parent, unit, start, stop
 
     def sumsq(self, tree: Any) -> Any:
-        from fzero._offload import NoSegments
+        from fzero.zero._offload import NoSegments
 
         return NoSegments().sumsq(tree)
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 from torch import nn
 
-from fzero._layout import ROOT
+from fzero.layout._layout import ROOT
 
 
 def by_container_child(path: str) -> str:

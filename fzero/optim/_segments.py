@@ -16,7 +16,7 @@ around the optimizer call with ``use_segments`` (thread-local: a local mesh runs
 A ``Segments`` may also say which parameters take this step (optional methods; without them every
 parameter does). torch.optim skips a parameter whose ``grad`` is None: no decay, no moment update, and its
 own step count (Adam's ``state["step"]``) does not advance. The train step knows which parameters got no
-gradient (``fzero._usage``) and says so through three methods:
+gradient (``fzero.step._usage``) and says so through three methods:
 
 - ``param_count(tree)``: P, the number of parameters the leaves hold parts of (over all ranks);
 - ``param_ranges(tree)``: for each leaf (in ``optree.tree_leaves`` order), its element ranges

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from fzero import _tree
+from fzero.layout import _tree
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:

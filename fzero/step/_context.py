@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero._clone import clone_structure
+from fzero.layout._clone import clone_structure
 
 _local = threading.local()
 
@@ -103,7 +103,7 @@ def outside_step_scope() -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_buffers(bank: Any) -> Iterator[None]:
-    """Within a step's forward: the ``fzero._buffers.Buffers`` bank that ``fzero.apply`` runs modules with."""
+    """Within a step's forward: the ``fzero.step._buffers.Buffers`` bank that ``fzero.apply`` runs modules with."""
     with _set("buffers", bank):
         yield
 

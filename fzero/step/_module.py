@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
-from fzero._sharded import UnitParams, apply_units
+from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
+from fzero.zero._sharded import UnitParams, apply_units
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -43,9 +43,9 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         return apply_units(module, params, args, kwargs)  # builds its own per-rank skeleton
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
-    target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero._context)
+    target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
     bank = current_buffers()
-    if bank is not None:  # in a step: the state's buffers, never the module's (see fzero._buffers)
+    if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._buffers)
         params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
         extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}

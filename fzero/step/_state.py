@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from fzero import _tree
-from fzero._layout import Layout
+from fzero.layout import _tree
+from fzero.layout._layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class TrainState:
       rng: reserved for RNG state (None until then).
       meta: static layout facts (not a leaf).
       buffers: dict buffer name -> tensor: the module's persistent buffers (BatchNorm statistics, ...), whole on
-        every rank, as the forward left them; adopted from the module at the first step (see ``fzero._buffers``).
+        every rank, as the forward left them; adopted from the module at the first step (see ``fzero.step._buffers``).
     """
 
     params: Any

@@ -20,22 +20,22 @@ import optree
 import torch
 from torch import nn
 
-from fzero import _tree
-from fzero._comm import Rendezvous, ThreadComm
-from fzero._buffers import Buffers, broadcast_buffers
-from fzero._context import compute_dtype, simulated_rank, step_buffers
-from fzero._layout import DEFAULT_UNIT_ELEMENTS, Layout, Slot, build_layout
-from fzero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
-from fzero._units import by_container_child, by_prefixes, check_units_exist
-from fzero._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
-from fzero._precision import Precision, init_loss_scale, policy
-from fzero._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
-from fzero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
-from fzero._update import MasterState, current_lr, finish, owned
-from fzero._batch import split_batch, split_micro
-from fzero._gradient import gradient, split_loss
-from fzero._segments import LayoutSegments
-from fzero._usage import recording
+from fzero.layout import _tree
+from fzero.dist._comm import Rendezvous, ThreadComm
+from fzero.step._buffers import Buffers, broadcast_buffers
+from fzero.step._context import compute_dtype, simulated_rank, step_buffers
+from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, Layout, Slot, build_layout
+from fzero.zero._sharded import ReplicatedParams, Schedule, ShardedParams, UnitParams
+from fzero.layout._units import by_container_child, by_prefixes, check_units_exist
+from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.step._precision import Precision, init_loss_scale, policy
+from fzero.step._state import RankStates, StateMeta, TrainState, is_donated, mark_donated
+from fzero.zero._offload import DiskOptState, OffloadPolicy, gather_master, init_disk
+from fzero.step._update import MasterState, current_lr, finish, owned
+from fzero.step._batch import split_batch, split_micro
+from fzero.autodiff._gradient import gradient, split_loss
+from fzero.layout._segments import LayoutSegments
+from fzero.step._usage import recording
 from fzero.optim._segments import use_segments
 
 STAGE_NAMES = {0: "stage 0 (replicated, like DDP)", 1: "stage 1 (ZeRO-1)", 2: "stage 2 (ZeRO-2)", 3: "stage 3 (ZeRO-3)"}
@@ -78,7 +78,7 @@ class Step:
         may pass meta params without it: rank 0's values are broadcast to them.
 
         ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
-        from the start. Without it the first step adopts them from the module it runs (see ``fzero._buffers``).
+        from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._buffers``).
         """
         buffers = _checked_buffers(buffers)
         if materialize is not None and not callable(materialize):

@@ -4,7 +4,7 @@ Per rank: sum the gradient over ranks (all-reduce at stage 0, reduce-scatter at 
 arrive reduced), average it over ranks and micro-batches and unscale it, take the global norm, decide
 on overflow from that norm (summed over ranks, so every rank decides alike), clip, run the optimizer
 on what this rank owns (fp32 master weights when the policy keeps them), and all-gather the params
-back at stages 1-2. A param that no rank's gradient used (``fzero._usage``; torch's ``grad is None``)
+back at stages 1-2. A param that no rank's gradient used (``fzero.step._usage``; torch's ``grad is None``)
 skips the optimizer: the ``active`` mask travels to it through ``LayoutSegments``.
 """
 
@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fzero._layout import Layout
-from fzero._precision import StaticLossScale, next_loss_scale
-from fzero._offload import DiskOptState, disk_update, to_host
-from fzero._segments import LayoutSegments
-from fzero._usage import Usage
+from fzero.layout._layout import Layout
+from fzero.step._precision import StaticLossScale, next_loss_scale
+from fzero.zero._offload import DiskOptState, disk_update, to_host
+from fzero.layout._segments import LayoutSegments
+from fzero.step._usage import Usage
 
 
 class MasterState(NamedTuple):
@@ -60,7 +60,7 @@ def current_lr(optimizer: Any, step: int) -> float:
 def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
            usage: Usage | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
-    gradients used (``fzero._usage``); None: all of them."""
+    gradients used (``fzero.step._usage``); None: all of them."""
     from fzero.optim import apply_inplace
     from fzero.optim._segments import use_segments
 

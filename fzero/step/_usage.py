@@ -15,7 +15,7 @@ nothing used arrives as ``None``, and it notes which views got one. A unit whose
 stage-3 unit never called) or whose backward never ran has no parameter used. The record is kept per rank
 and ORed over micro-batches; ``_update.finish`` ORs it over ranks in the step's metrics all-reduce (DDP's
 ``find_unused_parameters``: a parameter any rank used gets the averaged gradient; one no rank used keeps
-``grad=None``) and the optimizer skips what is left unused (``fzero.optim`` and ``fzero._segments``).
+``grad=None``) and the optimizer skips what is left unused (``fzero.optim`` and ``fzero.layout._segments``).
 
 The Function is new-style (``forward`` without ctx, ``setup_context``), so it works under ``torch.func.grad``
 and plain autograd alike (DESIGN.md §4). Its outputs are views of its input, as ``split``'s are: at stage 3
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 if TYPE_CHECKING:
-    from fzero._layout import Layout, Unit
+    from fzero.layout._layout import Layout, Unit
 
 _local = threading.local()  # a local mesh runs its ranks as threads: one record per rank thread
 

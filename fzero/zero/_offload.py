@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fzero._layout import SHARD_ALIGN
+from fzero.layout._layout import SHARD_ALIGN
 
 KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
 DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)

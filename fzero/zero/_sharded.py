@@ -33,11 +33,12 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fzero import _tree, _usage
-from fzero._clone import clone_structure
-from fzero._autograd import AllGather, ReplicatedShardGrad
-from fzero._context import call_module, cast_floating, current_buffers, current_compute_dtype
-from fzero._layout import ROOT, Layout, Unit
+from fzero.layout import _tree
+from fzero.step import _usage
+from fzero.layout._clone import clone_structure
+from fzero.dist._autograd import AllGather, ReplicatedShardGrad
+from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype
+from fzero.layout._layout import ROOT, Layout, Unit
 from fzero.memory import note_gathered, note_resized
 
 
@@ -58,7 +59,7 @@ class UnitParams(Mapping):
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[str, dict[str, torch.Tensor]] = {}
         self._skeletons: dict[int, nn.Module] = {}
-        self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero._buffers)
+        self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._buffers)
 
     def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The step's buffers inside ``unit``, by name relative to it."""
@@ -319,7 +320,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: "ShardedParams", args: tuple
     call = _Call(inner, unit, params)
     shard = params.inputs[unit.name]
     if params.remat and torch.is_grad_enabled():
-        from fzero._remat import remat
+        from fzero.autodiff._remat import remat
 
         def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
             return call.run(_UnitGather.apply(shard, call, False, _usage.active(unit)), args, kwargs)
@@ -369,7 +370,7 @@ def _before_backward(out: Any, call: _Call) -> Any:
 class _UnitGather(torch.autograd.Function):
     """Forward: gather the unit into a buffer (kept as ``call.full`` when ``free_after``) and return its params,
     shaped views of that buffer in slot order. Backward: the params' gradients in one flat gradient
-    (``fzero._usage.join``, noting which params got one in ``usage``), reduce-scattered by ``_UnitReduce``.
+    (``fzero.step._usage.join``, noting which params got one in ``usage``), reduce-scattered by ``_UnitReduce``.
 
     One Function does what a gather, a ``split`` and a view per param would: under ``torch.func`` every
     custom Function and every op on a wrapped tensor costs a layer of Python, paid per unit per step.

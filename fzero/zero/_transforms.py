@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from fzero._mesh import DistMesh, LocalMesh, Mesh
-from fzero._step import STAGE_NAMES, Step
-from fzero._offload import DEFAULT_SUB_GROUP, make_policy
-from fzero._units import by_prefixes
+from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
+from fzero.step._step import STAGE_NAMES, Step
+from fzero.zero._offload import DEFAULT_SUB_GROUP, make_policy
+from fzero.layout._units import by_prefixes
 
 
 def _check_step(step: object, api: str) -> Step:
