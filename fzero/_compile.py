@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from fzero.zero import _rules
 from fzero.zero._offload import DEFAULT_SUB_GROUP
 from fzero.step._precision import Precision
 from fzero.step._step import Step, check_details, train_step
@@ -44,18 +45,17 @@ def compile(  # noqa: A001 - the public name is the design's
     """
     from fzero import optim
 
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= 3:
-        raise ValueError(f"fzero.compile: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
+    _rules.check_stage(stages, api="fzero.compile")
     if config is not None:  # a DeepSpeed config: its settings, and the keywords given here win over them
         from fzero.config import merge_with_keywords
 
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
     units = details.pop("units", None)
     stage3 = {k: details.pop(k) for k in ("prefetch", "remat") if k in details}
-    if units is not None and stages < 2:
-        raise ValueError(f"fzero.compile: units only apply at stages=2 or 3 (units by module), but stages={stages}.")
-    if stage3 and stages != 3:
-        raise ValueError(f"fzero.compile: {', '.join(stage3)} only applies at stages=3 (sharded params), but stages={stages}.")
+    _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3], api="fzero.compile")
+    if offload is None:  # the stage rules of offload itself are fzero.offload's to check, below
+        _rules.check_offload(stages, None, offload_params or offload_dir is not None, api="fzero.compile",
+                             params_key="offload_params/offload_dir")
     check_details(details, api="fzero.compile")
     step = train_step(
         loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, precision=precision,
@@ -69,6 +69,4 @@ def compile(  # noqa: A001 - the public name is the design's
         step = shard_params(step, **stage3)
     if offload is not None:
         step = _offload(step, offload, params=offload_params, dir=offload_dir, sub_group_size=sub_group_size)
-    elif offload_params or offload_dir is not None:
-        raise ValueError(f"fzero.compile: offload_params/offload_dir need offload='cpu' or 'disk', but offload=None.")
     return step
