@@ -20,26 +20,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fzero.estimate._formula import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
 from fzero.layout import _tree
 from fzero.zero._offload import is_file_backed
-
-
-def zero_model_state_bytes(
-    num_params: int, *, stage: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8
-) -> dict[str, float]:
-    """Per-rank bytes of params, grads and optimizer state that ZeRO stage ``stage`` holds."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"fzero.memory.zero_model_state_bytes: stage must be 0, 1, 2 or 3, got {stage!r}.")
-    if world_size < 1:
-        raise ValueError(f"fzero.memory.zero_model_state_bytes: world_size must be >= 1, got {world_size!r}.")
-    psi, n = float(num_params), world_size
-    out = {
-        "params": psi * param_bytes / (n if stage >= 3 else 1),
-        "grads": psi * grad_bytes / (n if stage >= 2 else 1),
-        "optimizer": psi * optimizer_bytes / (n if stage >= 1 else 1),
-    }
-    out["total"] = sum(out.values())
-    return out
 
 
 def _storage_bytes(tensors: Any) -> int:

@@ -20,15 +20,13 @@ import argparse
 import torch
 
 from fzero.estimate._estimate import CATEGORIES, MemoryEstimate, estimate_memory
+from fzero.zero import _rules
 
 __all__ = ["CHOICES", "MODELS", "estimate_memory", "main", "table"]
 
 UNITS = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}
 MODELS = ("gpt-tiny", "gpt-small", "gpt-218m")
-# (stage, offload, offload_params): every combination fzero.compile accepts
-CHOICES = ((0, None, False), (1, None, False), (1, "cpu", False), (1, "nvme", False), (2, None, False), (2, "cpu", False),
-           (2, "nvme", False), (3, None, False), (3, "cpu", False), (3, "cpu", True), (3, "nvme", False),
-           (3, "nvme", True))
+CHOICES = _rules.combinations()  # (stage, offload, offload_params): every combination fzero.compile accepts
 
 
 def _model(name: str) -> torch.nn.Module:

@@ -35,6 +35,8 @@ from torch import nn
 
 from fzero.layout import _tree
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
+from fzero.estimate._formula import per_rank
+from fzero.zero import _rules
 from fzero.zero._offload import DEFAULT_SUB_GROUP, KINDS
 from fzero.step._precision import policy
 from fzero.layout._units import by_container_child, by_prefixes
@@ -135,16 +137,12 @@ def estimate_memory(
     ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, with either offload). ``units``, ``unit_elements`` and
     ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload.
     """
-    if isinstance(stages, bool) or stages not in (0, 1, 2, 3):
-        raise ValueError(f"{API}: stages must be 0, 1, 2 or 3 (the ZeRO stage), got {stages!r}.")
+    _rules.check_stage(stages, api=API)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{API}: world_size must be an int >= 1, got {world_size!r}.")
     if offload is not None and offload not in KINDS:
         raise ValueError(f"{API}: offload must be None or one of {sorted(KINDS)}, got {offload!r}.")
-    if offload is not None and stages == 0:
-        raise ValueError(f"{API}: offload needs stages >= 1 (each rank offloads its shard of the optimizer state), as fzero.offload does.")
-    if offload_params and (stages != 3 or offload is None):
-        raise ValueError(f"{API}: offload_params=True needs stages=3 and an offload ('cpu' or 'disk'), got stages={stages}, offload={offload!r}.")
+    _rules.check_offload(stages, offload, offload_params, api=API)
     prec = policy(precision, api=API)
     p_bytes = torch.empty((), dtype=prec.compute).element_size()
     state_dtype = torch.float32 if prec.has_master else prec.compute
@@ -162,13 +160,11 @@ def estimate_memory(
         others = sorted((p for name, _, p in sizes if name != ROOT), reverse=True) + [0, 0]
         root = next((p for name, _, p in sizes if name == ROOT), 0)
         largest, second, n_units = others[0], others[1], len(sizes)
-        if stages <= 1:  # size buckets: no root unit, the largest bucket is the largest unit
+        if _rules.accepts("unit_elements", stages):  # size buckets: no root unit, the largest bucket is the largest unit
             largest = max(p for _, _, p in sizes)
 
-    params_e = numel / n if stages == 3 else numel  # elements held, per rank
-    grads_e = numel / n if stages >= 2 else numel
-    owned_e = numel if stages == 0 else numel / n
-    gathered = p_bytes * (largest + (second if prefetch else 0) + root) if stages == 3 else 0.0
+    params_e, grads_e, owned_e = per_rank(numel, stage=stages, world_size=n)  # elements held per rank; owned: optimizer's
+    gathered = p_bytes * (largest + (second if prefetch else 0) + root) if _rules.sharded("params", stages) else 0.0
     backward_extra = p_bytes * largest * {0: 1, 1: 1, 2: 2, 3: 1}[stages]
     opt_grad = 4 * owned_e  # the optimizer's fp32 gradient of what this rank owns
 
@@ -242,7 +238,7 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
         raise TypeError(f"{API}: expected an nn.Module with trainable parameters, a params pytree of tensors, or a count; "
                         f"got {type(source).__name__}.")
     paths, leaves = [k for k, _ in named], [t for _, t in named]
-    if stages <= 1:
+    if _rules.accepts("unit_elements", stages):  # flat buffers by size; else units are modules
         groups = _by_size(paths, leaves, unit_elements)
     else:
         unit_of = by_container_child if units is None else by_prefixes(units, api=API)
