@@ -4,7 +4,7 @@
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
   stream, a copy of the process's generator at the start of the call (``fzero.dist._rng``), and every
-  collective is matched across ranks (``fzero.dist._comm``), so a simulated mesh equals n ``torchrun``
+  collective is matched across ranks (``fzero.dist._thread_comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
   (gloo on CPU, NCCL on CUDA). Each process passes its own batch.
@@ -23,7 +23,8 @@ import os
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
-from fzero.dist._comm import Counter, DistComm, RanksDisagree, Rendezvous, ThreadComm
+from fzero.dist._comm import Counter, MeshTimeout, RanksDisagree
+from fzero.dist._thread_comm import Rendezvous, ThreadComm
 from fzero.dist._rng import own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -91,8 +92,6 @@ class LocalMesh:
 
 def _is_secondary(e: BaseException) -> bool:
     """A rank released from the barrier because another rank failed: not the root cause."""
-    from fzero.dist._comm import MeshTimeout
-
     return isinstance(e, MeshTimeout)
 
 
@@ -105,6 +104,8 @@ class DistMesh:
 
     def comm(self):
         import torch.distributed as dist
+
+        from fzero.dist._dist_comm import DistComm
 
         return DistComm(self.rank, self.size, dist.group.WORLD, self.counter)
 
@@ -162,7 +163,7 @@ def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int) 
     """What every rank of one job must share, as (name, value) pairs in the order a difference is reported.
 
     Ranks that differ in any of these would issue collectives of different units or sizes, or pair
-    unrelated buffers of the same padded size and train silently wrong; ``Comm.agree`` compares them once.
+    unrelated buffers of the same padded size and train silently wrong; a comm's ``agree`` compares them once.
     """
     fields: list[tuple[str, Any]] = [
         ("the ZeRO stage", stage), ("the precision", precision), ("grad_accum", grad_accum),
