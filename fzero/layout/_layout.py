@@ -82,10 +82,6 @@ class Layout:
         return [s.path for u in self.units for s in u.slots]
 
     # -- packing -----------------------------------------------------------------------------------
-    def pack(self, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Copy ``leaves`` (pytree order) into fresh padded flat buffers, one per unit (in ``dtype`` if given)."""
-        return {unit.name: self.pack_unit(unit, leaves, dtype=dtype) for unit in self.units}
-
     def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One unit's fresh padded flat buffer from ``leaves`` (pytree order); a meta leaf leaves zeros (a rank
         that receives rank 0's values by broadcast)."""
@@ -174,7 +170,7 @@ def build_layout(
         quantum = world_size * SHARD_ALIGN
         padded = math.ceil(offset / quantum) * quantum
         units.append(Unit(name, tuple(slots), offset, padded, dtype or leaves[idx[0]].dtype))
-    # pack() and unpack() walk units in order and expect pytree leaf order: keep leaves sorted by unit
+    # pack_unit() and unpack() walk units in order and expect pytree leaf order: keep leaves sorted by unit
     order = [i for _, idx in groups for i in idx]
     return Layout(spec, tuple(units), world_size, tuple(order))
 

@@ -64,15 +64,6 @@ def tree_leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
-def is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def replace(obj: Any, **changes: Any) -> Any:
-    """``dataclasses.replace``, named here so call sites read as the pure update they are."""
-    return dataclasses.replace(obj, **changes)
-
-
 def tensors_and_rebuild(obj: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
     """The tensors inside ``obj`` and a function that rebuilds ``obj`` with replacements for them.
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, check_float, check_learning_rate
+from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, Schedule, check_float, check_learning_rate
 from fzero.optim._segments import active_params, param_count, param_ranges
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
