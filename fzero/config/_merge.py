@@ -1,0 +1,64 @@
+"""``fzero.compile(config=...)``: the config's settings under the keywords given to ``compile``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from fzero.config._read import read_config
+from fzero.config._settings import Settings
+from fzero.config._values import dtype_name
+
+_RESOLVE_ONLY = ("learning_rate", "betas", "eps", "weight_decay", "batch_size", "total_steps", "warmup_steps", "hidden_size")
+
+
+def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``fzero.compile``'s keywords with the config's settings filled in: what ``compile(config=...)`` runs.
+
+    ``arguments``: compile's own arguments (``locals()``). A keyword whose value differs from compile's default
+    wins over the config; it also resolves a matching ``"auto"`` (``precision``, ``grad_accum``,
+    ``clip_grad_norm``). The ``from_deepspeed`` resolve keywords (``learning_rate``, ``total_steps``, ...) may be
+    passed to compile too. ``config`` may be a path, a dict, or ``Settings`` from ``from_deepspeed``.
+    """
+    params = inspect.signature(compile_fn).parameters
+    details = dict(arguments.get("details") or {})
+    explicit = {k: arguments[k] for k, p in params.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "config" and k in arguments
+                and not _same(arguments[k], p.default)}
+    mesh = arguments.get("mesh")
+    world = 1 if mesh is None else getattr(mesh, "size", None)
+    resolve = {k: details.pop(k) for k in _RESOLVE_ONLY if k in details}
+    if isinstance(config, Settings):
+        if resolve:
+            raise TypeError(f"fzero.compile: {', '.join(resolve)} resolve \"auto\" in a config file or dict; these Settings "
+                            f"are already resolved. Pass them to fzero.config.from_deepspeed instead.")
+        settings = config
+    else:
+        overriding = {k: explicit[k] for k in ("precision", "grad_accum", "clip_grad_norm") if k in explicit}
+        settings, ctx = read_config(config, {**resolve, **overriding}, world)
+        unused = sorted(set(resolve) - ctx.used)
+        if unused:
+            raise ValueError(f"fzero.compile: {', '.join(f'{k}=' for k in unused)} given, but the config has no \"auto\" "
+                             f"that it resolves. Drop it.")
+    if settings.world_size is not None and world is not None and settings.world_size != world:
+        raise ValueError(f"fzero.compile: the config's settings were checked for world_size={settings.world_size}, but the "
+                         f"mesh has {world} ranks. Read the config again with world_size={world}.")
+    named = explicit.get("precision")
+    if isinstance(named, str) and named in ("fp32", "bf16", "fp16") and named == dtype_name(settings.precision.compute):
+        del explicit["precision"]  # the same dtype: keep the config's policy (its loss scale, its reduce dtype)
+    stages = explicit.get("stages", settings.stages)
+    out = settings.compile_kwargs(stages)
+    if "offload" in out and "offload_params" not in params:
+        raise NotImplementedError("fzero.compile: the config offloads (zero_optimization.offload_optimizer), and this "
+                                  "fzero.compile has no offload settings yet.")
+    out.update(explicit)  # the keywords given win
+    out.update(details)
+    out["mesh"] = mesh
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # noqa: BLE001 - tensors and other values without a plain ==
+        return False
