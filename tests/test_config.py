@@ -153,7 +153,7 @@ def with_(**changes):
     (with_(fp16={"enabled": True}, bf16={"enabled": True}), r"fp16.enabled and bf16.enabled are both true"),
     (with_(zero_optimization__offload_optimizer={"device": "nvme"}), r"device is \"nvme\" but nvme_path is missing"),
     (with_(zero_optimization__offload_param={"device": "cpu"}, zero_optimization__offload_optimizer={"device": "cpu"}),
-     r"offload_param needs stage 3.*stage is 2"),
+     r"zero_optimization.offload_param needs zero_optimization.stage=3.*but zero_optimization.stage=2"),
 ])
 def test_config_errors_name_the_key_and_the_fix(cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,4 @@
-"""The mapping from a checked DeepSpeed config to ``Settings``: stage, precision, batch sizes, clipping, offload, hints."""
+"""A checked DeepSpeed config mapped to ``Settings``: stage, precision, batch sizes, clipping, offload, hints."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from fzero.config._optimizer import build_optimizer
 from fzero.config._settings import Settings
 from fzero.config._values import API, UNSET, Ctx, as_bool, as_float, as_int, dtype_name
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
+from fzero.zero import _rules
 
 
 def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Settings:
     zero = cfg.get("zero_optimization") or {}
     stages = as_int("zero_optimization.stage", zero.get("stage", 0))
-    if stages > 3:
-        raise ValueError(f"{API}: zero_optimization.stage must be 0, 1, 2 or 3, got {stages}.")
+    _rules.check_stage(stages, api=API, stage_key="zero_optimization.stage")
     precision = _precision(cfg, ctx)
     grad_accum, micro, total = _batch(cfg, ctx, world_size)
     clip = _clip(cfg, ctx)
@@ -162,11 +162,11 @@ def _offload(zero: dict, stages: int, ctx: Ctx) -> dict[str, Any]:
         if block.get("device", "none") not in devices:
             raise ValueError(f"{API}: zero_optimization.{name}.device must be one of {devices}, got {json.dumps(block.get('device'))}.")
     where, pwhere = opt.get("device", "none"), par.get("device", "none")
+    given = {setting: f"zero_optimization.{key}" for setting, key, device in
+             (("offload", "offload_optimizer", where), ("offload_params", "offload_param", pwhere)) if device != "none"}
+    _rules.check_settings(stages, given, api=API, stage_key="zero_optimization.stage")
     out: dict[str, Any] = {"offload": None, "offload_params": False, "offload_dir": None, "sub_group_size": None}
     if pwhere != "none":
-        if stages != 3:
-            raise ValueError(f"{API}: zero_optimization.offload_param needs stage 3 (param shards exist only there), "
-                             f"but stage is {stages}; drop offload_param or use stage 3.")
         if where == "none":
             raise NotImplementedError(f"{API}: offload_param without offload_optimizer (params on the host, optimizer on "
                                       f"the device) is not in fzero. Add \"offload_optimizer\": {{\"device\": \"{pwhere}\"}}.")
@@ -185,9 +185,6 @@ def _offload(zero: dict, stages: int, ctx: Ctx) -> dict[str, Any]:
         if "sub_group_size" in zero:
             ctx.notes.append(f"zero_optimization.sub_group_size={json.dumps(zero['sub_group_size'])}: accepted, no effect here: it sizes offloaded optimizer updates, and nothing is offloaded.")
         return out
-    if stages == 0:
-        raise ValueError(f"{API}: zero_optimization.offload_optimizer needs stage 1, 2 or 3 (each rank offloads its shard "
-                         f"of the optimizer state), but stage is 0.")
     out["offload"], out["offload_params"] = where, pwhere != "none"
     if where == "nvme":
         if not opt.get("nvme_path") and par.get("nvme_path"):  # the param block's path serves both
@@ -217,7 +214,7 @@ def _hints(zero: dict, stages: int, ctx: Ctx) -> tuple[int | None, bool | None]:
     buckets = {k: as_int(f"zero_optimization.{k}", zero[k], low=1) for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zero}
     # one flat buffer is both the reduction bucket and (stage 1) the all-gather bucket: the smaller bounds both
     unit_elements = min(buckets.values()) if buckets else None
-    if buckets and stages >= 2:
+    if buckets and not _rules.accepts("unit_elements", stages):
         ctx.notes.append(f"zero_optimization.{'/'.join(buckets)}: no effect at stage {stages} (units are modules there; "
                          f"units=); at stages 0-1 it would set unit_elements={unit_elements}.")
     size_key = next((k for k in ("stage3_prefetch_bucket_size", "prefetch_bucket_size") if k in zero), None)
@@ -226,7 +223,7 @@ def _hints(zero: dict, stages: int, ctx: Ctx) -> tuple[int | None, bool | None]:
     prefetch = None
     if size is not None or overlap is not None:
         prefetch = size != 0 and overlap is not False  # either one switches prefetching off, as in DeepSpeed
-        if stages != 3:
+        if not _rules.accepts("prefetch", stages):
             given = ", ".join(f"{k}={json.dumps(v)}" for k, v in ((size_key, size), ("overlap_comm", overlap)) if v is not None)
             ctx.notes.append(f"zero_optimization.{given}: no effect at stage {stages}: it sets fzero's prefetch, at stage 3 "
                              f"(stages 0-2 run their collectives in order).")

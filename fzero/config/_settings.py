@@ -9,6 +9,7 @@ import torch
 
 from fzero.config._values import dtype_name
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
+from fzero.zero import _rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +61,14 @@ class Settings:
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer
         if self.offload is not None:  # param shards exist at stage 3 only: below it, only the optimizer is offloaded
-            out.update(offload=self.offload, offload_params=self.offload_params and stages == 3)
+            out.update(offload=self.offload, offload_params=self.offload_params and _rules.accepts("offload_params", stages))
             if self.offload_dir is not None:
                 out["offload_dir"] = self.offload_dir
             if self.sub_group_size is not None:
                 out["sub_group_size"] = self.sub_group_size
-        if self.unit_elements is not None and stages <= 1:
+        if self.unit_elements is not None and _rules.accepts("unit_elements", stages):
             out["unit_elements"] = self.unit_elements
-        if self.prefetch is not None and stages == 3:
+        if self.prefetch is not None and _rules.accepts("prefetch", stages):
             out["prefetch"] = self.prefetch
         return out
 
