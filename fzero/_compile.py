@@ -34,14 +34,14 @@ def compile(  # noqa: A001 - the public name is the design's
     step; ``clip_grad_norm``: clip the global gradient norm (see ``train_step``). ``offload``: "cpu" or
     "disk"/"nvme" with ``offload_dir`` and ``sub_group_size``; ``offload_params`` (stage 3) — see
     ``fzero.offload``. Details (keyword):
-    ``unit_elements``, ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
+    ``unit_elements`` (stages 0-1), ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
     ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` and ``remat`` (see ``shard_params``).
 
     ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
     settings); keywords given explicitly win over it (see ``fzero.config``).
 
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
-    so, never a silent fallback.
+    so, never a silent fallback. Which stage accepts which setting is ``fzero/zero/_rules.py``.
     """
     from fzero import optim
 
