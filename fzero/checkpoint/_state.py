@@ -12,7 +12,7 @@ Keys (every per-parameter tensor is 1-D, the parameter flattened; its shape is i
 A rank of a layout owns the window ``[r*S, (r+1)*S)`` of each unit's padded flat buffer (S = padded/N).
 Whatever it holds of a unit (the whole buffer, or only the shard) it *writes* that window: the windows
 of the N ranks cover every parameter element once. It *reads* everything it holds. Both are, per
-parameter, one contiguous range of the flattened parameter: a DCP chunk (see ``_checkpoint_dcp``).
+parameter, one contiguous range of the flattened parameter: a DCP chunk (see ``fzero.checkpoint._dcp``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Any, Iterator
 
 import optree
 import torch
+import torch.distributed as dist
 
 from fzero.layout import _tree
 from fzero.checkpoint._dcp import CheckpointError, Dest, Piece
 from fzero.layout._layout import Unit
 from fzero.zero._offload import DiskOptState
-from fzero.step._state import TrainState
+from fzero.step._state import RankStates, TrainState, is_donated
 from fzero.step._update import MasterState
 
 PARAM = "param"  # an optimizer-state entry shaped like the params (one tensor per unit)
@@ -293,3 +294,31 @@ def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
             continue  # saved before per-parameter skip counts existed: the state's zeros are right
         out.append(Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
     return out
+
+
+# -- which rank states this process holds ----------------------------------------------------------------
+
+
+def held(state: Any, api: str) -> tuple[list[TrainState], bool]:
+    """The rank states this process holds, and whether they are one rank of a torch.distributed job."""
+    if is_donated(state):
+        raise ValueError(f"{api}: this state was passed to a step, which reused its buffers; save the state that step returned.")
+    if isinstance(state, RankStates):
+        return list(state.states), False
+    if not isinstance(state, TrainState) or state.meta is None:
+        raise TypeError(f"{api}: expected a TrainState or RankStates from Step.init or a step, got {type(state).__name__}.")
+    n, rank = state.meta.world_size, state.meta.rank
+    if n == 1:
+        return [state], False
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != n or dist.get_rank() != rank:
+        raise ValueError(
+            f"{api}: this TrainState is rank {rank} of {n}, but this process is not rank {rank} of a {n}-process "
+            f"torch.distributed job. Under fzero.local_mesh pass the whole RankStates (all ranks' states); under torchrun "
+            f"call it on every rank with that rank's state."
+        )
+    return [state], True
+
+
+def which_process(distributed: bool) -> tuple[int, int]:
+    """This process's rank and the number of processes that write (or read) the checkpoint together."""
+    return (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)

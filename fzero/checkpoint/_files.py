@@ -1,0 +1,147 @@
+"""A checkpoint on disk: the directory's files, finding the newest complete one, checking it, publishing it atomically.
+
+A checkpoint directory holds DCP's files, ``fzero.json`` (``INFO``: what the state was) and, written last, the
+marker ``COMPLETE`` (``MARKER``: the size of every file). A save writes into ``.<name>.partial`` and
+``publish`` renames it into place (swapping out an existing checkpoint atomically where Linux can).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from fzero.checkpoint._dcp import CheckpointError
+
+FORMAT, VERSION = "fzero.checkpoint", 1
+INFO, MARKER = "fzero.json", "COMPLETE"
+STEP_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir(step: int) -> str:
+    """The name ``save(..., keep=K)`` gives the checkpoint of ``step`` inside its parent directory."""
+    return f"step_{step:08d}"
+
+
+def refuse_to_clobber(final: str, keep: int | None, api: str) -> None:
+    if not os.path.lexists(final):
+        return
+    if not os.path.isdir(final):
+        raise CheckpointError(f"{api}: {final} exists and is not a directory; refusing to replace it. Pick another path.")
+    entries_ = os.listdir(final)
+    if not entries_ or INFO in entries_ or ".metadata" in entries_:
+        return  # an empty directory, or an (even incomplete) checkpoint: replaced
+    hint = " It holds step_* checkpoints: pass keep=K to save into it." if keep is None and any(STEP_NAME.match(e) for e in entries_) else ""
+    raise CheckpointError(f"{api}: {final} exists and is not an fzero checkpoint; refusing to replace it.{hint}")
+
+
+def write_synced(file: str, data: bytes) -> None:
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(partial: str, final: str) -> None:
+    """Move the finished ``partial`` to ``final``: a rename, or an atomic swap with the checkpoint already there."""
+    if not os.path.lexists(final):
+        os.rename(partial, final)
+    else:
+        if _exchange(partial, final):
+            old = partial  # now holds the previous checkpoint
+        else:  # no atomic swap here: a crash between the two renames leaves the old one at .<name>.old
+            old = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(os.path.dirname(final))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def prune(parent: str, keep: int) -> None:
+    """Keep the ``keep`` newest complete ``step_*`` checkpoints in ``parent``; remove older ones and leftovers."""
+    for e in _complete_steps(parent)[:-keep]:
+        shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
+    for e in os.listdir(parent):  # partial saves of steps that are complete now, or long gone
+        if e.startswith(".step_") and e.endswith((".partial", ".old")):
+            shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _complete_steps(parent: str) -> list[str]:
+    """The names of the complete ``step_*`` checkpoints in ``parent``, oldest step first."""
+    done = sorted((int(m.group(1)), e) for e in os.listdir(parent) if (m := STEP_NAME.match(e)) and is_complete(os.path.join(parent, e)))
+    return [e for _, e in done]
+
+
+def latest(path: str | os.PathLike) -> str | None:
+    """The newest complete ``step_*`` checkpoint in ``path`` (or ``path`` itself if it is one); None if there is none."""
+    path = os.path.abspath(os.fspath(path))
+    if is_complete(path):
+        return path
+    if not os.path.isdir(path):
+        return None
+    done = _complete_steps(path)
+    return os.path.join(path, done[-1]) if done else None
+
+
+def open_checkpoint(path: str | os.PathLike, api: str) -> tuple[str, dict[str, Any]]:
+    """The complete checkpoint at ``path`` (or the newest in it) and its ``fzero.json``, after checking its files."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{api}: no checkpoint at {path} (it does not exist).")
+    found = latest(path)
+    if found is None:
+        if os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(os.path.join(path, INFO)):
+            raise CheckpointError(f"{api}: {path} is incomplete: it has no {MARKER} marker (the save was interrupted, or is still running).")
+        raise CheckpointError(f"{api}: {path} is neither a checkpoint nor a directory holding complete step_* checkpoints.")
+    try:
+        with open(os.path.join(found, MARKER), "rb") as f:
+            files = json.loads(f.read())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{api}: {found}/{MARKER} is corrupted ({type(e).__name__}: {e}).") from None
+    for name, size in files.items():
+        file = os.path.join(found, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{api}: {found} is damaged: the file {name} is missing.")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"{api}: {found} is damaged: {name} has {os.path.getsize(file)} bytes, {size} were written (truncated or changed).")
+    try:
+        with open(os.path.join(found, INFO), "rb") as f:
+            info = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{api}: {found}/{INFO} is missing or corrupted ({type(e).__name__}: {e}).") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("version"), int):
+        raise CheckpointError(f"{api}: {found}/{INFO} is not an fzero checkpoint description.")
+    if info["version"] > VERSION:
+        raise CheckpointError(f"{api}: {found} has format version {info['version']}; this fzero reads up to {VERSION}. Upgrade fzero.")
+    return found, info
+
+
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` given to ``save`` (None if none) of the checkpoint at ``path`` (or the newest in it)."""
+    return open_checkpoint(path, "fzero.checkpoint.read_extra")[1]["extra"]

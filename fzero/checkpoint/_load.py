@@ -1,0 +1,84 @@
+"""``fzero.checkpoint.load``: every rank reads what it will hold, for any stage, world size and mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from fzero.checkpoint import _dcp
+from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._files import open_checkpoint
+from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers
+from fzero.layout import _tree
+from fzero.step._state import RankStates, TrainState
+from fzero.zero._offload import DiskOptState
+
+
+def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> TrainState | RankStates:
+    """The state saved at ``path`` (a checkpoint, or a ``keep=`` parent: its newest), laid out for ``like``.
+
+    ``like``: the ``Step`` to resume with (its stage, mesh, precision and optimizer; the params pytree is
+    rebuilt from the saved names and shapes, which needs a flat dict of names such as ``fzero.params_of``
+    gives), or a state from that step's ``init`` (any params pytree; only its structure is used, and the
+    checkpoint must hold exactly its parameters: pass ``step.init(fzero.params_of(model))`` to have a
+    checkpoint checked against a model). Any stage and world size load any other. The torch CPU RNG is restored when the job has as many processes as the one that
+    saved (``restore_rng=False``: left alone). Under torchrun every rank calls it. ``read_extra`` gives ``extra``.
+    """
+    api = "fzero.checkpoint.load"
+    found, info = open_checkpoint(path, api)
+    metadata = _dcp.read_metadata(found)
+    target = _with_buffers(_target(like, info, found, api), info)
+    states, distributed = held(target, api)
+    ents = [entries(s, api=api) for s in states]
+    check_fits(found, info, states[0], ents[0], api=api)
+    process, processes = which_process(distributed)
+    rng = torch.empty(0, dtype=torch.uint8)
+    todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
+    if restore_rng and processes == info["processes"]:
+        rng = torch.empty(metadata.state_dict_metadata[f"rng/{process}"].size, dtype=torch.uint8)
+        todo.append(_dcp.Dest(f"rng/{process}", (0,), tuple(rng.shape), torch.uint8, view=rng))
+    _dcp.load(found, metadata, todo)
+    if rng.numel():
+        torch.set_rng_state(rng)
+    return _with_gather_order(target, info)
+
+
+def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState | RankStates:
+    from fzero.step._step import Step
+
+    if isinstance(like, Step):
+        if info["params_tree"] != "dict":
+            raise CheckpointError(
+                f"{api}: {path} was saved from a params pytree that is not a flat dict ({info['params_tree']}), which "
+                f"like=step cannot rebuild. Pass like=step.init(params) with your params pytree instead."
+            )
+        params = {p["name"]: torch.zeros(p["shape"], dtype=torch.float32) for p in info["params"]}
+        return like.init(params)
+    if isinstance(like, (TrainState, RankStates)):
+        first = like.states[0] if isinstance(like, RankStates) else like
+        if isinstance(first.opt_state, DiskOptState):
+            raise TypeError(f"{api}: like is a disk-offloaded state, whose files a copy would share; pass like=step instead.")
+        return _tree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, like)
+    raise TypeError(f"{api}: like must be the Step to resume with, or a TrainState/RankStates from its init; got {type(like).__name__}.")
+
+
+def _with_buffers(state: Any, info: dict[str, Any]) -> Any:
+    if isinstance(state, RankStates):
+        return RankStates(tuple(with_saved_buffers(s, info) for s in state.states))
+    return with_saved_buffers(state, info)
+
+
+def _with_gather_order(state: Any, info: dict[str, Any]) -> Any:
+    """Stage 3: keep the saved order of unit gathers (prefetch) when the units are the same."""
+    order = tuple(info.get("gather_order") or ())
+    first = state.states[0] if isinstance(state, RankStates) else state
+    if not order or first.meta.stage != 3 or not set(order) <= {u.name for u in first.meta.layout.units}:
+        return state
+
+    def fix(s: TrainState) -> TrainState:
+        return dataclasses.replace(s, meta=dataclasses.replace(s.meta, gather_order=order))
+
+    return RankStates(tuple(fix(s) for s in state.states)) if isinstance(state, RankStates) else fix(state)

@@ -1,0 +1,92 @@
+"""``fzero.checkpoint.save``: every rank writes the windows it owns, rank 0 completes and publishes the directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fzero.checkpoint import _dcp
+from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._files import FORMAT, INFO, MARKER, VERSION, fsync_dir, is_complete, prune, publish, refuse_to_clobber, step_dir, write_synced
+from fzero.checkpoint._state import describe, entries, held, pieces, which_process
+from fzero.step._state import RankStates, TrainState
+
+
+def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any = None, keep: int | None = None) -> str:
+    """Save ``state`` (a ``TrainState``, or a local mesh's ``RankStates``) and return the checkpoint directory.
+
+    ``keep=None``: ``path`` is the checkpoint (an existing checkpoint there is replaced atomically).
+    ``keep=K``: ``path`` is a parent directory; the checkpoint is ``path/step_<step:08d>`` and only the K
+    newest complete ones are kept. ``extra``: anything JSON can hold (e.g. the data loader's position),
+    returned by ``read_extra``. Under torchrun every rank calls ``save`` with its own state.
+    """
+    api = "fzero.checkpoint.save"
+    states, distributed = held(state, api)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"{api}: keep must be None (path is the checkpoint) or an int >= 1 (checkpoints to keep in path), got {keep!r}.")
+    try:
+        extra_json = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{api}: extra must be JSON data (dicts, lists, str, int, float, bool, None); {e}.") from None
+    path = os.path.abspath(os.fspath(path))
+    if keep is not None and is_complete(path):
+        raise ValueError(f"{api}: {path} is a checkpoint itself; keep=K saves step_* checkpoints into a parent directory. Pass its parent.")
+    step = states[0].step_count
+    final = path if keep is None else os.path.join(path, step_dir(step))
+    parent, name = os.path.split(final)
+    partial = os.path.join(parent, f".{name}.partial")
+    process, processes = which_process(distributed)
+    ents = [entries(s, api=api) for s in states]
+    info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
+            **describe(states[0], ents[0]), "extra": extra_json}
+    todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
+    todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
+
+    def prepare() -> None:
+        refuse_to_clobber(final, keep, api)
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a save that died before
+        os.makedirs(partial)
+
+    _on_rank0(prepare, distributed, f"{api}: preparing {partial}")
+    _dcp.save(partial, todo, distributed=distributed)
+
+    def finish() -> None:
+        write_synced(os.path.join(partial, INFO), json.dumps(info, indent=1).encode())
+        files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        write_synced(os.path.join(partial, MARKER), json.dumps({"files": files}, indent=1).encode())  # last: the checkpoint is complete
+        fsync_dir(partial)
+        publish(partial, final)
+        if keep is not None:
+            prune(path, keep)
+
+    _on_rank0(finish, distributed, f"{api}: completing {final}")
+    return final
+
+
+def _whole(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, lambda: t
+
+
+def _on_rank0(fn: Any, distributed: bool, what: str) -> None:
+    """Run ``fn`` on rank 0 only; under torchrun every rank learns whether it worked (and none hangs if not)."""
+    error: Exception | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+            error = e
+    if distributed:
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag)
+        if error is None and int(flag):
+            raise CheckpointError(f"{what} failed on rank 0 (see its error).")
+    if isinstance(error, OSError):
+        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from None
+    if error is not None:
+        raise error
