@@ -1,41 +1,54 @@
 """fzero: DeepSpeed's ZeRO as pure transforms of a functional train step, on ``torch.func``.
 
-Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params`` (and, next, ``offload``)
-are pure functions from a step to a step, lowered to the collectives of a mesh.
+Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params``/``offload`` are pure
+functions from a step to a step, lowered to the collectives of a mesh. ``compile`` composes them.
+
+The names below are the public API (DESIGN.md, "The contract", plus the policy and mesh types users pass
+around). The subpackages users reach as attributes (``fzero.optim``, ``fzero.checkpoint``, ``fzero.config``,
+``fzero.estimate``, ``fzero.memory``, ``fzero.models``, ``fzero.data``, ``fzero.testing``) are imported on
+first use, so ``import fzero`` does not pay for torch.distributed.checkpoint or the config reader.
 """
 
-from fzero import checkpoint, memory, optim, testing
-from fzero import config  # DeepSpeed config files: fzero.config.from_deepspeed
-from fzero.dist._comm import Call, Counter, MeshTimeout
+import importlib
+import warnings
+from typing import Any
+
 from fzero._compile import compile
-from fzero.estimate._estimate import MemoryEstimate, estimate_memory
+from fzero.autodiff._remat import remat
+from fzero.dist._comm import MeshTimeout
 from fzero.dist._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
+from fzero.estimate._estimate import MemoryEstimate, estimate_memory
+from fzero.layout._units import units_of
 from fzero.step._buffers import buffers_of
 from fzero.step._module import apply, params_of
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
-from fzero.autodiff._remat import remat
-from fzero.zero._sharded import ReplicatedParams, ShardedParams, UnitParams
-from fzero.step._state import RankStates, TrainState
+from fzero.step._state import TrainState
 from fzero.step._step import Step, train_step
-from fzero.layout._units import units_of
 from fzero.zero._transforms import offload, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("checkpoint", "config", "data", "estimate", "memory", "models", "optim", "testing")
+
+# Internals that fzero used to export: still reachable as fzero.<name>, with a DeprecationWarning that says
+# where the object lives and what users reach it through.
+_INTERNAL = {
+    "Call": ("fzero.dist._comm", "a collective as recorded in fzero.count_collectives(mesh).counter.calls"),
+    "Counter": ("fzero.dist._comm", "get a mesh's counter as fzero.count_collectives(mesh).counter"),
+    "RankStates": ("fzero.step._state", "the state of a step on fzero.local_mesh(n); state[r] is rank r's TrainState"),
+    "ReplicatedParams": ("fzero.zero._sharded", "the params fzero.apply receives inside a step; step.gather(state) gives the full params"),
+    "ShardedParams": ("fzero.zero._sharded", "the params fzero.apply receives inside a step; step.gather(state) gives the full params"),
+    "UnitParams": ("fzero.zero._sharded", "the params fzero.apply receives inside a step; step.gather(state) gives the full params"),
+}
+
 __all__ = [
-    "Call",
-    "Counter",
     "DistMesh",
     "DynamicLossScale",
     "LocalMesh",
     "MemoryEstimate",
     "MeshTimeout",
     "Precision",
-    "RankStates",
-    "ReplicatedParams",
-    "ShardedParams",
     "StaticLossScale",
-    "UnitParams",
     "Step",
     "TrainState",
     "apply",
@@ -44,10 +57,13 @@ __all__ = [
     "compile",
     "config",
     "count_collectives",
+    "data",
     "dist_mesh",
+    "estimate",
     "estimate_memory",
     "local_mesh",
     "memory",
+    "models",
     "offload",
     "optim",
     "params_of",
@@ -59,3 +75,22 @@ __all__ = [
     "train_step",
     "units_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fzero.{name}")  # also binds it here, so this runs once per name
+    if name in _INTERNAL:
+        module, use = _INTERNAL[name]
+        warnings.warn(
+            f"fzero.{name} is internal and no longer exported from fzero ({use}). "
+            f"If you need the class itself, import it from {module}: `from {module} import {name}`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'fzero' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fzero  # noqa: E402
+from fzero.step._state import RankStates  # noqa: E402
 from problems import B1, B2, EPS, LR, PROBLEMS, WD  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def crash(args) -> None:
     step, params = crash_step()
     state = step.init(params)
     for k in range(1, 10_000):
-        state = fzero.RankStates(tuple(dataclasses.replace(s, step=torch.tensor(k)) for s in state.states))
+        state = RankStates(tuple(dataclasses.replace(s, step=torch.tensor(k)) for s in state.states))
         fzero.checkpoint.save(args.save, state, extra={"k": k}, keep=2 if args.keep else None)
         print(k, flush=True)
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import fzero
 from fzero.dist._comm import MeshTimeout, RanksDisagree
+from fzero.step._state import RankStates
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, Problem, fzero_run, reference_run
 from ranks_worker import SEED, dropout_problem, train
@@ -270,7 +271,7 @@ def test_ranks_with_different_models_raise_on_local_mesh(stages):
 
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(2))
     states = [step.init(fzero.params_of(m)) for m in models]
-    state = fzero.RankStates((states[0][0], states[1][1]))
+    state = RankStates((states[0][0], states[1][1]))
     batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 4)}
     # params are packed in sorted name order: the bias comes first
     message = r"fzero.Step.__call__: ranks disagree on the shape of 'blocks.0.lin.bias': rank 0 has \(8,\), rank 1 has \(16,\)\. Every rank must build the same model"

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
+from fzero.dist._comm import Counter
 from fzero.memory import LiveBytes
 from fzero.testing import assert_trees_equal
 
@@ -275,7 +276,7 @@ def test_a_backward_prefetch_gathers_straight_into_the_buffer_it_refills():
         state, _ = plain(state, x)
     expected = plain.gather(state)
     for prefetch, copies, gathers in ((True, 0, 2 * 6 - 1), (False, 0, 2 * 6)):
-        modes, counter = {}, fzero.Counter()
+        modes, counter = {}, Counter()
         mesh = dataclasses.replace(fzero.local_mesh(2), counter=counter,
                                    rank_context=lambda r: modes.setdefault(r, _UnitSizedCopies(unit)))
         step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=3, mesh=mesh, prefetch=prefetch)

@@ -32,6 +32,7 @@ from torch import nn
 
 import fzero
 import fzero.optim as fo
+from fzero.step._state import RankStates
 from fzero.testing import assert_trees_equal
 from launch import torchrun
 
@@ -420,7 +421,7 @@ def test_a_checkpoint_from_before_skip_counts_loads_with_zeros(tmp_path):
     step = fzero.compile(lambda p, b: net_loss(lambda *a, **k: fzero.apply(model, p, *a, **k), b),
                          optimizer=fo.adamw(LR), stages=1, mesh=fzero.local_mesh(2))
     state = step.init(fzero.params_of(model))
-    old = fzero.RankStates(tuple(dataclasses.replace(s, opt_state=(s.opt_state[0]._replace(skipped=None),) + s.opt_state[1:])
+    old = RankStates(tuple(dataclasses.replace(s, opt_state=(s.opt_state[0]._replace(skipped=None),) + s.opt_state[1:])
                                  for s in state.states))
     path = fzero.checkpoint.save(tmp_path / "old", old)
     loaded = fzero.checkpoint.load(path, like=step)
