@@ -28,7 +28,7 @@ import torch
 
 from fzero.optim._base import GradientTransformation, LearningRate, chain, check_float, check_learning_rate
 from fzero.optim._segments import active_params, current_segments, param_ranges, per_element
-from fzero.optim._transforms import _common_device, init_skipped, per_param_steps, scale_by_learning_rate, skipped_after
+from fzero.optim._transforms import common_device, init_skipped, per_param_steps, scale_by_learning_rate, skipped_after
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -60,7 +60,7 @@ def scale_by_lamb(
     b1, b2, eps, weight_decay, max_coeff, min_coeff = _lamb_settings(api, b1, b2, eps, weight_decay, max_coeff, min_coeff)
 
     def init(params: Any) -> ScaleByLambState:
-        count = torch.zeros((), dtype=torch.float32, device=_common_device(params))
+        count = torch.zeros((), dtype=torch.float32, device=common_device(params))
         zeros = lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format)  # noqa: E731
         return ScaleByLambState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params), init_skipped(params))
 

@@ -51,7 +51,7 @@ class ScaleByScheduleState(NamedTuple):
 
 def init_skipped(params: Any) -> torch.Tensor:
     """Zero skip counts, one per parameter of ``params`` as the current ``Segments`` counts them."""
-    return torch.zeros(param_count(params), dtype=torch.float32, device=_common_device(params))
+    return torch.zeros(param_count(params), dtype=torch.float32, device=common_device(params))
 
 
 def skipped_after(api: str, skipped: torch.Tensor | None, active: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,7 +89,7 @@ def per_param_steps(count: torch.Tensor, skipped: torch.Tensor | None) -> torch.
     return (count - skipped).clamp(min=1)
 
 
-def _common_device(params: Any) -> torch.device:
+def common_device(params: Any) -> torch.device:
     devices = {t.device for t in optree.tree_leaves(params) if isinstance(t, torch.Tensor)}
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
@@ -112,7 +112,7 @@ def scale_by_adam(b1: float | Schedule = 0.9, b2: float = 0.999, eps: float = 1e
     eps = check_float(api, "eps", eps, low=0.0, hint=" Typical: eps=1e-8.")
 
     def init(params: Any) -> ScaleByAdamState:
-        count = torch.zeros((), dtype=torch.float32, device=_common_device(params))
+        count = torch.zeros((), dtype=torch.float32, device=common_device(params))
         zeros = lambda p: torch.zeros_like(p, memory_format=torch.contiguous_format)  # noqa: E731
         return ScaleByAdamState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params), init_skipped(params))
 
