@@ -112,7 +112,9 @@ class _OwnStream(TorchDispatchMode):
 _TORCH_GET, _TORCH_SET = torch.get_rng_state, torch.set_rng_state  # torch's own, for threads outside a rank
 
 
-def _rank_get_rng_state() -> torch.Tensor:
+def get_state() -> torch.Tensor:
+    """The CPU RNG state this thread draws from: its rank's stream in a rank thread, else the global generator's.
+    While rank threads run, this is ``torch.get_rng_state`` too (``_rank_aware_state_functions``)."""
     gen = getattr(_local, "generator", None)
     return gen.get_state() if gen is not None else _TORCH_GET()
 
@@ -138,7 +140,7 @@ def _rank_aware_state_functions() -> Iterator[None]:
     global _meshes_running
     with _PATCH:
         if _meshes_running == 0:
-            torch.get_rng_state = torch.random.get_rng_state = _rank_get_rng_state
+            torch.get_rng_state = torch.random.get_rng_state = get_state
             torch.set_rng_state = torch.random.set_rng_state = _rank_set_rng_state
         _meshes_running += 1
     try:
@@ -178,12 +180,6 @@ def own_stream(generator: torch.Generator) -> Iterator[None]:
             yield
     finally:
         _local.generator = outer
-
-
-def get_state() -> torch.Tensor:
-    """The CPU RNG state this thread draws from: its rank's stream in a rank thread, else the global generator's."""
-    gen = getattr(_local, "generator", None)
-    return gen.get_state() if gen is not None else _TORCH_GET()
 
 
 @contextlib.contextmanager
