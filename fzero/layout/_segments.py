@@ -24,9 +24,9 @@ from fzero.layout._layout import Layout
 
 
 class LayoutSegments:
-    def __init__(self, layout: Layout, *, stage: int, rank: int, comm: Any, active: torch.Tensor | None = None) -> None:
+    def __init__(self, layout: Layout, *, sharded: bool, rank: int, comm: Any, active: torch.Tensor | None = None) -> None:
         self.comm = comm
-        self.sharded = stage >= 1
+        self.sharded = sharded  # each rank holds a shard of the optimizer state (stages 1-3)
         self.count = len(layout.order)
         self._active = active  # 1-D bool over the params (pytree order); None: every param takes the step
         n = layout.world_size

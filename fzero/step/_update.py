@@ -1,10 +1,10 @@
 """The second half of a step, after the gradient: synchronise, check, clip, update.
 
-Per rank: sum the gradient over ranks (all-reduce at stage 0, reduce-scatter at stage 1; stages 2-3
-arrive reduced), average it over ranks and micro-batches and unscale it, take the global norm, decide
-on overflow from that norm (summed over ranks, so every rank decides alike), clip, run the optimizer
-on what this rank owns (fp32 master weights when the policy keeps them), and all-gather the params
-back at stages 1-2. A param that no rank's gradient used (``fzero.step._usage``; torch's ``grad is None``)
+Per rank: synchronise the gradient as the step's ``grads`` part says (all-reduce, reduce-scatter, or
+nothing where it was reduced in backward), average it over ranks and micro-batches and unscale it, take
+the global norm, decide on overflow from that norm (summed over ranks, so every rank decides alike),
+clip, run the optimizer on what the ``opt_state`` part says this rank owns (fp32 master weights when the
+policy keeps them), and let it bring the params back (``after_update``: the all-gather of stages 1-2). A param that no rank's gradient used (``fzero.step._usage``; torch's ``grad is None``)
 skips the optimizer: the ``active`` mask travels to it through ``LayoutSegments``.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from fzero.layout._layout import Layout
 from fzero.step._precision import StaticLossScale, next_loss_scale
-from fzero.zero._offload import DiskOptState, disk_update, to_host
 from fzero.layout._segments import LayoutSegments
 from fzero.step._usage import Usage
 
@@ -41,12 +40,22 @@ def _active(layout: Layout, used: torch.Tensor) -> torch.Tensor | None:
     return active
 
 
-def owned(layout: Layout, flats: dict[str, torch.Tensor], stage: int, rank: int) -> dict[str, torch.Tensor]:
-    """What this rank's optimizer updates: whole unit buffers at stage 0, views of its shard at stages 1-2,
-    the shards themselves at stage 3 (where ``flats`` holds only shards)."""
-    if stage in (0, 3):
-        return dict(flats)
-    return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
+def apply_update(optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
+    """The optimizer's update of ``params`` in place; with fp32 masters (``MasterState``), of the masters, which
+    the low-precision params then follow."""
+    from fzero.optim import apply_inplace
+    from fzero.optim._segments import use_segments
+
+    if isinstance(opt_state, MasterState):
+        with use_segments(segments):
+            inner = apply_inplace(optimizer, grads, opt_state.inner, opt_state.master)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(opt_state.master[name])
+        return MasterState(opt_state.master, inner)
+    grads = {k: g.to(params[k].dtype) for k, g in grads.items()}
+    with use_segments(segments):
+        return apply_inplace(optimizer, grads, opt_state, params)
 
 
 def current_lr(optimizer: Any, step: int) -> float:
@@ -61,9 +70,6 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
            usage: Usage | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
     gradients used (``fzero.step._usage``); None: all of them."""
-    from fzero.optim import apply_inplace
-    from fzero.optim._segments import use_segments
-
     layout, n, prec = state.meta.layout, comm.size, step.precision
     units = layout.units
     ranges = [u.shard_range(comm.rank, n) for u in units]
@@ -75,16 +81,12 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     owned_grads = []
     for i, g in enumerate(grads):
         grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
-        if step.stage == 0:
-            g = comm.all_reduce(g.to(reduce_dtype), tag="grads").to(prec.compute)
-        elif step.stage == 1:
-            g = comm.reduce_scatter(g.to(reduce_dtype), tag="grads").to(prec.compute)
-        # stages 2 and 3: already this rank's reduced shard (reduce-scattered during backward)
+        g = step.grads.sync(comm, g, reduce_dtype=reduce_dtype, compute=prec.compute)
         owned_grads.append(g.to(torch.float32).div_(divisor))
 
     # Global norm from this rank's slice of every unit, summed over ranks (grouped by unit: size buckets
     # at stages 0-1, modules at 2-3, so its last bits may differ between those).
-    slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if step.stage == 0 else owned_grads
+    slices = [g[lo:hi] for g, (lo, hi) in zip(owned_grads, ranges)] if step.grads.whole else owned_grads
     sumsq = torch.stack([torch.dot(s, s) for s in slices]).sum()  # dot: no unit-sized temporary, unlike pow(2)
     # One all-reduce for the metrics and the usage of every param (1.0 per rank that used it): a param no rank
     # used keeps torch's grad=None and skips the update; one some rank used gets the averaged gradient (DDP).
@@ -113,29 +115,13 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
             coef = (step.clip_grad_norm / (reduced[1].sqrt() + 1e-6)).clamp(max=1.0)
             for g in owned_grads:
                 g.mul_(coef)
-        params = owned(layout, flats, step.stage, comm.rank)
+        params = step.opt_state.owned(step.params, layout, flats, comm.rank)
         grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
         # per-parameter norms, and which params skip the update
-        segments = LayoutSegments(layout, stage=step.stage, rank=comm.rank, comm=comm, active=active)
-        if step.offload is not None:  # the optimizer runs on the host: gradients go there (a no-op on CPU)
-            grad_tree = {k: to_host(g) for k, g in grad_tree.items()}
-        if isinstance(opt_state, DiskOptState):  # sub-groups: which params they hold, but no per-parameter norms
-            opt_state = disk_update(step.optimizer, opt_state, grad_tree, params, step.offload, segments)
-        elif isinstance(opt_state, MasterState):
-            with use_segments(segments):
-                inner = apply_inplace(step.optimizer, grad_tree, opt_state.inner, opt_state.master)
-            opt_state = MasterState(opt_state.master, inner)
-            with torch.no_grad():
-                for name, p in params.items():  # the low-precision params follow the fp32 master
-                    p.copy_(opt_state.master[name])
-        else:
-            grad_tree = {k: g.to(params[k].dtype) for k, g in grad_tree.items()}
-            with use_segments(segments):
-                opt_state = apply_inplace(step.optimizer, grad_tree, opt_state, params)
+        segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=comm.rank, comm=comm, active=active)
+        opt_state = step.opt_state.apply(step.optimizer, grad_tree, opt_state, params, segments)
         del grad_tree, params
-        if step.stage in (1, 2):
-            for u, (lo, hi) in zip(units, ranges):
-                comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
+        step.opt_state.after_update(step.params, comm, flats, layout)
     del owned_grads, slices
 
     metrics = {

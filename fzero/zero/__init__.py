@@ -1,1 +1,20 @@
-"""The ZeRO transforms and what they plug into a step: sharded units, gathers, offload."""
+"""The ZeRO transforms and what they plug into a step: sharded units, gathers, offload.
+
+Each transform is a pure function from a ``Step`` to a ``Step`` that replaces typed parts of it
+(``fzero.step._parts``) and checks that what it needs is inside it, so the order of composition is
+checked rather than a convention:
+
+    s = fzero.train_step(loss_fn, opt)    # stage 0: ParamsReplicated, GradsAllReduce, OptStateReplicated
+    s = fzero.shard_optimizer(s, mesh)    # ZeRO-1: GradsReduceScatter, OptStateSharded
+    s = fzero.shard_grads(s)              # ZeRO-2: GradsInBackward (units are modules)
+    s = fzero.shard_params(s)             # ZeRO-3: ParamsSharded
+    s = fzero.offload(s, "cpu")           # OptStateSharded(offload=OffloadPolicy("cpu"))
+"""
+
+from fzero.zero._offloading import offload
+from fzero.zero._shard_grads import GradsInBackward, shard_grads
+from fzero.zero._shard_optimizer import GradsReduceScatter, OptStateSharded, shard_optimizer
+from fzero.zero._shard_params import ParamsSharded, shard_params
+
+__all__ = ["GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
+           "shard_optimizer", "shard_params"]

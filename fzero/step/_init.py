@@ -1,0 +1,117 @@
+"""``Step.init``: the initial state of every rank this process runs, packed unit by unit.
+
+Each unit is packed once (its meta leaves made by ``materialize`` first), broadcast from rank 0 under
+``dist_mesh`` (as DDP does), and each rank keeps what its ``params`` part holds of it (the whole buffer,
+or its shard) and what its ``opt_state`` part holds of the fp32 master; then the packed buffer is
+dropped, so at stage 3 the params are never whole all at once (only shards and one unit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
+from fzero.layout import _tree
+from fzero.layout._layout import Layout, Slot, build_layout
+from fzero.layout._segments import LayoutSegments
+from fzero.layout._units import check_units_exist
+from fzero.optim._segments import use_segments
+from fzero.step._precision import init_loss_scale
+from fzero.step._state import RankStates, StateMeta, TrainState
+
+API = "fzero.Step.init"
+
+
+def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | None,
+               materialize: Callable[[str, torch.Tensor], torch.Tensor] | None) -> TrainState | RankStates:
+    """See ``Step.init``."""
+    buffers = _checked_buffers(buffers)
+    if materialize is not None and not callable(materialize):
+        raise TypeError(f"{API}: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
+    n = step.world_size
+    prec = step.precision
+    low = None if prec.compute == torch.float32 else prec.compute
+    layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
+    if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
+        check_units_exist(step.grads.units, layout.paths, api=API)
+    leaves = _tree.tree_leaves(params)
+    dist = isinstance(step.mesh, DistMesh)
+    ranks = list(range(n)) if isinstance(step.mesh, LocalMesh) else [step.mesh.rank if dist else 0]
+    receives = dist and ranks[0] != 0  # its values come from rank 0's broadcast
+    if materialize is None and not receives and any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+        where = f"rank {ranks[0]} of dist_mesh" if dist else ("a local_mesh" if n > 1 else "a single rank")
+        raise ValueError(
+            f"{API}: params hold meta tensors (shapes without values) on " + where + ", and no materialize= "
+            "makes them. Pass materialize=fn(path, meta_tensor) -> initial value (e.g. model.init_value), or real "
+            "params; only ranks other than 0 under fzero.dist_mesh() may pass meta params alone (rank 0's values "
+            "are broadcast to them, as FSDP's sync_module_states)."
+        )
+    make = None if receives else materialize
+    comm = step.mesh.comm() if dist else None
+    if comm is not None:  # once, before any collective could pair unrelated buffers of one padded size
+        fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum)
+        comm.agree(fields, api=API, fix=AGREE_FIX)
+    flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
+    masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
+    for unit in layout.units:
+        values = leaves
+        if make is not None:  # this unit's meta leaves made once, for both packings below
+            values = list(leaves)
+            for j, slot in zip(layout.leaf_indices(unit), unit.slots):
+                if values[j].is_meta:
+                    values[j] = _materialized(make, slot, values[j])
+        flat = layout.pack_unit(unit, values)  # in the compute dtype
+        master = layout.pack_unit(unit, values, dtype=torch.float32) if prec.has_master else None  # from fp32 values
+        for t in (flat, master):
+            if comm is not None and t is not None:
+                comm.broadcast(t, src=0, tag="init")
+        for i, r in enumerate(ranks):
+            lo, hi = unit.shard_range(r, n)
+            flats[r][unit.name] = step.params.hold(flat, lo, hi, copy=i > 0)
+            if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
+                masters[r][unit.name] = step.opt_state.hold_master(master, lo, hi)
+        del flat, master, values
+    states = [dataclasses.replace(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r),
+                                  buffers={k: v.clone() for k, v in buffers.items()}) for r in ranks]
+    return RankStates(tuple(states)) if isinstance(step.mesh, LocalMesh) else states[0]
+
+
+def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int) -> TrainState:
+    """``flats``: what this rank holds of each unit; ``master``: the fp32 copy of what it owns."""
+    # the optimizer's per-parameter state (Adam's skip counts) is sized by the layout's params, not its buffers
+    with use_segments(LayoutSegments(layout, sharded=step.opt_state.sharded, rank=rank, comm=None)):
+        opt_state, flats = step.opt_state.init(step.optimizer, step.params, layout, flats, master, rank)
+    meta = StateMeta(layout=layout, stage=step.stage, world_size=layout.world_size, rank=rank)
+    return TrainState(
+        params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
+        loss_scale=init_loss_scale(step.precision.loss_scale), meta=meta,
+    )
+
+
+def _checked_buffers(buffers: Any) -> dict[str, torch.Tensor]:
+    if buffers is None:
+        return {}
+    if not isinstance(buffers, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items()):
+        raise TypeError(
+            f"{API}: buffers must be a dict of buffer name -> tensor, as fzero.buffers_of(model) returns; got "
+            f"{type(buffers).__name__}."
+        )
+    meta = sorted(k for k, v in buffers.items() if v.is_meta)
+    if meta:
+        raise ValueError(f"{API}: buffers {meta[:3]} are meta tensors; pass their values (fzero.buffers_of of a materialized model).")
+    return buffers
+
+
+def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
+    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
+    value = materialize(slot.path, meta)
+    if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.device.type != "cpu" or value.is_meta:
+        got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
+        raise ValueError(
+            f"{API}: materialize({slot.path!r}, ...) returned {got}; it must return the parameter's initial "
+            f"value, a CPU tensor of shape {tuple(meta.shape)}."
+        )
+    return value

@@ -1,0 +1,151 @@
+"""The three parts of a step that the ZeRO transforms change, and their stage-0 forms.
+
+A ``Step`` runs one rank program for every stage. What differs between the stages is held in three
+typed parts, each a frozen dataclass; the program calls their methods and never asks which stage it is:
+
+* ``params`` - where a rank keeps the params between steps, and what ``loss_fn`` sees during one:
+  ``ParamsReplicated`` (every rank holds every unit; stages 0-2) or ``fzero.zero.ParamsSharded``
+  (a shard of each unit, gathered while it runs; stage 3).
+* ``grads`` - how the gradient is synchronised: ``GradsAllReduce`` after the backward (stage 0, DDP),
+  ``fzero.zero.GradsReduceScatter`` after the backward (stage 1), ``fzero.zero.GradsInBackward`` per
+  unit as soon as backward has produced it (stages 2-3; the units are modules).
+* ``opt_state`` - where the optimizer state (and fp32 masters) live and what a rank updates:
+  ``OptStateReplicated`` (all of it; stage 0) or ``fzero.zero.OptStateSharded`` (its shard, optionally
+  offloaded to the host or to files; stages 1-3).
+
+``train_step`` builds the stage-0 parts below; ``shard_optimizer``, ``shard_grads``, ``shard_params``
+and ``offload`` (``fzero.zero``) each replace one or two of them and check what they need, so the
+order of composition is checked by the types. The parts that need another part's answer ask it
+(double dispatch: ``params.view`` asks ``grads.replicated_view``; ``opt_state.after_update`` asks
+``params.gather_back``), so no part branches on another's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fzero.layout._layout import Layout
+
+
+class View:
+    """What one step's gradient is taken over, made by ``params.view``.
+
+    ``inputs``: the differentiable per-unit tensors (in layout order); ``build(xs)``: what ``loss_fn`` gets,
+    from the transform's wrapped ``xs``; ``release()``: after each micro-batch's gradient (lets go of what
+    the micro-batch gathered); ``finish(meta)``: after the last micro-batch, the state's new metadata.
+    """
+
+    def __init__(self, inputs: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], *, releases: bool = False) -> None:
+        self.inputs = inputs
+        self._build = build
+        self._releases = releases  # what build makes has a release() (the unit params of stages 2-3)
+        self.made: list[Any] = []
+
+    def build(self, xs: list[torch.Tensor]) -> Any:
+        self.made.append(self._build(xs))
+        return self.made[-1]
+
+    def release(self) -> None:
+        for params in self.made if self._releases else ():
+            params.release()
+        self.made.clear()
+
+    def finish(self, meta: Any) -> Any:
+        return meta
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsReplicated:
+    """Every rank holds every unit's whole flat buffer (stages 0-2)."""
+
+    sharded = False
+
+    def hold(self, flat: torch.Tensor, lo: int, hi: int, *, copy: bool) -> torch.Tensor:
+        """What a rank keeps of a packed unit at init (``copy``: the packed buffer is shared by another rank)."""
+        return flat.clone() if copy else flat
+
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any) -> View:
+        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype)
+
+    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+        layout = state.meta.layout
+        return View([], lambda xs: layout.unpack(state.params))
+
+    def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """This rank's slice of every unit, as views (what a sharded optimizer updates)."""
+        return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
+
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+        """After a sharded optimizer updated this rank's slice: every rank's slices back into the whole buffers."""
+        for u in layout.units:
+            lo, hi = u.shard_range(comm.rank, comm.size)
+            comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradsAllReduce:
+    """The whole gradient, summed over ranks by one all-reduce per unit after the backward (stage 0, as DDP)."""
+
+    units = None  # units by size (``unit_elements``), not by module
+    in_backward = False
+    whole = True  # every rank ends with the whole gradient (the norm is taken over its slice of it)
+
+    def unit_of(self, api: str) -> Callable[[str], str] | None:
+        """How params are grouped into units: None, by size (``unit_elements``)."""
+        return None
+
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
+        layout = state.meta.layout
+        names = [u.name for u in layout.units]
+        return View([state.params[n] for n in names], lambda xs: layout.unpack(dict(zip(names, xs))))
+
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
+        return comm.all_reduce(grad.to(reduce_dtype), tag="grads").to(compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptStateReplicated:
+    """The optimizer state of every param on every rank; each rank updates all of it (stage 0)."""
+
+    sharded = False
+    offload = None
+
+    def owned(self, params: Any, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """What this rank's optimizer updates, as views of ``flats`` (``params``: the step's params part)."""
+        return dict(flats)
+
+    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return master.clone()
+
+    def init(self, optimizer: Any, params: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int):
+        """The optimizer state at init; returns (opt_state, flats) (a part may move ``flats``, e.g. into files)."""
+        from fzero.step._update import MasterState
+
+        if master is not None:
+            return MasterState(master, optimizer.init(master)), flats
+        return optimizer.init(self.owned(params, layout, flats, rank)), flats
+
+    def has_masters(self, opt_state: Any) -> bool:
+        """Whether the state keeps fp32 master weights (a mixed-precision policy)."""
+        from fzero.step._update import MasterState
+
+        return isinstance(opt_state, MasterState)
+
+    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        """This rank's fp32 masters, by unit."""
+        return opt_state.master
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        """Called with each param shard when its use is over (a file-backed shard gives its pages back); None: nothing to do."""
+        return None
+
+    def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
+        from fzero.step._update import apply_update
+
+        return apply_update(optimizer, grads, opt_state, params, segments)
+
+    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+        """Every rank updated every param: nothing to bring back."""

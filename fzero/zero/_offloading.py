@@ -1,0 +1,37 @@
+"""``offload``: the sharded optimizer state and fp32 masters off the device (ZeRO-Offload, ZeRO-Infinity).
+
+It sets ``OptStateSharded.offload`` to an ``OffloadPolicy`` (``fzero.zero._offload``, which also holds
+the host copies and the file-backed store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fzero._rules import check_disk_donate
+from fzero.step._step import Step, as_step
+from fzero.zero._offload import DEFAULT_SUB_GROUP, make_policy
+
+
+def offload(step: Step, where: str, *, params: bool = False, dir: str | None = None, sub_group_size: int = DEFAULT_SUB_GROUP) -> Step:
+    """Optimizer state and fp32 master weights off the device: ``"cpu"`` (ZeRO-Offload) or ``"disk"``/``"nvme"``
+    (ZeRO-Infinity: files under ``dir``, updated in sub-groups of ``sub_group_size`` elements).
+
+    ``params=True`` (stage 3): the param shards live there too: on the host with ``"cpu"``, in mapped
+    files with ``"disk"``, read in when a unit is gathered and released after. Needs a sharded optimizer
+    (stages 1-3), as DeepSpeed's offload does. A model larger than memory also needs a streaming init:
+    build it on the meta device and pass ``materialize=`` to ``step.init``.
+    """
+    step = as_step(step, "fzero.offload")
+    if not step.opt_state.sharded:
+        raise ValueError(
+            "fzero.offload: needs fzero.shard_optimizer inside it (each rank offloads its shard of the optimizer state), "
+            "but the step is stage 0. Write fzero.offload(fzero.shard_optimizer(step, mesh), 'cpu'), or compile(stages>=1, offload=...)."
+        )
+    if step.opt_state.offload is not None:
+        raise ValueError(f"fzero.offload: the step already offloads to {step.opt_state.offload.where!r}; apply offload once.")
+    policy = make_policy(where, params=params, dir=dir, sub_group_size=sub_group_size, api="fzero.offload")
+    if policy.params and not step.params.sharded:
+        raise ValueError(f"fzero.offload: params=True offloads param shards, which exist at stage 3 only; the step is {step.stage_name}.")
+    check_disk_donate(policy.where, step.donate, api="fzero.offload")
+    return dataclasses.replace(step, opt_state=dataclasses.replace(step.opt_state, offload=policy))

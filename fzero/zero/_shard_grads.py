@@ -1,0 +1,76 @@
+"""ZeRO-2, ``shard_grads``: each unit's gradient is reduce-scattered during backward, so no rank holds the
+whole gradient.
+
+It replaces the step's ``grads`` part with ``GradsInBackward``: the units are modules, and ``loss_fn``
+sees ``ReplicatedParams`` (``fzero.zero._sharded``), whose unit views attach the reduce-scatter of each
+unit's gradient when the forward reaches the unit; what the update receives is already this rank's
+reduced shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
+from fzero.layout._units import by_container_child, by_prefixes
+from fzero.step._parts import View
+from fzero.step._step import Step, as_step
+from fzero.zero._sharded import ReplicatedParams
+from fzero.zero._shard_optimizer import GradsReduceScatter
+
+
+@dataclasses.dataclass(frozen=True)
+class GradsInBackward(GradsReduceScatter):
+    """Each unit's gradient reduce-scattered as soon as backward has produced it (stages 2-3).
+    ``units``: module paths; None: each child of a ``ModuleList``/``Sequential``."""
+
+    units: tuple[str, ...] | None = None
+    in_backward = True
+
+    def unit_of(self, api: str) -> Callable[[str], str] | None:
+        return by_container_child if self.units is None else by_prefixes(self.units, api=api)
+
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
+        layout, flats = state.meta.layout, state.params
+        names = [u.name for u in layout.units]
+        inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
+        return View(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype),
+                    releases=True)
+
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
+        return grad  # already this rank's reduced shard
+
+
+def check_units(units: object, api: str) -> tuple[str, ...] | None:
+    if units is None:
+        return None
+    if isinstance(units, str) or not isinstance(units, (tuple, list)) or not all(isinstance(u, str) for u in units):
+        raise TypeError(f"{api}: units must be a tuple of module paths such as ('blocks.0', 'blocks.1'), got {units!r}.")
+    by_prefixes(units, api=api)
+    return tuple(units)
+
+
+def shard_grads(step: Step, *, units: tuple[str, ...] | None = None) -> Step:
+    """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient.
+
+    Units are modules (``units``: module paths, see ``fzero.units_of``; default each child of a
+    ``ModuleList``/``Sequential``), and ``loss_fn`` must run the model through ``fzero.apply`` (or read
+    ``params[name]``) so that each unit's reduction is attached when the forward reaches it.
+    """
+    step = as_step(step, "fzero.shard_grads")
+    if step.grads.in_backward:
+        raise ValueError(f"fzero.shard_grads: the step already reduces gradients in backward ({step.stage_name}); apply shard_grads once.")
+    if step.unit_elements != DEFAULT_UNIT_ELEMENTS:
+        raise ValueError(
+            f"fzero.shard_grads: the step was built with unit_elements={step.unit_elements}, but from stage 2 on units are "
+            f"modules, not sizes. Build the step without unit_elements and pass units=... (module paths) here."
+        )
+    if not isinstance(step.grads, GradsReduceScatter):
+        raise ValueError(
+            f"fzero.shard_grads: needs fzero.shard_optimizer inside it (gradient shards are only useful to a sharded "
+            f"optimizer), but the step is {step.stage_name}. Write fzero.shard_grads(fzero.shard_optimizer(step, mesh))."
+        )
+    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads")))

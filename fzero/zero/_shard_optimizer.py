@@ -1,0 +1,93 @@
+"""ZeRO-1, ``shard_optimizer``: each rank keeps and updates only its 1/N shard of the optimizer state.
+
+It replaces two parts of the step (``fzero.step._parts``): the gradient is reduce-scattered after the
+backward (``GradsReduceScatter``) instead of all-reduced, and the optimizer state is sharded
+(``OptStateSharded``); each rank updates its slice of the params, which are then all-gathered back
+(``ParamsReplicated.gather_back``): the same 2Ψ·(N-1)/N elements per step as an all-reduce.
+``OptStateSharded.offload`` is set by ``fzero.offload`` (ZeRO-Offload / ZeRO-Infinity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
+from fzero.layout._layout import Layout
+from fzero.step._parts import GradsAllReduce, OptStateReplicated
+from fzero.step._step import Step, as_step
+from fzero.zero._offload import DiskOptState, OffloadPolicy, disk_update, gather_master, init_disk, to_host
+
+
+@dataclasses.dataclass(frozen=True)
+class GradsReduceScatter(GradsAllReduce):
+    """The gradient reduce-scattered after the backward: each rank ends with its reduced shard (stage 1).
+    ``loss_fn`` sees whole params, as at stage 0."""
+
+    whole = False
+
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
+        return comm.reduce_scatter(grad.to(reduce_dtype), tag="grads").to(compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptStateSharded(OptStateReplicated):
+    """This rank's shard of the optimizer state and masters, on the device, the host or in files (``offload``)."""
+
+    offload: OffloadPolicy | None = None
+    sharded = True
+
+    def owned(self, params: Any, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        return params.local(layout, flats, rank)
+
+    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return master[lo:hi].clone()
+
+    def init(self, optimizer: Any, params: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int):
+        if self.offload is None or self.offload.where != "disk":
+            return super().init(optimizer, params, layout, flats, master, rank)
+        opt_state = init_disk(optimizer, self.offload, self.owned(params, layout, flats, rank), master, rank)
+        if self.offload.params:  # stage 3: the shards become files, mapped (see _offload.py)
+            flats = {name: opt_state.store.map(f"param/{name}", t) for name, t in flats.items()}
+        return opt_state, flats
+
+    def has_masters(self, opt_state: Any) -> bool:
+        return opt_state.master if isinstance(opt_state, DiskOptState) else super().has_masters(opt_state)
+
+    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        if isinstance(opt_state, DiskOptState):
+            return gather_master(opt_state, [u.name for u in layout.units])
+        return super().masters(opt_state, layout)
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        return opt_state.store.release if isinstance(opt_state, DiskOptState) else None
+
+    def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
+        if self.offload is None:
+            return super().apply(optimizer, grads, opt_state, params, segments)
+        grads = {k: to_host(g) for k, g in grads.items()}  # the optimizer runs on the host (a no-op on CPU)
+        if isinstance(opt_state, DiskOptState):  # sub-groups: which params they hold, but no per-parameter norms
+            return disk_update(optimizer, opt_state, grads, params, self.offload, segments)
+        return super().apply(optimizer, grads, opt_state, params, segments)
+
+    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+        params.gather_back(comm, flats, layout)
+
+
+def shard_optimizer(step: Step, mesh: Mesh | None = None) -> Step:
+    """ZeRO-1: each rank keeps and updates only its 1/N shard of the optimizer state.
+
+    Gradients are reduce-scattered (not all-reduced), each rank updates its shard of the params, and the
+    params are all-gathered back: the same 2Ψ·(N-1)/N elements per step as an all-reduce.
+    ``mesh`` may be omitted when the step already has one; if both are given they must agree.
+    """
+    step = as_step(step, "fzero.shard_optimizer")
+    if step.opt_state.sharded:
+        raise ValueError(f"fzero.shard_optimizer: the step is already {step.stage_name}; apply shard_optimizer once, to a stage-0 step from fzero.train_step.")
+    if mesh is not None and not isinstance(mesh, (LocalMesh, DistMesh)):
+        raise TypeError(f"fzero.shard_optimizer: mesh must be fzero.local_mesh(n) or fzero.dist_mesh(), got {mesh!r}.")
+    if mesh is not None and step.mesh is not None and mesh != step.mesh:
+        raise ValueError(f"fzero.shard_optimizer: the step already runs on {step.mesh!r} and mesh={mesh!r} differs. Pass one mesh, once.")
+    return dataclasses.replace(step, mesh=mesh if mesh is not None else step.mesh, grads=GradsReduceScatter(), opt_state=OptStateSharded())

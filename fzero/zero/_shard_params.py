@@ -1,0 +1,92 @@
+"""ZeRO-3, ``shard_params``: each rank holds only its 1/N shard of the params; a unit is gathered just before
+it runs and freed after (``fzero.zero._sharded``), its gradient reduce-scattered in backward.
+
+It replaces the step's ``params`` part with ``ParamsSharded``; it needs ``GradsInBackward`` (a sharded
+param's gradient can only be reduced unit by unit) and a sharded optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fzero.layout._layout import Layout
+from fzero.step._parts import View
+from fzero.step._step import Step, as_step
+from fzero.zero._sharded import Schedule, ShardedParams
+from fzero.zero._shard_grads import GradsInBackward, check_units
+
+
+class _GatheredView(View):
+    """A step's view at stage 3: its ``Schedule`` records the order of the gathers, for the next step's prefetch."""
+
+    def __init__(self, inputs, build, schedule: Schedule) -> None:
+        super().__init__(inputs, build, releases=True)
+        self.schedule = schedule
+
+    def finish(self, meta: Any) -> Any:
+        return dataclasses.replace(meta, gather_order=self.schedule.finish())
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsSharded:
+    """Each rank holds a shard of each unit; a unit is whole only while it runs (stage 3).
+    ``prefetch``: gather the next unit while the current one computes; ``remat``: recompute each unit in backward."""
+
+    prefetch: bool = True
+    remat: bool = False
+    sharded = True
+
+    def hold(self, flat: torch.Tensor, lo: int, hi: int, *, copy: bool) -> torch.Tensor:
+        return flat[lo:hi].clone()
+
+    def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        return dict(flats)  # the shards themselves
+
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any) -> View:
+        layout, flats = state.meta.layout, state.params
+        names = [u.name for u in layout.units]
+        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release)
+        return _GatheredView(
+            [flats[n] for n in names],
+            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype),
+            schedule,
+        )
+
+    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+        layout = state.meta.layout
+        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release)
+        return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
+
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+        """Each rank updated its own shard, which is all it holds: nothing to bring back."""
+
+
+def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: bool = True, remat: bool = False) -> Step:
+    """ZeRO-3: each rank holds only its 1/N shard of the params; each unit is gathered just before it runs.
+
+    Each unit's forward runs once, with its graph, as in plain PyTorch; its gathered params are freed
+    after the forward and gathered again just before its backward, then its gradient is reduce-scattered.
+    ``units``: module paths (see ``fzero.units_of``); default, each child of a ``ModuleList``/``Sequential``.
+    ``prefetch``: gather the next unit while the current one computes, in forward and in backward (order
+    recorded on the first step). ``remat=True``: recompute each unit in backward (``fzero.remat``, which
+    gathers it again) instead of keeping its activations: less memory, one more forward per unit. As with
+    ``torch.utils.checkpoint``, a forward with side effects then has them twice (a KV cache appended to
+    twice, BatchNorm statistics updated twice, hooks run twice): turn them off (HF: ``use_cache=False``).
+    """
+    step = as_step(step, "fzero.shard_params")
+    if step.params.sharded:
+        raise ValueError("fzero.shard_params: the step already shards its params (stage 3); apply shard_params once.")
+    if not isinstance(step.grads, GradsInBackward):
+        raise ValueError(
+            f"fzero.shard_params: needs fzero.shard_grads inside it (sharded params need sharded gradients and optimizer "
+            f"state), but the step is {step.stage_name}. Write fzero.shard_params(fzero.shard_grads(fzero.shard_optimizer(step, mesh)))."
+        )
+    grads = step.grads if units is None else GradsInBackward(check_units(units, "fzero.shard_params"))
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
+    if not isinstance(remat, bool):
+        raise TypeError(f"fzero.shard_params: remat must be True or False, got {remat!r}.")
+    return dataclasses.replace(step, grads=grads, params=ParamsSharded(prefetch=prefetch, remat=remat))
