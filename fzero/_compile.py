@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fzero.zero import _rules
+from fzero import _rules
 from fzero.zero._offload import DEFAULT_SUB_GROUP
 from fzero.step._precision import Precision
 from fzero.step._step import Step, check_details, train_step
@@ -41,7 +41,7 @@ def compile(  # noqa: A001 - the public name is the design's
     settings); keywords given explicitly win over it (see ``fzero.config``).
 
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
-    so, never a silent fallback. Which stage accepts which setting is ``fzero/zero/_rules.py``.
+    so, never a silent fallback. Which stage accepts which setting is ``fzero/_rules.py``.
     """
     from fzero import optim
 
@@ -52,7 +52,8 @@ def compile(  # noqa: A001 - the public name is the design's
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
     units = details.pop("units", None)
     stage3 = {k: details.pop(k) for k in ("prefetch", "remat") if k in details}
-    _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3], api="fzero.compile")
+    _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3,
+                                   *(["unit_elements"] if "unit_elements" in details else [])], api="fzero.compile")
     if offload is None:  # the stage rules of offload itself are fzero.offload's to check, below
         _rules.check_offload(stages, None, offload_params or offload_dir is not None, api="fzero.compile",
                              params_key="offload_params/offload_dir")

@@ -27,7 +27,8 @@ from problems import B1, B2, EPS, LR, PROBLEMS, WD  # noqa: E402
 def make_step(problem, *, stages: int, mesh, precision: str = "fp32"):
     schedule = fzero.optim.warmup_cosine_decay_schedule(0.0, LR, 3, 20)  # a schedule: its count is state too
     opt = fzero.optim.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
-    return fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, precision=precision, unit_elements=512)
+    return fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, precision=precision,
+                         **({"unit_elements": 512} if stages < 2 else {}))
 
 
 def train(args) -> None:

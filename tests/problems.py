@@ -145,7 +145,8 @@ def fzero_run(problem: Problem, *, stages: int, mesh, unit_elements: int = 2048,
 
     ``meta_params``: pass shapes only (meta tensors) to ``init``, as ranks other than 0 may under dist_mesh."""
     opt = fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
-    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, unit_elements=unit_elements, **settings)
+    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh,
+                         **({"unit_elements": unit_elements} if stages < 2 else {}), **settings)
     params = fzero.params_of(problem.model)
     state = step.init({k: v.to("meta") for k, v in params.items()} if meta_params else params)
     history, metrics = [], []

@@ -65,7 +65,8 @@ def dropout_problem(*, width: int = 32, steps: int = 4, batch: int = 8) -> Probl
 def train(problem: Problem, *, stages: int, mesh, **settings) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """AdamW steps from ``SEED``: the gathered params after each step, and the losses."""
     opt = fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
-    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh, unit_elements=1024, **settings)
+    step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh,
+                         **({"unit_elements": 1024} if stages < 2 else {}), **settings)
     state = step.init(fzero.params_of(problem.model))
     torch.manual_seed(SEED)
     history, losses = [], []

@@ -17,7 +17,8 @@ from problems import PROBLEMS, fzero_run
 def test_two_psi_elements_per_rank_per_step(stages, ranks):
     prob = PROBLEMS["gpt"](steps=3)
     mesh = fzero.count_collectives(fzero.local_mesh(ranks))
-    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh, unit_elements=4096)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh,
+                         **({"unit_elements": 4096} if stages < 2 else {}))
     state = step.init(fzero.params_of(prob.model))
     layout = state[0].meta.layout
     psi, padded = layout.numel, layout.padded_numel
@@ -54,7 +55,7 @@ def test_stage2_reduces_each_unit_during_backward():
         order.append(("forward", len(mesh.counter.calls)))
         return base_loss(params, b)
 
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=2, mesh=mesh, unit_elements=600)
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=2, mesh=mesh)
     state = step.init(fzero.params_of(prob.model))
     step(state, prob.batches[0])
     ops = [(c.op, c.tag) for c in mesh.counter.calls if c.rank == 0]

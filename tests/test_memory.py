@@ -34,7 +34,8 @@ def test_model_state_bytes_follow_zero_formula(stages, ranks):
         return counters[rank]
 
     mesh = dataclasses.replace(fzero.local_mesh(ranks), rank_context=measure)
-    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh, unit_elements=unit)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=mesh,
+                         **({"unit_elements": unit} if stages < 2 else {}))
     state = step.init(fzero.params_of(prob.model))
     psi = state[0].meta.layout.numel
     for b in prob.batches:  # the second step sees Adam's state already allocated
@@ -56,7 +57,8 @@ def test_stage2_holds_less_gradient_than_stage1():
         prob = mlp_problem(steps=1, sizes=[WIDTH] * (LAYERS + 1), batch=2)
         counters = {}
         mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
-        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=mesh, unit_elements=WIDTH * WIDTH + WIDTH)
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=mesh,
+                             **({"unit_elements": WIDTH * WIDTH + WIDTH} if stages < 2 else {}))
         step(step.init(fzero.params_of(prob.model)), prob.batches[0])
         peaks[stages] = counters[0].peak
     psi_bytes = LAYERS * UNIT_BYTES

@@ -90,7 +90,7 @@ def _resident_bytes_of_files_under(path) -> int:
 def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path):
     prob = PROBLEMS["gpt"]()
     step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_params=True,
-                         offload_dir=str(tmp_path), unit_elements=2048)
+                         offload_dir=str(tmp_path))
     state = step.init(fzero.params_of(prob.model))
     units = [u.name for u in state[0].meta.layout.units]
     rank_dir = next(d for d in os.listdir(tmp_path) if d.startswith("fzero-rank0-"))

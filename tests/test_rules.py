@@ -1,4 +1,4 @@
-"""The stage rules (``fzero/zero/_rules.py``) and the one ZeRO model-state formula that compile, the config reader,
+"""The stage rules (``fzero/_rules.py``) and the one ZeRO model-state formula that compile, the config reader,
 the estimator and ``fzero.memory`` share."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import fzero
 from fzero.config import from_deepspeed
 from fzero.estimate import CHOICES
 from fzero.memory import zero_model_state_bytes
-from fzero.zero import _rules
+from fzero import _rules
 from problems import mlp_problem
 
 
@@ -93,10 +93,6 @@ def test_config_maps_unit_elements_only_where_it_applies():
     assert [("unit_elements" in s.compile_kwargs(stage)) for stage in _rules.STAGES] == [True, True, False, False]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fzero.compile does not raise for unit_elements at stages 2-3 yet: tests/problems.py (fzero_run), tests/test_comm.py, "
-    "tests/test_memory.py, tests/test_offload.py, tests/ranks_worker.py and tests/checkpoint_worker.py pass it at every "
-    "stage. Once they pass it at stages 0-1 only, compile checks it with _rules.check_settings and this marker goes."))
 @pytest.mark.parametrize("stages", [2, 3])
 def test_compile_refuses_unit_elements_where_units_are_modules(stages):
     with pytest.raises(ValueError, match=r"fzero.compile: unit_elements only applies at stages=0 or 1 .* pass units="):

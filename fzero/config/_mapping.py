@@ -12,7 +12,7 @@ from fzero.config._optimizer import build_optimizer
 from fzero.config._settings import Settings
 from fzero.config._values import API, UNSET, Ctx, as_bool, as_float, as_int, dtype_name
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
-from fzero.zero import _rules
+from fzero import _rules
 
 
 def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Settings:

@@ -9,7 +9,7 @@ import torch
 
 from fzero.config._values import dtype_name
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
-from fzero.zero import _rules
+from fzero import _rules
 
 
 @dataclasses.dataclass(frozen=True)

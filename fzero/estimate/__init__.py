@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from fzero.estimate._estimate import CATEGORIES, MemoryEstimate, estimate_memory
-from fzero.zero import _rules
+from fzero import _rules
 
 __all__ = ["CHOICES", "MODELS", "estimate_memory", "main", "table"]
 

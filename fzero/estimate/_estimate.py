@@ -36,7 +36,7 @@ from torch import nn
 from fzero.layout import _tree
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
 from fzero.estimate._formula import per_rank
-from fzero.zero import _rules
+from fzero import _rules
 from fzero.zero._offload import DEFAULT_SUB_GROUP, KINDS
 from fzero.step._precision import policy
 from fzero.layout._units import by_container_child, by_prefixes

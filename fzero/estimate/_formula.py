@@ -4,7 +4,7 @@ With Ψ parameters, N ranks, P bytes per parameter, G per gradient and K optimiz
 
     stage 0: (P + G + K)Ψ      stage 1: (P + G)Ψ + KΨ/N      stage 2: PΨ + (G + K)Ψ/N      stage 3: (P + G + K)Ψ/N
 
-Which stage shards what is ``fzero.zero._rules.SHARDED_FROM``. fp32 Adam(W) is P = G = 4, K = 8 (m and v; no
+Which stage shards what is ``fzero._rules.SHARDED_FROM``. fp32 Adam(W) is P = G = 4, K = 8 (m and v; no
 master copy); the paper's mixed precision is P = G = 2, K = 12 (fp32 master, m, v).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fzero.zero import _rules
+from fzero import _rules
 
 
 class ModelStates(NamedTuple):
