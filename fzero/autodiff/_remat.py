@@ -30,7 +30,6 @@ from torch.overrides import TorchFunctionMode
 
 from fzero.layout import _tree
 from fzero.step._context import outside_step_scope
-from fzero.zero._sharded import ShardedParams, UnitParams
 
 __all__ = ["remat"]
 
@@ -100,8 +99,8 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     leaves, spec = torch_pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for x in leaves:
-        if isinstance(x, UnitParams):
-            stage = 3 if isinstance(x, ShardedParams) else 2
+        stage = getattr(type(x), "unit_stage", None)  # the unit params of stages 2-3 (fzero.zero._sharded)
+        if stage is not None:
             name = getattr(fn, "__qualname__", None) or type(fn).__name__
             raise TypeError(_UNIT_PARAMS.format(name=name, kind=type(x).__name__, stage=stage, fix=_UNIT_FIX[stage]))
     tensors = [leaves[i] for i in tensor_pos]

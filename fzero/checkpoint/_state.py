@@ -115,8 +115,6 @@ def entries(state: TrainState, *, api: str) -> Entries:
             raise TypeError(f"{api}: state.loss_scale is a {type(ls).__name__}; expected a NamedTuple of tensors (fzero's LossScaleState).")
         tensors.update({f"loss_scale/{f}": x for f, x in zip(fields, ls)})
     tensors.update({f"buffers/{name}": t for name, t in state.buffers.items()})
-    if state.rng is not None:
-        raise NotImplementedError(f"{api}: state.rng holds a {type(state.rng).__name__}; saving it is not supported yet (fzero leaves it None).")
     return Entries(per_param, tensors)
 
 

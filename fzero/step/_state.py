@@ -41,8 +41,7 @@ class TrainState:
       params: dict unit name -> flat fp32 buffer (whole at stages 0-2), padded to a multiple of N.
       opt_state: the optimizer's state over this rank's shard of every unit.
       step: int64 0-d tensor, optimizer steps taken.
-      loss_scale: reserved for the fp16 policy (None until then).
-      rng: reserved for RNG state (None until then).
+      loss_scale: the fp16 policy's dynamic loss scale (``LossScaleState``); None under fp32 and bf16.
       meta: static layout facts (not a leaf).
       buffers: dict buffer name -> tensor: the module's persistent buffers (BatchNorm statistics, ...), whole on
         every rank, as the forward left them; adopted from the module at the first step (see ``fzero.step._buffers``).
@@ -52,7 +51,6 @@ class TrainState:
     opt_state: Any
     step: torch.Tensor
     loss_scale: Any = None
-    rng: Any = None
     meta: StateMeta | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
 
@@ -61,7 +59,7 @@ class TrainState:
         return int(self.step)
 
 
-_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "rng", "buffers"), static=("meta",))
+_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "buffers"), static=("meta",))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

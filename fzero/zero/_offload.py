@@ -75,10 +75,6 @@ def make_policy(where: Any, *, params: bool, dir: Any, sub_group_size: Any, api:
     return OffloadPolicy(kind, params, dir, sub_group_size)
 
 
-def host() -> torch.device:
-    return torch.device("cpu")
-
-
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy for the optimizer (pinned, asynchronous from CUDA; the tensor itself on a CPU-only run)."""
     if t.device.type == "cpu":

@@ -15,7 +15,8 @@ import torch
 from fzero.layout._layout import Layout
 from fzero.step._parts import View
 from fzero.step._step import Step, as_step
-from fzero.zero._sharded import Schedule, ShardedParams
+from fzero.zero._schedule import Schedule
+from fzero.zero._sharded import ShardedParams
 from fzero.zero._shard_grads import GradsInBackward, check_units
 
 

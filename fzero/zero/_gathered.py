@@ -1,0 +1,266 @@
+"""Stage 3, one unit call: gather, run once with its graph, free; refill before its backward, reduce after.
+
+``run_unit`` is what a unit of the stage-3 skeleton does when the forward reaches it (``fzero.zero._sharded``).
+``_UnitGather`` gathers the unit (through the step's ``Schedule``) and hands its module the params as views
+of the gathered buffer; after the forward the buffer's storage is freed while the graph keeps the views.
+``_RefillBeforeBackward`` on the unit's outputs refills the storage in place (``_Refill``) when the gradient
+reaches them, and ``_UnitGather``'s backward (``_UnitReduce``) reduce-scatters the unit's gradient and frees
+the storage again. Collectives run only in Function forwards (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from fzero.autodiff._remat import remat
+from fzero.layout import _tree
+from fzero.layout._layout import Unit
+from fzero.memory import note_resized
+from fzero.step import _usage
+
+if TYPE_CHECKING:
+    from fzero.zero._schedule import Schedule
+    from fzero.zero._sharded import ShardedParams
+
+
+class _Call:
+    """One invocation of one unit at stage 3, and its gathered buffer.
+
+    ``full`` is the buffer the unit was gathered into for its forward. The forward's graph keeps views of
+    it (a linear layer saves its weight), so the buffer object lives as long as the graph; what is freed
+    between the forward and the backward is its *storage* (``resize_(0)``), refilled in place just before
+    the unit's backward needs it and freed again once the unit's gradient is reduce-scattered.
+    """
+
+    def __init__(self, inner: nn.Module, unit: Unit, params: ShardedParams) -> None:
+        self.inner, self.unit, self.params = inner, unit, params
+        self.full: torch.Tensor | None = None
+        # the call keeps its graph (grad enabled, no remat): its buffer waits, freed, for its backward. Decided
+        # before the gather Function runs: inside a Function's forward grad mode is always off.
+        self.keeps_graph = False
+        self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
+        self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
+        self._bound: Any = None
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.params.schedule
+
+    def run(self, views: tuple[torch.Tensor, ...], args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+        """The unit's forward on ``views`` (its params, in slot order); ``keep``: hold its tensors for ``bind`` in its backward."""
+        prefix = len(self.unit.name) + 1
+        self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
+        self.tensors.update(self.params.unit_buffers(self.unit))
+        self.bind()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.unbind()
+            if not keep:
+                self.tensors = {}
+
+    def done(self) -> None:
+        """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
+        graph, whose nodes hold this call: a cycle through C++ objects that Python's collector cannot break,
+        which would keep the step's state (and a disk-offloaded state's files) alive."""
+        self.unbind()
+        self.tensors = {}
+
+    def bind(self) -> None:
+        """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
+        for its forward, and again for its backward, where ``torch.utils.checkpoint`` (HF's gradient
+        checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
+        gets the error of ``_UnitCall.__getattr__``, never a view of a freed buffer."""
+        if self._bound is None and self.tensors:
+            self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
+            self._bound.__enter__()
+
+    def unbind(self) -> None:
+        if self._bound is not None:
+            bound, self._bound = self._bound, None
+            bound.__exit__(None, None, None)
+
+    def free(self) -> None:
+        """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
+        if self.full is not None and self.full.untyped_storage().nbytes():
+            self.full.untyped_storage().resize_(0)
+            note_resized(self.full)
+
+    def unalloc(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().nbytes() == 0
+
+    def alloc(self) -> torch.Tensor:
+        """The buffer with its memory back (contents undefined until a gather fills it)."""
+        full = self.full
+        if not full.untyped_storage().nbytes():
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            note_resized(full)
+        return full
+
+
+def run_unit(inner: nn.Module, unit: Unit, params: ShardedParams, args: tuple, kwargs: dict) -> Any:
+    """One unit call at stage 3: gather, run once with its graph, free; the backward refills (see ``_Call``).
+
+    With ``remat`` (``shard_params(..., remat=True)``) the unit is instead run through ``fzero.remat``: no
+    graph is kept, and the recompute in backward gathers the unit again.
+    """
+    call = _Call(inner, unit, params)
+    shard = params.inputs[unit.name]
+    if params.remat and torch.is_grad_enabled():
+        def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
+            return call.run(_UnitGather.apply(shard, call, False, _usage.active(unit)), args, kwargs)
+
+        unit_forward.__qualname__ = f"unit {unit.name!r}"
+        return remat(unit_forward)(shard, args, kwargs)
+    call.keeps_graph = torch.is_grad_enabled()
+    views = _UnitGather.apply(shard, call, True, _usage.active(unit))
+    out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
+    if not torch.is_grad_enabled():  # no graph: nothing will read the buffer again
+        out = _unalias(out, call.full)
+        call.free()
+        return out
+    if not call.params.schedule.kept(call):
+        call.free()
+    return _before_backward(out, call)
+
+
+def _unalias(out: Any, full: torch.Tensor) -> Any:
+    """``out`` with any tensor that shares the gathered buffer's memory copied (the buffer is about to be freed)."""
+    ptr = full.untyped_storage().data_ptr()
+    return torch_pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr else t, out
+    )
+
+
+def _before_backward(out: Any, call: _Call) -> Any:
+    """``out`` with its differentiable tensors passed through ``_RefillBeforeBackward``: the unit's backward
+    cannot start before the gradient of every output that reaches the loss has arrived there, so that is
+    where the buffer is refilled (as FSDP's pre-backward hook on a module's outputs).
+
+    Pytrees, dataclasses (a unit may return one) and Hugging Face ``ModelOutput``s are searched; a tensor
+    that leaves the unit another way (stored on a module, captured by a hook on a submodule inside the
+    unit) and is the only path of a gradient into the unit is not seen (see the module docstring).
+    """
+    found, rebuild = _tree.tensors_and_rebuild(out)
+    wanted = [i for i, t in enumerate(found) if t.requires_grad]
+    if not wanted:
+        return out
+    copy = not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]])  # plain autograd (see the Function)
+    passed = _RefillBeforeBackward.apply(call, copy, *[found[i] for i in wanted])
+    for i, t in zip(wanted, passed):
+        found[i] = t
+    return rebuild(found)
+
+
+class _UnitGather(torch.autograd.Function):
+    """Forward: gather the unit into a buffer (kept as ``call.full`` when ``free_after``) and return its params,
+    shaped views of that buffer in slot order. Backward: the params' gradients in one flat gradient
+    (``fzero.step._usage.join``, noting which params got one in ``usage``), reduce-scattered by ``_UnitReduce``.
+
+    One Function does what a gather, a ``split`` and a view per param would: under ``torch.func`` every
+    custom Function and every op on a wrapped tensor costs a layer of Python, paid per unit per step.
+    """
+
+    @staticmethod
+    def forward(shard, call, free_after, usage):
+        full = call.schedule.gather(call, shard.detach())  # values only: the gradient is this Function's
+        if free_after:
+            call.full = full
+        return tuple(full.narrow(0, s.offset, s.numel).view(s.shape) for s in call.unit.slots)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        shard, call, ctx.free_after, usage = inputs
+        ctx.call = call
+        unit = call.unit
+        ctx.sizes = tuple(s.numel for s in unit.slots) + ((unit.padded - unit.numel,) if unit.padded > unit.numel else ())
+        ctx.used = usage.used[unit.name] if usage is not None else None
+        ctx.like = (shard.dtype, shard.device)
+        ctx.set_materialize_grads(False)  # a param that got no gradient arrives as None
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like)
+        return _UnitReduce.apply(flat, ctx.call, ctx.free_after), None, None, None
+
+
+class _UnitReduce(torch.autograd.Function):
+    """Forward: reduce-scatter the unit's gradient into the shard's, and free the gathered buffer again."""
+
+    @staticmethod
+    def forward(grad_full, call, free_after):
+        if free_after and not call.refilled:
+            raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
+        params = call.params
+        grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
+        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(params.inputs[call.unit.name].dtype)
+        if free_after:
+            call.done()
+            call.free()
+            call.refilled = False
+        return grad_shard.view_as(grad_shard) if grad_shard is grad_full else grad_shard
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("fzero (stage 3): double backward through a unit's gradient reduction is not supported.")
+
+
+class _RefillBeforeBackward(torch.autograd.Function):
+    """Forward: the unit's outputs. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
+
+    ``copy``: under plain autograd the outputs are copies, not views: a view made by a custom Function cannot
+    be modified in place there, and models do that to a block's output (``h = block(h); h.add_(x)``). Under
+    ``torch.func`` such a view can be, so no copy is made.
+    """
+
+    @staticmethod
+    def forward(call, copy, *outs):
+        return tuple(o.clone() if copy else o.view_as(o) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_Refill.apply(ctx.call, *grads))
+
+
+class _Refill(torch.autograd.Function):
+    """Forward: gather the unit into its own (freed) buffer again; returns the gradients unchanged.
+
+    The refill is a collective, so it runs in a Function's forward (DESIGN.md §4). It writes the same
+    values the forward read, under ``_unsafe_preserve_version_counter``: autograd's check of the views it
+    saved must not see a modification.
+    """
+
+    @staticmethod
+    def forward(call, *grads):
+        call.schedule.refill(call)
+        call.refilled = True
+        call.bind()
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fzero (stage 3): double backward through a unit is not supported.")
+
+
+_NOT_REFILLED = """fzero (stage 3): unit {unit!r} computed its parameter gradient, but its gathered parameters were never
+brought back for its backward: the gradient reached the inside of the unit without passing through the
+unit's return value (a tensor made inside the unit that left it another way, e.g. stored on a module or
+captured by a hook on a submodule of the unit). Return such tensors from the unit's forward, put the hook
+on the unit itself, or keep that module out of the units (units=... without {unit!r})."""
