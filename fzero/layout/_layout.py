@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fzero.layout import _tree
-from fzero.step import _usage
 
 DEFAULT_UNIT_ELEMENTS = 1 << 24  # 16 Mi elements (64 MiB in fp32): a few collectives per step for a 200M model
 # Every shard starts and ends on a multiple of this many elements (256 bytes in fp32). Element-wise CPU
@@ -101,20 +100,34 @@ class Layout:
             first += len(u.slots)
         return self.order[first : first + len(unit.slots)]
 
-    def unit_views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{path: view}`` of one unit's whole buffer (differentiable through one ``split``; while a step
-        records usage, a split that notes which params get a gradient: see ``fzero.step._usage``)."""
-        pieces = _usage.split(flat, unit)
+    def unit_views(self, unit: Unit, flat: torch.Tensor, split: Callable | None = None) -> dict[str, torch.Tensor]:
+        """``{path: view}`` of one unit's whole buffer, differentiable through one ``split(flat, unit)``
+        (default ``split_unit``; a step passes ``fzero.step._usage.split``, which also notes which params get a
+        gradient)."""
+        pieces = (split or split_unit)(flat, unit)
         return {s.path: p.view(s.shape) for p, s in zip(pieces, unit.slots)}
 
-    def unpack(self, flats: dict[str, torch.Tensor]) -> Any:
-        """The user's params pytree as views of the unit buffers (differentiable through ``split``)."""
+    def unpack(self, flats: dict[str, torch.Tensor], split: Callable | None = None) -> Any:
+        """The user's params pytree as views of the unit buffers (differentiable through ``split``, as ``unit_views``)."""
         leaves: list[Any] = [None] * len(self.order)
         order = iter(self.order)
         for unit in self.units:
-            for view in self.unit_views(unit, flats[unit.name]).values():
+            for view in self.unit_views(unit, flats[unit.name], split).values():
                 leaves[next(order)] = view
         return self.treespec.unflatten(leaves)
+
+
+def split_sizes(unit: Unit) -> list[int]:
+    """The sizes ``unit``'s flat buffer is cut into: its slots, then its padding (if any)."""
+    sizes = [s.numel for s in unit.slots]
+    if unit.padded > unit.numel:
+        sizes.append(unit.padded - unit.numel)
+    return sizes
+
+
+def split_unit(flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:
+    """``flat`` cut into ``unit``'s slots (and its padding, last), 1-D views."""
+    return torch.split(flat, split_sizes(unit))
 
 
 ROOT = "<root>"  # the unit of every parameter that belongs to no module unit (stage 3)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from fzero.layout._layout import Layout
+from fzero.step import _usage
 
 
 class View:
@@ -100,7 +101,7 @@ class GradsAllReduce:
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
         layout = state.meta.layout
         names = [u.name for u in layout.units]
-        return View([state.params[n] for n in names], lambda xs: layout.unpack(dict(zip(names, xs))))
+        return View([state.params[n] for n in names], lambda xs: layout.unpack(dict(zip(names, xs)), _usage.split))
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
         return comm.all_reduce(grad.to(reduce_dtype), tag="grads").to(compute)

@@ -7,7 +7,7 @@ layer LayerDrop skipped). fzero differentiates with respect to flat unit buffers
 not touch, so "unused" cannot be read off the gradient; and a used parameter may have an exactly zero
 gradient (``p * 0``), which torch *does* update. So usage is taken from the graph itself.
 
-Every unit buffer is cut into its parameters by one ``split`` (``Layout.unit_views``). While a step records
+Every unit buffer is cut into its parameters by one ``split`` (``Layout.unit_views``, given ``split`` below). While a step records
 (``recording``), that split is ``_RecordedSplit``: a Function whose outputs are the same views, and whose
 backward is the split's backward (one ``cat``, zeros where a view got no gradient), except that it asks
 autograd not to materialise missing gradients (``set_materialize_grads(False)``), so the gradient of a view
@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from fzero.layout._layout import Layout, Unit
+from fzero.layout._layout import Layout, Unit, split_sizes
 
 _local = threading.local()  # a local mesh runs its ranks as threads: one record per rank thread
 
@@ -45,7 +44,7 @@ _local = threading.local()  # a local mesh runs its ranks as threads: one record
 class Usage:
     """One rank's record of one step: per unit, which of its slots got a gradient (in some micro-batch)."""
 
-    def __init__(self, layout: "Layout") -> None:
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.used: dict[str, list[bool]] = {u.name: [False] * len(u.slots) for u in layout.units}
 
@@ -56,7 +55,7 @@ class Usage:
 
 
 @contextlib.contextmanager
-def recording(layout: "Layout") -> Iterator[Usage]:
+def recording(layout: Layout) -> Iterator[Usage]:
     """Record, in this thread, which params the gradients computed inside the block use."""
     previous = getattr(_local, "usage", None)
     _local.usage = usage = Usage(layout)
@@ -66,7 +65,7 @@ def recording(layout: "Layout") -> Iterator[Usage]:
         _local.usage = previous
 
 
-def active(unit: "Unit") -> Usage | None:
+def active(unit: Unit) -> Usage | None:
     """The record that gradients into ``unit`` should note, or None (not recording, or no gradient being built)."""
     usage = getattr(_local, "usage", None)
     if usage is None or not torch.is_grad_enabled() or unit.name not in usage.used:
@@ -74,12 +73,9 @@ def active(unit: "Unit") -> Usage | None:
     return usage
 
 
-def split(flat: torch.Tensor, unit: "Unit") -> tuple[torch.Tensor, ...]:
+def split(flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:
     """``flat`` cut into ``unit``'s slots (and its padding, last), 1-D views; recorded while a step records."""
-    sizes = [s.numel for s in unit.slots]
-    pad = unit.padded - unit.numel
-    if pad:
-        sizes.append(pad)
+    sizes = split_sizes(unit)
     usage = active(unit)
     if usage is None:
         return torch.split(flat, sizes)

@@ -10,106 +10,25 @@ the storage again. Collectives run only in Function forwards (DESIGN.md §4).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.autodiff._remat import remat
 from fzero.layout import _tree
-from fzero.layout._layout import Unit
-from fzero.memory import note_resized
+from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage
+from fzero.zero._schedule import UnitCall
 
-if TYPE_CHECKING:
-    from fzero.zero._schedule import Schedule
-    from fzero.zero._sharded import ShardedParams
-
-
-class _Call:
-    """One invocation of one unit at stage 3, and its gathered buffer.
-
-    ``full`` is the buffer the unit was gathered into for its forward. The forward's graph keeps views of
-    it (a linear layer saves its weight), so the buffer object lives as long as the graph; what is freed
-    between the forward and the backward is its *storage* (``resize_(0)``), refilled in place just before
-    the unit's backward needs it and freed again once the unit's gradient is reduce-scattered.
-    """
-
-    def __init__(self, inner: nn.Module, unit: Unit, params: ShardedParams) -> None:
-        self.inner, self.unit, self.params = inner, unit, params
-        self.full: torch.Tensor | None = None
-        # the call keeps its graph (grad enabled, no remat): its buffer waits, freed, for its backward. Decided
-        # before the gather Function runs: inside a Function's forward grad mode is always off.
-        self.keeps_graph = False
-        self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
-        self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
-        self._bound: Any = None
-
-    @property
-    def schedule(self) -> Schedule:
-        return self.params.schedule
-
-    def run(self, views: tuple[torch.Tensor, ...], args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
-        """The unit's forward on ``views`` (its params, in slot order); ``keep``: hold its tensors for ``bind`` in its backward."""
-        prefix = len(self.unit.name) + 1
-        self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
-        self.tensors.update(self.params.unit_buffers(self.unit))
-        self.bind()
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.unbind()
-            if not keep:
-                self.tensors = {}
-
-    def done(self) -> None:
-        """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
-        graph, whose nodes hold this call: a cycle through C++ objects that Python's collector cannot break,
-        which would keep the step's state (and a disk-offloaded state's files) alive."""
-        self.unbind()
-        self.tensors = {}
-
-    def bind(self) -> None:
-        """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
-        for its forward, and again for its backward, where ``torch.utils.checkpoint`` (HF's gradient
-        checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
-        gets the error of ``_UnitCall.__getattr__``, never a view of a freed buffer."""
-        if self._bound is None and self.tensors:
-            self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
-            self._bound.__enter__()
-
-    def unbind(self) -> None:
-        if self._bound is not None:
-            bound, self._bound = self._bound, None
-            bound.__exit__(None, None, None)
-
-    def free(self) -> None:
-        """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
-        if self.full is not None and self.full.untyped_storage().nbytes():
-            self.full.untyped_storage().resize_(0)
-            note_resized(self.full)
-
-    def unalloc(self) -> bool:
-        return self.full is not None and self.full.untyped_storage().nbytes() == 0
-
-    def alloc(self) -> torch.Tensor:
-        """The buffer with its memory back (contents undefined until a gather fills it)."""
-        full = self.full
-        if not full.untyped_storage().nbytes():
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            note_resized(full)
-        return full
-
-
-def run_unit(inner: nn.Module, unit: Unit, params: ShardedParams, args: tuple, kwargs: dict) -> Any:
-    """One unit call at stage 3: gather, run once with its graph, free; the backward refills (see ``_Call``).
+def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
+    """One unit call at stage 3: gather, run once with its graph, free; the backward refills (see ``UnitCall``).
 
     With ``remat`` (``shard_params(..., remat=True)``) the unit is instead run through ``fzero.remat``: no
     graph is kept, and the recompute in backward gathers the unit again.
     """
-    call = _Call(inner, unit, params)
+    call = UnitCall(inner, unit, params)
     shard = params.inputs[unit.name]
     if params.remat and torch.is_grad_enabled():
         def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
@@ -137,7 +56,7 @@ def _unalias(out: Any, full: torch.Tensor) -> Any:
     )
 
 
-def _before_backward(out: Any, call: _Call) -> Any:
+def _before_backward(out: Any, call: UnitCall) -> Any:
     """``out`` with its differentiable tensors passed through ``_RefillBeforeBackward``: the unit's backward
     cannot start before the gradient of every output that reaches the loss has arrived there, so that is
     where the buffer is refilled (as FSDP's pre-backward hook on a module's outputs).
@@ -177,9 +96,8 @@ class _UnitGather(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         shard, call, ctx.free_after, usage = inputs
         ctx.call = call
-        unit = call.unit
-        ctx.sizes = tuple(s.numel for s in unit.slots) + ((unit.padded - unit.numel,) if unit.padded > unit.numel else ())
-        ctx.used = usage.used[unit.name] if usage is not None else None
+        ctx.sizes = tuple(split_sizes(call.unit))
+        ctx.used = usage.used[call.unit.name] if usage is not None else None
         ctx.like = (shard.dtype, shard.device)
         ctx.set_materialize_grads(False)  # a param that got no gradient arrives as None
 

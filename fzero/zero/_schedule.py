@@ -1,16 +1,90 @@
-"""Stage 3: the gathers of one step on one rank, with prefetch in forward and in backward."""
+"""Stage 3: the gathers of one step on one rank (``Schedule``), with prefetch in forward and in backward, and the
+buffer of each unit call (``UnitCall``), whose storage the schedule frees and refills."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
-from fzero.layout._layout import Layout
-from fzero.memory import note_gathered
+from fzero.layout._layout import Layout, Unit
+from fzero.memory import note_gathered, note_resized
 
-if TYPE_CHECKING:
-    from fzero.zero._gathered import _Call
+class UnitCall:
+    """One invocation of one unit at stage 3, and its gathered buffer.
+
+    ``full`` is the buffer the unit was gathered into for its forward. The forward's graph keeps views of
+    it (a linear layer saves its weight), so the buffer object lives as long as the graph; what is freed
+    between the forward and the backward is its *storage* (``resize_(0)``), refilled in place just before
+    the unit's backward needs it and freed again once the unit's gradient is reduce-scattered.
+    """
+
+    def __init__(self, inner: nn.Module, unit: Unit, params: Any) -> None:
+        self.inner, self.unit, self.params = inner, unit, params
+        self.full: torch.Tensor | None = None
+        # the call keeps its graph (grad enabled, no remat): its buffer waits, freed, for its backward. Decided
+        # before the gather Function runs: inside a Function's forward grad mode is always off.
+        self.keeps_graph = False
+        self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
+        self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
+        self._bound: Any = None
+
+    @property
+    def schedule(self) -> "Schedule":
+        return self.params.schedule
+
+    def run(self, views: tuple[torch.Tensor, ...], args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+        """The unit's forward on ``views`` (its params, in slot order); ``keep``: hold its tensors for ``bind`` in its backward."""
+        prefix = len(self.unit.name) + 1
+        self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
+        self.tensors.update(self.params.unit_buffers(self.unit))
+        self.bind()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.unbind()
+            if not keep:
+                self.tensors = {}
+
+    def done(self) -> None:
+        """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
+        graph, whose nodes hold this call: a cycle through C++ objects that Python's collector cannot break,
+        which would keep the step's state (and a disk-offloaded state's files) alive."""
+        self.unbind()
+        self.tensors = {}
+
+    def bind(self) -> None:
+        """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
+        for its forward, and again for its backward, where ``torch.utils.checkpoint`` (HF's gradient
+        checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
+        gets the error of ``_UnitCall.__getattr__``, never a view of a freed buffer."""
+        if self._bound is None and self.tensors:
+            self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
+            self._bound.__enter__()
+
+    def unbind(self) -> None:
+        if self._bound is not None:
+            bound, self._bound = self._bound, None
+            bound.__exit__(None, None, None)
+
+    def free(self) -> None:
+        """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
+        if self.full is not None and self.full.untyped_storage().nbytes():
+            self.full.untyped_storage().resize_(0)
+            note_resized(self.full)
+
+    def unalloc(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().nbytes() == 0
+
+    def alloc(self) -> torch.Tensor:
+        """The buffer with its memory back (contents undefined until a gather fills it)."""
+        full = self.full
+        if not full.untyped_storage().nbytes():
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            note_resized(full)
+        return full
 
 
 class Schedule:
@@ -33,14 +107,14 @@ class Schedule:
         self.shards = shards  # the state's own shard tensors (not the autograd-wrapped ones)
         self.order = order
         self.seen: list[str] = []
-        self.waiting: dict[str, list[_Call]] = {}  # calls whose buffer is freed until their backward, by unit
-        self.calls: list[_Call] = []  # every call that keeps its graph this step: each is let go at finish
-        self.pending: dict[int, tuple[str, Any, _Call | None]] = {}
+        self.waiting: dict[str, list[UnitCall]] = {}  # calls whose buffer is freed until their backward, by unit
+        self.calls: list[UnitCall] = []  # every call that keeps its graph this step: each is let go at finish
+        self.pending: dict[int, tuple[str, Any, UnitCall | None]] = {}
         self.following = prefetch and bool(order)
         if self.following:
             self._issue(0)
 
-    def _issue(self, pos: int, current: _Call | None = None) -> None:
+    def _issue(self, pos: int, current: UnitCall | None = None) -> None:
         if pos >= len(self.order):
             return
         name = self.order[pos]
@@ -85,7 +159,7 @@ class Schedule:
         ahead = self.pending.pop(pos, None)
         return pos, ahead
 
-    def gather(self, call: _Call, shard: torch.Tensor) -> torch.Tensor:
+    def gather(self, call: UnitCall, shard: torch.Tensor) -> torch.Tensor:
         """A unit's buffer for its forward (or a remat recompute): prefetched, or gathered now."""
         name = call.unit.name
         pos, ahead = self._next(name)
@@ -102,7 +176,7 @@ class Schedule:
             self.calls.append(call)
         return full
 
-    def refill(self, call: _Call) -> None:
+    def refill(self, call: UnitCall) -> None:
         """Gather ``call``'s unit back into its freed buffer, just before its backward."""
         name = call.unit.name
         pos, ahead = self._next(name)
@@ -126,13 +200,13 @@ class Schedule:
                 self.comm.all_gather(out, self.shards[name], tag="params", label=name)
         self._after(name, pos)
 
-    def _after(self, name: str, pos: int, current: _Call | None = None) -> None:
+    def _after(self, name: str, pos: int, current: UnitCall | None = None) -> None:
         if self.release is not None:
             self.release(self.shards[name])
         if self.following:
             self._issue(pos + 1, current)
 
-    def kept(self, call: _Call) -> bool:
+    def kept(self, call: UnitCall) -> bool:
         """Whether ``call``'s buffer stays gathered after its forward, for its backward next (see ``_issue``)."""
         return any(handle is None and target is call for _, handle, target in self.pending.values())
 

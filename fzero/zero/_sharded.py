@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from fzero.layout._clone import clone_structure
+from fzero.step import _usage
 from fzero.dist._autograd import AllGather, ReplicatedShardGrad
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.layout._layout import ROOT, Layout, Unit
 from fzero.zero._gathered import run_unit
-from fzero.zero._schedule import Schedule
 
 
 class UnitParams(Mapping):
@@ -73,7 +73,7 @@ class UnitParams(Mapping):
     def views(self, unit: Unit) -> dict[str, torch.Tensor]:
         """``{path: tensor}`` of a whole unit, made once per step (its autograd node is created here)."""
         if unit.name not in self._views:
-            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit))
+            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit), _usage.split)
         return self._views[unit.name]
 
     def _whole(self, unit: Unit) -> torch.Tensor:
@@ -127,7 +127,7 @@ class ShardedParams(UnitParams):
 
     unit_stage = 3  # what fzero.remat names in its error when given these params
 
-    def __init__(self, inputs, layout, comm, schedule: "Schedule", *, remat: bool = False, **kw) -> None:
+    def __init__(self, inputs, layout, comm, schedule: Any, *, remat: bool = False, **kw) -> None:
         super().__init__(inputs, layout, comm, **kw)
         self.schedule = schedule
         self.remat = remat
