@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fzero.dist import _events
 from fzero.estimate._formula import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
 from fzero.layout import _tree
 from fzero.zero._offload import is_file_backed
@@ -62,6 +63,13 @@ class _Tally:
         with self._lock:
             self.live -= self._sizes.pop(key, 0)
 
+    def on_resized(self, buffer: torch.Tensor) -> None:
+        """A counted storage was freed (``resize_(0)``) or given its memory back (stage 3, between a unit's
+        forward and its backward): count its new size."""
+        storage = buffer.untyped_storage()
+        if storage._cdata in self._sizes:
+            self._set(storage._cdata, storage.nbytes())
+
 
 class LiveBytes(TorchDispatchMode, _Tally):
     """Counts live tensor bytes created under it (this thread only), and their peak.
@@ -77,6 +85,19 @@ class LiveBytes(TorchDispatchMode, _Tally):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def __enter__(self) -> "LiveBytes":
+        self._watch = _events.watching(self)  # stage 3's storage resizes are no dispatched op: it reports them
+        self._watch.__enter__()
+        return TorchDispatchMode.__enter__(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        TorchDispatchMode.__exit__(self, *exc)
+        self._watch.__exit__(*exc)
+
+    def on_gathered(self, buffer: torch.Tensor) -> None:
+        """Counted already: the allocation went through this dispatch mode."""
+
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,43 +115,23 @@ class LiveBytes(TorchDispatchMode, _Tally):
         return out
 
 
-_local = threading.local()
-
-
 class GatheredBytes(_Tally):
     """Live and peak bytes of gathered stage-3 parameter buffers (whole units) in this thread.
 
-    ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into;
-    the count drops when the buffer is freed. On a ``local_mesh``, enter one per rank with ``rank_context``.
+    ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into
+    (``fzero.dist._events``); the count drops when the buffer is freed. On a ``local_mesh``, enter one per
+    rank with ``rank_context``.
     """
 
     def __enter__(self) -> "GatheredBytes":
-        self._outer = getattr(_local, "gathered", None)
-        _local.gathered = self
+        self._watch = _events.watching(self)
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _local.gathered = self._outer
+        self._watch.__exit__(*exc)
 
-
-def note_gathered(buffer: torch.Tensor) -> torch.Tensor:
-    """Report a freshly gathered unit buffer to this thread's ``GatheredBytes``, if one is active."""
-    tracker = getattr(_local, "gathered", None)
-    if tracker is not None:
+    def on_gathered(self, buffer: torch.Tensor) -> None:
         storage = buffer.untyped_storage()
-        tracker._set(storage._cdata, storage.nbytes())
-        weakref.finalize(storage, tracker._drop, storage._cdata)
-    return buffer
-
-
-def note_resized(buffer: torch.Tensor) -> None:
-    """Report that a gathered buffer's storage was freed (``resize_(0)``) or given its memory back: stage 3
-    frees a unit's buffer between its forward and its backward while the graph keeps views of it."""
-    storage = buffer.untyped_storage()
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    trackers = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveBytes)]
-    trackers.append(getattr(_local, "gathered", None))
-    for tracker in trackers:
-        if tracker is not None and storage._cdata in tracker._sizes:
-            tracker._set(storage._cdata, storage.nbytes())
+        self._set(storage._cdata, storage.nbytes())
+        weakref.finalize(storage, self._drop, storage._cdata)

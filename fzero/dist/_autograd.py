@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fzero.memory import note_gathered
+from fzero.dist import _events
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -38,7 +38,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(shard, comm, tag, back_tag, reduce_dtype=None):
-        out = note_gathered(torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device))
+        out = _events.gathered(torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device))
         return comm.all_gather(out, shard.contiguous(), tag=tag)
 
     @staticmethod

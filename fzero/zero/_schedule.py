@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
-from fzero.memory import note_gathered, note_resized
+from fzero.dist import _events
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.
@@ -73,7 +73,7 @@ class UnitCall:
         """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
         if self.full is not None and self.full.untyped_storage().nbytes():
             self.full.untyped_storage().resize_(0)
-            note_resized(self.full)
+            _events.resized(self.full)
 
     def unalloc(self) -> bool:
         return self.full is not None and self.full.untyped_storage().nbytes() == 0
@@ -83,7 +83,7 @@ class UnitCall:
         full = self.full
         if not full.untyped_storage().nbytes():
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            note_resized(full)
+            _events.resized(full)
         return full
 
 
@@ -131,7 +131,7 @@ class Schedule:
             with _same_version(out):
                 handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
         else:
-            out = note_gathered(torch.empty(unit.padded, dtype=unit.dtype))
+            out = _events.gathered(torch.empty(unit.padded, dtype=unit.dtype))
             handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
         self.pending[pos] = (name, handle, target)
 
@@ -168,7 +168,7 @@ class Schedule:
         else:
             if self.following:
                 self._stop_following(ahead)
-            full = note_gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
+            full = _events.gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
             self.comm.all_gather(full, shard, tag="params", label=name)
         self._after(name, pos, call)
         if call.keeps_graph:
