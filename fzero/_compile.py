@@ -8,8 +8,8 @@ from fzero import _rules
 from fzero.zero._offload import DEFAULT_SUB_GROUP
 from fzero.step._precision import Precision
 from fzero.step._step import Step, check_details, train_step
-from fzero.zero._transforms import offload as _offload
-from fzero.zero._transforms import shard_grads, shard_optimizer, shard_params
+from fzero.zero import offload as _offload
+from fzero.zero import shard_grads, shard_optimizer, shard_params
 
 
 def compile(  # noqa: A001 - the public name is the design's
