@@ -61,7 +61,8 @@ import time
 import torch
 
 import fzero
-from fzero.zero._offload import NoSegments, OffloadPolicy, disk_update, init_disk
+from fzero.zero._offload import NoSegments, disk_update, init_disk
+from fzero.zero._policies import DiskOffload
 
 ADAMW_BYTES = 28  # fp32: read p, g, m, v; write p, m, v
 
@@ -154,7 +155,7 @@ def main(argv=None) -> dict:
     st = {"cpu": opt.init(p_cpu)}
     p_disk = {"w": p_cpu["w"].clone()}
     tmp = tempfile.TemporaryDirectory()
-    policy = OffloadPolicy("disk", dir=tmp.name, sub_group_size=args.sub_group)
+    policy = DiskOffload(tmp.name, sub_group_size=args.sub_group)
     st["disk"] = init_disk(opt, policy, p_disk, None, 0)
     k = min(args.cache_elements, n)
     calls = max(1, n // k)

@@ -24,7 +24,7 @@ from fzero.step._module import apply, params_of
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
 from fzero.step._state import TrainState
 from fzero.step._step import Step, train_step
-from fzero.zero import offload, shard_grads, shard_optimizer, shard_params
+from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,8 @@ _INTERNAL = {
 }
 
 __all__ = [
+    "CPUOffload",
+    "DiskOffload",
     "DistMesh",
     "DynamicLossScale",
     "LocalMesh",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fzero import _rules
-from fzero.zero._offload import DEFAULT_SUB_GROUP
+from fzero.zero._policies import DEFAULT_SUB_GROUP, CPUOffload, DiskOffload
 from fzero.step._precision import Precision
 from fzero.step._step import Step, check_details, train_step
 from fzero.zero import offload as _offload
@@ -18,7 +18,7 @@ def compile(  # noqa: A001 - the public name is the design's
     optimizer: Any = None,
     stages: int = 0,
     mesh: Any = None,
-    offload: str | None = None,
+    offload: str | CPUOffload | DiskOffload | None = None,
     offload_params: bool = False,
     offload_dir: str | None = None,
     sub_group_size: int = DEFAULT_SUB_GROUP,
@@ -32,7 +32,8 @@ def compile(  # noqa: A001 - the public name is the design's
 
     ``precision``: "fp32", "bf16", "fp16" or a ``fzero.Precision``; ``grad_accum``: micro-batches per
     step; ``clip_grad_norm``: clip the global gradient norm (see ``train_step``). ``offload``: "cpu" or
-    "disk"/"nvme" with ``offload_dir`` and ``sub_group_size``; ``offload_params`` (stage 3) — see
+    "disk"/"nvme" with ``offload_dir`` and ``sub_group_size`` (disk only: cpu offload updates whole shards), or
+    a policy object (``fzero.CPUOffload(...)``, ``fzero.DiskOffload(dir, ...)``) carrying them; ``offload_params`` (stage 3) — see
     ``fzero.offload``. Details (keyword):
     ``unit_elements`` (stages 0-1), ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
     ``units`` (see ``shard_grads``), at stage 3 ``prefetch`` and ``remat`` (see ``shard_params``).

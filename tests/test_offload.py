@@ -233,3 +233,44 @@ def test_disk_offload_says_up_front_when_the_files_will_not_fit(tmp_path, monkey
                                       r"state and param shards, but only 1,000 bytes are free there.*larger disk"):
         step.init(fzero.params_of(prob.model))
     assert all(not os.listdir(tmp_path / d) for d in os.listdir(tmp_path))  # nothing was written
+
+
+def test_offload_policy_objects_equal_their_string_spellings(tmp_path):
+    """fzero.CPUOffload / fzero.DiskOffload carry the settings the string form takes as keywords; the runs agree bitwise."""
+    prob = PROBLEMS["gpt"]()
+    mesh = fzero.local_mesh(2)
+    base, _ = run(prob, stages=3, mesh=mesh, offload="disk", offload_params=True, offload_dir=str(tmp_path), sub_group_size=1000)
+    got, state = run(prob, stages=3, mesh=mesh, offload=fzero.DiskOffload(str(tmp_path), params=True, sub_group_size=1000))
+    for g, e in zip(got, base):
+        assert_trees_equal(g, e)
+    assert isinstance(state[0].opt_state, DiskOptState)
+    cpu, _ = run(prob, stages=3, mesh=mesh, offload=fzero.CPUOffload(params=True))
+    plain, _ = run(prob, stages=3, mesh=mesh)
+    for g, e in zip(cpu, plain):
+        assert_trees_equal(g, e)
+    # by hand: the transform attaches the very policy object it was given
+    policy = fzero.CPUOffload()
+    step = fzero.offload(fzero.shard_optimizer(fzero.train_step(prob.loss_fn, fzero.optim.adamw(1e-3)), mesh), policy)
+    assert step.offload is policy and step.opt_state.offload.where == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda d: fzero.DiskOffload("/no/such/dir"), ValueError, r"fzero.DiskOffload: dir='/no/such/dir' does not exist"),
+        (lambda d: fzero.DiskOffload(d, sub_group_size=3), ValueError, r"fzero.DiskOffload: sub_group_size must be an int >= "),
+        (lambda d: fzero.DiskOffload(d, params="yes"), TypeError, r"fzero.DiskOffload: params \(offload_params\) must be True or False, got 'yes'"),
+        (lambda d: fzero.CPUOffload(pin_memory=1), TypeError, r"fzero.CPUOffload: pin_memory must be True or False, got 1"),
+        (lambda d: fzero.compile(mlp_problem(steps=1).loss_fn, stages=3, offload=fzero.CPUOffload(), offload_params=True),
+         ValueError, r"fzero.offload: where=CPUOffload\(params=False, pin_memory=True\) is a policy object.*\['params'\] would be ignored"),
+    ],
+)
+def test_offload_policy_errors(tmp_path, make, error, match):
+    with pytest.raises(error, match=match):
+        make(str(tmp_path))
+
+
+def test_disk_offload_sub_group_rounds_up_to_the_shard_alignment(tmp_path):
+    from fzero.layout._layout import SHARD_ALIGN
+
+    assert fzero.DiskOffload(str(tmp_path), sub_group_size=SHARD_ALIGN + 1).sub_group_size == 2 * SHARD_ALIGN

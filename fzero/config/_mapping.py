@@ -197,6 +197,9 @@ def _offload(zero: dict, stages: int, ctx: Ctx) -> dict[str, Any]:
         ctx.notes.append("zero_optimization.offload_optimizer.nvme_path: accepted, no effect here: the device is cpu.")
     if "sub_group_size" in zero:
         out["sub_group_size"] = as_int("zero_optimization.sub_group_size", zero["sub_group_size"], low=1)
+        if where == "cpu":
+            ctx.notes.append(f"zero_optimization.sub_group_size={json.dumps(zero['sub_group_size'])}: accepted, no effect here: "
+                             f"fzero's cpu offload updates each shard whole; sub-groups size the nvme offload's updates.")
     for name, block in (("offload_optimizer", opt), ("offload_param", par)):
         if "pin_memory" in block:
             as_bool(f"zero_optimization.{name}.pin_memory", block["pin_memory"])

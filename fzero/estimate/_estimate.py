@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from fzero.layout import _tree
-from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, _by_size
+from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size
 from fzero.estimate._formula import per_rank
 from fzero import _rules
-from fzero.zero._offload import DEFAULT_SUB_GROUP, KINDS
+from fzero.zero._policies import DEFAULT_SUB_GROUP, KINDS
 from fzero.step._precision import policy
 from fzero.layout._units import by_container_child, by_prefixes
 
@@ -239,7 +239,7 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
                         f"got {type(source).__name__}.")
     paths, leaves = [k for k, _ in named], [t for _, t in named]
     if _rules.accepts("unit_elements", stages):  # flat buffers by size; else units are modules
-        groups = _by_size(paths, leaves, unit_elements)
+        groups = units_by_size(paths, leaves, unit_elements)
     else:
         unit_of = by_container_child if units is None else by_prefixes(units, api=API)
         by_name: dict[str, list[int]] = {}

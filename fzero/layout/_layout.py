@@ -165,7 +165,7 @@ def build_layout(
         if leaf.device.type not in ("cpu", "meta"):  # meta: shapes only, checked by Step.init
             raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero runs on CPU tensors for now. Move params to CPU.")
     if unit_of is None:
-        groups = _by_size(paths, leaves, unit_elements)
+        groups = units_by_size(paths, leaves, unit_elements)
     else:
         by_name: dict[str, list[int]] = {}
         for i, path in enumerate(paths):
@@ -188,7 +188,9 @@ def build_layout(
     return Layout(spec, tuple(units), world_size, tuple(order))
 
 
-def _by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -> list[tuple[str, list[int]]]:
+def units_by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -> list[tuple[str, list[int]]]:
+    """Leaves in order into units of at most ``unit_elements`` (a larger leaf is a unit of its own) and one dtype:
+    ``[(unit name, leaf indices)]``. Shared with the estimator, which must group exactly as a step does."""
     groups: list[tuple[str, list[int]]] = []
     size = 0
     for i, leaf in enumerate(leaves):

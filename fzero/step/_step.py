@@ -70,7 +70,7 @@ class Step:
 
     @property
     def offload(self) -> Any:
-        """The ``OffloadPolicy`` of the optimizer state, or None."""
+        """Where the optimizer state is offloaded: a ``CPUOffload`` or ``DiskOffload`` policy, or None."""
         return self.opt_state.offload
 
     # -- init --------------------------------------------------------------------------------------

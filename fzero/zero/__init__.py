@@ -8,13 +8,14 @@ checked rather than a convention:
     s = fzero.shard_optimizer(s, mesh)    # ZeRO-1: GradsReduceScatter, OptStateSharded
     s = fzero.shard_grads(s)              # ZeRO-2: GradsInBackward (units are modules)
     s = fzero.shard_params(s)             # ZeRO-3: ParamsSharded
-    s = fzero.offload(s, "cpu")           # OptStateSharded(offload=OffloadPolicy("cpu"))
+    s = fzero.offload(s, "cpu")           # OptStateSharded(offload=CPUOffload())
 """
 
 from fzero.zero._offloading import offload
+from fzero.zero._policies import CPUOffload, DiskOffload
 from fzero.zero._shard_grads import GradsInBackward, shard_grads
 from fzero.zero._shard_optimizer import GradsReduceScatter, OptStateSharded, shard_optimizer
 from fzero.zero._shard_params import ParamsSharded, shard_params
 
-__all__ = ["GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
+__all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
            "shard_optimizer", "shard_params"]

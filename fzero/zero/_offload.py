@@ -1,6 +1,7 @@
 """Offload: optimizer state and master weights in host memory (ZeRO-Offload) or in files (ZeRO-Infinity).
 
-``OffloadPolicy`` is the frozen setting; ``offload(step, "cpu" | "disk")`` in ``_zero.py`` attaches it.
+The policies (``CPUOffload``, ``DiskOffload``) are in ``_policies.py``; ``fzero.offload`` attaches one.
+This module holds what the disk policy runs on: the store of mapped files and the sub-group update.
 
 - ``"cpu"``: the optimizer state and fp32 masters are allocated on the host and the optimizer runs
   there (torch's fused CPU AdamW); gradients go to the host and updated params come back. On a CPU-only
@@ -23,8 +24,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import mmap
 import os
 import shutil
@@ -35,52 +34,6 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
-
-from fzero.layout._layout import SHARD_ALIGN
-
-KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
-DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadPolicy:
-    where: str  # "cpu" or "disk"
-    params: bool = False  # stage 3: the param shards live on the host too
-    dir: str | None = None  # "disk": where the files go
-    sub_group_size: int = DEFAULT_SUB_GROUP
-
-    def __post_init__(self) -> None:
-        if self.sub_group_size % SHARD_ALIGN:
-            object.__setattr__(self, "sub_group_size", math.ceil(self.sub_group_size / SHARD_ALIGN) * SHARD_ALIGN)
-
-
-def make_policy(where: Any, *, params: bool, dir: Any, sub_group_size: Any, api: str) -> OffloadPolicy:
-    if where not in KINDS:
-        raise ValueError(f"{api}: where must be one of {sorted(KINDS)}, got {where!r}.")
-    kind = KINDS[where]
-    if not isinstance(params, bool):
-        raise TypeError(f"{api}: offload_params must be True or False, got {params!r}.")
-    if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < SHARD_ALIGN:
-        raise ValueError(f"{api}: sub_group_size must be an int >= {SHARD_ALIGN} (elements per sub-group), got {sub_group_size!r}.")
-    if kind == "disk":
-        if dir is None:
-            raise ValueError(f"{api}: offload={where!r} needs offload_dir=, a directory for the optimizer-state files (e.g. a local NVMe mount).")
-        dir = os.fspath(dir)
-        if not os.path.isdir(dir):
-            raise ValueError(f"{api}: offload_dir={dir!r} does not exist or is not a directory; create it first.")
-        if not os.access(dir, os.W_OK | os.X_OK):
-            raise PermissionError(f"{api}: offload_dir={dir!r} is not writable by this process; pick a directory it can write.")
-    elif dir is not None:
-        raise ValueError(f"{api}: offload_dir={dir!r} only applies to offload='disk'/'nvme', not {where!r}.")
-    return OffloadPolicy(kind, params, dir, sub_group_size)
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy for the optimizer (pinned, asynchronous from CUDA; the tensor itself on a CPU-only run)."""
-    if t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return out.copy_(t, non_blocking=True)
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -192,7 +145,7 @@ def _is_param_leaf(path: tuple) -> bool:
     return len(path) > 0 and path[-1] == "g"
 
 
-def init_disk(optimizer: Any, policy: OffloadPolicy, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
+def init_disk(optimizer: Any, policy: Any, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
     """Write the initial optimizer state (and masters) of what this rank owns into fresh files."""
     store = DiskStore(policy.dir, rank)
     small = None
@@ -212,7 +165,7 @@ def init_disk(optimizer: Any, policy: OffloadPolicy, owned: dict[str, torch.Tens
     return DiskOptState(store, small, masters is not None)
 
 
-def _check_space(policy: OffloadPolicy, owned: dict[str, torch.Tensor], fp32_files_per_unit: int, rank: int) -> None:
+def _check_space(policy: Any, owned: dict[str, torch.Tensor], fp32_files_per_unit: int, rank: int) -> None:
     """A clear error up front instead of running out of disk space while writing (or, mapped, on first touch)."""
     need = sum(t.numel() for t in owned.values()) * 4 * fp32_files_per_unit
     if policy.params:
@@ -236,7 +189,7 @@ def _key(path: tuple, unit: str) -> str:
 
 
 def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
-                policy: OffloadPolicy, segments_guard: Any) -> DiskOptState:
+                policy: Any, segments_guard: Any) -> DiskOptState:
     """One optimizer step over the files, sub-group by sub-group, in place through their mappings.
 
     While a sub-group is updated the kernel reads the next one ahead (``MADV_WILLNEED``); once updated,

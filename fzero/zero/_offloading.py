@@ -1,7 +1,7 @@
 """``offload``: the sharded optimizer state and fp32 masters off the device (ZeRO-Offload, ZeRO-Infinity).
 
-It sets ``OptStateSharded.offload`` to an ``OffloadPolicy`` (``fzero.zero._offload``, which also holds
-the host copies and the file-backed store).
+It sets ``OptStateSharded.offload`` to a policy, ``CPUOffload`` or ``DiskOffload``
+(``fzero.zero._policies``), which says where the state lives and runs the optimizer there.
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ import dataclasses
 
 from fzero._rules import check_disk_donate
 from fzero.step._step import Step, as_step
-from fzero.zero._offload import DEFAULT_SUB_GROUP, make_policy
+from fzero.zero._policies import DEFAULT_SUB_GROUP, CPUOffload, DiskOffload, make_policy
 
 
-def offload(step: Step, where: str, *, params: bool = False, dir: str | None = None, sub_group_size: int = DEFAULT_SUB_GROUP) -> Step:
+def offload(step: Step, where: "str | CPUOffload | DiskOffload", *, params: bool = False, dir: str | None = None,
+            sub_group_size: int = DEFAULT_SUB_GROUP) -> Step:
     """Optimizer state and fp32 master weights off the device: ``"cpu"`` (ZeRO-Offload) or ``"disk"``/``"nvme"``
-    (ZeRO-Infinity: files under ``dir``, updated in sub-groups of ``sub_group_size`` elements).
+    (ZeRO-Infinity: files under ``dir``, updated in sub-groups of ``sub_group_size`` elements), or a policy
+    object with those settings on it (``fzero.CPUOffload(params=True)``, ``fzero.DiskOffload(dir)``).
 
     ``params=True`` (stage 3): the param shards live there too: on the host with ``"cpu"``, in mapped
     files with ``"disk"``, read in when a unit is gathered and released after. Needs a sharded optimizer

@@ -18,7 +18,7 @@ from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
 from fzero.layout._layout import Layout
 from fzero.step._parts import GradsAllReduce, OptStateReplicated
 from fzero.step._step import Step, as_step
-from fzero.zero._offload import DiskOptState, OffloadPolicy, disk_update, gather_master, init_disk, to_host
+from fzero.zero._policies import OffloadPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,35 +42,30 @@ class OptStateSharded(OptStateReplicated):
     def owned(self, params: Any, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return params.local(layout, flats, rank)
 
+    # Where the state lives is the offload policy's to say (``fzero.zero._policies``); without one, on the device.
     def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        return master[lo:hi].clone()
+        return master[lo:hi].clone() if self.offload is None else self.offload.hold(master[lo:hi])
 
     def init(self, optimizer: Any, params: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int):
-        if self.offload is None or self.offload.where != "disk":
+        if self.offload is None:
             return super().init(optimizer, params, layout, flats, master, rank)
-        opt_state = init_disk(optimizer, self.offload, self.owned(params, layout, flats, rank), master, rank)
-        if self.offload.params:  # stage 3: the shards become files, mapped (see _offload.py)
-            flats = {name: opt_state.store.map(f"param/{name}", t) for name, t in flats.items()}
-        return opt_state, flats
+        return self.offload.init(optimizer, self.owned(params, layout, flats, rank), master, flats, rank)
 
     def has_masters(self, opt_state: Any) -> bool:
-        return opt_state.master if isinstance(opt_state, DiskOptState) else super().has_masters(opt_state)
+        # a DiskOptState says so with its bool ``master``; a MasterState is the generic answer
+        return getattr(opt_state, "master", False) is True or super().has_masters(opt_state)
 
     def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
-        if isinstance(opt_state, DiskOptState):
-            return gather_master(opt_state, [u.name for u in layout.units])
-        return super().masters(opt_state, layout)
+        held = None if self.offload is None else self.offload.masters(opt_state, layout)
+        return super().masters(opt_state, layout) if held is None else held
 
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
-        return opt_state.store.release if isinstance(opt_state, DiskOptState) else None
+        return None if self.offload is None else self.offload.release(opt_state)
 
     def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
         if self.offload is None:
             return super().apply(optimizer, grads, opt_state, params, segments)
-        grads = {k: to_host(g) for k, g in grads.items()}  # the optimizer runs on the host (a no-op on CPU)
-        if isinstance(opt_state, DiskOptState):  # sub-groups: which params they hold, but no per-parameter norms
-            return disk_update(optimizer, opt_state, grads, params, self.offload, segments)
-        return super().apply(optimizer, grads, opt_state, params, segments)
+        return self.offload.apply(optimizer, grads, opt_state, params, segments)
 
     def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
         params.gather_back(comm, flats, layout)

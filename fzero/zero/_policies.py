@@ -1,0 +1,195 @@
+"""Offload policies: where a sharded optimizer state and its fp32 masters live, as types.
+
+As FSDP2 takes ``CPUOffloadPolicy`` rather than a flag, ``fzero.offload`` attaches one of these to
+``OptStateSharded``, which hands it the three things that differ by place: making the state at init
+(``init``), holding a master copy (``hold``), and running the optimizer (``apply``). Nothing branches on
+a place name.
+
+- ``CPUOffload`` (ZeRO-Offload): the optimizer state and masters in host memory, pinned when the params
+  are on CUDA so that copies can overlap; the optimizer runs on the host (torch's fused CPU AdamW). On a
+  CPU-only machine host and device are one memory: the copies are the tensors themselves, so the path
+  run there is the one run on a GPU machine, minus the copies.
+- ``DiskOffload`` (ZeRO-Infinity): every param-shaped leaf of the state in a mapped file under ``dir``,
+  updated in sub-groups (``fzero.zero._offload``).
+
+With ``params=True`` (stage 3) the param shards live there too, copied to the device before each gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, ClassVar, Union
+
+import torch
+
+from fzero.layout._layout import SHARD_ALIGN
+from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk
+
+DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)
+KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
+
+
+def to_host(t: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
+    """A host copy of ``t`` (pinned where CUDA is, so the copy is asynchronous); ``t`` itself when it is on the host."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and torch.cuda.is_available())
+    return out.copy_(t, non_blocking=True)
+
+
+def _host_params(params: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    return {k: to_host(p, pin=pin) for k, p in params.items()}
+
+
+def _copy_back(params: dict[str, torch.Tensor], host: dict[str, torch.Tensor]) -> None:
+    """The updated host params into the device params (nothing where they are the same tensors)."""
+    with torch.no_grad():
+        for k, p in params.items():
+            if host[k] is not p:
+                p.copy_(host[k], non_blocking=True)
+
+
+def _check_params_flag(params: Any, api: str) -> None:
+    if not isinstance(params, bool):
+        raise TypeError(f"{api}: params (offload_params) must be True or False, got {params!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffload:
+    """ZeRO-Offload: this rank's optimizer state and fp32 masters in host memory; the optimizer runs there.
+
+    ``params``: stage 3 keeps the param shards on the host too. ``pin_memory``: pinned host buffers
+    (only where CUDA is; page-locked memory is what lets host<->device copies overlap with compute).
+    """
+
+    params: bool = False
+    pin_memory: bool = True
+    where: ClassVar[str] = "cpu"
+
+    def __post_init__(self) -> None:
+        _check_params_flag(self.params, "fzero.CPUOffload")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"fzero.CPUOffload: pin_memory must be True or False, got {self.pin_memory!r}.")
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """A master copy of ``t`` in host memory (always a new tensor)."""
+        held = to_host(t, pin=self.pin_memory)
+        return held.clone() if held is t else held
+
+    def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
+        from fzero.step._update import MasterState
+
+        if master is not None:  # already on the host (``hold``)
+            opt_state = MasterState(master, optimizer.init(master))
+        else:  # the state is made over host copies, so it lives on the host
+            opt_state = optimizer.init(_host_params(owned, self.pin_memory))
+        if self.params:
+            flats = {name: to_host(t, pin=self.pin_memory) for name, t in flats.items()}
+        return opt_state, flats
+
+    def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
+        from fzero.step._update import apply_update
+
+        grads = _host_params(grads, self.pin_memory)
+        host = params if opt_state_has_masters(opt_state) else _host_params(params, self.pin_memory)
+        opt_state = apply_update(optimizer, grads, opt_state, host, segments)
+        _copy_back(params, host)
+        return opt_state
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        return None
+
+    def masters(self, opt_state: Any, layout: Any) -> dict[str, torch.Tensor] | None:
+        return None  # the generic MasterState answer holds
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskOffload:
+    """ZeRO-Infinity: this rank's optimizer state (and masters) in mapped files under ``dir``, updated in
+    sub-groups of ``sub_group_size`` elements (rounded up to a multiple of the shard alignment).
+
+    ``params``: stage 3 keeps the param shards in mapped files too.
+    """
+
+    dir: str
+    params: bool = False
+    sub_group_size: int = DEFAULT_SUB_GROUP
+    where: ClassVar[str] = "disk"
+
+    def __post_init__(self) -> None:
+        api = "fzero.DiskOffload"
+        _check_params_flag(self.params, api)
+        size = self.sub_group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < SHARD_ALIGN:
+            raise ValueError(f"{api}: sub_group_size must be an int >= {SHARD_ALIGN} (elements per sub-group), got {size!r}.")
+        if size % SHARD_ALIGN:
+            object.__setattr__(self, "sub_group_size", math.ceil(size / SHARD_ALIGN) * SHARD_ALIGN)
+        if self.dir is None:
+            raise ValueError(f"{api}: needs dir=, a directory for the optimizer-state files (e.g. a local NVMe mount); "
+                             f"with compile or fzero.offload, pass offload_dir=.")
+        path = os.fspath(self.dir)
+        if not os.path.isdir(path):
+            raise ValueError(f"{api}: dir={path!r} does not exist or is not a directory; create it first.")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"{api}: dir={path!r} is not writable by this process; pick a directory it can write.")
+        object.__setattr__(self, "dir", path)
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        return to_host(t).clone() if t.device.type == "cpu" else to_host(t, pin=False)
+
+    def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
+        opt_state = init_disk(optimizer, self, _host_params(owned, False), master, rank)
+        if self.params:  # stage 3: the shards become files, mapped (see _offload.py)
+            flats = {name: opt_state.store.map(f"param/{name}", to_host(t, pin=False)) for name, t in flats.items()}
+        return opt_state, flats
+
+    def apply(self, optimizer: Any, grads: dict, opt_state: DiskOptState, params: dict, segments: Any) -> DiskOptState:
+        host = _host_params(params, False)
+        opt_state = disk_update(optimizer, opt_state, _host_params(grads, False), host, self, segments)
+        _copy_back(params, host)
+        return opt_state
+
+    def release(self, opt_state: DiskOptState) -> Callable[[torch.Tensor], None]:
+        return opt_state.store.release
+
+    def masters(self, opt_state: DiskOptState, layout: Any) -> dict[str, torch.Tensor] | None:
+        return gather_master(opt_state, [u.name for u in layout.units]) if opt_state.master else None
+
+
+OffloadPolicy = Union[CPUOffload, DiskOffload]
+POLICIES = (CPUOffload, DiskOffload)
+
+
+def opt_state_has_masters(opt_state: Any) -> bool:
+    from fzero.step._update import MasterState
+
+    return isinstance(opt_state, MasterState)
+
+
+def make_policy(where: Any, *, params: bool = False, dir: Any = None, sub_group_size: Any = DEFAULT_SUB_GROUP, api: str) -> OffloadPolicy:
+    """The policy for ``where``: a policy object as it is, or "cpu" / "disk" / "nvme" with the keyword settings."""
+    if isinstance(where, POLICIES):
+        given = {k: v for k, v in (("params", params), ("offload_dir", dir), ("sub_group_size", sub_group_size))
+                 if v not in (False, None, DEFAULT_SUB_GROUP)}
+        if given:
+            raise ValueError(f"{api}: where={where!r} is a policy object, which carries its own settings; {sorted(given)} "
+                             f"would be ignored. Set them on the policy (e.g. fzero.DiskOffload(dir, params=True)).")
+        return where
+    if where not in KINDS:
+        raise ValueError(f"{api}: where must be one of {sorted(KINDS)}, got {where!r}. A policy object "
+                         f"(fzero.CPUOffload(...), fzero.DiskOffload(dir)) is taken too.")
+    _check_params_flag(params, api)
+    if KINDS[where] == "cpu":
+        if dir is not None:
+            raise ValueError(f"{api}: offload_dir={dir!r} only applies to offload='disk'/'nvme', not {where!r}.")
+        # sub_group_size is accepted (DeepSpeed configs carry it with cpu offload) and changes no number:
+        # cpu offload updates each shard whole, so it has nothing to size.
+        return CPUOffload(params=params)
+    if dir is None:
+        raise ValueError(f"{api}: offload={where!r} needs offload_dir=, a directory for the optimizer-state files (e.g. a local NVMe mount).")
+    try:
+        return DiskOffload(dir, params=params, sub_group_size=sub_group_size)
+    except (ValueError, TypeError, PermissionError) as e:  # the same check, named after the caller's keywords
+        raise type(e)(str(e).replace("fzero.DiskOffload", api).replace("dir=", "offload_dir=")) from None
