@@ -36,7 +36,9 @@ def mlp_problem(*, steps: int = 5, sizes=(16, 32, 32, 4), batch: int = GLOBAL_BA
     ]
 
     def loss_fn(params, b):
-        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+        # .float(): under bf16/fp16 the prediction is low precision and the target fp32; torch before 2.13 has
+        # no backward for mse_loss of mixed dtypes (pytorch/pytorch#36553). The same arithmetic as 2.13's promotion.
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]).float(), b["y"])
 
     return Problem(model, loss_fn, batches)
 

@@ -47,7 +47,7 @@ def test_materialized_init_holds_one_unit_and_the_shards_not_the_model():
 def test_materialize_must_return_the_parameter():
     _, meta = _models(GPTConfig.tiny())
     step = fzero.compile(lambda p, b: None, stages=3)
-    with pytest.raises(ValueError, match=r"materialize\('.*', \.\.\.\) returned shape \(3,\).*CPU tensor of shape"):
+    with pytest.raises(ValueError, match=r"materialize\('.*', \.\.\.\) returned shape \(3,\).*a CPU or CUDA tensor of shape"):
         step.init(fzero.params_of(meta, copy=False), materialize=lambda path, t: torch.zeros(3))
     with pytest.raises(TypeError, match=r"materialize must be a function"):
         step.init(fzero.params_of(meta, copy=False), materialize=3)

@@ -157,7 +157,7 @@ class _RngState:
     """The CPU RNG state this thread draws from, and that of each CUDA device among the inputs, replayed by
     the recompute.
 
-    The CPU state is read and replayed through ``fzero.dist._rng``: in a rank thread of a ``local_mesh`` that is
+    Both are read and replayed through ``fzero.dist._rng``: in a rank thread of a ``local_mesh`` that is
     the rank's own stream (as in a torchrun process), never the global generator the rank threads share,
     so the recompute draws the mask this rank's forward drew, and no other rank's draws move it.
     """
@@ -168,22 +168,22 @@ class _RngState:
         self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                             for t in tensors if t.device.type == "cuda"})
         self.cpu_state = _rng.get_state()
-        self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda]
+        self.cuda_states = [_rng.cuda_get_state(d) for d in self.cuda]
 
     @contextlib.contextmanager
     def replay(self):
         from fzero.dist import _rng
 
         # As fork_rng: every generator is put back afterwards, so the recompute does not advance them.
-        cuda_now = [torch.cuda.get_rng_state(d) for d in self.cuda]
+        cuda_now = [_rng.cuda_get_state(d) for d in self.cuda]
         try:
             for d, state in zip(self.cuda, self.cuda_states):
-                torch.cuda.set_rng_state(state, d)
+                _rng.cuda_set_state(state, d)
             with _rng.replay(self.cpu_state):
                 yield
         finally:
             for d, state in zip(self.cuda, cuda_now):
-                torch.cuda.set_rng_state(state, d)
+                _rng.cuda_set_state(state, d)
 
 
 def _autocast_state(devices) -> list[tuple[str, bool, torch.dtype]]:

@@ -7,7 +7,7 @@
   collective is matched across ranks (``fzero.dist._thread_comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
-  (gloo on CPU, NCCL on CUDA). Each process passes its own batch.
+  (gloo for CPU tensors, NCCL for CUDA ones). Each process passes its own batch.
 - no mesh (``None``): one rank.
 
 A mesh is a frozen value. ``count_collectives(mesh)`` returns the same mesh with a fresh ``Counter``
@@ -22,6 +22,8 @@ import datetime
 import os
 import threading
 from typing import Any, Callable, ContextManager, Sequence
+
+import torch
 
 from fzero.dist._comm import Counter, MeshTimeout, RanksDisagree
 from fzero.dist._thread_comm import Rendezvous, ThreadComm
@@ -58,9 +60,13 @@ class LocalMesh:
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
 
-        def body(rank: int, generator) -> None:
+        device = _current_cuda_device()
+
+        def body(rank: int, stream) -> None:
             try:
-                with self._context(rank), own_stream(generator):
+                if device is not None:  # the current CUDA device is per thread: the ranks run on the caller's
+                    torch.cuda.set_device(device)
+                with self._context(rank), own_stream(stream):
                     comm = ThreadComm(rank, rv, self.counter)
                     results[rank] = fn(comm, *args[rank])
                     comm.finish()
@@ -71,8 +77,8 @@ class LocalMesh:
                 if not isinstance(e, RanksDisagree):
                     rv.abort()
 
-        with rank_streams(self.size) as generators:
-            threads = [threading.Thread(target=body, args=(r, generators[r]), name=f"fzero-rank{r}", daemon=True)
+        with rank_streams(self.size) as streams:
+            threads = [threading.Thread(target=body, args=(r, streams[r]), name=f"fzero-rank{r}", daemon=True)
                        for r in range(self.size)]
             for t in threads:
                 t.start()
@@ -90,6 +96,11 @@ class LocalMesh:
         return self.rank_context(rank) if self.rank_context is not None else contextlib.nullcontext()
 
 
+def _current_cuda_device() -> int | None:
+    """The caller's current CUDA device, if CUDA is in use in this process (never initialises CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
 def _is_secondary(e: BaseException) -> bool:
     """A rank released from the barrier because another rank failed: not the root cause."""
     return isinstance(e, MeshTimeout)
@@ -101,6 +112,14 @@ class DistMesh:
     rank: int
     backend: str
     counter: Counter | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where a rank that passes only meta params to ``Step.init`` keeps its state: this process's CUDA
+        device when NCCL serves CUDA tensors here, else the CPU."""
+        if "nccl" in self.backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def comm(self):
         import torch.distributed as dist
@@ -125,10 +144,12 @@ def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
 def dist_mesh(*, backend: str | None = None, timeout: float = 600.0) -> DistMesh:
     """This process as one rank of a ``torchrun`` job; initialises the default process group if needed.
 
-    ``backend`` defaults to NCCL when CUDA is available, else gloo. ``timeout`` bounds every collective,
-    so a rank that never arrives ends the job with an error instead of a hang.
+    ``backend`` defaults to gloo for CPU tensors and, where CUDA is available, NCCL for CUDA tensors
+    (``"cpu:gloo,cuda:nccl"``: each collective goes to the backend of its tensors' device, so a job whose
+    params live on the CPU works on a GPU machine too). With CUDA, a process that has not chosen its
+    device is put on ``LOCAL_RANK``'s, as torchrun numbers them. ``timeout`` bounds every collective, so a
+    rank that never arrives ends the job with an error instead of a hang.
     """
-    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -138,7 +159,9 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 600.0) -> DistMesh
                 f"fzero.dist_mesh: no torchrun environment ({', '.join(missing)} not set). Launch the script with "
                 f"`torchrun --nproc_per_node N script.py`, or simulate N ranks in this process with fzero.local_mesh(N)."
             )
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and not torch.cuda.is_initialized():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend())
 
@@ -159,7 +182,7 @@ AGREE_FIX = (
 )
 
 
-def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int) -> list[tuple[str, Any]]:
+def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int, device_type: str | None = None) -> list[tuple[str, Any]]:
     """What every rank of one job must share, as (name, value) pairs in the order a difference is reported.
 
     Ranks that differ in any of these would issue collectives of different units or sizes, or pair
@@ -169,6 +192,8 @@ def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int) 
         ("the ZeRO stage", stage), ("the precision", precision), ("grad_accum", grad_accum),
         ("the number of units", len(layout.units)),
     ]
+    if device_type is not None:  # gloo and NCCL would each wait for the other: a hang, not an error
+        fields.append(("the device type of the params", device_type))
     fields += [(f"unit #{i}", repr(u.name)) for i, u in enumerate(layout.units)]
     for u in layout.units:
         fields += [(f"the number of params in unit {u.name!r}", len(u.slots)), (f"the dtype of unit {u.name!r}", str(u.dtype))]

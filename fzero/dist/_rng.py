@@ -28,8 +28,12 @@ rank thread its own stream (DESIGN.md §3b):
 A single-rank mesh, no mesh, and ``dist_mesh`` install nothing: they use torch's global generator
 exactly as plain PyTorch does. While rank threads run, ``torch.get_rng_state``/``torch.set_rng_state`` act on the calling rank's stream
 (``_rank_aware_state_functions``), so ``torch.utils.checkpoint`` and ``fork_rng`` replay a rank's own draws.
-Not covered: ``torch.manual_seed`` called inside a rank's program (it seeds the shared global generator),
-Python's ``random`` and NumPy, and CUDA generators (``local_mesh`` runs on CPU).
+CUDA draws are treated the same way: each rank has its own generator per CUDA device, a copy of that
+device's global generator when the rank first draws there (the ranks never move the global one, and the
+main thread waits, so that is its state at the start), and the device's global generator takes rank 0's
+final state afterwards. ``torch.cuda.get_rng_state``/``set_rng_state`` act on the calling rank's.
+Not covered: ``torch.manual_seed`` called inside a rank's program (it seeds the shared global generators),
+Python's ``random`` and NumPy.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_local = threading.local()  # .generator: this rank thread's torch.Generator, or absent
+_local = threading.local()  # .generator: this rank thread's CPU torch.Generator, .stream: its _Stream; or absent
 _GLOBAL = threading.Lock()  # held while a rank's state is swapped into the global generator
 
 # How an op draws, per OpOverload: None (it does not), or the index of its ``generator`` argument
@@ -66,44 +70,75 @@ def _how(func) -> tuple[int, bool] | None:
     return how
 
 
-def _on_cpu(args: tuple, kwargs: dict) -> bool:
-    """Whether an op runs on the CPU: its first tensor argument's device, else (a factory) its device=."""
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """The device an op runs on: its first tensor argument's, else (a factory) its device=."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a.device.type == "cpu"
+            return a.device
     device = kwargs.get("device")
-    if device is None:
-        return torch.get_default_device().type == "cpu"
-    return torch.device(device).type == "cpu"
+    return torch.get_default_device() if device is None else torch.device(device)
+
+
+class _Stream:
+    """One rank's generators: CPU, and one per CUDA device it has drawn on (made on first use, see the module docstring)."""
+
+    def __init__(self, cpu: torch.Generator, cuda_starts: dict[int, torch.Tensor]) -> None:
+        self.cpu = cpu
+        self.cuda: dict[int, torch.Generator] = {}
+        self._starts = cuda_starts  # shared by the ranks of one mesh: each device's global state when first needed
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if device.type == "cpu":
+            return self.cpu
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = self.cuda.get(index)
+        if gen is None:
+            with _GLOBAL:
+                start = self._starts.setdefault(index, torch.cuda.default_generators[index].get_state())
+            gen = self.cuda[index] = torch.Generator(device=f"cuda:{index}")
+            gen.set_state(start)
+        return gen
+
+
+def _global_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
 
 class _OwnStream(TorchDispatchMode):
-    """Sends this thread's draws from the global CPU generator to ``generator`` (see the module docstring)."""
+    """Sends this thread's draws from the global CPU and CUDA generators to its rank's (see the module docstring)."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, stream: _Stream) -> None:
         super().__init__()
-        self.generator = generator
+        self.stream = stream
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         how = _how(func)
-        if how is None or not _on_cpu(args, kwargs):
+        if how is None:
+            return func(*args, **kwargs)
+        device = _device_of(args, kwargs)
+        generator = self.stream.generator(device)
+        if generator is None:  # a device fzero keeps no stream for: torch's own generator, as elsewhere
             return func(*args, **kwargs)
         index, kwarg_only = how
         if index >= 0:
             if kwarg_only or len(args) <= index:
                 if kwargs.get("generator") is None:
-                    kwargs = {**kwargs, "generator": self.generator}
+                    kwargs = {**kwargs, "generator": generator}
             elif args[index] is None:
-                args = (*args[:index], self.generator, *args[index + 1 :])
+                args = (*args[:index], generator, *args[index + 1 :])
             return func(*args, **kwargs)
         with _GLOBAL:  # no generator argument: lend the op the global generator, in this rank's state
-            default = torch.default_generator
+            default = _global_generator(device)
             saved = default.get_state()
-            default.set_state(self.generator.get_state())
+            default.set_state(generator.get_state())
             try:
                 out = func(*args, **kwargs)
-                self.generator.set_state(default.get_state())
+                generator.set_state(default.get_state())
             finally:
                 default.set_state(saved)
         return out
@@ -127,6 +162,29 @@ def _rank_set_rng_state(new_state: torch.Tensor) -> None:
         _TORCH_SET(new_state)
 
 
+_CUDA_GET = _CUDA_SET = None  # torch.cuda's own, read when a mesh starts (torch.cuda may be imported late)
+
+
+def cuda_get_state(device: int | str | torch.device = "cuda") -> torch.Tensor:
+    """The CUDA RNG state of ``device`` this thread draws from: its rank's stream in a rank thread, else torch's."""
+    stream = getattr(_local, "stream", None)
+    if stream is None:
+        return (_CUDA_GET or torch.cuda.get_rng_state)(device)
+    return stream.generator(_cuda_device(device)).get_state()
+
+
+def cuda_set_state(new_state: torch.Tensor, device: int | str | torch.device = "cuda") -> None:
+    stream = getattr(_local, "stream", None)
+    if stream is None:
+        (_CUDA_SET or torch.cuda.set_rng_state)(new_state, device)
+    else:
+        stream.generator(_cuda_device(device)).set_state(new_state)
+
+
+def _cuda_device(device: int | str | torch.device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
 _meshes_running = 0  # rank_streams contexts open (nested or in several threads), under _PATCH
 _PATCH = threading.Lock()
 
@@ -137,11 +195,13 @@ def _rank_aware_state_functions() -> Iterator[None]:
     stream while rank threads run: ``torch.utils.checkpoint`` (Hugging Face's gradient checkpointing) and
     ``torch.random.fork_rng`` save and restore the CPU generator through them, and must replay the rank's
     own draws in their recompute, not the global generator's. Outside rank threads they are torch's own."""
-    global _meshes_running
+    global _meshes_running, _CUDA_GET, _CUDA_SET
     with _PATCH:
         if _meshes_running == 0:
             torch.get_rng_state = torch.random.get_rng_state = get_state
             torch.set_rng_state = torch.random.set_rng_state = _rank_set_rng_state
+            _CUDA_GET, _CUDA_SET = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+            torch.cuda.get_rng_state, torch.cuda.set_rng_state = cuda_get_state, cuda_set_state
         _meshes_running += 1
     try:
         yield
@@ -151,35 +211,41 @@ def _rank_aware_state_functions() -> Iterator[None]:
             if _meshes_running == 0:
                 torch.get_rng_state = torch.random.get_rng_state = _TORCH_GET
                 torch.set_rng_state = torch.random.set_rng_state = _TORCH_SET
+                torch.cuda.get_rng_state, torch.cuda.set_rng_state = _CUDA_GET, _CUDA_SET
+                _CUDA_GET = _CUDA_SET = None
 
 
 @contextlib.contextmanager
-def rank_streams(n: int) -> Iterator[list[torch.Generator]]:
-    """n generators, each a copy of the global CPU generator's state; on exit the global generator takes
-    rank 0's final state (the main thread continues as rank 0 would). Entered in the main thread."""
+def rank_streams(n: int) -> Iterator[list[_Stream]]:
+    """n streams, each a copy of the global CPU generator's state (and of a CUDA device's, when a rank first
+    draws there); on exit the global generators take rank 0's final states (the main thread continues as rank 0
+    would). Entered in the main thread."""
     start = torch.get_rng_state()
-    gens = []
+    cuda_starts: dict[int, torch.Tensor] = {}
+    streams = []
     for _ in range(n):
         g = torch.Generator()
         g.set_state(start)
-        gens.append(g)
+        streams.append(_Stream(g, cuda_starts))
     try:
         with _rank_aware_state_functions():
-            yield gens
+            yield streams
     finally:
-        torch.set_rng_state(gens[0].get_state())
+        torch.set_rng_state(streams[0].cpu.get_state())
+        for index, gen in streams[0].cuda.items():
+            torch.cuda.default_generators[index].set_state(gen.get_state())
 
 
 @contextlib.contextmanager
-def own_stream(generator: torch.Generator) -> Iterator[None]:
-    """In a rank thread: every draw this thread makes from the global CPU generator comes from ``generator``."""
-    outer = getattr(_local, "generator", None)
-    _local.generator = generator
+def own_stream(stream: _Stream) -> Iterator[None]:
+    """In a rank thread: every draw this thread makes from a global generator comes from its rank's ``stream``."""
+    outer = getattr(_local, "generator", None), getattr(_local, "stream", None)
+    _local.generator, _local.stream = stream.cpu, stream
     try:
-        with _OwnStream(generator):
+        with _OwnStream(stream):
             yield
     finally:
-        _local.generator = outer
+        _local.generator, _local.stream = outer
 
 
 @contextlib.contextmanager

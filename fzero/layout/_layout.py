@@ -81,10 +81,13 @@ class Layout:
         return [s.path for u in self.units for s in u.slots]
 
     # -- packing -----------------------------------------------------------------------------------
-    def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One unit's fresh padded flat buffer from ``leaves`` (pytree order); a meta leaf leaves zeros (a rank
-        that receives rank 0's values by broadcast)."""
-        flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype)
+    def pack_unit(self, unit: Unit, leaves: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+        """One unit's fresh padded flat buffer from ``leaves`` (pytree order), on their device (or ``device``); a
+        meta leaf leaves zeros (a rank that receives rank 0's values by broadcast)."""
+        if device is None:
+            device = next((leaves[j].device for j in self.leaf_indices(unit) if not leaves[j].is_meta), torch.device("cpu"))
+        flat = torch.zeros(unit.padded, dtype=dtype or unit.dtype, device=device)
         for j, slot in zip(self.leaf_indices(unit), unit.slots):
             leaf = leaves[j]
             if not leaf.is_meta:
@@ -162,8 +165,7 @@ def build_layout(
                 f"{api}: the parameter {path!r} has dtype {leaf.dtype}; only floating-point tensors are trained. "
                 f"Keep integer tensors out of params (as buffers of the module, or in the batch)."
             )
-        if leaf.device.type not in ("cpu", "meta"):  # meta: shapes only, checked by Step.init
-            raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero runs on CPU tensors for now. Move params to CPU.")
+    device_of(paths, leaves, api=api)
     if unit_of is None:
         groups = units_by_size(paths, leaves, unit_elements)
     else:
@@ -186,6 +188,31 @@ def build_layout(
     # pack_unit() and unpack() walk units in order and expect pytree leaf order: keep leaves sorted by unit
     order = [i for _, idx in groups for i in idx]
     return Layout(spec, tuple(units), world_size, tuple(order))
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def device_of(paths: Sequence[str], leaves: Sequence[torch.Tensor], *, api: str) -> torch.device | None:
+    """The one device the params live on (CPU or one CUDA device), None when all are meta (shapes only).
+
+    A step keeps each rank's units, gradients and optimizer state where its params are; params spread over
+    devices would put one unit's buffer across them, so they are refused with the devices named.
+    """
+    found: dict[torch.device, str] = {}
+    for path, leaf in zip(paths, leaves):
+        if leaf.is_meta:
+            continue
+        if leaf.device.type not in DEVICE_TYPES:
+            raise ValueError(f"{api}: the parameter {path!r} is on {leaf.device}; fzero runs on CPU and CUDA tensors. "
+                             f"Move the model to one of them (model.to('cuda') or model.to('cpu')).")
+        device = leaf.device if leaf.device.type == "cpu" or leaf.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        found.setdefault(device, path)
+    if len(found) > 1:
+        where = ", ".join(f"{path!r} on {d}" for d, path in found.items())
+        raise ValueError(f"{api}: the params are on more than one device ({where}); a step keeps every unit on one device. "
+                         f"Move the whole model to one device first (model.to(device)).")
+    return next(iter(found), None)
 
 
 def units_by_size(paths: list[str], leaves: list[torch.Tensor], unit_elements: int) -> list[tuple[str, list[int]]]:

@@ -55,7 +55,7 @@ class LayoutSegments:
     def expand(self, per_segment: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for k in self._names(like):
-            counts = torch.tensor([b - a for a, b in self.pieces[k]])
+            counts = torch.tensor([b - a for a, b in self.pieces[k]], device=per_segment[k].device)
             out[k] = torch.repeat_interleave(per_segment[k], counts).to(like[k].device)
         return out
 

@@ -15,7 +15,7 @@ import torch
 
 from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
 from fzero.layout import _tree
-from fzero.layout._layout import Layout, Slot, build_layout
+from fzero.layout._layout import DEVICE_TYPES, Layout, Slot, build_layout, device_of
 from fzero.layout._segments import LayoutSegments
 from fzero.layout._units import check_units_exist
 from fzero.optim._segments import use_segments
@@ -37,7 +37,8 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
-    leaves = _tree.tree_leaves(params)
+    paths, leaves, _ = _tree.flatten_with_paths(params)
+    device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)
     dist = isinstance(step.mesh, DistMesh)
     ranks = list(range(n)) if isinstance(step.mesh, LocalMesh) else [step.mesh.rank if dist else 0]
     receives = dist and ranks[0] != 0  # its values come from rank 0's broadcast
@@ -50,9 +51,12 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
             "are broadcast to them, as FSDP's sync_module_states)."
         )
     make = None if receives else materialize
+    if device is None and receives:
+        device = step.mesh.device
     comm = step.mesh.comm() if dist else None
     if comm is not None:  # once, before any collective could pair unrelated buffers of one padded size
-        fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum)
+        fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
+                                device_type=None if device is None else device.type)
         comm.agree(fields, api=API, fix=AGREE_FIX)
     flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
@@ -62,9 +66,11 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
             values = list(leaves)
             for j, slot in zip(layout.leaf_indices(unit), unit.slots):
                 if values[j].is_meta:
-                    values[j] = _materialized(make, slot, values[j])
-        flat = layout.pack_unit(unit, values)  # in the compute dtype
-        master = layout.pack_unit(unit, values, dtype=torch.float32) if prec.has_master else None  # from fp32 values
+                    values[j] = _materialized(make, slot, values[j], device)
+            if device is None:  # the first made value decides, and the others must follow it
+                device = next(values[j].device for j in layout.leaf_indices(unit))
+        flat = layout.pack_unit(unit, values, device=device)  # in the compute dtype
+        master = layout.pack_unit(unit, values, dtype=torch.float32, device=device) if prec.has_master else None  # from fp32 values
         for t in (flat, master):
             if comm is not None and t is not None:
                 comm.broadcast(t, src=0, tag="init")
@@ -74,17 +80,18 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
             if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
                 masters[r][unit.name] = step.opt_state.hold_master(master, lo, hi)
         del flat, master, values
-    states = [dataclasses.replace(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r),
+    device = device or torch.device("cpu")  # no unit at all had a value: nothing was packed
+    states = [dataclasses.replace(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r, device),
                                   buffers={k: v.clone() for k, v in buffers.items()}) for r in ranks]
     return RankStates(tuple(states)) if isinstance(step.mesh, LocalMesh) else states[0]
 
 
-def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int) -> TrainState:
+def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int, device: torch.device) -> TrainState:
     """``flats``: what this rank holds of each unit; ``master``: the fp32 copy of what it owns."""
     # the optimizer's per-parameter state (Adam's skip counts) is sized by the layout's params, not its buffers
     with use_segments(LayoutSegments(layout, sharded=step.opt_state.sharded, rank=rank, comm=None)):
         opt_state, flats = step.opt_state.init(step.optimizer, step.params, layout, flats, master, rank)
-    meta = StateMeta(layout=layout, stage=step.stage, world_size=layout.world_size, rank=rank)
+    meta = StateMeta(layout=layout, stage=step.stage, world_size=layout.world_size, rank=rank, device=device)
     return TrainState(
         params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
         loss_scale=init_loss_scale(step.precision.loss_scale), meta=meta,
@@ -105,13 +112,16 @@ def _checked_buffers(buffers: Any) -> dict[str, torch.Tensor]:
     return buffers
 
 
-def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor) -> torch.Tensor:
-    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model."""
+def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``materialize(path, meta)``, checked: Step.init's streaming init of a meta-device model. ``device``: where
+    the params that are not meta live (the made values must be there too), or None."""
     value = materialize(slot.path, meta)
-    if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.device.type != "cpu" or value.is_meta:
+    where = "a CPU or CUDA tensor" if device is None else f"a tensor on {device} (where the other params are)"
+    if (not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.is_meta
+            or value.device.type not in DEVICE_TYPES or device is not None and value.device != device):
         got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
         raise ValueError(
             f"{API}: materialize({slot.path!r}, ...) returned {got}; it must return the parameter's initial "
-            f"value, a CPU tensor of shape {tuple(meta.shape)}."
+            f"value, {where} of shape {tuple(meta.shape)}."
         )
     return value

@@ -31,6 +31,7 @@ class StateMeta:
     world_size: int
     rank: int
     gather_order: tuple[str, ...] = ()  # stage 3: the units the last step gathered, in order (for prefetch)
+    device: torch.device = torch.device("cpu")  # where the params compute (param shards offloaded to the host come here to be gathered)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

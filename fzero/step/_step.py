@@ -157,7 +157,7 @@ class Step:
                 flats = {u.name: torch.cat([source(s)[u.name] for s in state.states]) for u in layout.units}
             elif isinstance(self.mesh, DistMesh):  # a collective: under dist_mesh every rank must call gather
                 comm = self.mesh.comm()
-                flats = {u.name: comm.all_gather(torch.empty(u.padded, dtype=flats[u.name].dtype), flats[u.name], tag="gather") for u in layout.units}
+                flats = {u.name: comm.all_gather(torch.empty(u.padded, dtype=flats[u.name].dtype, device=flats[u.name].device), flats[u.name], tag="gather") for u in layout.units}
         out = optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
         for s in state.states if isinstance(state, RankStates) else (state,):
             release = self.opt_state.release(s.opt_state)

@@ -91,7 +91,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     # One all-reduce for the metrics and the usage of every param (1.0 per rank that used it): a param no rank
     # used keeps torch's grad=None and skips the update; one some rank used gets the averaged gradient (DDP).
     flags = usage.flags() if usage is not None else torch.ones(len(layout.order))
-    reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float(), sumsq]), flags]), tag="metrics")
+    reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float().to(sumsq.device), sumsq]), flags.to(sumsq.device)]), tag="metrics")
+    reduced = reduced.cpu()  # the host decides on overflow and reads the metrics: one wait for the device per step
     active = _active(layout, reduced[2:])
     grad_norm = math.sqrt(float(reduced[1])) if math.isfinite(float(reduced[1])) else float(reduced[1])
     step_no = int(state.step) + 1

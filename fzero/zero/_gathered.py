@@ -28,6 +28,11 @@ def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dic
     With ``remat`` (``shard_params(..., remat=True)``) the unit is instead run through ``fzero.remat``: no
     graph is kept, and the recompute in backward gathers the unit again.
     """
+    with torch.profiler.record_function(f"fzero.unit:{unit.name}"):  # a trace shows each unit's gather and forward
+        return _run_unit(inner, unit, params, args, kwargs)
+
+
+def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
     call = UnitCall(inner, unit, params)
     shard = params.inputs[unit.name]
     if params.remat and torch.is_grad_enabled():
@@ -116,7 +121,8 @@ class _UnitReduce(torch.autograd.Function):
             raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
         params = call.params
         grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
-        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(params.inputs[call.unit.name].dtype)
+        shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
+        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)
         if free_after:
             call.done()
             call.free()

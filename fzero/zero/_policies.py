@@ -32,7 +32,8 @@ KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
 
 
 def to_host(t: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
-    """A host copy of ``t`` (pinned where CUDA is, so the copy is asynchronous); ``t`` itself when it is on the host."""
+    """A host copy of ``t`` (pinned where CUDA is, so the copy is asynchronous: wait on the stream before the host
+    reads it); ``t`` itself when it is on the host."""
     if t.device.type == "cpu":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and torch.cuda.is_available())
@@ -40,7 +41,13 @@ def to_host(t: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
 
 
 def _host_params(params: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
-    return {k: to_host(p, pin=pin) for k, p in params.items()}
+    """Host copies of every tensor, issued together and waited for once: the host reads them next."""
+    out = {k: to_host(p, pin=pin) for k, p in params.items()}
+    for k, p in params.items():
+        if out[k] is not p:  # some copy came from CUDA: it is asynchronous into pinned memory until waited for
+            torch.cuda.current_stream(p.device).synchronize()
+            break
+    return out
 
 
 def _copy_back(params: dict[str, torch.Tensor], host: dict[str, torch.Tensor]) -> None:
@@ -75,7 +82,7 @@ class CPUOffload:
 
     def hold(self, t: torch.Tensor) -> torch.Tensor:
         """A master copy of ``t`` in host memory (always a new tensor)."""
-        held = to_host(t, pin=self.pin_memory)
+        held = _host_params({"t": t}, self.pin_memory)["t"]
         return held.clone() if held is t else held
 
     def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
@@ -86,7 +93,7 @@ class CPUOffload:
         else:  # the state is made over host copies, so it lives on the host
             opt_state = optimizer.init(_host_params(owned, self.pin_memory))
         if self.params:
-            flats = {name: to_host(t, pin=self.pin_memory) for name, t in flats.items()}
+            flats = _host_params(flats, self.pin_memory)
         return opt_state, flats
 
     def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
@@ -137,12 +144,12 @@ class DiskOffload:
         object.__setattr__(self, "dir", path)
 
     def hold(self, t: torch.Tensor) -> torch.Tensor:
-        return to_host(t).clone() if t.device.type == "cpu" else to_host(t, pin=False)
+        return t.clone() if t.device.type == "cpu" else t.cpu()
 
     def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
         opt_state = init_disk(optimizer, self, _host_params(owned, False), master, rank)
         if self.params:  # stage 3: the shards become files, mapped (see _offload.py)
-            flats = {name: opt_state.store.map(f"param/{name}", to_host(t, pin=False)) for name, t in flats.items()}
+            flats = {name: opt_state.store.map(f"param/{name}", t.cpu()) for name, t in flats.items()}
         return opt_state, flats
 
     def apply(self, optimizer: Any, grads: dict, opt_state: DiskOptState, params: dict, segments: Any) -> DiskOptState:

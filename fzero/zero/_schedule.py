@@ -100,8 +100,9 @@ class Schedule:
     """
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
-                 release: Callable[[torch.Tensor], None] | None = None) -> None:
+                 release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu")) -> None:
         self.comm = comm
+        self.device = device  # where units are gathered; a shard held elsewhere (on the host) is copied here first
         self.release = release  # disk offload of params: give a shard's pages back once it is gathered
         self.units = {u.name: u for u in layout.units}
         self.shards = shards  # the state's own shard tensors (not the autograd-wrapped ones)
@@ -129,11 +130,15 @@ class Schedule:
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
-                handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
+                handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         else:
-            out = _events.gathered(torch.empty(unit.padded, dtype=unit.dtype))
-            handle = self.comm.all_gather_async(out, self.shards[name], tag="params", label=name)
+            out = _events.gathered(torch.empty(unit.padded, dtype=unit.dtype, device=self.device))
+            handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         self.pending[pos] = (name, handle, target)
+
+    def _here(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shard on the gather's device: itself, or (params offloaded to the host) an asynchronous copy up."""
+        return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
 
     def _stop_following(self, ahead) -> None:
         """Off the recorded order: complete what is in flight (every rank alike), drop it, prefetch no more."""
@@ -168,8 +173,8 @@ class Schedule:
         else:
             if self.following:
                 self._stop_following(ahead)
-            full = _events.gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=shard.device))
-            self.comm.all_gather(full, shard, tag="params", label=name)
+            full = _events.gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=self.device))
+            self.comm.all_gather(full, self._here(shard), tag="params", label=name)
         self._after(name, pos, call)
         if call.keeps_graph:
             self.waiting.setdefault(name, []).append(call)
@@ -197,7 +202,7 @@ class Schedule:
                 self._stop_following(ahead)
             out = call.alloc()
             with _same_version(out):
-                self.comm.all_gather(out, self.shards[name], tag="params", label=name)
+                self.comm.all_gather(out, self._here(self.shards[name]), tag="params", label=name)
         self._after(name, pos)
 
     def _after(self, name: str, pos: int, current: UnitCall | None = None) -> None:

@@ -49,7 +49,7 @@ class ParamsSharded:
     def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
-        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release)
+        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
         return _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype),
@@ -58,7 +58,7 @@ class ParamsSharded:
 
     def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
         layout = state.meta.layout
-        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release)
+        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
         return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
 
     def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
