@@ -100,3 +100,34 @@ def test_stage3_moves_three_psi_per_rank_per_step(ranks, prefetch):
             ("reduce_scatter", "grads"): 3 * 3,
             ("all_reduce", "metrics"): 3,
         }
+
+
+def test_profiler_ranges_name_every_collective_and_unit():
+    """A torch.profiler trace of a stage-3 step shows each unit's gather and forward, and every collective
+    with what it moves and for which unit (as FSDP2's ranges do). One rank: the profiler records the thread
+    it runs in, and a process (torchrun's rank) profiles its own."""
+    import torch
+
+    prob = PROBLEMS["gpt"](steps=2)
+    mesh = fzero.count_collectives(fzero.local_mesh(1))
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=mesh)
+    state = step.init(fzero.params_of(prob.model))
+    state, _ = step(state, prob.batches[0])
+    mesh.counter.reset()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(state, prob.batches[1])
+    names = [e.name for e in prof.events()]
+    units = [u.name for u in state[0].meta.layout.units]
+    calls = mesh.counter.calls
+    assert calls  # the step did communicate
+    for c in calls:  # one range per collective call, named by op, tag and unit
+        expected = f"fzero.{c.op}:{c.tag}" + (f":{c.label}" if c.label else "")
+        assert expected in names, expected
+    assert sum(n.startswith("fzero.") and ":" in n and not n.startswith("fzero.unit:") for n in names) == len(calls)
+    from fzero.layout._layout import ROOT
+
+    # every module unit's own range and its gradient's reduce-scatter; the root unit (the params outside every
+    # module unit) is gathered for the whole step, and its ranges are the unlabelled ones checked above
+    for u in units:
+        if u != ROOT:
+            assert f"fzero.unit:{u}" in names and f"fzero.reduce_scatter:grads:{u}" in names, u

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fzero.dist._comm import Counter, MeshTimeout, Pending, RanksDisagree, Recording, disagreement
+from fzero.dist._comm import Counter, MeshTimeout, Pending, RanksDisagree, Recording, disagreement, ranged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,7 @@ class ThreadComm(Recording):
         if error is not None:
             raise error
 
+    @ranged
     def all_gather(self, out, shard, *, tag, label=None):
         self._note("all_gather", tag, out.numel(), out, label)
         if self.size == 1:  # one rank: nothing to exchange
@@ -141,11 +142,12 @@ class ThreadComm(Recording):
         self._done()
         return out
 
-    def all_gather_async(self, out, shard, *, tag, label=None):
+    def all_gather_async(self, out, shard, *, tag, label=None):  # its profiler range is the all_gather's, when waited for
         # Threads of one process have no transfer to overlap with compute, so the exchange runs when the
         # result is waited for: at the same point of the program on every rank, so ranks stay matched.
         return Pending(lambda: self.all_gather(out, shard, tag=tag, label=label))
 
+    @ranged
     def reduce_scatter(self, full, *, tag, label=None):
         self._note("reduce_scatter", tag, full.numel(), full, label)
         if self.size == 1:
@@ -159,6 +161,7 @@ class ThreadComm(Recording):
         self._done()
         return acc
 
+    @ranged
     def all_reduce(self, tensor, *, tag, label=None):
         self._note("all_reduce", tag, tensor.numel(), tensor, label)
         if self.size == 1:
@@ -170,6 +173,7 @@ class ThreadComm(Recording):
         self._done()
         return tensor.copy_(acc)
 
+    @ranged
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
         if self.size == 1:
