@@ -61,7 +61,8 @@ import time
 import torch
 
 import fzero
-from fzero.zero._offload import NoSegments, disk_update, init_disk
+from fzero.layout._segments import NoSegments
+from fzero.zero._offload import disk_update, init_disk
 from fzero.zero._policies import DiskOffload
 
 ADAMW_BYTES = 28  # fp32: read p, g, m, v; write p, m, v

@@ -93,6 +93,19 @@ class LayoutSegments:
         return list(tree)
 
 
+class NoSegments:
+    """Installed during a sub-group update: a layer-wise optimizer cannot see whole parameters there."""
+
+    def sumsq(self, tree: Any) -> Any:
+        raise NotImplementedError(
+            "fzero.offload('disk'): the optimizer asked for per-parameter norms (a layer-wise optimizer such as "
+            "fzero.optim.lamb), but disk offload updates the state in sub-groups that cut through parameters. "
+            "Use an element-wise optimizer (adamw, adam, sgd, lion) with disk offload, or offload='cpu'."
+        )
+
+    expand = sumsq
+
+
 class SubGroupSegments:
     """One sub-group of one unit (disk offload updates ``{"g": elements start:stop}`` at a time): which parameters
     it holds and which take the step. Per-parameter norms cannot be had there (``NoSegments`` says why)."""
@@ -101,8 +114,6 @@ class SubGroupSegments:
         self.parent, self.unit, self.start, self.stop = parent, unit, start, stop
 
     def sumsq(self, tree: Any) -> Any:
-        from fzero.zero._offload import NoSegments
-
         return NoSegments().sumsq(tree)
 
     expand = sumsq

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
-from fzero.zero._sharded import UnitParams, apply_units
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -39,8 +38,9 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
-    if isinstance(params, UnitParams):  # stages 2-3: unit by unit as the forward reaches them
-        return apply_units(module, params, args, kwargs)  # builds its own per-rank skeleton
+    run_module = getattr(type(params), "run_module", None)
+    if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
+        return run_module(params, module, args, kwargs)  # builds its own per-rank skeleton
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)

@@ -235,19 +235,6 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
     return DiskOptState(store, new_small, state.master)
 
 
-class NoSegments:
-    """Installed during a sub-group update: a layer-wise optimizer cannot see whole parameters there."""
-
-    def sumsq(self, tree: Any) -> Any:
-        raise NotImplementedError(
-            "fzero.offload('disk'): the optimizer asked for per-parameter norms (a layer-wise optimizer such as "
-            "fzero.optim.lamb), but disk offload updates the state in sub-groups that cut through parameters. "
-            "Use an element-wise optimizer (adamw, adam, sgd, lion) with disk offload, or offload='cpu'."
-        )
-
-    expand = sumsq
-
-
 def gather_master(state: DiskOptState, units: list[str]) -> dict[str, torch.Tensor]:
     """The fp32 masters back from the files (for ``Step.gather``)."""
     return {u: state.store.load(f"master/{u}") for u in units}

@@ -51,6 +51,12 @@ class UnitParams(Mapping):
         self._skeletons: dict[int, nn.Module] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._buffers)
 
+    def run_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """What ``fzero.apply(module, self, ...)`` does: the model unit by unit (``apply_units``). ``fzero.apply``
+        asks the params object for this method rather than importing this module, so the step does not depend
+        on the transforms that plug into it."""
+        return apply_units(module, self, args, kwargs)
+
     def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The step's buffers inside ``unit``, by name relative to it."""
         prefix = unit.name + "."
