@@ -54,10 +54,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     if device is None and receives:
         device = step.mesh.device
     comm = step.mesh.comm() if dist else None
-    if comm is not None:  # once, before any collective could pair unrelated buffers of one padded size
-        fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
-                                device_type=None if device is None else device.type)
-        comm.agree(fields, api=API, fix=AGREE_FIX)
+    agreed = comm is None
     flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
     for unit in layout.units:
@@ -69,6 +66,12 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
                     values[j] = _materialized(make, slot, values[j], device)
             if device is None:  # the first made value decides, and the others must follow it
                 device = next(values[j].device for j in layout.leaf_indices(unit))
+        if not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
+            # a rank that makes its params learns their device from the first unit it made
+            fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
+                                    device_type=(device or torch.device("cpu")).type)
+            comm.agree(fields, api=API, fix=AGREE_FIX)
+            agreed = True
         flat = layout.pack_unit(unit, values, device=device)  # in the compute dtype
         master = layout.pack_unit(unit, values, dtype=torch.float32, device=device) if prec.has_master else None  # from fp32 values
         for t in (flat, master):
