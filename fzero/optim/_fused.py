@@ -9,6 +9,10 @@ its param. Anything else (meta tensors, non-contiguous views, grads of another d
 ``update`` followed by ``p.add_(u)``, which agrees with the kernel to rounding. Non-contiguous params must
 not reach the CPU kernel: it walks ``data_ptr`` densely and would write the wrong elements.
 
+On CUDA, float32 leaves go to fzero.ops' Triton Adam kernel instead when triton is installed (``_kernel``):
+it agrees with torch's CUDA kernel to fp32 rounding and is elementwise, with no scalar tail, so the bitwise
+facts below about shards and windows hold for it without conditions. CPU leaves always take torch's kernel.
+
 Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._segments``): the
 kernel takes one step count per tensor, and a ZeRO leaf holds many parameters; ``_per_param_counts`` runs each
 leaf once with its most common count and redoes the others in aligned windows (its docstring says why that is
@@ -89,7 +93,7 @@ def adam_step(
         if skipped is not adam.skipped:
             adam.skipped.copy_(skipped)
         steps = per_param_steps(adam.count, adam.skipped)
-        kernel = getattr(torch, kernel_name)  # looked up per call so that tests can count kernel calls
+        kernel = _kernel(getattr(torch, kernel_name), decoupled, groups)  # looked up per call: tests count calls
         settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         if active is None and steps is None:  # every parameter at the same count: one call per (device, dtype)
             for (device, _), (ps, gs, ms, vs) in groups.items():
@@ -101,6 +105,64 @@ def adam_step(
         return state
 
     return fused
+
+
+def triton_leaf(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether fzero.ops' Triton Adam takes leaves of this device and dtype instead of torch's kernel: CUDA
+    float32 (the kernel's master and moments are fp32). A function of its own so that tests can widen it to
+    CPU leaves, where the kernel runs under Triton's interpreter."""
+    return device.type == "cuda" and dtype == torch.float32
+
+
+def _kernel(torch_kernel: Callable, decoupled: bool, groups: dict) -> Callable:
+    """torch's fused kernel; or, when some (device, dtype) group is Triton's (``triton_leaf``) and triton imports,
+    a callable with torch's signature that sends those leaves to ``fzero.ops.adam_`` and the rest to torch.
+
+    Why fzero's kernel on CUDA: it can take the gradient unscale, a bf16/fp16 copy-out and the non-finite flag in
+    the same pass (what a mixed-precision step needs; this fp32 path uses none of them yet), it equals its torch
+    reference bit for bit, and it agrees with torch's CUDA kernel to fp32 rounding (``fzero.ops._adam``). CPU
+    leaves never get here: the CPU path is torch's kernel, untouched, and fzero.ops (and triton) are not even
+    imported for it.
+    """
+    if not any(triton_leaf(device, dtype) for device, dtype in groups):
+        return torch_kernel
+    from fzero.ops import triton_available
+
+    if not triton_available():
+        return torch_kernel
+    return lambda *lists, **settings: _triton_adam(torch_kernel, decoupled, *lists, **settings)
+
+
+def _triton_adam(torch_kernel: Callable, decoupled: bool, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+                 max_exp_avg_sqs: list, state_steps: list, *, lr: float, beta1: float, beta2: float, weight_decay: float,
+                 eps: float, amsgrad: bool, maximize: bool) -> None:
+    """torch's ``_fused_adam(w)_`` signature, run by ``fzero.ops.adam_`` (one call per leaf: ZeRO leaves are a few
+    flat buffers) for Triton's leaves and by torch's kernel (one call) for the others.
+
+    Step counts: ``fzero.ops.adam_`` takes the count as a host number, so each distinct step tensor is read once
+    (a device sync when the count lives on the GPU; ``per_param_steps`` has already synced this step). The
+    per-parameter counts of ``_per_param_counts`` come through here as separate calls with their own step
+    tensors, so they need nothing more. amsgrad and maximize are never set by ``adam_step``.
+    """
+    from fzero.ops import adam_
+
+    if amsgrad or maximize or max_exp_avg_sqs:
+        raise NotImplementedError("fzero.optim: the Triton Adam kernel has no amsgrad or maximize (adam_step never asks).")
+    rest: list[list] = [[], [], [], [], []]
+    counts: dict[int, float] = {}
+    for quad_step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        p, g, m, v, step = quad_step
+        if not triton_leaf(p.device, p.dtype):
+            for lst, t in zip(rest, quad_step):
+                lst.append(t)
+            continue
+        if id(step) not in counts:
+            counts[id(step)] = float(step)
+        adam_(p, g, m, v, step=counts[id(step)], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+              decoupled=decoupled, impl="triton")
+    if rest[0]:
+        torch_kernel(*rest[:4], [], rest[4], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                     amsgrad=amsgrad, maximize=maximize)
 
 
 # Windows recomputed with their own step count start and end on multiples of this many elements from their leaf's
