@@ -65,11 +65,10 @@ def test_models_rows(result):
 @pytest.mark.slow
 def test_adamw_section(result):
     res, _ = result
-    a = res["adamw"]
-    if a["status"] == "ok":
-        assert any(r["impl"] == "torch" and r["status"] == "ok" and r["gbps"] > 0 for r in a["rows"])
-    else:
-        assert a["status"] == "not available" and a["reason"]
+    a = res["adamw"]  # both rows measured; on the CPU fzero's torch reference stands in for the Triton kernel
+    assert a.get("status", "ok") == "ok", a
+    for impl in ("torch", "torch_fused"):
+        assert any(r["impl"] == impl and r["status"] == "ok" and r["gbps"] > 0 for r in a["rows"]), (impl, a["rows"])
 
 
 @pytest.mark.slow
