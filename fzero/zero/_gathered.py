@@ -17,6 +17,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from fzero.autodiff._remat import remat
+from fzero.dist._comm import profiled
 from fzero.layout import _tree
 from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage
@@ -28,7 +29,7 @@ def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dic
     With ``remat`` (``shard_params(..., remat=True)``) the unit is instead run through ``fzero.remat``: no
     graph is kept, and the recompute in backward gathers the unit again.
     """
-    with torch.profiler.record_function(f"fzero.unit:{unit.name}"):  # a trace shows each unit's gather and forward
+    with profiled(lambda: f"fzero.unit:{unit.name}"):  # a trace shows each unit's gather and forward
         return _run_unit(inner, unit, params, args, kwargs)
 
 
