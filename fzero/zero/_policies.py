@@ -108,6 +108,9 @@ class CPUOffload:
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
         return None
 
+    def has_masters(self, opt_state: Any) -> bool | None:
+        return None  # the generic answer holds: masters are a MasterState on the host
+
     def masters(self, opt_state: Any, layout: Any) -> dict[str, torch.Tensor] | None:
         return None  # the generic MasterState answer holds
 
@@ -160,6 +163,9 @@ class DiskOffload:
 
     def release(self, opt_state: DiskOptState) -> Callable[[torch.Tensor], None]:
         return opt_state.store.release
+
+    def has_masters(self, opt_state: DiskOptState) -> bool:
+        return opt_state.master  # the fp32 masters are files of the store, or there are none
 
     def masters(self, opt_state: DiskOptState, layout: Any) -> dict[str, torch.Tensor] | None:
         return gather_master(opt_state, [u.name for u in layout.units]) if opt_state.master else None

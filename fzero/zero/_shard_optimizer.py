@@ -52,8 +52,8 @@ class OptStateSharded(OptStateReplicated):
         return self.offload.init(optimizer, self.owned(params, layout, flats, rank), master, flats, rank)
 
     def has_masters(self, opt_state: Any) -> bool:
-        # a DiskOptState says so with its bool ``master``; a MasterState is the generic answer
-        return getattr(opt_state, "master", False) is True or super().has_masters(opt_state)
+        held = None if self.offload is None else self.offload.has_masters(opt_state)
+        return super().has_masters(opt_state) if held is None else held
 
     def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
         held = None if self.offload is None else self.offload.masters(opt_state, layout)
