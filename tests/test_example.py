@@ -8,12 +8,11 @@ and a 1 MiB slice of the corpus so that each takes a few seconds.
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from fzero.data import load_corpus
+from launch import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -70,10 +69,8 @@ def test_example_trains_on_local_mesh(corpus_file, tmp_path, capsys, stages):
 @pytest.mark.torchrun
 def test_example_under_torchrun_stage2(corpus_file, tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", EXAMPLE,
-           *TINY, "--stages", "2", "--data", corpus_file, "--json-out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # launched as every torchrun test is (tests/launch.py: its one retry is for the known stage-2 C++ abort only)
+    proc = torchrun([EXAMPLE, *TINY, "--stages", "2", "--data", corpus_file, "--json-out", str(out)])
     result = json.loads(out.read_text())
     assert result["mesh"] == "dist"
     check_result(result, stages=2, world=2)
