@@ -14,10 +14,12 @@ from fzero.step._context import step_buffers, step_scope
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
-             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None):
     """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
     and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
-    compute dtype floating buffers meet the params in).
+    compute dtype floating buffers meet the params in; ``into``: under plain autograd, a function that gives the
+    leaves ``.grad`` buffers to accumulate into, in place, returning True if it did: see
+    ``fzero.step._parts.ParamView``).
 
     By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
     unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
@@ -43,9 +45,18 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             raise
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
+        in_place = into is not None and into(leaves)
         with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
             scaled, (loss, tensors, new_buffers) = objective(leaves)
-            grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
+            if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
+                if scaled.requires_grad:
+                    torch.autograd.backward(scaled, inputs=leaves)
+                grads = [leaf.grad for leaf in leaves]
+            elif scaled.requires_grad:
+                grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
+            else:  # a loss that does not depend on the params: a zero gradient, as torch.func.grad gives
+                grads = [torch.zeros_like(x) for x in leaves]
+            del leaves
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
         new_buffers = {k: v.detach() for k, v in new_buffers.items()}
     it = iter(tensors)

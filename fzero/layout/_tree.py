@@ -56,6 +56,27 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     return [".".join(str(p) for p in path) for path in paths], leaves, spec
 
 
+def insertion_order(tree: Any) -> list[str]:
+    """The dotted paths of ``tree``'s leaves with dicts in insertion order (``flatten_with_paths`` sorts dict keys,
+    as optree does). For ``fzero.params_of(model)`` that is the module's registration order, the order of its
+    forward for most models, which is what groups params into units that backward finishes one after another."""
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, f"{prefix}.{key}" if prefix else str(key))
+        elif type(node) in (list, tuple):
+            for i, child in enumerate(node):
+                walk(child, f"{prefix}.{i}" if prefix else str(i))
+        else:  # a leaf, or a node type of its own: its leaves in optree's order
+            paths, _, _ = flatten_with_paths(node)
+            out.extend(prefix if p == "" else (f"{prefix}.{p}" if prefix else p) for p in paths)
+
+    walk(tree, "")
+    return out
+
+
 def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 

@@ -34,16 +34,23 @@ from fzero.step import _usage
 class View:
     """What one step's gradient is taken over, made by ``params.view``.
 
-    ``inputs``: the differentiable per-unit tensors (in layout order); ``build(xs)``: what ``loss_fn`` gets,
-    from the transform's wrapped ``xs``; ``release()``: after each micro-batch's gradient (lets go of what
-    the micro-batch gathered); ``finish(meta)``: after the last micro-batch, the state's new metadata.
+    ``inputs``: the differentiable tensors (per unit, or per param at stages 0-1, in layout order);
+    ``build(xs)``: what ``loss_fn`` gets, from the transform's wrapped ``xs``; ``release()``: after each
+    micro-batch's gradient (lets go of what the micro-batch gathered); ``collect(grads)``: the accumulated
+    gradients of ``inputs`` as one gradient per unit (``collect``, default as they are), taking them out of the
+    list it is given; ``finish(meta)``: after the last micro-batch, the state's new metadata.
     """
 
-    def __init__(self, inputs: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], *, releases: bool = False) -> None:
+    def __init__(self, inputs: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], *, releases: bool = False,
+                 collect: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
         self.inputs = inputs
         self._build = build
         self._releases = releases  # what build makes has a release() (the unit params of stages 2-3)
+        self._collect = collect
         self.made: list[Any] = []
+
+    def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return grads if self._collect is None else self._collect(grads)
 
     def build(self, xs: list[torch.Tensor]) -> Any:
         self.made.append(self._build(xs))
@@ -56,6 +63,71 @@ class View:
 
     def finish(self, meta: Any) -> Any:
         return meta
+
+
+class ParamView(View):
+    """Stages 0-1: the gradient is taken with respect to each param, a view of its unit's buffer.
+
+    Under plain autograd (``autodiff="autograd"``) a hook runs as soon as autograd has a param's gradient
+    (``post_accumulate_grad_hook``): it adds it into the param's slot of its unit's flat gradient (made, zeroed,
+    when the unit's first gradient arrives), notes the param as used, and drops it. A step then holds about one
+    gradient, filled while the backward frees the activations, as a plain PyTorch step does; micro-batches
+    accumulate into the same flat gradients. Under ``torch.func.grad`` the gradients come back per param and
+    ``collect`` copies them into unit buffers one unit at a time.
+    """
+
+    def __init__(self, layout: Layout, flats: dict[str, torch.Tensor]) -> None:
+        super().__init__(layout.param_views(flats), self._assemble)
+        self.layout = layout
+        self.flats: list[torch.Tensor | None] | None = None  # per unit, made on its first gradient (in place mode)
+
+    def _assemble(self, xs: list[torch.Tensor]) -> Any:
+        return self.layout.assemble(xs, None if self.flats is not None else _usage.record)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the gradients are accumulated in place (a micro-batch's own are not returned)."""
+        return self.flats is not None
+
+    def grad_into(self, leaves: list[torch.Tensor]) -> bool:
+        """Hook each leaf (an alias of ``inputs``) so that its gradient goes into its unit's flat gradient as
+        soon as autograd has it; True: ``torch.autograd.backward`` is to be used."""
+        if self.flats is None:
+            self.flats = [None] * len(self.layout.units)
+        k = 0
+        for u, unit in enumerate(self.layout.units):
+            usage = _usage.active(unit)
+            used = usage.used[unit.name] if usage is not None else None
+            for i, slot in enumerate(unit.slots):
+                leaves[k].register_post_accumulate_grad_hook(self._hook(u, slot, i, used))
+                k += 1
+        return True
+
+    def _hook(self, u: int, slot: Any, i: int, used: list[bool] | None) -> Callable[[torch.Tensor], None]:
+        def into_flat(param: torch.Tensor) -> None:
+            flat = self._flat(u, param)
+            flat.narrow(0, slot.offset, slot.numel).view(slot.shape).add_(param.grad)
+            param.grad = None
+            if used is not None:
+                used[i] = True
+
+        return into_flat
+
+    def _flat(self, u: int, like: torch.Tensor) -> torch.Tensor:
+        flat = self.flats[u]
+        if flat is None:
+            flat = self.flats[u] = torch.zeros(self.layout.units[u].padded, dtype=like.dtype, device=like.device)
+        return flat
+
+    def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.flats is not None:
+            grads.clear()
+            flats, self.flats = self.flats, None
+            return [f if f is not None else self._zeros(u) for u, f in zip(self.layout.units, flats)]
+        return self.layout.flatten_grads(grads)
+
+    def _zeros(self, unit: Any) -> torch.Tensor:  # a unit none of whose params got a gradient
+        return torch.zeros(unit.padded, dtype=self.inputs[0].dtype, device=self.inputs[0].device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +171,9 @@ class GradsAllReduce:
         return None
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
-        layout = state.meta.layout
-        names = [u.name for u in layout.units]
-        return View([state.params[n] for n in names], lambda xs: layout.unpack(dict(zip(names, xs)), _usage.split))
+        """The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
+        flattened into unit buffers, one unit at a time, for the collectives."""
+        return ParamView(state.meta.layout, state.params)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
         return comm.all_reduce(grad.to(reduce_dtype), tag="grads").to(compute)

@@ -34,11 +34,15 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     buffers = broadcast_buffers(comm, state.buffers)
     with compute_dtype(low), recording(state.meta.layout) as usage:  # which params the gradients use (torch's grad=None)
         for micro in split_micro(batch, step.grad_accum):
-            grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low)
+            grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
+                                                 into=getattr(view, "grad_into", None))
             view.release()
             # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
-            acc = grads if acc is None else [a.add_(g) for a, g in zip(acc, grads)]
+            # (or nothing to do: the view accumulated them in place)
+            acc = grads if acc is None or getattr(view, "accumulates", False) else [a.add_(g) for a, g in zip(acc, grads)]
+            del grads
             losses.append(loss)
+    acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     new_state, metrics = finish(step, comm, state, acc, loss, scale, meta, aux, usage)

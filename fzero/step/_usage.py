@@ -100,6 +100,49 @@ def join(grads: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], used: l
     return torch.cat(parts)
 
 
+def record(params: tuple[torch.Tensor, ...], unit: Unit) -> tuple[torch.Tensor, ...]:
+    """``unit``'s params (one tensor per slot, stages 0-1 take the gradient with respect to them one by one),
+    passed through ``_Recorded`` while a step records, so that which of them got a gradient is noted."""
+    usage = active(unit)
+    if usage is None:
+        return params
+    return _Recorded.apply(usage, unit.name, *params)
+
+
+def noting(usage: Usage, unit: str, i: int):
+    """A ``post_accumulate_grad_hook`` for slot ``i`` of ``unit``: its param got a gradient (plain autograd,
+    where each param accumulates its own; see ``fzero.step._parts.ParamView``)."""
+    used = usage.used[unit]
+
+    def hook(_param: torch.Tensor) -> None:
+        used[i] = True
+
+    return hook
+
+
+class _Recorded(torch.autograd.Function):
+    """The identity on a unit's params, whose backward notes which of them got a gradient (``usage.used[unit][i]``).
+    Where the gradient is taken with respect to each param (stages 0-1), the record cannot come from a split's
+    backward; this Function passes the gradients through untouched, so it adds no copy."""
+
+    @staticmethod
+    def forward(usage, unit, *params):
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        usage, unit = inputs[:2]
+        ctx.used = usage.used[unit]
+        ctx.set_materialize_grads(False)  # a param that got no gradient arrives as None
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for i, g in enumerate(grads):
+            if g is not None:
+                ctx.used[i] = True
+        return (None, None, *grads)
+
+
 class _RecordedSplit(torch.autograd.Function):
     """``torch.split`` whose backward notes which outputs got a gradient (``usage.used[unit][i] = True``)."""
 
