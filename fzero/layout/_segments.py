@@ -11,6 +11,10 @@ It also carries the step's ``active`` mask (``fzero.step._usage``: the parameter
 the parameter's position in the user's params pytree (``Layout.order``), so per-parameter optimizer state
 (Adam's skip counts) means the same at every stage and world size. ``sub_group`` narrows it to a range of
 one unit, for disk offload's sub-group updates.
+
+Parameter groups (``fzero.optim.masked``, ``multi_transform``) are decided on the user's params pytree:
+``param_tree`` gives it as meta tensors of each parameter's shape (made once per layout, not per step), and
+``all_reduce`` sums a group's per-parameter norms over the ranks' shards.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fzero.layout._layout import Layout
 class LayoutSegments:
     def __init__(self, layout: Layout, *, sharded: bool, rank: int, comm: Any, active: torch.Tensor | None = None) -> None:
         self.comm = comm
+        self.layout = layout
         self.sharded = sharded  # each rank holds a shard of the optimizer state (stages 1-3)
         self.count = len(layout.order)
         self._active = active  # 1-D bool over the params (pytree order); None: every param takes the step
@@ -71,6 +76,17 @@ class LayoutSegments:
 
     def active(self) -> torch.Tensor | None:
         return self._active
+
+    def param_tree(self, tree: Any = None) -> Any:
+        """The user's params pytree as meta tensors (each parameter's shape, the units' dtype), whatever part of it
+        ``tree`` holds: what a mask or label function of ``fzero.optim.masked``/``multi_transform`` is called on."""
+        return _param_tree(self.layout)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks when each holds a shard of the optimizer's leaves (stages 1-3)."""
+        if self.sharded:
+            self.comm.all_reduce(t, tag="optimizer")
+        return t
 
     def sub_group(self, unit: str, start: int, stop: int) -> "SubGroupSegments":
         """The segments of elements ``start:stop`` of ``unit`` (what this rank holds of it), for a sub-group update."""
@@ -132,3 +148,25 @@ class SubGroupSegments:
 
     def active(self) -> torch.Tensor | None:
         return self.parent.active()
+
+    def param_tree(self, tree: Any = None) -> Any:
+        return self.parent.param_tree(tree)
+
+
+_PARAM_TREES: dict[int, tuple[Layout, Any]] = {}  # id(layout) -> (layout, its params pytree of meta tensors)
+
+
+def _param_tree(layout: Layout) -> Any:
+    """The params pytree of ``layout`` as meta tensors, made once per layout (a step builds its segments every step)."""
+    hit = _PARAM_TREES.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    leaves: list[Any] = [None] * len(layout.order)
+    slots = [(s, u.dtype) for u in layout.units for s in u.slots]
+    for (slot, dtype), leaf in zip(slots, layout.order):
+        leaves[leaf] = torch.empty(slot.shape, dtype=dtype, device="meta")
+    tree = layout.treespec.unflatten(leaves)
+    if len(_PARAM_TREES) >= 16:  # a few layouts live at a time (one per step); forget the old ones
+        _PARAM_TREES.clear()
+    _PARAM_TREES[id(layout)] = (layout, tree)
+    return tree

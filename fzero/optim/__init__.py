@@ -7,6 +7,11 @@ updates, state = opt.update(grads, state, params)      # pure
 params = fzero.optim.apply_updates(params, updates)
 state = fzero.optim.apply_inplace(opt, grads, state, params)   # or: the whole step in place (fused kernel)
 ```
+
+Parameter groups (torch.optim's param groups) are optax's ``masked`` and ``multi_transform``, decided on the params
+pytree and working on ZeRO's flat shards: ``adamw(3e-4, weight_decay=0.1, mask=fzero.optim.decay_mask)`` decays
+no biases, norms or positional tables; ``multi_transform({"a": adamw(1e-3), "b": adamw(1e-4)}, labels)`` gives
+each group its own optimizer.
 """
 
 from fzero.optim._alias import adam, adamw, sgd
@@ -20,6 +25,8 @@ from fzero.optim._base import (
     chain,
     identity,
 )
+from fzero.optim._decay import decay_mask, no_decay_names
+from fzero.optim._groups import MaskedState, MultiTransformState, masked, multi_transform
 from fzero.optim._lamb import ScaleByLambState, lamb, scale_by_lamb
 from fzero.optim._lion import ScaleByLionState, lion, scale_by_lion
 from fzero.optim._schedules import (
@@ -43,6 +50,7 @@ from fzero.optim._transforms import (
     scale,
     scale_by_adam,
     scale_by_learning_rate,
+    set_to_zero,
     trace,
 )
 
@@ -50,6 +58,8 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "LearningRate",
+    "MaskedState",
+    "MultiTransformState",
     "OneCycleSchedule",
     "ScaleByAdamState",
     "ScaleByLambState",
@@ -68,10 +78,14 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "current_segments",
+    "decay_mask",
     "identity",
     "lamb",
     "linear_schedule",
     "lion",
+    "masked",
+    "multi_transform",
+    "no_decay_names",
     "lr_range_test",
     "one_cycle",
     "scale",
@@ -79,6 +93,7 @@ __all__ = [
     "scale_by_lamb",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "set_to_zero",
     "sgd",
     "trace",
     "use_segments",

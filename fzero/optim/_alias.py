@@ -7,28 +7,45 @@ Each is a ``GradientTransformation`` whose pure ``update`` is the chain and whos
 
 from __future__ import annotations
 
+from typing import Any
+
 from fzero.optim import _fused
+from fzero.optim._groups import decay_groups, masked_by
 from fzero.optim._base import GradientTransformation, LearningRate, chain, check_float, check_learning_rate
 from fzero.optim._transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 
 def adamw(
-    learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01
+    learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01,
+    mask: Any = None,
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * weight_decay``, then the Adam step.
 
-    State: ``(ScaleByAdamState(count, mu, nu, skipped), EmptyState(), lr_state)`` where ``lr_state`` is ``EmptyState()``
-    for a float learning rate and ``ScaleByScheduleState(count)`` for a schedule. ``apply_inplace`` runs
-    ``torch._fused_adamw_`` on it (see ``fzero.optim._fused`` for when it can't and what is bitwise).
+    ``mask``: which params are decayed (optax's ``adamw(mask=...)``; torch's "decay" and "no decay" param
+    groups): a pytree of bools like the params (True: decayed), or a function of the params returning one, such as
+    ``fzero.optim.decay_mask`` (no decay for biases, norms and positional tables) or
+    ``fzero.optim.no_decay_names(["bias", "LayerNorm.weight"])``. None: every param is decayed. The Adam step and
+    its state are shared by all params; only the decay is masked (``fzero.optim.masked``).
+
+    State: ``(ScaleByAdamState(count, mu, nu, skipped), decay_state, lr_state)`` where ``decay_state`` is
+    ``EmptyState()`` (``MaskedState(EmptyState())`` with a mask) and ``lr_state`` is ``EmptyState()`` for a float
+    learning rate and ``ScaleByScheduleState(count)`` for a schedule. ``apply_inplace`` runs
+    ``torch._fused_adamw_`` on it (see ``fzero.optim._fused`` for when it can't and what is bitwise); with a mask,
+    the decay is ``p *= 1 - lr * weight_decay`` on the decayed params' elements before the kernel (as
+    torch.optim.AdamW's for-loop does it), then the kernel without decay.
     """
     api = "fzero.optim.adamw"
     learning_rate = check_learning_rate(api, learning_rate)
     weight_decay = check_float(api, "weight_decay", weight_decay, low=0.0, hint=" Typical: 0.01; 0.0 for none.")
     b1, b2, eps = _adam_settings(api, b1, b2, eps)
-    opt = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+    decay, groups = add_decayed_weights(weight_decay), None
+    if mask is not None:
+        groups = decay_groups(api, mask)
+        decay = masked_by(groups, decay)
+    opt = chain(scale_by_adam(b1, b2, eps), decay, scale_by_learning_rate(learning_rate))
     fused = _fused.adam_step(
         opt.update, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, decoupled=True,
-        learning_rate=learning_rate, adam_index=0, lr_index=2,
+        learning_rate=learning_rate, adam_index=0, lr_index=2, decay_groups=groups,
     )
     return opt._replace(fused=fused)
 

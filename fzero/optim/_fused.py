@@ -35,6 +35,7 @@ import torch
 
 from fzero.optim._base import LearningRate
 from fzero.optim._segments import active_params, current_segments, param_ranges
+from fzero.optim._select import views
 from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState, per_param_steps, skipped_after
 
 _KERNEL_DEVICES = ("cpu", "cuda")
@@ -68,10 +69,15 @@ def _kernel_groups(params: list, grads: list, mu: list, nu: list) -> dict | None
 
 def adam_step(
     update: Callable, *, b1: float | Callable[[int], float], b2: float, eps: float, weight_decay: float, decoupled: bool,
-    learning_rate: LearningRate, adam_index: int, lr_index: int,
+    learning_rate: LearningRate, adam_index: int, lr_index: int, decay_groups: Any = None,
 ) -> Callable[[Any, Any, Any], Any]:
     """The in-place step of a ``chain`` whose state holds a ``ScaleByAdamState`` at ``adam_index`` and the
-    learning-rate state at ``lr_index``; ``update`` is the chain's pure update, used when the kernel can't run."""
+    learning-rate state at ``lr_index``; ``update`` is the chain's pure update, used when the kernel can't run.
+
+    ``decay_groups`` (``adamw(mask=...)``: ``fzero.optim._groups.Groups`` of the decayed params): the decoupled
+    decay ``p *= 1 - lr * weight_decay`` runs on the decayed elements only, as views of the leaves (one foreach
+    call), before the kernel, which then runs without decay. An element-wise multiply rounds the same wherever
+    a shard cuts the buffer, so stages 1-3 stay bitwise equal to stage 0."""
     kernel_name = "_fused_adamw_" if decoupled else "_fused_adam_"
     api = "fzero.optim.adamw" if decoupled else "fzero.optim.adam"
 
@@ -94,7 +100,13 @@ def adam_step(
             adam.skipped.copy_(skipped)
         steps = per_param_steps(adam.count, adam.skipped)
         kernel = _kernel(getattr(torch, kernel_name), decoupled, groups)  # looked up per call: tests count calls
-        settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        decay = weight_decay
+        if decay_groups is not None and weight_decay:  # the decay on the masked params only, then a kernel without it
+            decayed = views(p_leaves, decay_groups.selection(params)[0].pieces[0], write=True, api=api)
+            if decayed:
+                torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+            decay = 0.0
+        settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=decay, eps=eps, amsgrad=False, maximize=False)
         if active is None and steps is None:  # every parameter at the same count: one call per (device, dtype)
             for (device, _), (ps, gs, ms, vs) in groups.items():
                 step = adam.count if adam.count.device == device else adam.count.to(device)

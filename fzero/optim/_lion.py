@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fzero.optim._groups import decay_groups, masked_by
 from fzero.optim._base import GradientTransformation, LearningRate, chain, check_float, check_learning_rate
 from fzero.optim._transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -64,11 +65,14 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def lion(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0) -> GradientTransformation:
+def lion(
+    learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: Any = None
+) -> GradientTransformation:
     """Lion: ``p -= lr * (sign(b1 * m + (1 - b1) * g) + weight_decay * p)``, then ``m = b2 * m + (1 - b2) * g``.
 
     Use a learning rate 3-10x smaller than AdamW's and a weight decay 3-10x larger (the paper's advice).
-    State: ``(ScaleByLionState(mu), EmptyState(), lr_state)``, ``lr_state`` as in ``adamw``. No fused step:
+    ``mask``: which params are decayed, as ``adamw``'s (e.g. ``fzero.optim.decay_mask``); None: all of them.
+    State: ``(ScaleByLionState(mu), decay_state, lr_state)``, as in ``adamw``. No fused step:
     ``apply_inplace`` runs the pure update, then ``p.add_(u)``.
     """
     api = "fzero.optim.lion"
@@ -76,4 +80,7 @@ def lion(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.99, weig
     b1 = check_float(api, "b1", b1, low=0.0, high=1.0, hint=" Typical: b1=0.9.")
     b2 = check_float(api, "b2", b2, low=0.0, high=1.0, hint=" Typical: b2=0.99.")
     weight_decay = check_float(api, "weight_decay", weight_decay, low=0.0, hint=" Typical: 0.1 (3-10x AdamW's); 0.0 for none.")
-    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+    decay = add_decayed_weights(weight_decay)
+    if mask is not None:
+        decay = masked_by(decay_groups(api, mask), decay)
+    return chain(scale_by_lion(b1, b2), decay, scale_by_learning_rate(learning_rate))

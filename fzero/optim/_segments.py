@@ -28,6 +28,16 @@ gradient (``fzero.step._usage``) and says so through three methods:
 ``apply_inplace`` leaves a skipped parameter and its param-shaped optimizer state as they were, and
 optimizers with step counts (``scale_by_adam``, ``scale_by_lamb``) keep one count per parameter.
 
+Parameter groups (``fzero.optim.masked``, ``multi_transform``) are decided on the user's params pytree, which the
+optimizer does not see under a train step, so a ``Segments`` may also give (optional methods, with
+``WholeLeaves``' answers where missing):
+
+- ``param_tree(tree)``: the user's params pytree that the leaves of ``tree`` hold parts of, as tensors of each
+  parameter's shape and dtype (meta tensors under a train step): what a mask function is called on; its leaf
+  ``i`` (``optree.tree_leaves`` order) is the parameter ``i`` of ``param_ranges``;
+- ``all_reduce(t)``: ``t`` summed over the ranks that hold parts of the same parameters (in place or not; the
+  result is returned); the identity where every leaf is whole.
+
 ```python
 with fzero.optim.use_segments(my_segments):
     updates, state = opt.update(grads, state, params)
@@ -81,6 +91,12 @@ class WholeLeaves:
     def active(self) -> None:
         return None
 
+    def param_tree(self, tree: Any) -> Any:
+        return tree
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
     def __repr__(self) -> str:
         return "WholeLeaves()"
 
@@ -132,6 +148,13 @@ def active_params(segments: Any = None) -> torch.Tensor | None:
     segments = segments or current_segments()
     fn = getattr(segments, "active", None)
     return fn() if callable(fn) else None
+
+
+def param_tree(tree: Any, segments: Any = None) -> Any:
+    """The user's params pytree that ``tree``'s leaves hold parts of (``tree`` itself for ``WholeLeaves``)."""
+    segments = segments or current_segments()
+    fn = getattr(segments, "param_tree", None)
+    return fn(tree) if callable(fn) else _WHOLE_LEAVES.param_tree(tree)
 
 
 def per_element(values: torch.Tensor, ranges: list[tuple[int, int, int]], pad: float, like: torch.Tensor) -> torch.Tensor:

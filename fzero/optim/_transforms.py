@@ -210,6 +210,25 @@ def scale(factor: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def set_to_zero() -> GradientTransformation:
+    """Updates of zero: the params it applies to stay as they are (to freeze a group of ``multi_transform``). Its
+    fused step does nothing at all, so a frozen group costs no arithmetic."""
+
+    def init(params: Any) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        del params
+        return optree.tree_map(torch.zeros_like, updates), state
+
+    def fused(grads: Any, state: EmptyState, params: Any) -> EmptyState:
+        del grads, params
+        return state
+
+    return GradientTransformation(init, update, fused)
+
+
 def scale_by_learning_rate(learning_rate: LearningRate) -> GradientTransformation:
     """``updates * -lr``: descent. ``learning_rate`` is a float, or a schedule evaluated at the step count
     (0 at the first step) on the host."""

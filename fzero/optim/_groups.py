@@ -1,0 +1,424 @@
+"""Parameter groups, optax-style: ``masked(inner, mask)`` and ``multi_transform({label: transform}, labels)``.
+
+```python
+opt = fzero.optim.multi_transform(
+    {"decay": fzero.optim.adamw(3e-4, weight_decay=0.1), "no_decay": fzero.optim.adamw(3e-4, weight_decay=0.0)},
+    lambda params: {k: "decay" if v.ndim > 1 else "no_decay" for k, v in params.items()},
+)
+opt = fzero.optim.adamw(3e-4, weight_decay=0.1, mask=fzero.optim.decay_mask)   # the usual rule, one Adam state
+```
+
+``mask``/``labels`` are written against the user's params pytree: a pytree of its structure (or a prefix of it)
+with bool/str leaves, or a function of the params pytree returning one. The function is called on the params
+(meta tensors of each parameter's shape under a train step: decide from paths, shapes and dtypes, never values)
+once per params structure. Under a train step the optimizer sees flat unit buffers or this rank's shards of
+them; ``fzero.optim._select`` turns the rule into element ranges of those leaves, once per layout and rank, and
+each group's transform runs on 1-D views of its ranges (a leaf wholly in one group is passed as itself), with
+a ``Segments`` that keeps per-parameter step counts, skipped parameters and layer-wise norms right.
+
+State. Each group's transform is initialised on the *whole* tree, so its param-shaped state (Adam's moments)
+is a ``{unit: tensor}`` of the params' own sizes: what a checkpoint saves per parameter and reshards to another
+stage or world size (``fzero.checkpoint``); a state packed to the group's elements would be a different size
+on every rank and world size. Only a group's own elements of that state are ever read or written. So that K
+groups do not hold K copies, ``multi_transform`` lets groups share one tensor where their states have the same
+param-shaped parts with the same initial values (``adamw`` with two learning rates holds one ``mu`` and one
+``nu``): their elements are disjoint, and each group writes only its own. ``adamw(mask=...)`` keeps one Adam
+state and masks only the decay.
+
+Elements of no group (``masked``'s False; padding of a leaf holding no parameter) pass through: their update is
+the incoming one, as optax's ``masked`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import optree
+import torch
+
+from fzero.optim._base import GradientTransformation, _is_transform
+from fzero.optim._segments import WholeLeaves, current_segments, param_tree, use_segments
+from fzero.optim._select import NONE, GroupSegments, Resolver, Selections, assemble, views
+
+
+class MaskedState(NamedTuple):
+    """inner: the inner transform's state, made by its ``init`` on the whole params tree (see the module docstring)."""
+
+    inner: Any
+
+
+class MultiTransformState(NamedTuple):
+    """inner: ``{label: that transform's state}``, each made by its ``init`` on the whole params tree; groups with
+    equal param-shaped state share its tensors (see the module docstring)."""
+
+    inner: dict[str, Any]
+
+
+# -- the engine: a rule, its groups' transforms, run on views -------------------------------------------------------
+
+
+class Groups:
+    """Runs ``transforms[g]`` on the elements of group ``g`` of the leaves it is given (see the module docstring)."""
+
+    def __init__(self, api: str, what: str, rule: Any, to_group: Callable[[str, Any], int], n_groups: int) -> None:
+        self.api, self.n = api, n_groups
+        self.resolver = Resolver(api, what, rule, to_group)
+        self.selections = Selections()
+
+    def check(self, tree: Any) -> None:
+        """Resolve the rule now where the user's params pytree is known for sure (under a train step's Segments), so
+        a wrong mask fails at ``step.init``. Under ``WholeLeaves`` ``init`` may see a stand-in tree (the memory
+        estimator's), and the rule is checked at the first update instead."""
+        segments = current_segments()
+        if not isinstance(segments, WholeLeaves):
+            self.resolver.groups(param_tree(tree, segments))
+
+    def selection(self, tree: Any) -> tuple[Any, Any]:
+        segments = current_segments()
+        groups = self.resolver.groups(param_tree(tree, segments))
+        return self.selections.get(tree, groups, self.n, segments), segments
+
+    def update(self, transforms: Sequence[GradientTransformation], updates: Any, states: Sequence[Any], params: Any) -> tuple[Any, list]:
+        """Pure: the new updates (each group's on its elements, the incoming ones elsewhere) and the new states."""
+        sel, segments = self.selection(updates)
+        u_leaves, spec = optree.tree_flatten(updates)
+        p_leaves = optree.tree_leaves(params) if params is not None else None
+        shapes = [t.shape for t in u_leaves]
+        outs, pending = [], _Pending()
+        new_states = []
+        for g, (t, state) in enumerate(zip(transforms, states)):
+            pieces = sel.pieces[g]
+            u = views(u_leaves, pieces, write=False, api=self.api)
+            p = views(p_leaves, pieces, write=False, api=self.api) if p_leaves is not None else None
+            s = _map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=False, api=self.api))
+            with use_segments(GroupSegments(segments, pieces, updates, self.api)):
+                out, new = t.update(u, s, p)
+            outs.append(self._pieces_of(out, len(pieces), "updates"))
+            new_states.append(_rebuild(state, new, spec, shapes, self.api, lambda old, new, g=g: pending.add(old, g, self._pieces_of(new, len(pieces), "state"))))
+        leaves = [assemble(u_leaves[j], sel.runs[j], lambda g, k: outs[g][k]) for j in range(len(u_leaves))]
+        built = pending.build(sel)  # second pass: the old param-shaped leaves replaced by the assembled ones
+        new_states = [_map_param_shaped(s, spec, shapes, lambda old: spec.unflatten([built.get(id(x), x) for x in old]))
+                      for s in new_states]
+        return spec.unflatten(leaves), new_states
+
+    def fused(self, transforms: Sequence[GradientTransformation], grads: Any, states: Sequence[Any], params: Any) -> list:
+        """In place: each group's step written through views of the params (and of the param-shaped state)."""
+        sel, segments = self.selection(params)
+        p_leaves, spec = optree.tree_flatten(params)
+        g_leaves = optree.tree_leaves(grads)
+        shapes = [t.shape for t in p_leaves]
+        new_states = []
+        for g, (t, state) in enumerate(zip(transforms, states)):
+            pieces = sel.pieces[g]
+            gv = views(g_leaves, pieces, write=False, api=self.api)
+            pv = views(p_leaves, pieces, write=True, api=self.api)
+            s = _map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=True, api=self.api))
+            with use_segments(GroupSegments(segments, pieces, params, self.api)):
+                if getattr(t, "fused", None) is not None:
+                    new = t.fused(gv, s, pv)
+                else:
+                    out, new = t.update(gv, s, pv)
+                    for target, u in zip(pv, self._pieces_of(out, len(pieces), "updates")):
+                        target.add_(u)
+            new_states.append(_rebuild(state, new, spec, shapes, self.api,
+                                       lambda old, new, pieces=pieces: _write_back(old, self._pieces_of(new, len(pieces), "state"), pieces, self.api)))
+        for j, runs in enumerate(sel.runs):  # elements of no group: the incoming update (optax's masked)
+            for a, b, group, _ in runs:
+                if group == NONE and a == 0 and b == p_leaves[j].numel():
+                    p_leaves[j].add_(g_leaves[j].reshape(p_leaves[j].shape))
+                elif group == NONE:
+                    p_leaves[j].view(-1)[a:b].add_(g_leaves[j].reshape(-1)[a:b])
+        return new_states
+
+    def _pieces_of(self, tree: Any, n: int, what: str) -> list[torch.Tensor]:
+        if not isinstance(tree, list) or len(tree) != n:
+            raise TypeError(
+                f"{self.api}: a group's transform returned {what} as {type(tree).__name__}"
+                f"{f' of {len(tree)}' if isinstance(tree, (list, tuple)) else ''}; it was given a list of {n} tensors and "
+                f"must return {what} of the same structure (an optax-style transform maps the tree it is given)."
+            )
+        return tree
+
+
+class _Pending:
+    """New param-shaped state leaves of a pure update, built once per old leaf from every group's pieces (groups that
+    share a tensor then share its replacement too)."""
+
+    def __init__(self) -> None:
+        self.leaves: dict[int, tuple[torch.Tensor, int, dict[int, list]]] = {}
+
+    def add(self, old: Any, group: int, pieces: list) -> Any:
+        leaves = optree.tree_leaves(old)
+        for j, leaf in enumerate(leaves):
+            self.leaves.setdefault(id(leaf), (leaf, j, {}))[2][group] = pieces
+        return old  # replaced by ``build``'s leaves in a second pass
+
+    def build(self, sel: Any) -> dict[int, torch.Tensor]:
+        return {key: assemble(leaf, sel.runs[j], lambda g, k, by=by_group: by[g][k] if g in by else None)
+                for key, (leaf, j, by_group) in self.leaves.items()}
+
+
+def _write_back(old: Any, new: list, pieces: Sequence[Any], api: str) -> Any:
+    """In place: each new piece copied into its view of ``old`` unless the transform already wrote through the view."""
+    from fzero.optim._select import view
+
+    leaves = optree.tree_leaves(old)
+    for piece, value in zip(pieces, new):
+        target = view(leaves[piece.leaf], piece, write=True, api=api)
+        if value is target or (value.data_ptr() == target.data_ptr() and value.shape == target.shape
+                               and value.stride() == target.stride()):
+            continue
+        target.copy_(value.reshape(target.shape))
+    return old
+
+
+# -- walking a state: its param-shaped parts --------------------------------------------------------------------------
+
+
+def _param_shaped(node: Any, spec: Any, shapes: Sequence[torch.Size]) -> bool:
+    """``node`` is shaped like the params (Adam's ``mu``): the params' tree structure and leaf shapes."""
+    if isinstance(node, torch.Tensor):
+        return spec.num_nodes == 1 and spec.num_leaves == 1 and node.shape == shapes[0]
+    if not isinstance(node, (dict, list, tuple)):
+        return False
+    leaves, node_spec = optree.tree_flatten(node)
+    return node_spec == spec and all(isinstance(t, torch.Tensor) and t.shape == s for t, s in zip(leaves, shapes))
+
+
+def _map_param_shaped(state: Any, spec: Any, shapes: Sequence[torch.Size], fn: Callable[[list], Any]) -> Any:
+    """``state`` with each param-shaped part replaced by ``fn(its leaves)``; the rest as it is."""
+    if _param_shaped(state, spec, shapes):
+        return fn(optree.tree_leaves(state))
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_map_param_shaped(x, spec, shapes, fn) for x in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_map_param_shaped(x, spec, shapes, fn) for x in state)
+    if isinstance(state, dict):
+        return {k: _map_param_shaped(v, spec, shapes, fn) for k, v in state.items()}
+    return state
+
+
+def _rebuild(old: Any, new: Any, spec: Any, shapes: Sequence[torch.Size], api: str, at_param: Callable[[Any, Any], Any]) -> Any:
+    """The new state of a group: ``new`` (what its transform returned over views), with each param-shaped part of
+    ``old`` replaced by ``at_param(old part, new part)``."""
+    if _param_shaped(old, spec, shapes):
+        return at_param(old, new)
+    if isinstance(old, (tuple, list, dict)) and type(new) is not type(old) or (
+            isinstance(old, (tuple, list, dict)) and len(new) != len(old)):
+        raise TypeError(
+            f"{api}: a group's transform returned a state of another structure ({type(new).__name__} where its init made "
+            f"{type(old).__name__}); an optax-style transform's update must keep its state's structure."
+        )
+    if isinstance(old, tuple) and hasattr(old, "_fields"):
+        return type(old)(*(_rebuild(o, n, spec, shapes, api, at_param) for o, n in zip(old, new)))
+    if isinstance(old, (tuple, list)):
+        return type(old)(_rebuild(o, n, spec, shapes, api, at_param) for o, n in zip(old, new))
+    if isinstance(old, dict):
+        if set(old) != set(new):
+            raise TypeError(f"{api}: a group's transform returned a state dict with keys {sorted(new)} where its init made {sorted(old)}.")
+        return {k: _rebuild(old[k], new[k], spec, shapes, api, at_param) for k in old}
+    return new
+
+
+# -- sharing param-shaped state between groups --------------------------------------------------------------------------
+
+
+def share_states(states: list, spec: Any, shapes: Sequence[torch.Size]) -> list:
+    """``states`` (one per group, each made on the whole tree) where the k-th param-shaped part of a group reuses the
+    k-th of an earlier group when both have the same leaves (dtype, shape, device) and the same initial values.
+
+    Why this is sound: a group reads and writes only its own elements of its state (its views), the groups'
+    elements are disjoint, and equal initial values mean each element starts as its own group's init made it."""
+    pool: list[Any] = []
+
+    def same(a: Any, b: Any) -> bool:
+        xs, ys = optree.tree_leaves(a), optree.tree_leaves(b)
+        if any(x.dtype != y.dtype or x.device != y.device or x.shape != y.shape for x, y in zip(xs, ys)):
+            return False
+        return all(x.is_meta or torch.equal(x, y) for x, y in zip(xs, ys))
+
+    def pick(leaves: list) -> Any:
+        part = spec.unflatten(leaves)
+        k = counter[0]
+        counter[0] += 1
+        if k < len(pool):
+            return pool[k] if same(pool[k], part) else part
+        pool.append(part)
+        return part
+
+    out = []
+    for state in states:
+        counter = [0]
+        out.append(_map_param_shaped(state, spec, shapes, pick))
+    return out
+
+
+# -- the public transforms ------------------------------------------------------------------------------------------------
+
+
+def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+    """Apply ``inner`` to the params that ``mask`` selects; the others' updates pass through unchanged (optax's ``masked``).
+
+    ``mask``: a pytree of bools with the structure of the params (or a prefix of it: a leaf then holds for its
+    whole subtree), True where ``inner`` applies; or a function of the params pytree returning one, decided from
+    paths, shapes and dtypes (under a train step it is called on meta tensors of each parameter's shape, once).
+    Works at every ZeRO stage, with offload and with checkpoints: see ``fzero.optim._groups``.
+
+    State: ``MaskedState(inner)``, ``inner``'s state over the whole tree. Typical use, in a chain::
+
+        chain(scale_by_adam(), masked(add_decayed_weights(0.1), fzero.optim.decay_mask), scale_by_learning_rate(1e-3))
+
+    (which is what ``adamw(..., mask=fzero.optim.decay_mask)`` is, with its fused step).
+    """
+    api = "fzero.optim.masked"
+    if not _is_transform(inner):
+        raise TypeError(
+            f"{api}: inner must be a GradientTransformation such as fzero.optim.add_decayed_weights(0.1), got "
+            f"{type(inner).__name__}."
+        )
+    groups = Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api), 1)
+    return masked_by(groups, inner)
+
+
+def decay_groups(api: str, mask: Any) -> Groups:
+    """The rule of a decay ``mask`` (True: decayed) for an optimizer's ``mask=`` argument, errors naming ``api``."""
+    return Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api), 1)
+
+
+def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransformation:
+    """``masked`` with its rule already made (``adamw(mask=...)`` shares it with its fused step)."""
+
+    def init(params: Any) -> MaskedState:
+        groups.check(params)
+        return MaskedState(inner.init(params))
+
+    def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, MaskedState]:
+        _check_state(groups.api, state, MaskedState)
+        updates, (new,) = groups.update([inner], updates, [state.inner], params)
+        return updates, MaskedState(new)
+
+    def fused(grads: Any, state: MaskedState, params: Any) -> MaskedState:
+        _check_state(groups.api, state, MaskedState)
+        (new,) = groups.fused([inner], grads, [state.inner], params)
+        return MaskedState(new)
+
+    return GradientTransformation(init, update, fused, getattr(inner, "learning_rate", None))
+
+
+def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) -> GradientTransformation:
+    """Each group of params gets its own transform: ``transforms[label]`` for the params labelled ``label``
+    (optax's ``multi_transform``; torch.optim's param groups).
+
+    ``labels``: a pytree of str with the structure of the params (or a prefix of it), each a key of
+    ``transforms``; or a function of the params pytree returning one (called on meta tensors of each parameter's
+    shape under a train step: decide from paths, shapes and dtypes). Every param needs a label that names a
+    transform; a transform that no param is labelled with is allowed (its state is kept, and never used).
+    Works at every ZeRO stage, with offload and with checkpoints: see ``fzero.optim._groups``. To freeze a
+    group use ``fzero.optim.set_to_zero()``; to leave its gradient as the update, ``fzero.optim.identity()``.
+
+    State: ``MultiTransformState({label: state})``; groups whose param-shaped state is alike share its tensors,
+    so ``{"a": adamw(1e-3), "b": adamw(1e-4)}`` holds one Adam state, as torch's two param groups do. The
+    ``learning_rate`` (the ``lr`` metric) is the groups' common one, or None when they differ.
+    """
+    api = "fzero.optim.multi_transform"
+    if not isinstance(transforms, dict) or not transforms:
+        raise TypeError(
+            f"{api}: transforms must be a non-empty dict of label -> GradientTransformation, e.g. "
+            f"{{'decay': fzero.optim.adamw(1e-3), 'no_decay': fzero.optim.adamw(1e-3, weight_decay=0.0)}}; got "
+            f"{type(transforms).__name__} {transforms!r}."[:400]
+        )
+    for label, t in transforms.items():
+        if not isinstance(label, str):
+            raise TypeError(f"{api}: every label (key of transforms) must be a str, got {type(label).__name__} {label!r}.")
+        if not _is_transform(t):
+            raise TypeError(
+                f"{api}: transforms[{label!r}] must be a GradientTransformation, got {type(t).__name__} {t!r}. To freeze "
+                f"that group use fzero.optim.set_to_zero(); to pass its gradient through, fzero.optim.identity()."
+            )
+    names = tuple(transforms)
+    inners = [transforms[n] for n in names]
+    groups = Groups(api, "labels", _checked_rule(api, "labels", labels), _label_group(api, names), len(names))
+    rates = [getattr(t, "learning_rate", None) for t in inners]
+    rate = rates[0] if all(r is not None and (r is rates[0] or r == rates[0]) for r in rates) else None
+
+    def init(params: Any) -> MultiTransformState:
+        groups.check(params)
+        leaves, spec = optree.tree_flatten(params)
+        states = share_states([t.init(params) for t in inners], spec, [t.shape for t in leaves])
+        return MultiTransformState(dict(zip(names, states)))
+
+    def states_of(state: Any) -> list:
+        _check_state(api, state, MultiTransformState)
+        if not isinstance(state.inner, dict) or set(state.inner) != set(names):
+            raise ValueError(
+                f"{api}: the state holds groups {sorted(state.inner) if isinstance(state.inner, dict) else state.inner!r}, "
+                f"this optimizer has {sorted(names)}. Make the state with this optimizer's init (or step.init)."
+            )
+        return [state.inner[n] for n in names]
+
+    def update(updates: Any, state: MultiTransformState, params: Any = None) -> tuple[Any, MultiTransformState]:
+        updates, new = groups.update(inners, updates, states_of(state), params)
+        return updates, MultiTransformState(dict(zip(names, new)))
+
+    def fused(grads: Any, state: MultiTransformState, params: Any) -> MultiTransformState:
+        return MultiTransformState(dict(zip(names, groups.fused(inners, grads, states_of(state), params))))
+
+    return GradientTransformation(init, update, fused, rate)
+
+
+# -- checks ------------------------------------------------------------------------------------------------------------
+
+
+def _checked_rule(api: str, what: str, rule: Any) -> Any:
+    if rule is None:
+        example = "fzero.optim.decay_mask" if what == "mask" else "lambda params: {k: 'a' if v.ndim > 1 else 'b' for k, v in params.items()}"
+        raise TypeError(f"{api}: {what} is required: a pytree like the params, or a function of the params (e.g. {example}); got None.")
+    if isinstance(rule, GradientTransformation):
+        raise TypeError(f"{api}: {what} is a GradientTransformation; pass the transform first and the {what} second.")
+    return rule
+
+
+def _mask_group(api: str) -> Callable[[str, Any], int]:
+    def to_group(path: str, value: Any) -> int:
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+            value = bool(value)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{api}: mask must hold a bool for every param (True: the inner transform applies); the param "
+                f"{path or '<root>'!r} has {type(value).__name__} {_short(value)}. E.g. mask = {{k: v.ndim > 1 for k, v in params.items()}}."
+            )
+        return 0 if value else NONE
+
+    return to_group
+
+
+def _label_group(api: str, names: tuple[str, ...]) -> Callable[[str, Any], int]:
+    def to_group(path: str, value: Any) -> int:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{api}: labels must hold a str for every param (a key of transforms: {list(names)}); the param "
+                f"{path or '<root>'!r} has {type(value).__name__} {_short(value)}."
+            )
+        if value not in names:
+            raise ValueError(
+                f"{api}: the param {path or '<root>'!r} is labelled {value!r}, which names no transform; transforms has "
+                f"{list(names)}. Add transforms[{value!r}], or label the param with one of those."
+            )
+        return names.index(value)
+
+    return to_group
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) < 60 else text[:60] + "..."
+
+
+def _check_state(api: str, state: Any, kind: type) -> None:
+    if not isinstance(state, kind):
+        raise TypeError(
+            f"{api}: state must be the {kind.__name__} this optimizer's init returned, got {type(state).__name__}. Make it "
+            f"with opt.init(params) (or step.init(params) in a train step)."
+        )
