@@ -29,9 +29,14 @@ REGISTRY = {
     "sgd_momentum": lambda lr: fo.sgd(lr, momentum=0.9),
     "lion": lambda lr: fo.lion(lr, weight_decay=0.1),
     "lamb": lambda lr: fo.lamb(lr, weight_decay=0.01),
+    # parameter groups: the MLP's weights and biases in different groups, whose elements interleave in a flat unit
+    "adamw_decay_mask": lambda lr: fo.adamw(lr, weight_decay=0.1, mask=fo.decay_mask),
+    "multi_adamw_lamb": lambda lr: fo.multi_transform(
+        {"w": fo.lamb(lr, weight_decay=0.01), "b": fo.adamw(lr / 2)}, lambda p: {k: "w" if v.ndim > 1 else "b" for k, v in p.items()}),
 }
 # Lion's fixed-size sign steps hover about the optimum at a constant lr (and its decay pulls off it): decay the lr.
-CONVERGENCE_LR = {"adamw": 0.05, "adam": 0.05, "sgd_momentum": 0.01, "lion": fo.cosine_decay_schedule(0.05, 300), "lamb": 0.05}
+CONVERGENCE_LR = {"adamw": 0.05, "adam": 0.05, "sgd_momentum": 0.01, "lion": fo.cosine_decay_schedule(0.05, 300), "lamb": 0.05,
+                  "adamw_decay_mask": 0.05, "multi_adamw_lamb": 0.05}
 # Compositions checked by the state/meta/convergence contract too (they are not separate ZeRO cases).
 TRANSFORMS = {
     **REGISTRY,
@@ -39,8 +44,12 @@ TRANSFORMS = {
     "sgd_nesterov_wd": lambda lr: fo.sgd(lr, momentum=0.9, nesterov=True, weight_decay=1e-4),
     "chain_adam_scale": lambda lr: fo.chain(fo.scale_by_adam(), fo.scale_by_learning_rate(lr)),
     "chain_trace": lambda lr: fo.chain(fo.trace(0.5), fo.scale_by_learning_rate(lr)),
+    "masked_sgd": lambda lr: fo.masked(fo.sgd(lr, momentum=0.9), lambda p: {k: k != "b" for k in p}),
+    "multi_frozen": lambda lr: fo.multi_transform({"train": fo.adam(lr), "frozen": fo.set_to_zero()},
+                                                   lambda p: {k: "frozen" if k == "a" else "train" for k in p}),
 }
-CONVERGENCE_LR.update({"sgd": 0.01, "sgd_nesterov_wd": 0.01, "chain_adam_scale": 0.05, "chain_trace": 0.01})
+CONVERGENCE_LR.update({"sgd": 0.01, "sgd_nesterov_wd": 0.01, "chain_adam_scale": 0.05, "chain_trace": 0.01, "masked_sgd": 0.01,
+                       "multi_frozen": 0.05})
 SHAPES = {"a": (7,), "b": (1000,), "c": (33, 17)}
 
 

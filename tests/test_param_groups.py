@@ -147,7 +147,24 @@ def test_multi_transform_with_two_learning_rates_equals_torch_with_two_param_gro
     assert_every_step_close(got, torch_run(two_lr_groups))
     # the two groups' Adam moments share one tensor per unit (one state, as torch's groups), not one each
     inner = state.states[0].opt_state.inner
-    assert inner["fast"][0].mu is inner["slow"][0].mu and inner["fast"][0].nu is inner["slow"][0].nu
+    assert shared(inner["fast"][0].mu, inner["slow"][0].mu) and shared(inner["fast"][0].nu, inner["slow"][0].nu)
+
+
+def shared(a, b):
+    """Two param-shaped trees whose tensors are the very same objects."""
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+
+
+@pytest.mark.parametrize("which", ["adamw_mask", "multi_transform"])
+def test_disk_offload_sub_groups_that_cut_params_keep_the_groups(tmp_path, which):
+    """Disk offload updates each shard in sub-groups of 200 elements, which cut through parameters."""
+    if which == "adamw_mask":
+        opt, reference = fo.adamw(LR, weight_decay=WD, mask=fo.decay_mask), decay_groups
+    else:
+        opt = fo.multi_transform({"fast": fo.adamw(FAST_LR, weight_decay=WD), "slow": fo.adamw(LR, weight_decay=0.0)}, labels)
+        reference = two_lr_groups
+    got, _, _ = fzero_run(opt, 3, fzero.DiskOffload(str(tmp_path), sub_group_size=200))
+    assert_every_step_close(got, torch_run(reference))
 
 
 def test_masked_chain_equals_adamw_mask():
@@ -192,3 +209,127 @@ def test_a_checkpoint_without_groups_does_not_load_into_an_optimizer_with_them(t
     step = fzero.compile(loss_fn, optimizer=opt, stages=1, mesh=fzero.local_mesh(2), unit_elements=1024)
     with pytest.raises(Exception, match=r"optimizer state .* differs from this step's optimizer"):
         fzero.checkpoint.load(tmp_path / "plain", like=step)
+
+
+def test_the_pure_update_path_on_shards_equals_torch_and_keeps_the_shared_state():
+    """A chain around ``multi_transform`` has no fused step, so the step runs the pure ``update`` on the shards."""
+    multi = fo.multi_transform({"fast": fo.adamw(FAST_LR, weight_decay=WD), "slow": fo.adamw(LR, weight_decay=0.0)}, labels)
+    got, state, _ = fzero_run(fo.chain(fo.identity(), multi), 3, "cpu")
+    assert_every_step_close(got, torch_run(two_lr_groups))
+    for rank_state in state.states:
+        inner = rank_state.opt_state[1].inner
+        assert shared(inner["fast"][0].mu, inner["slow"][0].mu)  # one tensor for both groups, step after step
+
+
+# -- on a params pytree directly (no train step) -------------------------------------------------------------------------
+
+
+def pytree():
+    g = torch.Generator().manual_seed(3)
+    params = {"enc": {"w": torch.randn(5, 4, generator=g), "b": torch.randn(4, generator=g)},
+              "ln_f": {"weight": torch.randn(4, generator=g)}, "wpe": {"weight": torch.randn(6, 4, generator=g)}}
+    grads = [fo.apply_updates(params, params) for _ in range(3)]  # any values: 2 * params
+    return params, grads
+
+
+def test_on_a_pytree_each_group_gets_its_transform_and_fused_equals_pure():
+    params, grads = pytree()
+    opt = fo.multi_transform({"adam": fo.adamw(0.1, weight_decay=0.5), "sgd": fo.sgd(0.01), "frozen": fo.set_to_zero()},
+                             {"enc": {"w": "adam", "b": "sgd"}, "ln_f": "frozen", "wpe": "adam"})  # a prefix: one label per subtree
+    fused = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}
+    state = opt.init(fused)
+    pure, pure_state = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}, opt.init(params)
+    adam = fo.adamw(0.1, weight_decay=0.5)
+    alone = {"w": params["enc"]["w"].clone(), "wpe": params["wpe"]["weight"].clone()}
+    adam_state = adam.init(alone)
+    for g in grads:
+        state = fo.apply_inplace(opt, g, state, fused)
+        updates, pure_state = opt.update(g, pure_state, pure)
+        pure = fo.apply_updates(pure, updates)
+        adam_state = fo.apply_inplace(adam, {"w": g["enc"]["w"], "wpe": g["wpe"]["weight"]}, adam_state, alone)
+    assert_trees_close(fused, pure, rtol=1e-6, atol=1e-7)
+    assert torch.equal(fused["ln_f"]["weight"], params["ln_f"]["weight"])  # frozen
+    torch.testing.assert_close(fused["enc"]["b"], params["enc"]["b"] - 0.01 * 2 * params["enc"]["b"] * 3)
+    assert torch.equal(fused["enc"]["w"], alone["w"]) and torch.equal(fused["wpe"]["weight"], alone["wpe"])
+
+
+def test_decay_mask_names_what_it_excludes():
+    shapes = {
+        "transformer.wte.weight": (50, 8), "transformer.wpe.weight": (16, 8), "transformer.h.0.ln_1.weight": (8,),
+        "transformer.h.0.attn.c_attn.weight": (8, 24), "transformer.h.0.attn.c_attn.bias": (24,), "transformer.ln_f.weight": (8,),
+        "model.layers.0.input_layernorm.weight": (8,), "model.norm.weight": (8,), "model.embed_tokens.weight": (50, 8),
+        "bert.embeddings.LayerNorm.weight": (8,), "bert.embeddings.position_embeddings.weight": (16, 8),
+        "model.decoder.embed_positions.weight": (18, 8), "vit.pos_embed": (1, 5, 8), "conv.bias": (3, 3),
+        "blocks.0.norm1.weight": (2, 8), "mlp.fc.weight": (8, 8), "lm_head.weight": (50, 8),
+    }
+    mask = fo.decay_mask({k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    assert sorted(k for k, v in mask.items() if v) == [
+        "lm_head.weight", "mlp.fc.weight", "model.embed_tokens.weight", "transformer.h.0.attn.c_attn.weight", "transformer.wte.weight"]
+    hf = fo.no_decay_names(["bias", "LayerNorm.weight"])({k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    assert [k for k, v in hf.items() if not v] == ["transformer.h.0.attn.c_attn.bias", "bert.embeddings.LayerNorm.weight", "conv.bias"]
+
+
+# -- errors -------------------------------------------------------------------------------------------------------------
+
+
+def init_error(opt, exc, match):
+    """The step refuses a bad rule at ``step.init``, naming the API, the param and the fix."""
+    model, loss_fn, _ = problem()
+    step = fzero.compile(loss_fn, optimizer=opt, stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises(exc, match=match):
+        step.init(fzero.params_of(model))
+
+
+def test_a_mask_of_the_wrong_structure_is_refused():
+    init_error(fo.adamw(LR, mask={"wte.weight": True, "h": {"0": True}}), ValueError,
+               r"fzero\.optim\.adamw: mask does not have the structure of the params pytree \(or of a prefix of it\); params it "
+               r"does not cover .*'h\.0\.fc\.bias'.*; paths that are not params: 'h\.0'.*\n  params: PyTreeSpec.*\n  mask: .*"
+               r"\nBuild it from the params")
+    init_error(fo.masked(fo.add_decayed_weights(WD), lambda p: [True, False]), ValueError,
+               r"fzero\.optim\.masked: the mask function returned a pytree that does not have the structure of the params")
+    init_error(fo.adamw(LR, mask=lambda p: {k: v.ndim for k, v in p.items()}), TypeError,
+               r"fzero\.optim\.adamw: mask must hold a bool for every param \(True: the param is decayed\); the param "
+               r"'h\.0\.fc\.bias' has int 1")
+
+
+def test_labels_naming_no_transform_are_refused():
+    init_error(fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, lambda p: {k: "fats" for k in p}), ValueError,
+               r"fzero\.optim\.multi_transform: the param 'h\.0\.fc\.bias' is labelled 'fats', which names no transform; transforms "
+               r"has \['fast', 'slow'\]\. Add transforms\['fats'\], or label the param with one of those\.")
+
+
+def test_a_param_without_a_label_is_refused():
+    params = fzero.params_of(problem()[0])
+    init_error(fo.multi_transform({"a": fo.adamw(LR)}, {**{k: "a" for k in params}, "head.bias": None}), ValueError,
+               r"fzero\.optim\.multi_transform: labels does not have the structure .* params it does not cover \(a None leaf "
+               r"covers none\): 'head\.bias'")
+    init_error(fo.multi_transform({"a": fo.adamw(LR)}, lambda p: {k: 1 for k in p}), TypeError,
+               r"labels must hold a str for every param \(a key of transforms: \['a'\]\); the param 'h\.0\.fc\.bias' has int 1")
+
+
+def test_on_a_pytree_a_bad_mask_fails_at_the_first_update():
+    params, grads = pytree()
+    opt = fo.masked(fo.sgd(0.1), {"enc": True})
+    state = opt.init(params)  # init may see a stand-in tree (the memory estimator's): no check there
+    with pytest.raises(ValueError, match=r"fzero\.optim\.masked: mask does not have the structure .*'ln_f\.weight'"):
+        opt.update(grads[0], state, params)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: fo.multi_transform({"a": None}, fo.decay_mask), TypeError,
+         r"fzero\.optim\.multi_transform: transforms\['a'\] must be a GradientTransformation, got NoneType None\. To freeze "
+         r"that group use fzero\.optim\.set_to_zero\(\)"),
+        (lambda: fo.multi_transform({}, fo.decay_mask), TypeError, r"transforms must be a non-empty dict of label -> GradientTransformation"),
+        (lambda: fo.multi_transform({1: fo.sgd(0.1)}, fo.decay_mask), TypeError, r"every label \(key of transforms\) must be a str, got int 1"),
+        (lambda: fo.multi_transform(fo.sgd(0.1), fo.decay_mask), TypeError, r"transforms must be a non-empty dict"),
+        (lambda: fo.masked(fo.sgd(0.1), None), TypeError, r"fzero\.optim\.masked: mask is required"),
+        (lambda: fo.masked(fo.decay_mask, fo.sgd(0.1)), TypeError, r"fzero\.optim\.masked: inner must be a GradientTransformation"),
+        (lambda: fo.adamw(LR, mask=fo.sgd(0.1)), TypeError, r"fzero\.optim\.adamw: mask is a GradientTransformation"),
+        (lambda: fo.no_decay_names("bias"), TypeError, r"fzero\.optim\.no_decay_names: names must be a list of non-empty str"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()

@@ -276,13 +276,13 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
             f"{api}: inner must be a GradientTransformation such as fzero.optim.add_decayed_weights(0.1), got "
             f"{type(inner).__name__}."
         )
-    groups = Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api), 1)
+    groups = Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api, "the inner transform applies"), 1)
     return masked_by(groups, inner)
 
 
 def decay_groups(api: str, mask: Any) -> Groups:
     """The rule of a decay ``mask`` (True: decayed) for an optimizer's ``mask=`` argument, errors naming ``api``."""
-    return Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api), 1)
+    return Groups(api, "mask", _checked_rule(api, "mask", mask), _mask_group(api, "the param is decayed"), 1)
 
 
 def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransformation:
@@ -378,13 +378,13 @@ def _checked_rule(api: str, what: str, rule: Any) -> Any:
     return rule
 
 
-def _mask_group(api: str) -> Callable[[str, Any], int]:
+def _mask_group(api: str, meaning: str) -> Callable[[str, Any], int]:
     def to_group(path: str, value: Any) -> int:
         if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
             value = bool(value)
         if not isinstance(value, bool):
             raise TypeError(
-                f"{api}: mask must hold a bool for every param (True: the inner transform applies); the param "
+                f"{api}: mask must hold a bool for every param (True: {meaning}); the param "
                 f"{path or '<root>'!r} has {type(value).__name__} {_short(value)}. E.g. mask = {{k: v.ndim > 1 for k, v in params.items()}}."
             )
         return 0 if value else NONE

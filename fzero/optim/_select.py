@@ -69,22 +69,32 @@ def resolve(api: str, what: str, rule: Any, params: Any, *, check: Callable[[str
 
 
 def _structure_error(api: str, what: str, value: Any, params: Any, from_function: bool) -> str:
-    mine, _, _ = _tree.flatten_with_paths(value)
-    theirs, _, _ = _tree.flatten_with_paths(params)
-    extra = [p or "<root>" for p in mine if p not in set(theirs) and not any(t.startswith(p + ".") for t in theirs)]
-    missing = [p for p in theirs if p not in set(mine) and not any(p.startswith(m + ".") for m in mine if m)]
+    mine = [tuple(p) for p in optree.tree_paths(value, namespace=_tree.NAMESPACE)]
+    theirs = [tuple(p) for p in optree.tree_paths(params, namespace=_tree.NAMESPACE)]
+
+    def covers(prefix: tuple, path: tuple) -> bool:
+        return path[: len(prefix)] == prefix
+
+    extra = [_dotted(p) for p in mine if not any(covers(p, t) for t in theirs)]
+    missing = [_dotted(t) for t in theirs if not any(covers(p, t) for p in mine)]
     detail = []
     if missing:
         detail.append(f"params it does not cover (a None leaf covers none): {_few(missing)}")
     if extra:
         detail.append(f"paths that are not params: {_few(extra)}")
     source = f"the {what} function returned a pytree that" if from_function else f"{what}"
+    example = ("{k: 'decay' if v.ndim > 1 else 'no_decay' for k, v in params.items()}" if what == "labels"
+               else "{k: v.ndim > 1 for k, v in params.items()}")
     return (
         f"{api}: {source} does not have the structure of the params pytree (or of a prefix of it); "
         f"{'; '.join(detail) or 'the containers differ'}.\n  params: {_brief(optree.tree_structure(params, namespace=_tree.NAMESPACE))}\n"
         f"  {what}: {_brief(optree.tree_structure(value, namespace=_tree.NAMESPACE))}\n"
-        f"Build it from the params (e.g. {{k: v.ndim > 1 for k, v in params.items()}}) or pass a function of the params."
+        f"Build it from the params (e.g. {example}) or pass a function of the params."
     )
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
 
 
 def _few(items: Sequence[str], n: int = 4) -> str:
@@ -299,7 +309,7 @@ class GroupSegments:
         out = []
         for v, t, ranges in zip(values, like_leaves, self.ranges):
             lengths = torch.tensor([b - a for a, b, _ in ranges], dtype=torch.int64, device=v.device)
-            out.append(torch.repeat_interleave(v, lengths).to(t.device).reshape(t.shape))
+            out.append(torch.repeat_interleave(v, lengths, output_size=t.numel()).to(t.device).reshape(t.shape))
         return spec.unflatten(out)
 
 
