@@ -333,3 +333,73 @@ def test_on_a_pytree_a_bad_mask_fails_at_the_first_update():
 def test_bad_arguments_are_refused_by_name(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# -- the DeepSpeed config reader: HF's no-decay list ------------------------------------------------------------------------
+
+
+def read_with_no_decay(optimizer, no_decay):
+    """``from_deepspeed`` with a ``no_decay`` argument. (Called through ``read_config``, which takes the arguments as a
+    dict: ``from_deepspeed`` itself gains a ``no_decay=`` keyword in fzero/config/_read.py.)"""
+    from fzero.config._read import read_config
+
+    cfg = {"optimizer": optimizer, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    settings, ctx = read_config(cfg, {"no_decay": no_decay}, None)
+    assert "no_decay" in ctx.used
+    return settings
+
+
+HF_NO_DECAY = ["bias", "ln"]  # this model's LayerNorms are named ln / ln_f
+
+
+def hf_groups(names):
+    decay = [n for n in names if not any(s in n for s in HF_NO_DECAY)]
+    return [(decay, LR, WD), ([n for n in names if n not in decay], LR, 0.0)]
+
+
+def test_config_adamw_with_a_no_decay_list_equals_torch_with_two_param_groups():
+    settings = read_with_no_decay({"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, HF_NO_DECAY)
+    assert "mask=fzero.optim.no_decay_names(['bias', 'ln'])" in settings.optimizer_description
+    got, _, _ = fzero_run(settings.optimizer, 2, "cpu")
+    assert_every_step_close(got, torch_run(hf_groups))
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False}},  # L2: decay added to the gradient
+    {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.5}},
+    {"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0.5, "momentum": 0.9}},
+    {"type": "Lion", "params": {"lr": 0.1, "weight_decay": 0.5}},
+])
+def test_config_maps_no_decay_for_adam_sgd_and_lion(optimizer):
+    """Each param as the same config would train it alone: with its weight decay if decayed, with 0 if not."""
+    from fzero.config._read import read_config
+
+    def run(opt, params, grads):
+        params = {k: v.clone() for k, v in params.items()}
+        state = opt.init(params)
+        for g in grads:
+            state = fo.apply_inplace(opt, {k: g[k] for k in params}, state, params)
+        return params
+
+    def plain(wd):
+        cfg = {"optimizer": {**optimizer, "params": {**optimizer["params"], "weight_decay": wd}},
+               "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+        return read_config(cfg, {}, None)[0].optimizer
+
+    tree, grads = pytree()
+    params, grads = tree["enc"], [g["enc"] for g in grads]
+    got = run(read_with_no_decay(optimizer, ["b"]).optimizer, params, grads)
+    torch.testing.assert_close(got["w"], run(plain(0.5), {"w": params["w"]}, grads)["w"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got["b"], run(plain(0.0), {"b": params["b"]}, grads)["b"], rtol=1e-6, atol=1e-7)
+    assert (got["b"] - run(plain(0.5), {"b": params["b"]}, grads)["b"]).abs().max() > 1e-3  # the decay would show
+
+
+def test_config_refuses_what_it_cannot_map():
+    with pytest.raises(NotImplementedError, match=r"fzero\.config\.from_deepspeed: no_decay=\['bias'\] asks for a no-decay "
+                                                  r"parameter group, but fzero's lamb .* cannot be masked"):
+        read_with_no_decay({"type": "Lamb", "params": {"lr": 0.1, "weight_decay": 0.01}}, ["bias"])
+    with pytest.raises(TypeError, match=r"fzero\.config\.from_deepspeed: no_decay must be a list of parameter-name substrings .* "
+                                        r"got 'bias'"):
+        read_with_no_decay({"type": "AdamW", "params": {"lr": 0.1}}, "bias")
+    settings = read_with_no_decay({"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}}, ["bias"])
+    assert any(n.startswith("no_decay=['bias']: no effect") for n in settings.notes)
