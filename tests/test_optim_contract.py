@@ -33,10 +33,14 @@ REGISTRY = {
     "adamw_decay_mask": lambda lr: fo.adamw(lr, weight_decay=0.1, mask=fo.decay_mask),
     "multi_adamw_lamb": lambda lr: fo.multi_transform(
         {"w": fo.lamb(lr, weight_decay=0.01), "b": fo.adamw(lr / 2)}, lambda p: {k: "w" if v.ndim > 1 else "b" for k, v in p.items()}),
+    # groups within a group: a decay mask inside one of multi_transform's transforms
+    "multi_nested": lambda lr: fo.multi_transform(
+        {"first": fo.adamw(lr, weight_decay=0.5, mask=lambda p: {k: k.endswith("weight") for k in p}), "rest": fo.sgd(lr, momentum=0.9)},
+        lambda p: {k: "first" if k.startswith(("layers.0", "layers.2.weight", "a", "x", "w")) else "rest" for k in p}),
 }
 # Lion's fixed-size sign steps hover about the optimum at a constant lr (and its decay pulls off it): decay the lr.
 CONVERGENCE_LR = {"adamw": 0.05, "adam": 0.05, "sgd_momentum": 0.01, "lion": fo.cosine_decay_schedule(0.05, 300), "lamb": 0.05,
-                  "adamw_decay_mask": 0.05, "multi_adamw_lamb": 0.05}
+                  "adamw_decay_mask": 0.05, "multi_adamw_lamb": 0.05, "multi_nested": 0.05}
 # Compositions checked by the state/meta/convergence contract too (they are not separate ZeRO cases).
 TRANSFORMS = {
     **REGISTRY,

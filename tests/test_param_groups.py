@@ -403,3 +403,48 @@ def test_config_refuses_what_it_cannot_map():
         read_with_no_decay({"type": "AdamW", "params": {"lr": 0.1}}, "bias")
     settings = read_with_no_decay({"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}}, ["bias"])
     assert any(n.startswith("no_decay=['bias']: no effect") for n in settings.notes)
+
+
+# -- params without a gradient (torch's grad=None) skip the step in their group ---------------------------------------
+
+
+def unused_reference(groups_of, ranks):
+    """torch.optim.AdamW with param groups on tests/test_unused.py's Net, fed DDP's gradients (None where no rank used it)."""
+    import test_unused as tu
+
+    case = tu.CASES["net"]
+    model = case.build()
+    leaves = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([{"params": [leaves[n] for n in names], "lr": lr, "weight_decay": wd}
+                             for names, lr, wd in groups_of(list(leaves))])
+    out, used = [], []
+    for batch in case.batches():
+        grads = tu.ddp_grads(case, model, {n: p.detach() for n, p in leaves.items()}, batch, ranks)
+        used.append({n for n, g in grads.items() if g is not None})
+        for n, p in leaves.items():
+            p.grad = grads[n]
+        opt.step()
+        out.append({n: p.detach().clone() for n, p in leaves.items()})
+    return tu.Reference(out, used)
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_params_without_a_gradient_skip_the_step_in_their_group(stages):
+    import test_unused as tu
+
+    def weights_vs_biases(names):
+        return [([n for n in names if n.endswith("weight")], 1e-2, 0.1), ([n for n in names if not n.endswith("weight")], 3e-2, 0.0)]
+
+    opt = fo.multi_transform({"w": fo.adamw(1e-2, weight_decay=0.1), "b": fo.adamw(3e-2, weight_decay=0.0)},
+                             lambda p: {k: "w" if k.endswith("weight") else "b" for k in p})
+    case = tu.CASES["net"]
+    model = case.build()
+    step = fzero.compile(lambda params, b: case.loss(lambda *a, **k: fzero.apply(model, params, *a, **k), b), optimizer=opt,
+                         stages=stages, mesh=fzero.local_mesh(2), **({"unit_elements": 1024} if stages < 2 else {}))
+    state, history = step.init(fzero.params_of(model)), []
+    for batch in case.batches():
+        state, _ = step(state, batch)
+        history.append(step.gather(state))
+    ref = unused_reference(weights_vs_biases, 2)
+    assert not any("heads.unused.bias" in u for u in ref.used) and not all("side.bias" in u for u in ref.used)
+    tu.assert_matches(history, ref, f"multi_transform at stage {stages}")

@@ -13,10 +13,11 @@ On CUDA, float32 leaves go to fzero.ops' Triton Adam kernel instead when triton 
 it agrees with torch's CUDA kernel to fp32 rounding and is elementwise, with no scalar tail, so the bitwise
 facts below about shards and windows hold for it without conditions. CPU leaves always take torch's kernel.
 
-Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._segments``): the
-kernel takes one step count per tensor, and a ZeRO leaf holds many parameters; ``_per_param_counts`` runs each
-leaf once with its most common count and redoes the others in aligned windows (its docstring says why that is
-the cheapest exact way). While no parameter has ever skipped a step, the one-call-per-dtype path runs as before.
+Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._segments``) and
+per-parameter weight decay (``adamw(mask=...)``): the kernel takes one step count and one decay per call, and a
+ZeRO leaf holds many parameters; ``_per_param_counts`` runs each leaf once with its most common (count, decay)
+and redoes the others in aligned windows (its docstring says why that is the cheapest exact way). While no
+parameter has ever skipped a step and none is left undecayed, the one-call-per-dtype path runs as before.
 
 Bitwise facts about the CPU kernel (torch 2.13, measured; see tests/test_optim.py): it splits each tensor
 into 64-byte (16 fp32) aligned chunks and runs the last ``numel % Vec`` elements of a tensor (Vec = 16 fp32 on
@@ -34,8 +35,7 @@ import optree
 import torch
 
 from fzero.optim._base import LearningRate
-from fzero.optim._segments import active_params, current_segments, param_ranges
-from fzero.optim._select import views
+from fzero.optim._segments import active_params, current_segments, param_ranges, param_tree
 from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState, per_param_steps, skipped_after
 
 _KERNEL_DEVICES = ("cpu", "cuda")
@@ -74,10 +74,14 @@ def adam_step(
     """The in-place step of a ``chain`` whose state holds a ``ScaleByAdamState`` at ``adam_index`` and the
     learning-rate state at ``lr_index``; ``update`` is the chain's pure update, used when the kernel can't run.
 
-    ``decay_groups`` (``adamw(mask=...)``: ``fzero.optim._groups.Groups`` of the decayed params): the decoupled
-    decay ``p *= 1 - lr * weight_decay`` runs on the decayed elements only, as views of the leaves (one foreach
-    call), before the kernel, which then runs without decay. An element-wise multiply rounds the same wherever
-    a shard cuts the buffer, so stages 1-3 stay bitwise equal to stage 0."""
+    ``decay_groups`` (``adamw(mask=...)``: ``fzero.optim._groups.Groups`` of the decayed params): the params it
+    leaves out take the step with ``weight_decay=0``, through ``_per_param_counts``: each leaf goes through the
+    kernel once with the decay, and only the few undecayed params (biases, norms) are redone without it, in
+    aligned windows. That costs about their size in extra work, not a second pass over the shard, and gives
+    every element the bits the kernel gives it in a whole buffer, so stages 1-3 stay bitwise equal to stage 0.
+    (Rejected: ``p *= 1 - lr * wd`` on the decayed elements before a kernel without decay: a second pass over
+    the params, measured +36 % on the step of a 6.4M-param GPT; one kernel call per group on views: the bits
+    would depend on where a shard cuts a view, see the module docstring.)"""
     kernel_name = "_fused_adamw_" if decoupled else "_fused_adam_"
     api = "fzero.optim.adamw" if decoupled else "fzero.optim.adam"
 
@@ -100,23 +104,26 @@ def adam_step(
             adam.skipped.copy_(skipped)
         steps = per_param_steps(adam.count, adam.skipped)
         kernel = _kernel(getattr(torch, kernel_name), decoupled, groups)  # looked up per call: tests count calls
-        decay = weight_decay
-        if decay_groups is not None and weight_decay:  # the decay on the masked params only, then a kernel without it
-            decayed = views(p_leaves, decay_groups.selection(params)[0].pieces[0], write=True, api=api)
-            if decayed:
-                torch._foreach_mul_(decayed, 1 - lr * weight_decay)
-            decay = 0.0
-        settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=decay, eps=eps, amsgrad=False, maximize=False)
-        if active is None and steps is None:  # every parameter at the same count: one call per (device, dtype)
+        settings = dict(lr=lr, beta1=beta1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        undecayed = _undecayed(decay_groups, params, segments) if decay_groups is not None and weight_decay else None
+        if active is None and steps is None and undecayed is None:  # one count, one decay: one call per (device, dtype)
             for (device, _), (ps, gs, ms, vs) in groups.items():
                 step = adam.count if adam.count.device == device else adam.count.to(device)
                 # One shared step tensor: the kernel only reads it (torch keeps one per param, all equal).
                 kernel(ps, gs, ms, vs, [], [step] * len(ps), **settings)
             return state
-        _per_param_counts(kernel, settings, params, grads, adam, active, steps, segments)
+        _per_param_counts(kernel, settings, params, grads, adam, active, steps, segments, undecayed)
         return state
 
     return fused
+
+
+def _undecayed(decay_groups: Any, params: Any, segments: Any) -> list[bool] | None:
+    """Per parameter (the user's pytree order): True where ``adamw(mask=...)``'s mask leaves it undecayed; None when
+    every parameter is decayed."""
+    groups = decay_groups.resolver.groups(param_tree(params, segments))
+    flags = [g < 0 for g in groups]
+    return flags if any(flags) else None
 
 
 def triton_leaf(device: torch.device, dtype: torch.dtype) -> bool:
@@ -185,9 +192,10 @@ _WINDOW_ALIGN = 64
 
 
 def _per_param_counts(kernel: Callable, settings: dict, params: Any, grads: Any, adam: ScaleByAdamState,
-                      active: torch.Tensor | None, steps: torch.Tensor | None, segments: Any) -> None:
+                      active: torch.Tensor | None, steps: torch.Tensor | None, segments: Any,
+                      undecayed: list[bool] | None = None) -> None:
     """Adam when parameters have different step counts, or some skip this step (torch.optim's per-parameter
-    ``state["step"]``, and ``p.grad is None``).
+    ``state["step"]``, and ``p.grad is None``), or some take no weight decay (``undecayed``: ``adamw(mask=...)``).
 
     The cheapest exact way with a kernel that takes one step count per tensor, where a ZeRO leaf is a flat
     buffer of many parameters: each leaf goes through the kernel once, with the count most of its live
@@ -206,38 +214,47 @@ def _per_param_counts(kernel: Callable, settings: dict, params: Any, grads: Any,
     """
     own = steps.tolist() if steps is not None else None
     live = active.tolist() if active is not None else None
-    base = float(adam.count)
+    base, decay = float(adam.count), settings["weight_decay"]
     p_leaves, g_leaves = optree.tree_leaves(params), optree.tree_leaves(grads)
     m_leaves, v_leaves = optree.tree_leaves(adam.mu), optree.tree_leaves(adam.nu)
-    calls: dict[tuple[torch.device, torch.dtype, float], list[list[torch.Tensor]]] = {}
-    redo: list[tuple] = []  # (count, [p, m, v] flat targets, window copies, start and stop in the window, start in the leaf)
+    # a parameter's kind: (its step count, its weight decay); most of a leaf's parameters share the usual one
+    usual = (base, decay)
+    calls: dict[tuple[torch.device, torch.dtype, tuple], list[list[torch.Tensor]]] = {}
+    redo: list[tuple] = []  # (kind, [p, m, v] flat targets, window copies, start and stop in the window, start in the leaf)
     for quad, ranges in zip(zip(p_leaves, g_leaves, m_leaves, v_leaves), param_ranges(params, segments)):
-        counts = [(a, b, own[i] if own is not None else base) for a, b, i in ranges if i >= 0 and (live is None or live[i])]
-        if not counts:
+        kinds = [(a, b, (own[i] if own is not None else base, 0.0 if undecayed is not None and undecayed[i] else decay))
+                 for a, b, i in ranges if i >= 0 and (live is None or live[i])]
+        if not kinds:
             continue  # nothing in this leaf takes the step
-        sizes: dict[float, int] = {}
-        for a, b, c in counts:
-            sizes[c] = sizes.get(c, 0) + b - a
-        main = base if base in sizes else max(sizes, key=sizes.__getitem__)
+        sizes: dict[tuple, int] = {}
+        for a, b, k in kinds:
+            sizes[k] = sizes.get(k, 0) + b - a
+        main = usual if usual in sizes else max(sizes, key=sizes.__getitem__)
         p = quad[0]
         for t, lst in zip(quad, calls.setdefault((p.device, p.dtype, main), [[], [], [], []])):
             lst.append(t)
         numel = p.numel()
-        for c, a, b in _runs([(a, b, c) for a, b, c in counts if c != main]):
+        odd = _runs([(a, b, k) for a, b, k in kinds if k != main])
+        flat = [t.view(-1) for t in quad] if odd else None
+        for k, a, b in odd:
             lo, hi = a // _WINDOW_ALIGN * _WINDOW_ALIGN, min(-(-b // _WINDOW_ALIGN) * _WINDOW_ALIGN, numel)
-            flat = [t.view(-1) for t in quad]
             copies = [flat[0][lo:hi].clone(), flat[1][lo:hi], flat[2][lo:hi].clone(), flat[3][lo:hi].clone()]
-            redo.append((c, [flat[0], flat[2], flat[3]], copies, a - lo, b - lo, a))
-    for (device, _, c), (ps, gs, ms, vs) in calls.items():
-        kernel(ps, gs, ms, vs, [], [_step_tensor(adam.count, c, device)] * len(ps), **settings)
-    for c, targets, (p, g, m, v), a, b, start in redo:
-        kernel([p], [g], [m], [v], [], [_step_tensor(adam.count, c, p.device)], **settings)
-        for target, new in zip(targets, (p, m, v)):
-            target[start : start + b - a].copy_(new[a:b])
+            redo.append((k, [flat[0], flat[2], flat[3]], copies, a - lo, b - lo, a))
+    for (device, _, (c, wd)), (ps, gs, ms, vs) in calls.items():
+        kernel(ps, gs, ms, vs, [], [_step_tensor(adam.count, c, device)] * len(ps), **{**settings, "weight_decay": wd})
+    by_kind: dict[tuple, list[tuple]] = {}  # one kernel call per (kind, device, dtype): its windows as a list
+    for item in redo:
+        by_kind.setdefault((item[0], item[2][0].device, item[2][0].dtype), []).append(item)
+    for ((c, wd), device, _), items in by_kind.items():
+        lists = [[window[j] for _, _, window, _, _, _ in items] for j in range(4)]
+        kernel(*lists, [], [_step_tensor(adam.count, c, device)] * len(items), **{**settings, "weight_decay": wd})
+        for _, targets, window, a, b, start in items:
+            for target, new in zip(targets, (window[0], window[2], window[3])):
+                target[start : start + b - a].copy_(new[a:b])
 
 
-def _runs(pieces: list[tuple[int, int, float]]) -> list[tuple[float, int, int]]:
-    """Adjacent ranges with the same count merged: (count, start, stop)."""
+def _runs(pieces: list[tuple[int, int, Any]]) -> list[tuple[Any, int, int]]:
+    """Adjacent ranges of the same kind (step count and decay) merged: (kind, start, stop)."""
     out: list[tuple[float, int, int]] = []
     for a, b, c in pieces:
         if out and out[-1][0] == c and out[-1][2] == a:
