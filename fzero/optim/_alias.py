@@ -31,8 +31,8 @@ def adamw(
     ``EmptyState()`` (``MaskedState(EmptyState())`` with a mask) and ``lr_state`` is ``EmptyState()`` for a float
     learning rate and ``ScaleByScheduleState(count)`` for a schedule. ``apply_inplace`` runs
     ``torch._fused_adamw_`` on it (see ``fzero.optim._fused`` for when it can't and what is bitwise); with a mask,
-    the decay is ``p *= 1 - lr * weight_decay`` on the decayed params' elements before the kernel (as
-    torch.optim.AdamW's for-loop does it), then the kernel without decay.
+    the undecayed params are redone with ``weight_decay=0`` (``fzero.optim._fused.adam_step``), as torch's fused
+    AdamW runs a param group with no decay.
     """
     api = "fzero.optim.adamw"
     learning_rate = check_learning_rate(api, learning_rate)
