@@ -75,7 +75,7 @@ def step_scope() -> Iterator[None]:
         yield
 
 
-def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any, *, call: Any = None) -> Any:
     """``torch.func.functional_call(module, tensors, args, kwargs)``, but within a step the module keeps
     ``tensors`` until the step's backward is done, not only until the forward returns.
 
@@ -83,14 +83,19 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     backward by calling it again: with the tensors put back when the forward returned, the recompute
     would read the module's own stale weights (or a skeleton's meta tensors) and train silently wrong.
     The module is restored when the step's scope closes; the user's module is never left changed.
+    ``call``: what to call instead of ``module`` while it holds ``tensors`` (its compiled forward, ``jit=True``).
     """
-    scope = getattr(_local, "scope", None)
-    if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
-        return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
     from torch.nn.utils.stateless import _reparametrize_module
 
+    scope = getattr(_local, "scope", None)
+    run = module if call is None else call
+    if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
+        if call is None:
+            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+        with _reparametrize_module(module, tensors, tie_weights=True, strict=False):
+            return run(*args, **kwargs)
     scope.enter_context(_reparametrize_module(module, tensors, tie_weights=True, strict=False))
-    return module(*args, **kwargs)
+    return run(*args, **kwargs)
 
 
 @contextlib.contextmanager

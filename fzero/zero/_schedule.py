@@ -42,7 +42,7 @@ class UnitCall:
         self.tensors.update(self.params.unit_buffers(self.unit))
         self.bind()
         try:
-            return self.inner(*args, **kwargs)
+            return self.params.runner(self.inner, self.unit)(*args, **kwargs)
         finally:
             self.unbind()
             if not keep:

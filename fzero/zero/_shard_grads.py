@@ -28,6 +28,7 @@ class GradsInBackward(GradsReduceScatter):
     ``units``: module paths; None: each child of a ``ModuleList``/``Sequential``."""
 
     units: tuple[str, ...] | None = None
+    jit: bool = False  # each unit's forward through torch.compile (fzero.zero._jit)
     in_backward = True
 
     def unit_of(self, api: str) -> Callable[[str], str] | None:
@@ -37,7 +38,7 @@ class GradsInBackward(GradsReduceScatter):
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
-        return View(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype),
+        return View(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype, jit=self.jit),
                     releases=True)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
@@ -53,12 +54,13 @@ def check_units(units: object, api: str) -> tuple[str, ...] | None:
     return tuple(units)
 
 
-def shard_grads(step: Step, *, units: tuple[str, ...] | None = None) -> Step:
+def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool = False) -> Step:
     """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient.
 
     Units are modules (``units``: module paths, see ``fzero.units_of``; default each child of a
     ``ModuleList``/``Sequential``), and ``loss_fn`` must run the model through ``fzero.apply`` (or read
-    ``params[name]``) so that each unit's reduction is attached when the forward reaches it.
+    ``params[name]``) so that each unit's reduction is attached when the forward reaches it. ``jit=True``: each
+    unit's forward runs through ``torch.compile`` (regional compilation, ``fzero.zero._jit``), here and at stage 3.
     """
     step = as_step(step, "fzero.shard_grads")
     if step.grads.in_backward:
@@ -73,4 +75,6 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None) -> Step:
             f"fzero.shard_grads: needs fzero.shard_optimizer inside it (gradient shards are only useful to a sharded "
             f"optimizer), but the step is {step.stage_name}. Write fzero.shard_grads(fzero.shard_optimizer(step, mesh))."
         )
-    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads")))
+    if not isinstance(jit, bool):
+        raise TypeError(f"fzero.shard_grads: jit must be True or False, got {jit!r}.")
+    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads"), jit=jit))

@@ -52,7 +52,8 @@ class ParamsSharded:
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
         return _GatheredView(
             [flats[n] for n in names],
-            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype),
+            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
+                                     jit=grads.jit),
             schedule,
         )
 
@@ -85,7 +86,7 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
             f"fzero.shard_params: needs fzero.shard_grads inside it (sharded params need sharded gradients and optimizer "
             f"state), but the step is {step.stage_name}. Write fzero.shard_params(fzero.shard_grads(fzero.shard_optimizer(step, mesh)))."
         )
-    grads = step.grads if units is None else GradsInBackward(check_units(units, "fzero.shard_params"))
+    grads = step.grads if units is None else GradsInBackward(check_units(units, "fzero.shard_params"), jit=step.grads.jit)
     if not isinstance(prefetch, bool):
         raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
     if not isinstance(remat, bool):

@@ -30,6 +30,7 @@ from fzero.dist._autograd import AllGather, ReplicatedShardGrad
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.layout._layout import ROOT, Layout, Unit
 from fzero.zero._gathered import run_unit
+from fzero.zero._jit import compiled
 
 
 class UnitParams(Mapping):
@@ -39,8 +40,11 @@ class UnitParams(Mapping):
     moment the forward reaches them; the root unit's params come from ``views(root)`` at the top.
     """
 
-    def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None,
+                 jit: bool = False) -> None:
         self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
+        self.jit = jit  # each unit's forward through torch.compile (fzero.zero._jit)
+        self._compiled: dict[int, Any] = {}
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype  # gradients are summed across ranks in this dtype (None: as they are)
@@ -56,6 +60,10 @@ class UnitParams(Mapping):
         asks the params object for this method rather than importing this module, so the step does not depend
         on the transforms that plug into it."""
         return apply_units(module, self, args, kwargs)
+
+    def runner(self, inner: nn.Module, unit: Unit) -> Any:
+        """What runs a unit's module: itself, or (``jit``) its compiled forward."""
+        return compiled(inner, unit.name, self._compiled) if self.jit else inner
 
     def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The step's buffers inside ``unit``, by name relative to it."""
@@ -93,6 +101,7 @@ class UnitParams(Mapping):
         would keep the root unit's gathered buffer alive until the garbage collector runs)."""
         self._views.clear()
         self._skeletons.clear()
+        self._compiled.clear()
 
     def skeleton(self, module: nn.Module) -> nn.Module:
         skel = self._skeletons.get(id(module))
@@ -124,7 +133,7 @@ class ReplicatedParams(UnitParams):
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
         views = {path[prefix:]: v for path, v in self.views(unit).items()}
-        return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs)
+        return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=self.runner(inner, unit))
 
 
 class ShardedParams(UnitParams):

@@ -1,0 +1,98 @@
+"""``jit=True`` (issue 15): each unit's forward through ``torch.compile`` at stages 2-3 (regional compilation),
+on CPU through inductor's C++ backend. The same results as eager within 1e-5, a compiled graph really
+captured (no silent eager fallback), and errors that name the unit where it cannot compile."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import fzero
+from fzero.models import GPT, GPTConfig, gpt_loss
+from fzero.testing import assert_trees_close
+from fzero.zero import shard_grads, shard_optimizer, shard_params
+from fzero.zero._jit import UnitCompileError
+
+# inductor imports torch.utils.mkldnn, which uses torch.jit.script_method: torch's own warning, at import time
+# and dynamo reads .grad of the unit's params (views of the gathered buffer, not leaves) when it traces them
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")]
+
+
+def _problem():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=2, d_model=64, n_head=4))
+
+    def loss_fn(p, b):
+        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
+
+    batches = []
+    for k in range(3):
+        x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(k))
+        batches.append({"x": x, "y": x.roll(1, 1)})
+    return model, loss_fn, batches
+
+
+def _step(loss_fn, *, stage, jit, mesh=None, autodiff="autograd"):
+    # SGD: a parameter difference is the gradient difference times lr; Adam would turn the rounding noise of a
+    # near-zero gradient element (compiled kernels round differently) into a step of about lr
+    s = fzero.train_step(loss_fn, fzero.optim.sgd(0.1), autodiff=autodiff)
+    s = shard_grads(shard_optimizer(s, mesh), jit=jit)
+    return shard_params(s) if stage == 3 else s
+
+
+def _run(model, step, batches):
+    state = step.init(fzero.params_of(model))
+    out = []
+    for b in batches:
+        state, m = step(state, b)
+        out.append((step.gather(state), m["loss"]))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_jit_equals_eager_and_really_compiles(stage):
+    model, loss_fn, batches = _problem()
+    eager = _run(model, _step(loss_fn, stage=stage, jit=False), batches)
+    torch._dynamo.reset()
+    counters.clear()
+    jitted = _run(model, _step(loss_fn, stage=stage, jit=True, mesh=fzero.local_mesh(1)), batches)
+    assert counters["stats"]["unique_graphs"] >= 1  # the block's forward was captured, not run eagerly
+    for (p_jit, loss_jit), (p_eager, loss_eager) in zip(jitted, eager):
+        assert_trees_close(p_jit, p_eager, rtol=1e-5, atol=1e-5)
+        assert loss_jit == pytest.approx(loss_eager, rel=1e-5)
+    start = fzero.params_of(model)
+    assert max((jitted[-1][0][n] - start[n]).abs().max() for n in start) > 1e-3  # it trained
+
+
+def test_jit_refuses_what_would_silently_run_eagerly():
+    model, loss_fn, batches = _problem()
+    with pytest.raises(UnitCompileError, match=r"unit 'blocks.0' runs under a TorchDispatchMode .*local_mesh\(n\) with n > 1"):
+        _run(model, _step(loss_fn, stage=3, jit=True, mesh=fzero.local_mesh(2)), batches[:1])
+    with pytest.raises(UnitCompileError, match=r"inside torch.func.grad .*autodiff='autograd'"):
+        _run(model, _step(loss_fn, stage=2, jit=True, autodiff="func"), batches[:1])
+    with pytest.raises(TypeError, match=r"fzero.shard_grads: jit must be True or False, got 'yes'"):
+        shard_grads(shard_optimizer(fzero.train_step(loss_fn, fzero.optim.sgd(0.1))), jit="yes")
+
+
+def test_a_compile_failure_names_the_unit(monkeypatch):
+    model, loss_fn, batches = _problem()
+
+    def failing_compile(module):
+        def call(*args, **kwargs):
+            raise torch._dynamo.exc.Unsupported("data-dependent branch the compiler cannot trace")
+
+        return call
+
+    monkeypatch.setattr("fzero.zero._jit.torch.compile", failing_compile)
+    with pytest.raises(UnitCompileError, match=r"torch.compile failed on unit 'blocks.0' \(Block\): Unsupported: data-dependent") as info:
+        _run(model, _step(loss_fn, stage=3, jit=True), batches[:1])
+    assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
+
+
+def test_jit_leaves_errors_of_the_model_itself_alone():
+    model, loss_fn, batches = _problem()
+    bad = [{"x": b["x"][:, :8], "y": b["y"]} for b in batches[:1]]  # a target of another length: the loss's own error
+    with pytest.raises(Exception) as info:
+        _run(model, _step(loss_fn, stage=2, jit=True), bad)
+    assert not isinstance(info.value, UnitCompileError)
