@@ -108,7 +108,8 @@ def _brief(spec: Any, limit: int = 200) -> str:
 
 class Resolver:
     """A rule resolved to a group index per parameter, once per params structure (a train step evaluates the rule
-    on the same stand-in pytree every step: the last one is remembered by identity)."""
+    on the same stand-in pytree of meta tensors every step: that one is remembered by identity; a tree with real
+    tensors is never held on to)."""
 
     def __init__(self, api: str, what: str, rule: Any, to_group: Callable[[str, Any], int]) -> None:
         self.api, self.what, self.rule, self.to_group = api, what, rule, to_group
@@ -129,7 +130,8 @@ class Resolver:
                 if len(self._by_structure) >= 16:
                     self._by_structure.clear()
                 self._by_structure[key] = found
-        self._last = (params, found)
+        if leaves and isinstance(leaves[0], torch.Tensor) and leaves[0].is_meta:
+            self._last = (params, found)  # a train step's stand-in (no storage): safe to hold on to
         return found
 
 
