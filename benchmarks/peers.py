@@ -30,6 +30,9 @@ batches. Systems:
   ``fzero.optim.adamw`` (torch's fused kernel). After ``step.init`` the user's module is moved to the
   meta device (fzero needs only its structure), as FSDP2 and DeepSpeed free the module's full weights.
 * ``fzero-s3-nopf``: stage 3 with ``prefetch=False``: step time with vs without prefetch overlap.
+* ``fzero-s2-jit``, ``fzero-s3-jit``: stages 2-3 with ``jit=True`` (each unit's forward through
+  ``torch.compile``, plain autograd), against ``fsdp2-compile``: FSDP2 with each block ``.compile()``d before
+  ``fully_shard`` (torchtitan's regional compilation). Compilation happens in the warm-up steps.
 * ``fsdp2-meta`` and ``fzero-s3-meta`` (memory runs only): the model is built on the meta device, so no
   rank ever holds it whole. FSDP2's recipe: ``fully_shard`` on meta, ``to_empty``, then each parameter's
   value (``GPT.init_value``) distributed so each rank keeps its shard. fzero's:
@@ -66,8 +69,8 @@ from _common import (LR, WEIGHT_DECAY, build_model, gpt_loss, machine, make_batc
                      num_params, peak_rss_reset, rss_kib, write_json)
 
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fzero-s0", "fzero-s1", "fzero-s2", "fzero-s3",
-           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta")
-PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fsdp2-meta")
+           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta", "fsdp2-compile", "fzero-s2-jit", "fzero-s3-jit")
+PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fsdp2-meta", "fsdp2-compile")
 META = ("fsdp2-meta", "fzero-s3-meta")  # built on the meta device; memory runs only
 
 # DeepSpeed 0.19.8's ZeRO-3 defaults, spelled out (deepspeed/runtime/zero/config.py), so the comparison
@@ -141,7 +144,7 @@ def make_system(name: str, args, model):
         ddp = DDP(model)  # broadcasts rank 0's weights
         return torch_step(ddp, torch_adamw(ddp.parameters(), fused=True)), "DDP(bucket_cap_mb=25) + AdamW(fused=True)"
 
-    if name in ("fsdp2", "fsdp2-meta"):
+    if name in ("fsdp2", "fsdp2-meta", "fsdp2-compile"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import distribute_tensor
@@ -151,6 +154,8 @@ def make_system(name: str, args, model):
             dist.broadcast(p.data, src=0)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in model.blocks:
+            if name == "fsdp2-compile":  # regional compilation, as torchtitan: each block compiled, then sharded
+                block.compile()
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if meta:  # sharded on meta: allocate the local shards, then fill them one parameter at a time
@@ -159,7 +164,8 @@ def make_system(name: str, args, model):
                 for pname, p in model.named_parameters():
                     p.copy_(distribute_tensor(model.init_value(pname, p), p.device_mesh, p.placements))
         kind = {"fused": True} if args.fsdp_fused else {"foreach": True}
-        return torch_step(model, torch_adamw(model.parameters(), **kind)), f"fully_shard per block + root, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
+        compiled = ", each block torch.compile'd" if name == "fsdp2-compile" else ""
+        return torch_step(model, torch_adamw(model.parameters(), **kind)), f"fully_shard per block + root{compiled}, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
 
     if name.startswith("deepspeed"):
         import deepspeed
@@ -194,8 +200,12 @@ def make_system(name: str, args, model):
         def loss_fn(params, batch):
             return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
 
-        fstep = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY), stages=stage,
-                              mesh=fzero.dist_mesh(), **kw)
+        opt = fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
+        if name.endswith("-jit"):  # each unit's forward through torch.compile (stages 2-3), composed by hand
+            fstep = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(loss_fn, opt, mesh=fzero.dist_mesh(), autodiff="autograd")), jit=True)
+            fstep = fzero.shard_params(fstep) if stage == 3 else fstep
+        else:
+            fstep = fzero.compile(loss_fn, optimizer=opt, stages=stage, mesh=fzero.dist_mesh(), **kw)
         if name.endswith("-meta"):  # one unit at a time, from the meta-device model
             box = {"state": fstep.init(fzero.params_of(model, copy=False), materialize=model.init_value)}
         else:
@@ -206,7 +216,8 @@ def make_system(name: str, args, model):
             box["state"], metrics = fstep(box["state"], batch)
             return metrics["loss"]
 
-        return step, f"fzero.compile(stages={stage}, mesh=dist_mesh(){', prefetch=False' if kw else ''}), fzero.optim.adamw"
+        jit = ", jit=True (autodiff='autograd')" if name.endswith("-jit") else ""
+        return step, f"fzero.compile(stages={stage}, mesh=dist_mesh(){', prefetch=False' if kw else ''}{jit}), fzero.optim.adamw"
 
     raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
