@@ -127,3 +127,14 @@ def test_cli_prints_every_stage_and_offload_choice(capsys):
     assert "gpt-tiny" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         estimate_cli(["--world-size", "2"])  # --params or --model
+
+
+def test_estimate_counts_state_shared_by_param_groups_once():
+    """multi_transform's groups share one Adam state where their states match (as torch's param groups keep one
+    state per param): two AdamW groups are 8 B/param of state in fp32, not 16."""
+    from fzero import optim
+
+    groups = optim.multi_transform({"a": optim.adamw(1e-3), "b": optim.adamw(1e-4)}, lambda p: {k: "a" for k in p})
+    shared = fzero.estimate_memory(1_000_000, stages=0, world_size=1, optimizer=groups)
+    plain = fzero.estimate_memory(1_000_000, stages=0, world_size=1, optimizer="adamw")
+    assert shared.device == plain.device and shared.model_states == plain.model_states

@@ -219,7 +219,9 @@ def _optimizer_bytes(optimizer: Any, dtype: torch.dtype) -> tuple[str, float]:
                         f"got {type(optimizer).__name__}.")
     n = 4096
     state = opt.init({"w": torch.empty(n, dtype=dtype, device="meta")})
-    total = sum(t.numel() * t.element_size() for t in _tree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.numel() == n)
+    # each tensor once: the groups of multi_transform share one state tensor where their states match
+    held = {id(t): t for t in _tree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.numel() == n}
+    total = sum(t.numel() * t.element_size() for t in held.values())
     return name, total / n
 
 
