@@ -6,7 +6,9 @@ Run from the repository root (about 20 s):
 
 One process, one rank, the GPT of ``peers.py`` (12 layers x 512, vocab 256, seq 128, 37.9M params, fp32),
 batch 2. For the plain step (``functional_call`` + ``backward`` + fused ``torch.optim.AdamW``, grads set to
-None each step), fzero stage 0 (no mesh) and fzero stage 3 (``local_mesh(1)``): ``fzero.memory.LiveBytes``
+None each step), fzero stage 0 (no mesh) and fzero stage 3 (``local_mesh(1)``), each under plain autograd and
+under ``torch.func.grad`` (which differentiates with ``create_graph=True`` and so keeps the backward's
+intermediate gradients until it returns): ``fzero.memory.LiveBytes``
 over the second step (storages allocated during the step, peak of their live sum; the state's own
 buffers are not counted), in units of 4Ψ (one fp32 copy of the params), and the ops that allocated
 tensors above 4 MiB. A plain step needs about 4Ψ (the gradient) plus activations.
@@ -58,9 +60,10 @@ def main(argv=None) -> None:
     def loss_fn(params, batch):
         return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
 
-    def fzero_system(stage):
+    def fzero_system(stage, autodiff):
         mesh = fzero.local_mesh(1) if stage == 3 else None
-        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY), stages=stage, mesh=mesh)
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY), stages=stage, mesh=mesh,
+                             autodiff=autodiff)
         box = {"state": step.init(fzero.params_of(model))}
 
         def run(batch):
@@ -69,8 +72,11 @@ def main(argv=None) -> None:
         return run
 
     rows = []
-    for name, system in (("plain", PlainStep(model, loss_fn)), ("fzero stage 0", fzero_system(0)),
-                         ("fzero stage 3, local_mesh(1)", fzero_system(3))):
+    systems = [("plain", PlainStep(model, loss_fn))]
+    for autodiff in ("autograd", "func"):
+        systems += [(f"fzero stage 0, autodiff={autodiff!r}", fzero_system(0, autodiff)),
+                    (f"fzero stage 3, local_mesh(1), autodiff={autodiff!r}", fzero_system(3, autodiff))]
+    for name, system in systems:
         system(make_batch(0, args.batch, 128, 256))
         big = BigAllocations()
         with LiveBytes() as lb, big:
