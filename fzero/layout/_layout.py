@@ -21,9 +21,11 @@ import torch
 
 from fzero.layout import _tree
 
-# 25 MiB of fp32, DDP's bucket_cap_mb: a step holds about one gradient plus one unit's worth (stages 0-1 fill each
-# unit's flat gradient as backward reaches it), and a collective of this size is past gloo's per-call latency
-DEFAULT_UNIT_ELEMENTS = 25 * 2**20 // 4
+# 12.5 MiB of fp32, half DDP's 25 MB bucket. Stages 0-1 fill each unit's flat gradient as backward reaches it,
+# so a step holds one gradient plus about one unit's worth while activations are still alive: measured on the
+# 38M GPT of benchmarks/step_live_bytes.py, 1.06x a gradient at this size, 1.10x at 16 MiB, 1.16x at 25 MiB
+# (a plain PyTorch step: 1.02x). A collective of this size is still far past gloo's and NCCL's per-call latency.
+DEFAULT_UNIT_ELEMENTS = 25 * 2**20 // 8
 # Every shard starts and ends on a multiple of this many elements (256 bytes in fp32). Element-wise CPU
 # kernels (torch's fused AdamW among them) run a vector loop and a shorter tail; a shard boundary at an
 # odd offset moves elements from one to the other and changes their rounding, so unaligned shards would
