@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from fzero import _rules
@@ -58,7 +59,7 @@ def compile(  # noqa: A001 - the public name is the design's
     if offload is None:  # the stage rules of offload itself are fzero.offload's to check, below
         _rules.check_offload(stages, None, offload_params or offload_dir is not None, api="fzero.compile",
                              params_key="offload_params/offload_dir")
-    check_details(details, api="fzero.compile")
+    check_details(details, api="fzero.compile", keywords=_KEYWORDS)
     step = train_step(
         loss_fn, optimizer if optimizer is not None else optim.adamw(1e-3), mesh=mesh, precision=precision,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, **details,
@@ -72,3 +73,8 @@ def compile(  # noqa: A001 - the public name is the design's
     if offload is not None:
         step = _offload(step, offload, params=offload_params, dir=offload_dir, sub_group_size=sub_group_size)
     return step
+
+
+# compile's own keywords and the stage settings it takes out of ``details``: what a typo is compared with
+_KEYWORDS = (*(name for name, p in inspect.signature(compile).parameters.items() if p.kind is p.KEYWORD_ONLY),
+             "units", "prefetch", "remat")

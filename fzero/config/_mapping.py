@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from fzero.config._optimizer import build_optimizer
 from fzero.config._settings import Settings
 from fzero.config._values import API, UNSET, Ctx, as_bool, as_float, as_int, dtype_name
-from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
+from fzero.step._precision import MAX_LOSS_SCALE, DynamicLossScale, Precision, StaticLossScale
 from fzero import _rules
 
 
@@ -60,11 +61,21 @@ def _precision(cfg: dict, ctx: Ctx) -> Precision:
         reduce = _DTYPES[comm]
     if fp16_on:
         scale = as_float("fp16.loss_scale", fp16.get("loss_scale", 0))
+        power = as_int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16))
+        top = int(math.log2(MAX_LOSS_SCALE))
+        for key, bad in (("loss_scale", scale > MAX_LOSS_SCALE), ("initial_scale_power", power > top)):
+            if bad:  # as a float32 scale it is inf: every step would overflow and be skipped, forever
+                raise ValueError(
+                    f"{API}: fp16.{key}={json.dumps(fp16[key])} makes a loss scale above 2**{top}, the largest finite "
+                    f"float32 power of two: held as a float32 it is inf, and every step would be skipped as an overflow. "
+                    f"Write a value <= {top if key == 'initial_scale_power' else f'2**{top}'} (DeepSpeed's default "
+                    f"initial_scale_power is 16)."
+                )
         if scale > 0:
             loss_scale: Any = StaticLossScale(scale)
         else:
             loss_scale = DynamicLossScale(
-                initial=2.0 ** as_int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16)),
+                initial=2.0 ** power,
                 window=as_int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000), low=1),
                 hysteresis=as_int("fp16.hysteresis", fp16.get("hysteresis", 2), low=1),
                 min_scale=as_float("fp16.min_loss_scale", fp16.get("min_loss_scale", 1)),
@@ -109,11 +120,23 @@ def _batch(cfg: dict, ctx: Ctx, world: int | None) -> tuple[int, int | None, int
             f"it needs the world size: pass world_size= (fzero.compile passes its mesh's size)."
         )
     derived = []
-    if train is None:
-        if "train_batch_size" in autos and micro is not None:
-            train = micro * (accum or 1) * world
+    if train is None and "train_batch_size" in autos:
+        # "auto" is the product of the other two: each must be in the config (a number, or an "auto" resolved by an
+        # argument). An absent key is refused rather than taken as 1: the HF Trainer fills train_batch_size with its
+        # own accumulation, which this config would then silently drop.
+        absent = [key for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if key not in cfg]
+        if absent:
+            raise ValueError(
+                f'{API}: train_batch_size "auto" is train_micro_batch_size_per_gpu x gradient_accumulation_steps x world '
+                f"size, but the config has no {' and no '.join(absent)}. Write "
+                + " and ".join(f'"{key}": {"1" if key.startswith("gradient") else "<samples per rank>"} (or "auto" with '
+                               f"{keys[key]}=)" for key in absent)
+                + ", or give train_batch_size as a number."
+            )
+        if micro is not None and accum is not None:
+            train = micro * accum * world
             derived.append(("train_batch_size", train))
-    elif micro is None or accum is None:
+    elif train is not None and (micro is None or accum is None):
         rest = train // (world * (accum or micro or 1))
         if micro is None and accum is None:
             micro, accum = rest, 1
@@ -134,7 +157,8 @@ def _batch(cfg: dict, ctx: Ctx, world: int | None) -> tuple[int, int | None, int
         elif cfg.get(key) is None:
             ctx.notes.append(f"{key} = {value}: derived by DeepSpeed's rule, train_batch_size = micro batch x accumulation x world size")
     still = {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum}
-    missing = [f"{key}: pass {keys[key] or 'batch_size'}=" for key in sorted(autos) if still[key] is None]
+    missing = [f"{key}: pass {keys[key]}=" if keys[key] else f"{key}: follows from the other two (micro batch x "
+               f"accumulation x world size) once they resolve" for key in sorted(autos) if still[key] is None]
     if missing:
         raise ValueError(f'{API}: "auto" values that no argument resolves:\n  ' + "\n  ".join(missing))
     for key in autos:

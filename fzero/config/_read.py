@@ -86,6 +86,18 @@ def _load(config: Any) -> tuple[str, dict[str, Any]]:
                 data = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"{API}: no DeepSpeed config file at {path!r}.") from None
+        except IsADirectoryError:
+            try:
+                found = sorted(f for f in os.listdir(path) if f.endswith(".json"))[:5]
+            except OSError:  # an unreadable directory: no suggestion
+                found = []
+            raise IsADirectoryError(
+                f"{API}: {path!r} is a directory; pass the DeepSpeed JSON file itself (e.g. "
+                f"{os.path.join(path, found[0] if found else 'ds_config.json')!r})"
+                + (f"; JSON files there: {', '.join(found)}." if found else ".")
+            ) from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{API}: {path!r} is not a text JSON file ({e.reason} at byte {e.start}).") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{API}: {path!r} is not valid JSON ({e}).") from None
         source = path

@@ -9,12 +9,14 @@ fp16 needs a loss scale. ``DynamicLossScale`` has DeepSpeed's defaults (initial 
 hysteresis 2, minimum 1); ``StaticLossScale`` a fixed one. The scale lives in the ``TrainState`` as a
 ``LossScaleState`` of tensors, and ``next_loss_scale`` is its pure update. Whether a step overflowed
 is decided from the squared gradient norm *after* it is summed over ranks, so every rank takes the
-same decision: no rank ever steps while another skips.
+same decision: no rank ever steps while another skips. The scale is a float32 tensor: growth stops at
+2**127 (``MAX_LOSS_SCALE``), and a scale above it is refused up front, since inf overflows every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -23,6 +25,26 @@ import torch
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def max_scale(dtype: torch.dtype = torch.float32) -> float:
+    """The largest finite power of two of ``dtype`` (float32: 2**127): the ceiling of a loss scale held in it.
+    A power of two, so that scaling and unscaling stay exact."""
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max))
+
+
+MAX_LOSS_SCALE = max_scale(torch.float32)  # the scale lives in the state as a float32 tensor
+
+
+def _check_scale(api: str, name: str, value: float) -> None:
+    """A loss scale above ``MAX_LOSS_SCALE`` is inf in the float32 state: every step would overflow and be skipped,
+    and halving inf never brings it back, so such a scale can never succeed."""
+    if isinstance(value, (int, float)) and value > MAX_LOSS_SCALE:
+        raise ValueError(
+            f"{api}: {name}={value:g} is above the largest finite float32 power of two, 2**127 ({MAX_LOSS_SCALE:g}); held "
+            f"as a float32 it is inf, and every step would be skipped as an overflow forever. Use a scale <= 2**127; "
+            f"DeepSpeed's default is 2**16 (initial_scale_power 16)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +58,9 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         _check(self.initial > 0 and self.min_scale > 0 and self.factor > 1 and self.window >= 1 and self.hysteresis >= 1,
                f"fzero.DynamicLossScale: needs initial > 0, min_scale > 0, factor > 1, window >= 1, hysteresis >= 1; got {self}.")
+        _check_scale("fzero.DynamicLossScale", "initial", self.initial)
+        _check_scale("fzero.DynamicLossScale", "min_scale", self.min_scale)
+        _check(math.isfinite(self.factor), f"fzero.DynamicLossScale: factor must be finite, got {self.factor!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +69,7 @@ class StaticLossScale:
 
     def __post_init__(self) -> None:
         _check(self.scale > 0, f"fzero.StaticLossScale: scale must be > 0, got {self.scale!r}.")
+        _check_scale("fzero.StaticLossScale", "scale", self.scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +151,9 @@ def next_loss_scale(config, state: LossScaleState, *, overflow: bool, step: int)
     else:
         good += 1
         if good % config.window == 0:
-            scale *= config.factor
+            # capped where the next growth would leave the state's dtype (2**127 in float32): an inf scale would
+            # turn every later step into an overflow that halving never undoes
+            scale = min(scale * config.factor, max_scale(state.scale.dtype))
             hyst = config.hysteresis
             good = 0
     return LossScaleState(torch.tensor(scale), torch.tensor(good, dtype=torch.int64), torch.tensor(hyst, dtype=torch.int64))

@@ -16,6 +16,7 @@ import dataclasses
 import weakref
 from typing import Any
 
+import optree
 import torch
 
 from fzero.layout import _tree
@@ -96,3 +97,196 @@ def mark_donated(state: Any) -> None:
 
 def is_donated(state: Any) -> bool:
     return state in _donated
+
+
+# -- a state against the step it enters ----------------------------------------------------------------------------
+# The stage, mesh size and compute dtype are checked on every call (``Step._check_state``). What follows compares the
+# rest, once per state a step has not made itself: the unit buffers against the state's layout, and the optimizer
+# state against what this step's optimizer makes for the same params (its ``init`` run on meta tensors: shapes
+# only, no memory). A state of another optimizer would otherwise run (AdamW's moments read by Lion) or fail deep
+# inside the update with an AttributeError.
+
+STATE_FIX = ("A state enters only a step with the optimizer, precision and offload it was made with. To switch, start "
+             "afresh from its params: new_step.init(old_step.gather(state)) (the optimizer state starts over).")
+
+# The optimizer a state type belongs to, for the first line of the error.
+_FAMILIES = {"ScaleByAdamState": "Adam's/AdamW's", "ScaleByLionState": "Lion's", "ScaleByLambState": "Lamb's",
+             "TraceState": "SGD-with-momentum's"}
+_PLUMBING = ("EmptyState", "ScaleByScheduleState", "MasterState")  # in every optimizer's state: names no family
+
+
+def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
+    """Raise a ``ValueError`` naming the first difference between what the rank state ``state`` holds and what
+    ``step`` would make for the same params: the unit buffers (names and sizes, against ``state.meta.layout``),
+    and the optimizer state (where it lives, its structure, the shapes and dtypes of its tensors).
+
+    ``step.stage``, mesh size and compute dtype are assumed checked already (``Step._check_state``). Reusable by
+    ``fzero.checkpoint.load`` for a loaded state: ``check_state_matches(step, rank_state, api="fzero.checkpoint.load")``.
+    """
+    meta = state.meta
+    layout = meta.layout
+    _check_units(step, state, api)
+    opt = state.opt_state
+    disk = getattr(step.offload, "where", None) == "disk"
+    in_files = hasattr(opt, "store") and hasattr(opt, "small")  # fzero.zero._offload.DiskOptState
+    if disk != in_files:
+        place = {True: "in files (offload='disk')", False: "in memory"}
+        raise ValueError(f"{api}: the state keeps its optimizer state {place[in_files]}, but this step keeps it "
+                         f"{place[disk]}. {STATE_FIX}")
+    from fzero.layout._segments import LayoutSegments
+    from fzero.optim._segments import use_segments
+
+    metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}
+    owned = step.opt_state.owned(step.params, layout, metas, meta.rank)
+    master = step.precision.has_master
+    if master:
+        owned = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in owned.items()}
+    with use_segments(LayoutSegments(layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)):
+        if disk:  # one unit's state, with the param-shaped leaves (in the files) left out, as DiskOptState.small
+            if bool(opt.master) != master:
+                raise ValueError(f"{api}: the state {'keeps' if opt.master else 'has no'} fp32 master weights but this "
+                                 f"step's precision {'keeps' if master else 'has no'} master weights. {STATE_FIX}")
+            first = next(iter(owned.values()), None)
+            made = step.optimizer.init({"g": first}) if first is not None else None
+            expected = optree.tree_map_with_path(lambda p, x: None if p and p[-1] == "g" else x, made, none_is_leaf=True)
+            actual, shapes = opt.small, False
+        else:
+            from fzero.step._update import MasterState
+
+            inner = step.optimizer.init(owned)
+            expected = MasterState(owned, inner) if master else inner
+            actual, shapes = opt, True
+    difference = tree_difference(actual, expected, "opt_state", shapes=shapes)
+    if difference is None:
+        return
+    was, wants = optimizer_family(actual), optimizer_family(expected)
+    head = (f"the state's optimizer state is {was} but this step's optimizer is {wants}" if was != wants else
+            f"the state's optimizer state does not match this step's optimizer ({wants})")
+    raise ValueError(f"{api}: {head}: {difference}. {STATE_FIX}")
+
+
+def _check_units(step: Any, state: TrainState, api: str) -> None:
+    """The state's unit buffers are those of its layout, each of the size a rank of this step holds."""
+    layout = state.meta.layout
+    names = [u.name for u in layout.units]
+    params = state.params if isinstance(state.params, dict) else {}
+    missing = [n for n in names if n not in params]
+    extra = [n for n in params if n not in names]
+    if missing or extra:
+        raise ValueError(f"{api}: the state's params hold units {sorted(params)[:5]}, but its layout has units "
+                         f"{names[:5]} (missing: {missing[:3]}, unknown: {extra[:3]}): the state was assembled by hand "
+                         f"or edited. {STATE_FIX}")
+    for u in layout.units:
+        lo, hi = u.shard_range(state.meta.rank, layout.world_size)
+        want = hi - lo if step.params.sharded else u.padded
+        got = params[u.name]
+        if not isinstance(got, torch.Tensor) or got.dim() != 1 or got.numel() != want:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(f"{api}: unit {u.name!r} of the state holds {shape}, but a rank of this step holds a flat "
+                             f"buffer of {want} elements for it ({', '.join(s.path for s in u.slots[:3])}"
+                             f"{', ...' if len(u.slots) > 3 else ''}). {STATE_FIX}")
+
+
+def tree_difference(actual: Any, expected: Any, path: str = "opt_state", *, shapes: bool = True) -> str | None:
+    """The first place where the pytree ``actual`` (a state's) differs from ``expected`` (what the step makes), in
+    words, or None: a node of another type or length, other dict keys, or (``shapes``) a tensor of another shape
+    or dtype. Reusable for any two optimizer states (``expected`` may hold meta tensors)."""
+    if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
+            return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
+        if shapes and (actual.shape != expected.shape or actual.dtype != expected.dtype):
+            return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
+        return None
+    if type(actual) is not type(expected):
+        return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
+    if isinstance(expected, (tuple, list)):
+        if len(actual) != len(expected):
+            return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
+        fields = getattr(expected, "_fields", None)
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            found = tree_difference(a, e, f"{path}.{fields[i]}" if fields else f"{path}[{i}]", shapes=shapes)
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, dict):
+        missing = [k for k in expected if k not in actual]
+        extra = [k for k in actual if k not in expected]
+        if missing or extra:
+            return (f"{path} has keys {sorted(map(str, actual))[:5]} in the state but {sorted(map(str, expected))[:5]} in "
+                    f"the step")
+        for k in expected:
+            found = tree_difference(actual[k], expected[k], f"{path}[{k!r}]", shapes=shapes)
+            if found is not None:
+                return found
+        return None
+    if optree.tree_structure(actual, none_is_leaf=True) != optree.tree_structure(expected, none_is_leaf=True):
+        return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
+    return None
+
+
+def describe(x: Any) -> str:
+    """A node of a state in a few words: ``ScaleByAdamState(count, mu, nu, skipped)``, ``a float32 tensor of shape (8,)``."""
+    if isinstance(x, torch.Tensor):
+        return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
+    fields = getattr(x, "_fields", None)
+    if isinstance(x, tuple) and fields is not None:
+        return f"{type(x).__name__}({', '.join(fields)})"
+    if isinstance(x, (tuple, list)):
+        kinds = [type(c).__name__ if getattr(c, "_fields", None) is not None else describe(c) if c is None else
+                 type(c).__name__ for c in x]
+        return f"a {type(x).__name__} of {len(x)} ({', '.join(kinds)})"
+    if isinstance(x, dict):
+        return f"a dict of {len(x)} entries"
+    return "None" if x is None else f"a {type(x).__name__}"
+
+
+def optimizer_family(tree: Any) -> str:
+    """Whose state ``tree`` is, from its first named state type: "Adam's/AdamW's (count, mu, nu, skipped)",
+    "Lion's (mu)", or "stateless (plain SGD's)" when it holds only plumbing (empty states, schedule counts)."""
+    fields = getattr(tree, "_fields", None)
+    if isinstance(tree, tuple) and fields is not None and type(tree).__name__ not in _PLUMBING:
+        name = type(tree).__name__
+        return f"{_FAMILIES.get(name, name)} ({', '.join(fields)})"
+    for child in tree if isinstance(tree, (tuple, list)) else ():  # per-unit dicts hold tensors: not looked into
+        found = optimizer_family(child)
+        if found != _STATELESS:
+            return found
+    return _STATELESS
+
+
+_STATELESS = "stateless (plain SGD's)"
+
+
+def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[str, str] | None = None) -> None:
+    """Raise a ``ValueError`` when a param of ``params`` (name -> tensor, as ``fzero.params_of`` names them) has
+    another shape than the parameter of that name in ``module``: the state was made from another model (an
+    MLP(4, 8, 2) state run by an MLP(4, 16, 2)), and ``torch.func.functional_call`` would run it anyway, as the
+    smaller model. ``units``: name -> unit, to name the unit too. Names the module lacks are left to the caller.
+
+    Meant for ``fzero.apply`` (stages 0-1) and the stage 2-3 skeleton, once per module and layout (a dict lookup
+    per param)."""
+    own = dict(module.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        q = own.get(name)
+        if q is None or not isinstance(p, torch.Tensor) or p.shape == q.shape:
+            continue
+        unit = f"unit {units[name]!r} " if units and name in units else ""
+        raise ValueError(
+            f"{api}: {unit}param {name!r} has shape {tuple(p.shape)} in the state but {tuple(q.shape)} in the model "
+            f"({type(module).__name__}): the state was made from another model or another configuration of it. Make "
+            f"the state from this model's params (step.init(fzero.params_of(model))), or run the model it came from."
+        )
+
+
+# States whose optimizer state and buffers were checked against a step (``check_state_matches``), or made by it:
+# state -> that step. Weak keys, so no state is kept alive; a step's new states are marked by the step itself.
+_verified: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def mark_verified(state: Any, step: Any) -> None:
+    for s in state.states if isinstance(state, RankStates) else (state,):
+        _verified[s] = step
+
+
+def is_verified(state: TrainState, step: Any) -> bool:
+    return _verified.get(state) is step

@@ -14,6 +14,7 @@ that have moved on. ``donate=False`` copies the state first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import optree
@@ -25,13 +26,13 @@ from fzero.dist._comm import Rendezvous, ThreadComm
 from fzero.layout import _tree
 from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
-from fzero.step._batch import split_batch
 from fzero.step._context import simulated_rank
 from fzero.step._init import init_state
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated
 from fzero.step._precision import Precision, policy
 from fzero.step._program import eval_program, rank_program
-from fzero.step._state import RankStates, TrainState, is_donated, mark_donated
+from fzero.step._batch import LossFnInContext, split_batch
+from fzero.step._state import RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified
 
 
 
@@ -88,7 +89,9 @@ class Step:
         ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
         from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._buffers``).
         """
-        return init_state(self, params, buffers=buffers, materialize=materialize)
+        state = init_state(self, params, buffers=buffers, materialize=materialize)
+        mark_verified(state, self)  # made by this step: nothing to compare at its first call
+        return state
 
     # -- step --------------------------------------------------------------------------------------
     def __call__(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
@@ -105,6 +108,7 @@ class Step:
             comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             new_state, metrics = self._rank_step(comm, state, batch)
         mark_donated(state)
+        mark_verified(new_state, self)
         return new_state, metrics
 
     def _rank_step(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -120,8 +124,15 @@ class Step:
             fields = program_fields(state.meta.layout, stage=state.meta.stage, precision=self.precision, grad_accum=self.grad_accum)
             comm.agree(fields, api=api, fix=AGREE_FIX)
             with simulated_rank(comm.rank):
-                return program(self, comm, *args)
-        return program(self, comm, *args)
+                return program(self._in_context, comm, *args)
+        return program(self._in_context, comm, *args)
+
+    @functools.cached_property
+    def _in_context(self) -> "Step":
+        """This step with its ``loss_fn`` wrapped to name the batch when it fails (``LossFnInContext``): what the rank
+        programs run. Made once per step object (a cache, not a field), so it is also the identity that warns once."""
+        split = isinstance(self.mesh, LocalMesh) or self.grad_accum > 1
+        return dataclasses.replace(self, loss_fn=LossFnInContext(self.loss_fn, split=split))
 
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, state: TrainState | RankStates, batch: Any) -> dict[str, Any]:
@@ -224,6 +235,10 @@ class Step:
                     f"{api}: state was made for {made}, but this step is {STAGE_NAMES[self.stage]} on "
                     f"{self.world_size} rank(s). {_REINIT_HINT}"
                 )
+        for s in states:  # the rest (optimizer state, unit buffers) once per state this step did not make itself
+            if not is_verified(s, self):
+                check_state_matches(self, s, api=api)
+                mark_verified(s, self)
 
 
 _REINIT_HINT = "Make the state with this step's init(params); to move a state between steps: new_step.init(old_step.gather(old_state))."
@@ -274,20 +289,26 @@ def train_step(
         loss_fn, optimizer, mesh, precision=policy(precision, api="fzero.train_step"), grad_accum=grad_accum,
         clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
     )
-    return dataclasses.replace(step, **check_details(details, api="fzero.train_step"))
+    return dataclasses.replace(step, **check_details(details, api="fzero.train_step", keywords=_TRAIN_STEP_KEYWORDS))
+
+
+_TRAIN_STEP_KEYWORDS = ("mesh", "precision", "grad_accum", "clip_grad_norm")
 
 
 _DETAILS = {"unit_elements": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
 
 
-def check_details(details: dict[str, Any], *, api: str) -> dict[str, Any]:
+def check_details(details: dict[str, Any], *, api: str, keywords: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``details`` checked against the step's settings; an unknown one names the closest of them and of ``keywords``
+    (the caller's own keyword names: a typo of ``grad_accum`` lands in ``**details`` too)."""
     import difflib
 
     for key, value in details.items():
         if key not in _DETAILS:
-            close = difflib.get_close_matches(key, list(_DETAILS), n=1)
+            known = sorted({*_DETAILS, *keywords})
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{api}: unknown setting {key!r}.{hint} Settings: {', '.join(sorted(_DETAILS))}.")
+            raise TypeError(f"{api}: unknown setting {key!r}.{hint} Settings: {', '.join(known)}.")
         kind = _DETAILS[key]
         if isinstance(kind, tuple):
             if value not in kind:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -59,11 +62,110 @@ def apply_update(optimizer: Any, grads: dict, opt_state: Any, params: dict, segm
 
 
 def current_lr(optimizer: Any, step: int) -> float:
-    """The learning rate ``optimizer`` applies at ``step`` (its ``learning_rate``: a float or a schedule); NaN if it has none."""
+    """The learning rate ``optimizer`` applies at ``step`` (its ``learning_rate``: a float or a schedule); NaN if it has none.
+
+    A schedule's value is checked here, before the optimizer runs: a NaN or inf learning rate would write NaN
+    into every param at once, and the next step would blame the gradients."""
     lr = getattr(optimizer, "learning_rate", None)
     if lr is None:
         return math.nan
-    return float(lr(step)) if callable(lr) else float(lr)
+    if not callable(lr):
+        return float(lr)
+    value = lr(step)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {type(value).__name__} {value!r} at step "
+            f"{step}; a schedule returns a float (steps already taken -> learning rate). The params were not updated."
+        ) from None
+    if not math.isfinite(out):
+        raise FloatingPointError(
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {out} at step {step} (schedules are "
+            f"called with the steps already taken, so this is optimizer step {step + 1}); the params were not updated. "
+            f"Fix the schedule for that step (a division by zero warmup or decay length? a log or power of 0?)."
+        )
+    return out
+
+
+def schedule_name(fn: Any) -> str:
+    """How an error names a schedule: ``fzero.optim.<factory>`` for fzero's own, else its name and where it is defined."""
+    qual = getattr(fn, "__qualname__", None)
+    if qual is None:  # a functools.partial, a callable object
+        return repr(fn)[:120]
+    if getattr(fn, "__module__", "").startswith("fzero.optim") and ".<locals>." in qual:
+        return f"fzero.optim.{qual.split('.<locals>.')[0]}"
+    code = getattr(fn, "__code__", None)
+    return qual + (f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else "")
+
+
+class ZeroGradientWarning(UserWarning):
+    """The whole gradient of a step was exactly zero: the loss does not depend on the params (see ``finish``)."""
+
+
+# A step object warns about a zero gradient once (ids of the steps that did, with a weak reference to tell a reused id).
+_warned: dict[int, Any] = {}
+_warned_lock = threading.Lock()
+
+
+def _first_warning(step: Any) -> bool:
+    with _warned_lock:
+        ref = _warned.get(id(step))
+        if ref is not None and ref() is step:
+            return False
+        for key in [k for k, r in _warned.items() if r() is None]:
+            del _warned[key]
+        _warned[id(step)] = weakref.ref(step)
+        return True
+
+
+def _zero_gradient_message(step_no: int, loss: float, *, used_any: bool, moved: float) -> str:
+    head = (f"fzero.Step: the gradient of step {step_no} is exactly zero (loss {loss:.6g}, grad_norm 0): the loss does "
+            f"not depend on the params (a detached tensor, a constant, a loss computed under torch.no_grad, or every "
+            f"path multiplied by 0?).")
+    if not used_any:
+        what = (" No param took part in the loss, so none was updated (metrics['unused'] lists them all). Make the "
+                "loss depend on the model's output: loss_fn should run fzero.apply(model, params, x) and keep its graph.")
+    elif moved > 0:
+        what = (f" The optimizer still ran and MOVED the params (largest change {moved:.3g}): weight decay or momentum "
+                f"act without a gradient, so training drifts while the loss cannot pull it back.")
+    else:
+        what = " The optimizer ran and the params did not move."
+    return head + what + " (Warned once per step object.)"
+
+
+# Usage flags of a rank whose loss used no param at all: a small negative value on every flag, so that the
+# metrics all-reduce that already carries the flags also says how many ranks used nothing, at no extra cost:
+# a slot then sums to (ranks that used it) - EMPTY_FLAG * (ranks that used nothing). The sums are exact in
+# float32 for meshes below 2**12 ranks; larger meshes skip the check.
+EMPTY_FLAG = 2.0 ** -12
+
+
+def _empty_ranks(used: torch.Tensor, n: int) -> int:
+    """How many ranks used no param, read from the summed usage flags (see ``EMPTY_FLAG``)."""
+    if n == 1 or n >= 1 / EMPTY_FLAG or used.numel() == 0:
+        return 0
+    v = float(used[0])
+    return round((math.ceil(v) - v) / EMPTY_FLAG)
+
+
+def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, step_no: int) -> None:
+    """Raise on every rank when some ranks' losses used no param while others' did: they would add a zero gradient
+    to the average silently (DDP refuses this too). Which ranks, only on that path: one more all-reduce."""
+    n = comm.size
+    empty = _empty_ranks(used, n)
+    if not 0 < empty < n:
+        return
+    mine = torch.zeros(n, dtype=torch.float32, device=own.device)
+    mine[comm.rank] = float(not bool((own > 0).any()))
+    ranks = comm.all_reduce(mine, tag="usage").nonzero().flatten().tolist()
+    raise RuntimeError(
+        f"fzero.Step: at step {step_no} the loss of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of "
+        f"{n} used no param (its loss_fn never ran the model on its batch), while the other ranks' did: "
+        f"{'they' if len(ranks) > 1 else 'it'} would add a zero gradient to the average, silently. Every rank's loss_fn "
+        f"must run the model (DDP refuses this too, as unused parameters). If a rank has nothing to learn from its "
+        f"batch, keep the model in its loss with a zero weight (0 * output.sum()) instead of returning a constant."
+    )
 
 
 def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
@@ -91,11 +193,15 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     # One all-reduce for the metrics and the usage of every param (1.0 per rank that used it): a param no rank
     # used keeps torch's grad=None and skips the update; one some rank used gets the averaged gradient (DDP).
     flags = usage.flags() if usage is not None else torch.ones(len(layout.order))
+    own = flags
+    if n > 1 and not bool(flags.any()):  # this rank used nothing: say so in the same all-reduce (see EMPTY_FLAG)
+        flags = torch.full_like(flags, -EMPTY_FLAG)
     reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float().to(sumsq.device), sumsq]), flags.to(sumsq.device)]), tag="metrics")
     reduced = reduced.cpu()  # the host decides on overflow and reads the metrics: one wait for the device per step
+    step_no = int(state.step) + 1
+    _check_every_rank_used(comm, reduced[2:], own, step_no)
     active = _active(layout, reduced[2:])
     grad_norm = math.sqrt(float(reduced[1])) if math.isfinite(float(reduced[1])) else float(reduced[1])
-    step_no = int(state.step) + 1
 
     skipped = not math.isfinite(grad_norm)
     loss_scale = state.loss_scale
@@ -118,9 +224,17 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
                 g.mul_(coef)
         params = step.opt_state.owned(step.params, layout, flats, comm.rank)
         grad_tree = {u.name: g for u, g in zip(units, owned_grads)}
+        zero = float(reduced[1]) == 0.0 and comm.rank == 0 and _first_warning(step)  # rare: worth a copy to tell
+        before = {k: p.detach().float().clone() for k, p in params.items()} if zero else None
         # per-parameter norms, and which params skip the update
         segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=comm.rank, comm=comm, active=active)
         opt_state = step.opt_state.apply(step.optimizer, grad_tree, opt_state, params, segments)
+        if zero:
+            moved = max((float((params[k].float() - b).abs().max()) for k, b in before.items() if b.numel()), default=0.0)
+            used_any = bool((reduced[2:] > 0).any())
+            warnings.warn(_zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved),
+                          ZeroGradientWarning, stacklevel=2)
+            del before
         del grad_tree, params
         step.opt_state.after_update(step.params, comm, flats, layout)
     del owned_grads, slices
@@ -136,7 +250,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     if aux is not None:
         metrics["aux"] = aux
     if active is not None:  # params no rank used in this step (torch's grad=None): left as they were
-        metrics["unused"] = tuple(layout.paths[s] for s in (reduced[2:] == 0).nonzero().flatten().tolist())
+        metrics["unused"] = tuple(layout.paths[s] for s in (reduced[2:] <= 0).nonzero().flatten().tolist())
     new_state = dataclasses.replace(
         state, params=dict(flats), opt_state=opt_state, step=state.step + (0 if skipped else 1), loss_scale=loss_scale, meta=meta
     )
