@@ -19,7 +19,9 @@ Any text file instead of the default corpus (the Python standard library's own s
 What it shows, printed by rank 0: the training loss falling (a progress bar and a line every
 ``--log-every`` steps), tokens per second, the validation loss at the end, and a per-rank table of
 model-state memory (params, grads, optimizer state) measured from the training state next to what the
-ZeRO paper's formula predicts for that stage. ``--json-out FILE`` writes the same numbers as JSON.
+ZeRO paper's formula predicts for that stage. ``--json-out FILE`` writes the same numbers as JSON, and
+``--plot FILE`` (default ``train_gpt_loss.png``; ``--plot ''`` for none) draws the training loss per step and the
+validation losses as a PNG (matplotlib, from the ``examples`` extra).
 
 Batches: step k uses global batch number k (``fzero.data.batch_at``), ``--batch-size`` sequences per
 rank. Under a local mesh the step is given the whole global batch and splits it across ranks; under
@@ -89,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="batches of validation data per evaluation; 0 skips validation")
     p.add_argument("--max-seconds", type=float, default=None, help="stop early after this much training wall time")
     p.add_argument("--json-out", default=None, help="write the final metrics (loss curve, tok/s, memory table) here")
+    p.add_argument("--plot", default="train_gpt_loss.png", help="the loss-curve PNG ('' for none)")
     args = p.parse_args(argv)
     for name in ("ranks", "layers", "width", "heads", "seq", "batch_size", "steps", "log_every"):
         if getattr(args, name) < 1:
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     is_main = rank == 0
+    if args.plot and is_main:
+        check_matplotlib()  # before training, not after it
     # tqdm.write prints above the progress bar without breaking it; only rank 0 prints at all.
     log = tqdm.write if is_main else (lambda *a, **k: None)
 
@@ -272,7 +277,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
 
     peak_rss = peak_rss_table(mesh, world)  # init and training
     val_loss = evaluate(step, state, val_data, args, rank, world) if args.eval_batches else float("nan")
-    evals.append({"step": steps_done, "val_loss": val_loss})
+    evals.append({"step": first + steps_done, "val_loss": val_loss})  # absolute step numbers, as above
     tok_s = timed_tokens / timed_s if timed_s else tokens_per_step * steps_done / elapsed
     head, tail = losses[0], sum(losses[-10:]) / len(losses[-10:])
     log(f"\n{steps_done} steps in {elapsed:.1f} s | train loss {head:.3f} -> {tail:.3f} (mean of last "
@@ -296,13 +301,48 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                                                  "precision", "grad_accum", "clip", "schedule", "offload",
                                                  "offload_params")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
-        "losses": losses, "evals": evals, "val_loss": val_loss,
+        "losses": losses, "evals": evals, "val_loss": val_loss, "plot": args.plot or None,
         "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict(), "peak_rss": peak_rss},
     }
+    if args.plot and is_main:
+        plot_losses(losses, evals, args.plot, first=first,
+                    title=f"GPT {args.layers}x{args.width}, ZeRO-{args.stages} on {world} ranks ({args.mesh} mesh)")
+        print(f"loss curve: {args.plot}")
     if args.json_out and is_main:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("train_gpt.py: the loss curve needs matplotlib (pip install -e '.[examples]'); "
+                         "or pass --plot '' to skip it.") from None
+
+
+def plot_losses(losses: list[float], evals: list[dict], path: str, *, first: int, title: str) -> None:
+    """Training loss per step, its running mean and the validation losses, drawn with the Agg canvas (no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = list(range(first + 1, first + len(losses) + 1))
+    window = max(1, len(losses) // 20)
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+    ax.plot(steps, losses, lw=0.8, alpha=0.4, label="train loss per step")
+    ax.plot(steps, smooth, lw=1.8, label=f"train, mean of {window}")
+    shown = [e for e in evals if e["val_loss"] == e["val_loss"]]  # NaN when --eval-batches 0
+    if shown:
+        ax.plot([e["step"] for e in shown], [e["val_loss"] for e in shown], "o", label="validation")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per byte)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def forward_remat(model: GPT, params, idx: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The in-process test calls the example's ``main(argv)`` on a 2-rank ``local_mesh``; the torchrun test
 launches it as the README does (2 processes, gloo) and reads its ``--json-out``. Both use a tiny model
-and a 1 MiB slice of the corpus so that each takes a few seconds.
+and a 1 MiB slice of the corpus so that each takes a few seconds. The loss-curve PNG is asserted where the
+two ways of running it are (``--plot``); the other tests pass ``--plot ''``.
 """
 
 import importlib.util
@@ -17,7 +18,8 @@ from launch import torchrun
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "32", "--batch-size", "8",
-        "--steps", "40", "--lr", "1e-2", "--warmup", "5", "--log-every", "10", "--eval-batches", "4"]
+        "--steps", "40", "--lr", "1e-2", "--warmup", "5", "--log-every", "10", "--eval-batches", "4", "--plot", ""]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_example():
@@ -33,6 +35,12 @@ def corpus_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_bytes(load_corpus(max_bytes=1 << 20).numpy().tobytes())
     return str(path)
+
+
+def check_png(path):
+    with open(path, "rb") as f:
+        png = f.read()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000, path
 
 
 def check_result(result, *, stages, world):
@@ -57,24 +65,27 @@ def check_result(result, *, stages, world):
 
 @pytest.mark.parametrize("stages", [2, 0, 1, 3])
 def test_example_trains_on_local_mesh(corpus_file, tmp_path, capsys, stages):
-    out = tmp_path / "result.json"
+    out, png = tmp_path / "result.json", tmp_path / "loss.png"
     result = load_example().main([*TINY, "--mesh", "local", "--ranks", "2", "--stages", str(stages),
-                                  "--data", corpus_file, "--json-out", str(out)])
+                                  "--data", corpus_file, "--json-out", str(out), "--plot", str(png)])
     check_result(result, stages=stages, world=2)
+    assert result["plot"] == str(png)
+    check_png(png)
     assert json.loads(out.read_text())["losses"] == result["losses"]
     printed = capsys.readouterr().out
-    assert "ZeRO formula" in printed and "val loss" in printed and "tokens/s" in printed
+    assert "ZeRO formula" in printed and "val loss" in printed and "tokens/s" in printed and f"loss curve: {png}" in printed
 
 
 @pytest.mark.torchrun
 def test_example_under_torchrun_stage2(corpus_file, tmp_path):
-    out = tmp_path / "result.json"
+    out, png = tmp_path / "result.json", tmp_path / "loss.png"
     # launched as every torchrun test is (tests/launch.py: its one retry is for the known stage-2 C++ abort only)
-    proc = torchrun([EXAMPLE, *TINY, "--stages", "2", "--data", corpus_file, "--json-out", str(out)])
+    proc = torchrun([EXAMPLE, *TINY, "--stages", "2", "--data", corpus_file, "--json-out", str(out), "--plot", str(png)])
     result = json.loads(out.read_text())
     assert result["mesh"] == "dist"
     check_result(result, stages=2, world=2)
     assert proc.stdout.count("ZeRO formula") == 1  # rank 0 prints, rank 1 does not
+    check_png(png)  # rank 0 draws it
 
 
 def test_example_options_remat_precision_accum_clip(corpus_file, tmp_path, capsys):
