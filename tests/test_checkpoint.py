@@ -19,6 +19,7 @@ import torch
 import fzero
 from checkpoint_worker import crash_step, make_step
 from fzero.checkpoint import CheckpointError
+from fzero.checkpoint._verify import crc32_file, marker_bytes
 from fzero.testing import assert_trees_close, assert_trees_equal
 from problems import PROBLEMS, gpt_problem, mlp_problem
 
@@ -319,10 +320,13 @@ def test_load_errors_name_the_path_and_what_is_wrong(saved, tmp_path):
     shutil.rmtree(ck)
     ck = copy_of(saved, tmp_path)
     size = os.path.getsize(data_file(ck))
-    with open(data_file(ck), "r+b") as f:  # same size, garbage inside: DCP's own error, re-raised as an Exception
+    with open(data_file(ck), "r+b") as f:  # same size, garbage inside: its checksum differs
         f.write(b"\xff" * size)
-    with pytest.raises(CheckpointError, match=r"fzero.checkpoint.load: .*copy: could not read the data \(a data file is corrupted or was changed\)"):
+    with pytest.raises(fzero.checkpoint.CheckpointCorrupted, match=r"copy is corrupted: __0_0.distcp has CRC-32 [0-9a-f]{8}, but [0-9a-f]{8} was recorded"):
         fzero.checkpoint.load(ck, like=step)
+    # unverified, DCP's own error, re-raised as an Exception
+    with pytest.raises(CheckpointError, match=r"fzero.checkpoint.load: .*copy: could not read the data \(a data file is corrupted or was changed\)"):
+        fzero.checkpoint.load(ck, like=step, verify=False)
 
 
 def test_metadata_that_would_run_code_is_refused(saved, tmp_path):
@@ -336,8 +340,8 @@ def test_metadata_that_would_run_code_is_refused(saved, tmp_path):
 
     with open(os.path.join(ck, ".metadata"), "wb") as f:
         pickle.dump(Evil(), f)
-    files = {f: os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck) if f != "COMPLETE"}
-    (tmp_path / "copy" / "COMPLETE").write_text(json.dumps({"files": files}))  # so that only the unpickler stands in the way
+    os.remove(os.path.join(ck, "COMPLETE"))  # a marker with the evil file's checksum, so that only the unpickler stands in the way
+    (tmp_path / "copy" / "COMPLETE").write_bytes(marker_bytes(ck, {f: crc32_file(os.path.join(ck, f)) for f in os.listdir(ck)}))
     with pytest.raises(CheckpointError, match=r"\.metadata is corrupted or not DCP metadata .*refusing to load (posix|os)\.system"):
         fzero.checkpoint.load(ck, like=step)
     with pytest.raises(CheckpointError, match="refusing"):

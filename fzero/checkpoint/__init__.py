@@ -6,36 +6,51 @@ state = fzero.checkpoint.load("ckpt", like=step)                  # the latest c
 k = fzero.checkpoint.read_extra("ckpt")["batch"]
 fzero.checkpoint.consolidate("ckpt", "model.pt", model=model)     # one fp32 state dict for model.load_state_dict
 ```
-or ``python -m fzero.checkpoint consolidate ckpt model.pt`` (``info ckpt`` prints what a checkpoint holds).
+or ``python -m fzero.checkpoint consolidate ckpt model.pt`` (``info ckpt`` prints what a checkpoint holds,
+``verify ckpt`` checks every file, one line each, exit status 1 if any is wrong).
 
 **Format.** A checkpoint is a directory in torch.distributed.checkpoint's file format holding one logical
 tensor per parameter (see ``fzero/checkpoint/_state.py`` for the keys), so it loads into any stage, world
 size, unit layout, mesh kind (none, ``local_mesh``, torchrun) and precision policy, plus ``fzero.json``
 (parameter names and shapes, the optimizer-state entries, the step, the user's ``extra``) and the marker
-``COMPLETE`` (the size of every file). Every rank writes only the window of each unit it owns and reads
+``COMPLETE`` (the size and CRC-32 of every file, ``fzero.json`` included). Every rank writes only the window of each unit it owns and reads
 only what it will hold: no collective moves parameters, and a save needs at most about 64 MiB beyond the
 state (DCP copies the chunks of one data file). ``latest(parent)`` finds the newest complete checkpoint.
 
 **Safety.** A save writes into ``.<name>.partial`` beside the target, fsyncs every file, writes the
 marker last and renames the directory into place (an existing checkpoint is swapped out atomically with
 ``renameat2(RENAME_EXCHANGE)`` where Linux offers it), so a crash or ``kill -9`` leaves the previous
-checkpoint loadable. Loading checks the marker and file sizes first and names what is missing. Nothing
+checkpoint loadable; the next successful save in the same directory removes the ``.partial`` leftovers of
+crashed saves (a live save holds a lock on its own, so it is never taken for one). A failed save removes its
+own ``.partial``; a full disk (ENOSPC, EDQUOT), a read-only filesystem (EROFS) or a denied permission (EACCES)
+raises ``CheckpointWriteError`` saying so, with the path and the space needed.
+
+**Verification.** ``load``, ``consolidate``, ``read_extra`` and ``info`` check the marker, every file's size,
+and the CRC-32 of ``fzero.json``, DCP's ``.metadata`` and every data file before using it, and raise
+``CheckpointCorrupted`` naming the file and both checksums (``verify=False``: sizes only, for checkpoints saved
+before checksums existed, which are otherwise refused; load and save such a one again to add them). Nothing
 executes code on load: tensors are read with ``torch.load(weights_only=True)``, DCP's ``.metadata`` with
 an unpickler that resolves only DCP's metadata classes, everything else is JSON.
 
 Under torchrun, ``save`` and ``load`` are collective (every rank calls them, with its own state) and the
 directory must be on a filesystem every rank sees.
 
-Modules: ``_files`` (the directory format, finding and checking checkpoints, the atomic publish), ``_save``,
-``_load``, ``_consolidate``, ``_cli`` (``python -m fzero.checkpoint``); ``_state`` maps rank states onto the
-logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
+Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
+a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
+failures named), ``_save``, ``_load``, ``_consolidate``, ``_cli`` (``python -m fzero.checkpoint``); ``_state``
+maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """
 
 from fzero.checkpoint._cli import main
 from fzero.checkpoint._consolidate import consolidate
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.checkpoint._files import latest, read_extra, step_dir
+from fzero.checkpoint._files import latest, read_extra, step_dir, verify
 from fzero.checkpoint._load import load
+from fzero.checkpoint._oserrors import CheckpointWriteError
 from fzero.checkpoint._save import save
+from fzero.checkpoint._verify import CheckpointCorrupted
 
-__all__ = ["CheckpointError", "consolidate", "latest", "load", "main", "read_extra", "save", "step_dir"]
+__all__ = [
+    "CheckpointCorrupted", "CheckpointError", "CheckpointWriteError", "consolidate", "latest", "load", "main", "read_extra",
+    "save", "step_dir", "verify",
+]

@@ -1,4 +1,4 @@
-"""``python -m fzero.checkpoint info|consolidate ...``: print what a checkpoint holds, or consolidate it."""
+"""``python -m fzero.checkpoint info|verify|consolidate ...``: print what a checkpoint holds, check it, or consolidate it."""
 
 from __future__ import annotations
 
@@ -10,28 +10,50 @@ import torch
 
 from fzero.checkpoint._consolidate import consolidate
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.checkpoint._files import open_checkpoint
+from fzero.checkpoint._files import latest, open_checkpoint
+from fzero.checkpoint._verify import verify_all
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description="Inspect and consolidate fzero checkpoints.")
+    parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description="Inspect, verify and consolidate fzero checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write one fp32 state dict (torch.save) of a checkpoint's parameters")
     c.add_argument("path", help="a checkpoint directory, or a parent of step_* checkpoints (the newest is used)")
     c.add_argument("out", help="the .pt file to write")
-    i = sub.add_parser("info", help="print a checkpoint's fzero.json")
+    c.add_argument("--no-verify", action="store_true", help="do not check the files' checksums (sizes only)")
+    i = sub.add_parser("info", help="print a checkpoint's fzero.json, after verifying every file's checksum")
     i.add_argument("path")
+    i.add_argument("--no-verify", action="store_true", help="do not read the data files to check their checksums")
+    v = sub.add_parser("verify", help="check every file of a checkpoint against its recorded size and CRC-32: one line per file; exit 1 if any is wrong")
+    v.add_argument("path", help="a checkpoint directory, or a parent of step_* checkpoints (the newest is checked)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "verify":
+            return _verify(args.path)
         if args.command == "info":
-            found, info = open_checkpoint(args.path, "fzero.checkpoint info")
+            found, info, manifest = open_checkpoint(args.path, "fzero.checkpoint info", verify=not args.no_verify)
+            manifest.check(manifest.files)  # every file: info and the loaded state never disagree
             print(json.dumps({"path": found, **info}, indent=1))
         else:
-            found, info = open_checkpoint(args.path, "fzero.checkpoint consolidate")
-            out = consolidate(found, args.out)
+            found, info, _ = open_checkpoint(args.path, "fzero.checkpoint consolidate", verify=not args.no_verify)
+            out = consolidate(found, args.out, verify=not args.no_verify)
             count = sum(int(torch.Size(p["shape"]).numel()) for p in info["params"])
             print(f"{out}: {len(info['params'])} tensors, {count:,} parameters (fp32) from {found} (step {info['step']})")
     except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _verify(path: str) -> int:
+    """Print one line per file (``ok`` or ``BAD``, the name, what was found) and a summary; 0 if all are right."""
+    found = latest(path)
+    if found is None:
+        open_checkpoint(path, "fzero.checkpoint verify", verify=False)  # raises, saying why there is no checkpoint
+    print(f"checkpoint {found}")
+    checks = verify_all(found)
+    for c in checks:
+        print(f"{'ok ' if c.ok else 'BAD'} {c.name}: {c.detail}")
+    bad = [c.name for c in checks if not c.ok]
+    print(f"{len(checks) - len(bad)} files ok, {len(bad)} bad" + (f": {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0

@@ -2,42 +2,91 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from typing import BinaryIO, Iterator
 
 import torch
 
-from fzero.checkpoint import _dcp
+from fzero.checkpoint import _dcp, _oserrors
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.checkpoint._files import open_checkpoint
+from fzero.checkpoint._files import fsync_dir, open_checkpoint
+from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
 
 
-def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None) -> str:
+def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None, verify: bool = True) -> str:
     """Write the parameters of the checkpoint at ``path`` as one fp32 state dict file; returns ``out_file``.
 
     Without ``model``: the trained parameters under their saved names (fp32 masters when the run kept them)
     and the saved buffers. With ``model``: exactly ``model.state_dict()``'s keys, so that
     ``model.load_state_dict(torch.load(out, weights_only=True))`` is strict: tied aliases get the saved
     tensor, buffers the saved ones, and what the checkpoint lacks (frozen parameters, buffers never adopted)
-    comes from ``model``. Floating tensors are fp32.
+    comes from ``model``. Floating tensors are fp32. ``verify``: as for ``load``.
+
+    ``out_file``'s directory must exist and be writable, and its filesystem must have room for the tensors:
+    each is checked before the checkpoint is read, and a write that fails anyway (ENOSPC, EROFS, EACCES) is
+    reported as such, leaving no partial file behind.
     """
     api = "fzero.checkpoint.consolidate"
-    found, info = open_checkpoint(path, api)
+    found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
-    source = "master" if info["master"] else "params"
-    flats = {p["name"]: torch.zeros(int(torch.Size(p["shape"]).numel()), dtype=torch.float32) for p in info["params"]}
-    _dcp.load(found, metadata, [_dcp.Dest(f"{source}/{n}", (0,), tuple(t.shape), torch.float32, view=t) for n, t in flats.items() if t.numel()])
-    tensors = {p["name"]: flats[p["name"]].view(p["shape"]) for p in info["params"]}
-    buffers = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
-    _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in buffers.items()])
-    tensors.update(buffers)
-    out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
     out_file = os.path.abspath(os.fspath(out_file))
+    check_out_dir(os.path.dirname(out_file), api=api)
+    needed = sum(4 * int(torch.Size(p["shape"]).numel()) for p in info["params"])
+    needed += sum(getattr(torch, b["dtype"]).itemsize * int(torch.Size(b["shape"]).numel()) for b in info.get("buffers", ()))
+    check_space(api=api, path=out_file, needed=needed)
     tmp = f"{out_file}.partial"
-    torch.save(out, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    with _writing(tmp, out_file, api=api, needed=needed) as f:  # opened first: a read-only directory fails before the reading
+        source = "master" if info["master"] else "params"
+        flats = {p["name"]: torch.zeros(int(torch.Size(p["shape"]).numel()), dtype=torch.float32) for p in info["params"]}
+        _dcp.load(found, metadata, [_dcp.Dest(f"{source}/{n}", (0,), tuple(t.shape), torch.float32, view=t) for n, t in flats.items() if t.numel()],
+                  check=manifest.check)
+        tensors = {p["name"]: flats[p["name"]].view(p["shape"]) for p in info["params"]}
+        buffers = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
+        _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in buffers.items()],
+                  check=manifest.check)
+        tensors.update(buffers)
+        out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
+        torch.save(out, f)
     os.replace(tmp, out_file)
+    fsync_dir(os.path.dirname(out_file))
     return out_file
+
+
+def check_out_dir(directory: str, *, api: str) -> None:
+    """Refuse a directory to write into that does not exist or is not a directory (the file's path has a typo)."""
+    if not os.path.exists(directory):
+        raise CheckpointWriteError(
+            f"{api}: cannot write into {directory}: the directory does not exist. Create it first (os.makedirs) or pass another path.",
+            errno=errno.ENOENT, path=directory,
+        )
+    if not os.path.isdir(directory):
+        raise CheckpointWriteError(f"{api}: cannot write into {directory}: it is not a directory.", errno=errno.ENOTDIR, path=directory)
+
+
+@contextlib.contextmanager
+def _writing(tmp: str, out_file: str, *, api: str, needed: int) -> Iterator[BinaryIO]:
+    """``tmp`` opened for writing, flushed and fsynced on exit; removed if anything fails, with filesystem
+    failures (from ``open``, from writes, or wrapped by ``torch.save``) reported as what they are."""
+    try:
+        f = open(tmp, "wb")
+    except OSError as e:
+        raise _oserrors.explain(e, api=api, path=out_file, needed=needed) or CheckpointError(f"{api}: cannot write {tmp}: {e}") from None
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):
+            better = _oserrors.explain(e, api=api, path=out_file, needed=needed, written=written)
+            if better is not None:
+                raise better from None
+        raise
 
 
 def _as_model_state_dict(tensors: dict[str, torch.Tensor], model: torch.nn.Module, path: str, api: str) -> dict[str, torch.Tensor]:

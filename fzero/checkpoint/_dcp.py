@@ -186,41 +186,65 @@ def read_metadata(path: str) -> Metadata:
 
 
 class _Reader(dcp.FileSystemReader):
-    def __init__(self, path: str, metadata: Metadata) -> None:
+    """DCP's file reader with the metadata already read (by the allow-list unpickler) and the data files checked
+    (``check``) before the first byte of them is used."""
+
+    def __init__(self, path: str, metadata: Metadata, check: Callable[[list[str]], None]) -> None:
         super().__init__(path)
-        self._metadata = metadata
+        self._metadata, self._check = metadata, check
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: Any):
+        self._check(sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
+        return super().read_data(plan, planner)
 
 
 # -- save and load ------------------------------------------------------------------------------------
 
 
-def save(path: str, pieces: list[Piece], *, distributed: bool) -> None:
-    """Write ``pieces`` as a DCP checkpoint into the directory ``path`` (a collective when ``distributed``)."""
+def save(path: str, pieces: list[Piece], *, distributed: bool, explain: Callable[[BaseException], Exception | None]) -> None:
+    """Write ``pieces`` as a DCP checkpoint into the directory ``path`` (a collective when ``distributed``).
+
+    ``explain(error)`` may turn a failure into a clearer error (a full disk, a read-only filesystem): DCP and
+    torch.save wrap those in errors that do not name them.
+    """
     writer = _Writer(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    _call(lambda: dcp.save({}, storage_writer=writer, planner=_SavePlanner(pieces), no_dist=not distributed), "save", path)
+    _call(lambda: dcp.save({}, storage_writer=writer, planner=_SavePlanner(pieces), no_dist=not distributed), "save", path, explain)
 
 
-def load(path: str, metadata: Metadata, dests: list[Dest]) -> None:
-    """Read ``dests`` from the checkpoint at ``path``. No collective: every process reads what it needs."""
+def load(path: str, metadata: Metadata, dests: list[Dest], *, check: Callable[[list[str]], None]) -> None:
+    """Read ``dests`` from the checkpoint at ``path``. No collective: every process reads what it needs.
+
+    ``check(names)`` is called with the data files this process is about to read, before it reads them (it
+    verifies their checksums, and raises ``CheckpointError`` if one differs).
+    """
     missing = sorted({d.fqn for d in dests} - set(metadata.state_dict_metadata))
     if missing:
         raise CheckpointError(f"fzero.checkpoint.load: {path} lacks the tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
-    _call(lambda: dcp.load({}, storage_reader=_Reader(path, metadata), planner=_LoadPlanner(dests), no_dist=True), "load", path)
+    _call(lambda: dcp.load({}, storage_reader=_Reader(path, metadata, check), planner=_LoadPlanner(dests), no_dist=True), "load", path, None)
 
 
-def _call(fn: Callable[[], Any], what: str, path: str) -> Any:
+def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseException], Exception | None] | None) -> Any:
     hint = "could not read the data (a data file is corrupted or was changed)" if what == "load" else "could not write the checkpoint"
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is what we ask for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             return fn()
         except CheckpointException as e:  # a BaseException: catch it by name, re-raise as an Exception
+            ours = [exc for exc, _tb in e.failures.values() if isinstance(exc, CheckpointError)]
+            if ours:  # our own check failed inside DCP (a checksum): it says it best
+                raise ours[0] from None
+            better = explain(e) if explain else None
+            if better is not None:
+                raise better from None
             failures = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _tb) in sorted(e.failures.items()))
             raise CheckpointError(f"fzero.checkpoint.{what}: {path}: {hint}: {failures or e}") from None
         except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, AssertionError, KeyError) as e:
+            better = explain(e) if explain else None
+            if better is not None:
+                raise better from None
             raise CheckpointError(f"fzero.checkpoint.{what}: {path}: {hint}: {_first_line(e)}") from None
 
 

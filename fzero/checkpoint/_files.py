@@ -1,13 +1,21 @@
 """A checkpoint on disk: the directory's files, finding the newest complete one, checking it, publishing it atomically.
 
 A checkpoint directory holds DCP's files, ``fzero.json`` (``INFO``: what the state was) and, written last, the
-marker ``COMPLETE`` (``MARKER``: the size of every file). A save writes into ``.<name>.partial`` and
-``publish`` renames it into place (swapping out an existing checkpoint atomically where Linux can).
+marker ``COMPLETE`` (``MARKER``: the size and CRC-32 of every file, see ``_verify``). A save writes into
+``.<name>.partial`` and ``publish`` renames it into place (swapping out an existing checkpoint atomically where
+Linux can).
+
+The process that writes a ``.partial`` directory holds an exclusive ``flock`` on it until it is published or
+removed. The kernel drops the lock when that process dies, however it dies (``kill -9`` included), so a
+``.partial`` that can be locked is the leftover of a crashed save, and ``sweep_partials`` removes it; one that
+cannot is a save still running, and is left alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import json
 import os
 import re
@@ -15,10 +23,13 @@ import shutil
 from typing import Any
 
 from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._verify import MARKER, Manifest, read_manifest
 
-FORMAT, VERSION = "fzero.checkpoint", 1
-INFO, MARKER = "fzero.json", "COMPLETE"
+FORMAT, VERSION = "fzero.checkpoint", 1  # the checksums went into the marker, not into the format: VERSION stays
+INFO = "fzero.json"
 STEP_NAME = re.compile(r"^step_(\d{8,})$")
+PARTIAL_NAME = re.compile(r"^\.(.+)\.partial$")
+_SAVE_FILE = re.compile(r"^(\.metadata(\.tmp)?|fzero\.json|COMPLETE|__\d+_\d+\.distcp)$")  # all a save ever writes
 
 
 def step_dir(step: int) -> str:
@@ -83,9 +94,64 @@ def prune(parent: str, keep: int) -> None:
     """Keep the ``keep`` newest complete ``step_*`` checkpoints in ``parent``; remove older ones and leftovers."""
     for e in _complete_steps(parent)[:-keep]:
         shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
-    for e in os.listdir(parent):  # partial saves of steps that are complete now, or long gone
-        if e.startswith(".step_") and e.endswith((".partial", ".old")):
+    for e in os.listdir(parent):  # a publish without an atomic swap that died between its renames
+        if e.startswith(".step_") and e.endswith(".old"):
             shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
+
+
+# -- the lock of a save in progress, and the leftovers of crashed ones ---------------------------------------
+
+
+def lock_partial(partial: str, api: str) -> int | None:
+    """Take the exclusive lock that marks ``partial`` as being written by this process; returns the fd to close
+    when done (None where the filesystem has no locks: then nothing tells a live save from a dead one)."""
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise CheckpointError(f"{api}: {partial} is being written by another running save; wait for it or save elsewhere.") from None
+        return None
+    return fd
+
+
+def unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def is_stale(partial: str) -> bool | None:
+    """True if no live process holds ``partial``'s lock (its save crashed), False if one does, None if unknown."""
+    try:
+        fd = os.open(partial, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    finally:
+        os.close(fd)  # closing the fd releases the lock
+
+
+def sweep_partials(parent: str) -> list[str]:
+    """Remove the leftovers of crashed saves in ``parent``: directories named ``.<name>.partial`` holding only
+    files a save writes, whose lock no live process holds. Returns what was removed."""
+    removed = []
+    for e in sorted(os.listdir(parent)):
+        path = os.path.join(parent, e)
+        if not PARTIAL_NAME.match(e) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            ours = all(_SAVE_FILE.match(f) for f in os.listdir(path))
+        except OSError:
+            continue
+        if ours and is_stale(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def is_complete(path: str) -> bool:
@@ -109,8 +175,10 @@ def latest(path: str | os.PathLike) -> str | None:
     return os.path.join(path, done[-1]) if done else None
 
 
-def open_checkpoint(path: str | os.PathLike, api: str) -> tuple[str, dict[str, Any]]:
-    """The complete checkpoint at ``path`` (or the newest in it) and its ``fzero.json``, after checking its files."""
+def open_checkpoint(path: str | os.PathLike, api: str, *, verify: bool = True) -> tuple[str, dict[str, Any], Manifest]:
+    """The complete checkpoint at ``path`` (or the newest in it), its ``fzero.json`` and its manifest, after checking
+    that every file is there with its size and (``verify``) that the marker and the small files have their checksums.
+    The data files are checked when read (``Manifest.check``)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"{api}: no checkpoint at {path} (it does not exist).")
@@ -119,17 +187,7 @@ def open_checkpoint(path: str | os.PathLike, api: str) -> tuple[str, dict[str, A
         if os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(os.path.join(path, INFO)):
             raise CheckpointError(f"{api}: {path} is incomplete: it has no {MARKER} marker (the save was interrupted, or is still running).")
         raise CheckpointError(f"{api}: {path} is neither a checkpoint nor a directory holding complete step_* checkpoints.")
-    try:
-        with open(os.path.join(found, MARKER), "rb") as f:
-            files = json.loads(f.read())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{api}: {found}/{MARKER} is corrupted ({type(e).__name__}: {e}).") from None
-    for name, size in files.items():
-        file = os.path.join(found, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{api}: {found} is damaged: the file {name} is missing.")
-        if os.path.getsize(file) != size:
-            raise CheckpointError(f"{api}: {found} is damaged: {name} has {os.path.getsize(file)} bytes, {size} were written (truncated or changed).")
+    manifest = read_manifest(found, verify=verify, api=api)
     try:
         with open(os.path.join(found, INFO), "rb") as f:
             info = json.loads(f.read())
@@ -139,9 +197,17 @@ def open_checkpoint(path: str | os.PathLike, api: str) -> tuple[str, dict[str, A
         raise CheckpointError(f"{api}: {found}/{INFO} is not an fzero checkpoint description.")
     if info["version"] > VERSION:
         raise CheckpointError(f"{api}: {found} has format version {info['version']}; this fzero reads up to {VERSION}. Upgrade fzero.")
-    return found, info
+    return found, info, manifest
 
 
 def read_extra(path: str | os.PathLike) -> Any:
     """The ``extra`` given to ``save`` (None if none) of the checkpoint at ``path`` (or the newest in it)."""
     return open_checkpoint(path, "fzero.checkpoint.read_extra")[1]["extra"]
+
+
+def verify(path: str | os.PathLike) -> str:
+    """Check every file of the checkpoint at ``path`` (or the newest in it) against its recorded size and CRC-32;
+    return its path, or raise ``CheckpointCorrupted`` naming the first file that differs."""
+    found, _, manifest = open_checkpoint(path, "fzero.checkpoint.verify")
+    manifest.check(manifest.files)
+    return found

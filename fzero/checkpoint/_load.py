@@ -17,7 +17,7 @@ from fzero.step._state import RankStates, TrainState
 from fzero.zero._offload import DiskOptState
 
 
-def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> TrainState | RankStates:
+def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify: bool = True) -> TrainState | RankStates:
     """The state saved at ``path`` (a checkpoint, or a ``keep=`` parent: its newest), laid out for ``like``.
 
     ``like``: the ``Step`` to resume with (its stage, mesh, precision and optimizer; the params pytree is
@@ -26,9 +26,13 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> Tra
     checkpoint must hold exactly its parameters: pass ``step.init(fzero.params_of(model))`` to have a
     checkpoint checked against a model). Any stage and world size load any other. The torch CPU RNG is restored when the job has as many processes as the one that
     saved (``restore_rng=False``: left alone). Under torchrun every rank calls it. ``read_extra`` gives ``extra``.
+
+    ``verify``: check the CRC-32 of every file read against the one recorded at save time, and raise
+    ``CheckpointCorrupted`` naming the file if one differs (``False``: sizes only; for checkpoints saved before
+    checksums existed, which ``verify=True`` refuses).
     """
     api = "fzero.checkpoint.load"
-    found, info = open_checkpoint(path, api)
+    found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
     target = _with_buffers(_target(like, info, found, api), info)
     states, distributed = held(target, api)
@@ -40,7 +44,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True) -> Tra
     if restore_rng and processes == info["processes"]:
         rng = torch.empty(metadata.state_dict_metadata[f"rng/{process}"].size, dtype=torch.uint8)
         todo.append(_dcp.Dest(f"rng/{process}", (0,), tuple(rng.shape), torch.uint8, view=rng))
-    _dcp.load(found, metadata, todo)
+    _dcp.load(found, metadata, todo, check=manifest.check)
     if rng.numel():
         torch.set_rng_state(rng)
     return _with_gather_order(target, info)
@@ -55,7 +59,9 @@ def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState 
                 f"{api}: {path} was saved from a params pytree that is not a flat dict ({info['params_tree']}), which "
                 f"like=step cannot rebuild. Pass like=step.init(params) with your params pytree instead."
             )
-        params = {p["name"]: torch.zeros(p["shape"], dtype=torch.float32) for p in info["params"]}
+        shapes = {p["name"]: p["shape"] for p in info["params"]}
+        order = info.get("packing_order") or list(shapes)  # units are packed in the dict's order: rebuild it as saved
+        params = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in order}
         return like.init(params)
     if isinstance(like, (TrainState, RankStates)):
         first = like.states[0] if isinstance(like, RankStates) else like

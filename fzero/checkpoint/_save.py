@@ -10,10 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero.checkpoint import _dcp
+from fzero.checkpoint import _dcp, _oserrors
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.checkpoint._files import FORMAT, INFO, MARKER, VERSION, fsync_dir, is_complete, prune, publish, refuse_to_clobber, step_dir, write_synced
-from fzero.checkpoint._state import describe, entries, held, pieces, which_process
+from fzero.checkpoint._files import (
+    FORMAT, INFO, VERSION, fsync_dir, is_complete, lock_partial, prune, publish, refuse_to_clobber, step_dir, sweep_partials,
+    unlock, write_synced,
+)
+from fzero.checkpoint._oserrors import check_space
+from fzero.checkpoint._state import describe, entries, held, pieces, size_lower_bound, which_process
+from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
 from fzero.step._state import RankStates, TrainState
 
 
@@ -46,27 +51,75 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
             **describe(states[0], ents[0]), "extra": extra_json}
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
     todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
+    needed = size_lower_bound(states[0], ents[0], processes=processes, rng_bytes=torch.get_rng_state().numel())
+    previous = final if is_complete(final) else None
+    lock: list[int | None] = []  # rank 0's fd holding the lock on `partial` while it writes there
 
     def prepare() -> None:
         refuse_to_clobber(final, keep, api)
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a save that died before
-        os.makedirs(partial)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            if os.path.lexists(partial):  # a save that died before (or one still running: then it is refused)
+                unlock(lock_partial(partial, api))
+                shutil.rmtree(partial)
+            check_space(api=api, path=final, needed=needed, previous=previous)
+            os.makedirs(partial)
+            lock.append(lock_partial(partial, api))
+        except OSError as e:
+            raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
 
-    _on_rank0(prepare, distributed, f"{api}: preparing {partial}")
-    _dcp.save(partial, todo, distributed=distributed)
+    def explain(e: BaseException) -> Exception | None:
+        return _oserrors.explain(e, api=api, path=final, needed=needed, written=_oserrors.used_bytes(partial), previous=previous)
 
-    def finish() -> None:
-        write_synced(os.path.join(partial, INFO), json.dumps(info, indent=1).encode())
-        files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
-        write_synced(os.path.join(partial, MARKER), json.dumps({"files": files}, indent=1).encode())  # last: the checkpoint is complete
-        fsync_dir(partial)
-        publish(partial, final)
+    def finish(crcs: dict[str, int]) -> None:
+        try:
+            write_synced(os.path.join(partial, INFO), json.dumps(info, indent=1).encode())
+            crcs = {**crcs, INFO: crc32_file(os.path.join(partial, INFO)), ".metadata": crc32_file(os.path.join(partial, ".metadata"))}
+            write_synced(os.path.join(partial, MARKER), marker_bytes(partial, crcs))  # last: the checkpoint is complete
+            fsync_dir(partial)
+            publish(partial, final)
+        except OSError as e:
+            raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
         if keep is not None:
             prune(path, keep)
+        sweep_partials(parent)
 
-    _on_rank0(finish, distributed, f"{api}: completing {final}")
+    try:
+        _on_rank0(prepare, distributed, f"{api}: preparing {partial}")
+        _dcp.save(partial, todo, distributed=distributed, explain=explain)
+        crcs = _checksums(partial, process, distributed, api)
+        _on_rank0(lambda: finish(crcs), distributed, f"{api}: completing {final}")
+    except BaseException:
+        if lock:  # this process made `partial`: a failed save leaves nothing behind (a full disk gets its space back)
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        for fd in lock:
+            unlock(fd)
     return final
+
+
+def _checksums(partial: str, process: int, distributed: bool, api: str) -> dict[str, int]:
+    """The CRC-32 of every data file (each process reads back the files it wrote); all of them on rank 0."""
+    mine: dict[str, int] | str
+    try:
+        mine = {f: crc32_file(os.path.join(partial, f)) for f in os.listdir(partial) if f.startswith(f"__{process}_")}
+    except OSError as e:
+        mine = f"rank {process}: {type(e).__name__}: {e}"
+    every = [mine]
+    if distributed:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    errors = [x for x in every if isinstance(x, str)]
+    if errors:
+        raise CheckpointError(f"{api}: could not read back the files just written in {partial} to checksum them: {'; '.join(errors)}")
+    return {k: v for x in every for k, v in x.items()}
+
+
+def _write_error(e: OSError, **how: Any) -> Exception:
+    """A ``CheckpointWriteError`` naming the errno where it is one of a full disk, a read-only filesystem or a
+    denied permission, else a ``CheckpointError`` with the OS's words."""
+    return _oserrors.explain(e, **how) or CheckpointError(f"{how['api']}: cannot write {how['path']}: {type(e).__name__}: {e}")
 
 
 def _whole(t: torch.Tensor) -> tuple:
