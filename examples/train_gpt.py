@@ -32,6 +32,7 @@ on exactly the same data.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -315,11 +316,9 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
 
 
 def check_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("train_gpt.py: the loss curve needs matplotlib (pip install -e '.[examples]'); "
-                         "or pass --plot '' to skip it.") from None
+                         "or pass --plot '' to skip it.")
 
 
 def plot_losses(losses: list[float], evals: list[dict], path: str, *, first: int, title: str) -> None:
