@@ -77,7 +77,7 @@ class LossFnInContext:
 
 def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False) -> str:
     """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint."""
-    original = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    original = repr(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     which = "this rank's share of the batch" if split else "the batch"
     lines = [f"fzero.Step: loss_fn(params, batch) raised {type(error).__name__}: {original}",
              f"  on {which}: {describe_batch(batch)}."]

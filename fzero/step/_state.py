@@ -187,14 +187,19 @@ def _check_units(step: Any, state: TrainState, api: str) -> None:
                              f"{', ...' if len(u.slots) > 3 else ''}). {STATE_FIX}")
 
 
-def tree_difference(actual: Any, expected: Any, path: str = "opt_state", *, shapes: bool = True) -> str | None:
+def tree_difference(actual: Any, expected: Any, path: str = "opt_state", *, shapes: bool = True,
+                    _keyed: bool = False) -> str | None:
     """The first place where the pytree ``actual`` (a state's) differs from ``expected`` (what the step makes), in
-    words, or None: a node of another type or length, other dict keys, or (``shapes``) a tensor of another shape
-    or dtype. Reusable for any two optimizer states (``expected`` may hold meta tensors)."""
+    words, or None: a node of another type or length, other dict keys, or (``shapes``) a param-shaped tensor (a
+    dict entry: moments, momentum, masters, by unit) of another shape or dtype. Reusable for any two optimizer
+    states (``expected`` may hold meta tensors).
+
+    Tensors held directly by a state type (Adam's ``count`` and per-param ``skipped``) are compared as present or
+    not only: what they count is the optimizer's to check, and its update says so in its own words."""
     if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
         if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
             return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
-        if shapes and (actual.shape != expected.shape or actual.dtype != expected.dtype):
+        if shapes and _keyed and (actual.shape != expected.shape or actual.dtype != expected.dtype):
             return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
         return None
     if type(actual) is not type(expected):
@@ -203,7 +208,10 @@ def tree_difference(actual: Any, expected: Any, path: str = "opt_state", *, shap
         if len(actual) != len(expected):
             return f"{path} is {describe(actual)} in the state but {describe(expected)} in the step"
         fields = getattr(expected, "_fields", None)
+        optional = getattr(type(expected), "_field_defaults", {})
         for i, (a, e) in enumerate(zip(actual, expected)):
+            if a is None and fields and optional.get(fields[i], 0) is None:  # a field the state type lets be None
+                continue  # (e.g. Adam's per-param skip counts in a state built by hand: its update says what that means)
             found = tree_difference(a, e, f"{path}.{fields[i]}" if fields else f"{path}[{i}]", shapes=shapes)
             if found is not None:
                 return found
@@ -215,7 +223,7 @@ def tree_difference(actual: Any, expected: Any, path: str = "opt_state", *, shap
             return (f"{path} has keys {sorted(map(str, actual))[:5]} in the state but {sorted(map(str, expected))[:5]} in "
                     f"the step")
         for k in expected:
-            found = tree_difference(actual[k], expected[k], f"{path}[{k!r}]", shapes=shapes)
+            found = tree_difference(actual[k], expected[k], f"{path}[{k!r}]", shapes=shapes, _keyed=True)
             if found is not None:
                 return found
         return None

@@ -1,0 +1,473 @@
+"""A catalogue of bad inputs (issue 16): each gets an error naming the API, the value and the fix, or the right
+behaviour, asserted here. The distributed faults (torchrun) and the checkpoint faults have files of their own.
+
+Rows of issue 16's table covered here: an AdamW state into a Lion step; AdamW into SGD and back; fp16
+initial_scale_power 128/200 and DynamicLossScale(initial=1e39); an lr schedule returning NaN; a loss that does
+not depend on the params; on local_mesh(2) one rank's loss never calling the model; a batch of another feature
+size and batch=None; train_batch_size "auto" without an accumulation key and a directory as the config path;
+grad_acum=2. The MLP(4,8,2) state into an MLP(4,16,2) step is checked by ``check_params_fit_module`` below; its
+call from ``fzero.apply`` is pending (see test_a_state_of_another_model_width).
+"""
+
+import dataclasses
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import fzero
+from fzero.config import from_deepspeed
+from fzero.dist._comm import RanksDisagree
+from fzero.models import MLP
+from fzero.step._precision import MAX_LOSS_SCALE, LossScaleState, next_loss_scale
+from fzero.step._state import check_params_fit_module, tree_difference
+from fzero.step._update import ZeroGradientWarning, schedule_name
+
+O = fzero.optim
+
+
+def _model(hidden=8):
+    torch.manual_seed(0)
+    return MLP([4, hidden, 2])
+
+
+def _loss_of(model):
+    def loss_fn(params, b):
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    return loss_fn
+
+
+def _batch(features=4, n=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, features, generator=gen), "y": torch.randn(n, 2, generator=gen)}
+
+
+def _params_equal(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a state against the step it enters -------------------------------------------------------------------------
+
+OPTIMIZER_SWAPS = {
+    "adamw->lion": (O.adamw(1e-3), O.lion(1e-4), r"is Adam's/AdamW's \(count, mu, nu, skipped\) but this step's "
+                    r"optimizer is Lion's \(mu\): opt_state\[0\] is ScaleByAdamState\(count, mu, nu, skipped\) in the "
+                    r"state but ScaleByLionState\(mu\) in the step"),
+    "adamw->sgd": (O.adamw(1e-3), O.sgd(0.1), r"is Adam's/AdamW's .* but this step's optimizer is stateless \(plain SGD's\)"
+                   r": opt_state is a tuple of 3 .* but a tuple of 2"),
+    "sgd->adamw": (O.sgd(0.1), O.adamw(1e-3), r"is stateless \(plain SGD's\) but this step's optimizer is "
+                   r"Adam's/AdamW's"),
+    "sgd-momentum->adamw": (O.sgd(0.1, momentum=0.9), O.adamw(1e-3), r"is SGD-with-momentum's \(trace\) but this step's "
+                            r"optimizer is Adam's/AdamW's"),
+    "adamw->lamb": (O.adamw(1e-3), O.lamb(1e-3), r"is Adam's/AdamW's .* but this step's optimizer is Lamb's"),
+    "lion->sgd-momentum": (O.lion(1e-4), O.sgd(0.1, momentum=0.9), r"is Lion's \(mu\) but this step's optimizer is "
+                           r"SGD-with-momentum's \(trace\)"),
+    "adam->adamw": (O.adam(1e-3), O.adamw(1e-3), r"does not match this step's optimizer \(Adam's/AdamW's .*\): "
+                    r"opt_state is a tuple of 2 .* but a tuple of 3"),
+}
+
+
+@pytest.mark.parametrize("swap", list(OPTIMIZER_SWAPS))
+def test_a_state_of_another_optimizer_is_refused_by_name(swap):
+    made_with, entering, message = OPTIMIZER_SWAPS[swap]
+    model = _model()
+    first = fzero.compile(_loss_of(model), optimizer=made_with)
+    state, _ = first(first.init(fzero.params_of(model)), _batch())
+    other = fzero.compile(_loss_of(model), optimizer=entering)
+    with pytest.raises(ValueError, match=r"fzero.Step.__call__: the state's optimizer state " + message + r".*new_step.init\(old_step.gather\(state\)\)"):
+        other(state, _batch())
+    state, _ = first(state, _batch())  # refused before anything was read or written: the state still serves its own step
+    other(other.init(first.gather(state)), _batch())  # and the fix the error gives works
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_sharded_state_of_another_optimizer_is_refused(stages):
+    model = _model()
+    mesh = fzero.local_mesh(2)
+    state = fzero.compile(_loss_of(model), optimizer=O.adamw(1e-3), stages=stages, mesh=mesh).init(fzero.params_of(model))
+    lion = fzero.compile(_loss_of(model), optimizer=O.lion(1e-4), stages=stages, mesh=mesh)
+    with pytest.raises(ValueError, match=r"Adam's/AdamW's .* but this step's optimizer is Lion's"):
+        lion(state, _batch())
+
+
+def test_gather_checks_the_state_too():
+    model = _model()
+    state = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1, momentum=0.9)).init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=r"fzero.Step.gather: the state's optimizer state is SGD-with-momentum's"):
+        fzero.compile(_loss_of(model), optimizer=O.adamw(1e-3)).gather(state)
+
+
+def test_the_same_optimizer_with_other_hyper_parameters_takes_the_state():
+    """Changing the learning rate or the betas between steps is legitimate: the state has the same structure."""
+    model = _model()
+    first = fzero.compile(_loss_of(model), optimizer=O.adamw(1e-3))
+    state, _ = first(first.init(fzero.params_of(model)), _batch())
+    state, metrics = fzero.compile(_loss_of(model), optimizer=O.adamw(1e-2, b1=0.8, weight_decay=0.1))(state, _batch())
+    assert metrics["step"] == 2 and metrics["lr"] == 1e-2
+
+
+def test_a_state_with_master_weights_into_a_step_without():
+    model = _model()
+    with_master = fzero.compile(_loss_of(model), precision="bf16")
+    state = with_master.init(fzero.params_of(model))
+    without = fzero.compile(_loss_of(model), precision=fzero.Precision(compute=torch.bfloat16, master=False))
+    with pytest.raises(ValueError, match=r"opt_state is MasterState\(master, inner\) in the state but a tuple of 3"):
+        without(state, _batch())
+
+
+def test_a_state_in_files_into_a_step_in_memory(tmp_path):
+    model = _model()
+    disk = fzero.compile(_loss_of(model), stages=1, offload="disk", offload_dir=str(tmp_path))
+    state = disk.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=r"keeps its optimizer state in files \(offload='disk'\), but this step keeps it in memory"):
+        fzero.compile(_loss_of(model), stages=1)(state, _batch())
+
+
+def test_a_state_whose_unit_buffer_was_replaced():
+    model = _model()
+    step = fzero.compile(_loss_of(model))
+    state = step.init(fzero.params_of(model))
+    name = next(iter(state.params))
+    bad = dataclasses.replace(state, params={**state.params, name: torch.zeros(3)})
+    with pytest.raises(ValueError, match=rf"unit '{name}' of the state holds \(3,\), but a rank of this step holds a flat buffer"):
+        step(bad, _batch())
+
+
+def test_a_state_missing_a_unit():
+    model = _model()
+    step = fzero.compile(_loss_of(model), unit_elements=40)  # several units
+    state = step.init(fzero.params_of(model))
+    assert len(state.params) > 1
+    first = next(iter(state.params))
+    bad = dataclasses.replace(state, params={k: v for k, v in state.params.items() if k != first})
+    with pytest.raises(ValueError, match=rf"missing: \['{first}'\].*assembled by hand"):
+        step(bad, _batch())
+
+
+def test_tree_difference_names_the_first_param_shaped_leaf_of_another_shape():
+    a = (O.ScaleByAdamState(torch.zeros(()), {"u": torch.zeros(8)}, {"u": torch.zeros(8)}),)
+    b = (O.ScaleByAdamState(torch.zeros(()), {"u": torch.zeros(8)}, {"u": torch.zeros(16)}),)
+    assert tree_difference(a, b) == ("opt_state[0].nu['u'] is a float32 tensor of shape (8,) in the state but a float32 "
+                                     "tensor of shape (16,) in the step")
+    assert tree_difference(a, a) is None
+
+
+def test_a_state_of_another_model_width_is_named_by_the_module_check():
+    """The MLP(4,8,2)-into-MLP(4,16,2) row: the step never sees the model, only fzero.apply does, so the check is a
+    function for apply (and the stage-3 skeleton) to call."""
+    small, wide = _model(8), _model(16)
+    check_params_fit_module(small, fzero.params_of(small), api="fzero.apply")  # its own params fit
+    with pytest.raises(ValueError, match=r"fzero.apply: unit 'layers.0' param 'layers.0.weight' has shape \(8, 4\) in the "
+                                         r"state but \(16, 4\) in the model \(MLP\)"):
+        check_params_fit_module(wide, fzero.params_of(small), api="fzero.apply", units={"layers.0.weight": "layers.0"})
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="needs check_params_fit_module called from fzero.apply (fzero/step/_module.py, not this "
+                          "engineer's file); today the wider model runs the narrower state")
+def test_a_state_of_another_model_width():
+    small, wide = _model(8), _model(16)
+    state = fzero.compile(_loss_of(small)).init(fzero.params_of(small))
+    try:
+        fzero.compile(_loss_of(wide))(state, _batch())
+    except ValueError as e:
+        assert "has shape (8, 4) in the state but (16, 4)" in str(e)
+    else:
+        raise AssertionError("an MLP(4,8,2) state ran in an MLP(4,16,2) step")
+
+
+# -- numerics ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: fzero.DynamicLossScale(initial=1e39),
+    lambda: fzero.DynamicLossScale(initial=2.0 ** 128),
+    lambda: fzero.DynamicLossScale(initial=math.inf),
+    lambda: fzero.DynamicLossScale(min_scale=1e39, initial=1e39),
+    lambda: fzero.StaticLossScale(1e39),
+    lambda: fzero.StaticLossScale(math.inf),
+], ids=["initial=1e39", "initial=2**128", "initial=inf", "min_scale=1e39", "static=1e39", "static=inf"])
+def test_a_loss_scale_that_can_never_succeed_is_refused(make):
+    with pytest.raises(ValueError, match=r"fzero\.(Dynamic|Static)LossScale: .* above the largest finite float32 power "
+                                         r"of two, 2\*\*127 .* every step would be skipped"):
+        make()
+
+
+@pytest.mark.parametrize("fp16, key", [
+    ({"initial_scale_power": 128}, "initial_scale_power=128"),
+    ({"initial_scale_power": 200}, "initial_scale_power=200"),
+    ({"loss_scale": 1e39}, "loss_scale=1e\\+39"),
+])
+def test_a_deepspeed_fp16_scale_that_can_never_succeed_is_refused_by_key(fp16, key):
+    with pytest.raises(ValueError, match=rf"fzero.config.from_deepspeed: fp16.{key} makes a loss scale above 2\*\*127"):
+        from_deepspeed({"fp16": {"enabled": True, **fp16}})
+
+
+def test_the_largest_finite_scale_is_taken():
+    assert MAX_LOSS_SCALE == 2.0 ** 127
+    assert fzero.DynamicLossScale(initial=2.0 ** 127).initial == 2.0 ** 127
+    s = from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 127}})
+    assert s.precision.loss_scale.initial == 2.0 ** 127
+
+
+@pytest.mark.parametrize("start, factor", [(2.0 ** 127, 2.0), (2.0 ** 126, 4.0), (2.0 ** 125, 3.0)])
+def test_a_growing_loss_scale_is_capped_at_2_to_the_127(start, factor):
+    config = fzero.DynamicLossScale(initial=start, window=1, factor=factor)
+    state = LossScaleState(torch.tensor(start), torch.zeros((), dtype=torch.int64), torch.tensor(2))
+    for step in range(1, 4):
+        state = next_loss_scale(config, state, overflow=False, step=step)
+        assert math.isfinite(float(state.scale)) and float(state.scale) <= 2.0 ** 127
+    assert float(state.scale) == 2.0 ** 127
+
+
+def _nan_schedule(step):
+    return math.nan
+
+
+def test_a_schedule_returning_nan_raises_at_its_step_and_writes_nothing():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.adamw(_nan_schedule))
+    state = step.init(fzero.params_of(model))
+    before = step.gather(state)
+    with pytest.raises(FloatingPointError, match=r"the learning-rate schedule _nan_schedule \(defined at .*test_bad_inputs"
+                                                 r".py:\d+\) returned nan at step 0 .* optimizer step 1\); the params were "
+                                                 r"not updated"):
+        step(state, _batch())
+    assert _params_equal(step.gather(state), before)
+
+
+def test_a_schedule_turning_inf_later_raises_at_that_step():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(lambda n: 0.1 if n < 2 else math.inf))
+    state = step.init(fzero.params_of(model))
+    for _ in range(2):
+        state, _ = step(state, _batch())
+    with pytest.raises(FloatingPointError, match=r"schedule .*<lambda> \(defined at .*\) returned inf at step 2 .* optimizer step 3"):
+        step(state, _batch())
+
+
+def test_a_schedule_returning_none():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(lambda n: None))
+    with pytest.raises(TypeError, match=r"schedule .*<lambda> \(defined at .*\) returned NoneType None at step 0; a schedule returns a float"):
+        step(step.init(fzero.params_of(model)), _batch())
+
+
+def test_fzeros_own_schedules_are_named_by_their_factory():
+    assert schedule_name(O.cosine_decay_schedule(1e-3, 100)) == "fzero.optim.cosine_decay_schedule"
+
+
+# -- what loss_fn is given --------------------------------------------------------------------------------------
+
+def test_batch_none_names_the_batch_and_keeps_the_cause():
+    model = _model()
+    step = fzero.compile(_loss_of(model))
+    with pytest.raises(TypeError, match=r"(?s)fzero.Step: loss_fn\(params, batch\) raised TypeError: 'NoneType' object is "
+                                        r"not subscriptable\n  on the batch: None.*The batch is None") as err:
+        step(step.init(fzero.params_of(model)), None)
+    assert isinstance(err.value.__cause__, TypeError) and "fzero" not in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(), dict(stages=3), dict(stages=1, mesh=fzero.local_mesh(2)), dict(grad_accum=2),
+], ids=["stage0", "stage3", "stage1-mesh2", "accum2"])
+def test_a_batch_of_another_feature_size_names_the_leaf_and_the_expected_size(settings):
+    model = _model()
+    step = fzero.compile(_loss_of(model), **settings)
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=r"(?s)loss_fn\(params, batch\) raised RuntimeError: mat1 and mat2 shapes cannot "
+                                           r"be multiplied.*expects 4 features in the last dim and got 5: batch leaf 'x' "
+                                           r"has shape") as err:
+        step(state, _batch(features=5))
+    assert "mat1 and mat2" in str(err.value.__cause__)
+    step(state, _batch())  # the failed call consumed nothing
+
+
+def test_a_batch_of_another_feature_size_in_evaluate():
+    model = _model()
+    step = fzero.compile(_loss_of(model))
+    with pytest.raises(RuntimeError, match=r"(?s)on the batch: \{x: float32 \(8, 5\), y: float32 \(8, 2\)\}.*expects 4 features"):
+        step.evaluate(step.init(fzero.params_of(model)), _batch(features=5))
+
+
+def test_a_batch_without_the_key_loss_fn_reads():
+    model = _model()
+    step = fzero.compile(_loss_of(model))
+    with pytest.raises(KeyError, match=r"raised KeyError: 'x' on the batch: \{input: .* The batch has keys \['input', 'y'\]"):
+        step(step.init(fzero.params_of(model)), {"input": torch.randn(8, 4), "y": torch.randn(8, 2)})
+
+
+def test_the_users_own_exceptions_pass_unchanged():
+    class Mine(Exception):
+        pass
+
+    def loss_fn(params, b):
+        raise Mine("from my loss")
+
+    step = fzero.compile(loss_fn)
+    with pytest.raises(Mine, match=r"^from my loss$"):
+        step(step.init(fzero.params_of(_model())), _batch())
+
+
+def test_fzeros_own_errors_inside_loss_fn_are_not_rewrapped():
+    def loss_fn(params, b):
+        return fzero.apply("not a module", params, b["x"]).sum()
+
+    step = fzero.compile(loss_fn)
+    with pytest.raises(TypeError, match=r"^fzero.apply: expected an nn.Module as the first argument, got str") as err:
+        step(step.init(fzero.params_of(_model())), _batch())
+    assert err.value.__cause__ is None
+
+
+# -- the DeepSpeed config -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, kwargs, message", [
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4}, {},
+     r'train_batch_size "auto" is .* but the config has no gradient_accumulation_steps\. Write "gradient_accumulation_steps": 1'),
+    ({"train_batch_size": "auto", "gradient_accumulation_steps": 2}, {},
+     r"train_batch_size \"auto\" is .* but the config has no train_micro_batch_size_per_gpu\. Write \"train_micro_batch_size_per_gpu\""),
+    ({"train_batch_size": "auto"}, {},
+     r"train_batch_size \"auto\" is .* no train_micro_batch_size_per_gpu and no gradient_accumulation_steps"),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, {"batch_size": 4},
+     r"train_batch_size \"auto\" is .* but the config has no gradient_accumulation_steps"),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+     {"batch_size": 4}, r"\"auto\" values that no argument resolves:\n  gradient_accumulation_steps: pass grad_accum=\n  train_batch_size: follows from the other two"),
+], ids=["no-accum", "no-micro", "neither", "micro-auto-no-accum", "accum-auto-unresolved"])
+def test_train_batch_size_auto_without_its_factors(config, kwargs, message):
+    with pytest.raises(ValueError, match=r"fzero.config.from_deepspeed: " + message):
+        from_deepspeed(config, world_size=2, **kwargs)
+
+
+def test_train_batch_size_auto_with_its_factors_is_derived():
+    s = from_deepspeed({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+                       world_size=2)
+    assert (s.micro_batch_size, s.grad_accum, s.train_batch_size) == (3, 2, 12)
+
+
+def test_a_directory_as_the_config_path(tmp_path):
+    with pytest.raises(IsADirectoryError, match=r"from_deepspeed: '.*' is a directory; pass the DeepSpeed JSON file itself"):
+        from_deepspeed(str(tmp_path))
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    with pytest.raises(IsADirectoryError, match=r"JSON files there: ds.json"):
+        fzero.compile(_loss_of(_model()), config=str(tmp_path))
+
+
+def test_a_binary_file_as_the_config_path(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=r"from_deepspeed: '.*model.bin' is not a text JSON file"):
+        from_deepspeed(str(path))
+
+
+# -- keywords -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("typo, meant", [
+    ("grad_acum", "grad_accum"), ("stage", "stages"), ("offlaod", "offload"), ("precison", "precision"),
+    ("clip_grad", "clip_grad_norm"), ("prefech", "prefetch"), ("optimiser", "optimizer"), ("unit", "units"),
+])
+def test_a_keyword_typo_of_compile_suggests_the_closest(typo, meant):
+    with pytest.raises(TypeError, match=rf"fzero.compile: unknown setting '{typo}'\. Did you mean '{meant}'\?"):
+        fzero.compile(_loss_of(_model()), **{typo: 2})
+
+
+def test_a_keyword_typo_of_train_step_suggests_the_closest():
+    with pytest.raises(TypeError, match=r"fzero.train_step: unknown setting 'grad_acum'\. Did you mean 'grad_accum'\?"):
+        fzero.train_step(_loss_of(_model()), O.sgd(0.1), grad_acum=2)
+
+
+# -- a loss whose gradient is zero ----------------------------------------------------------------------------------
+
+def _steps_warning(loss_fn, optimizer, steps=3):
+    model = _model()
+    step = fzero.compile(loss_fn(model), optimizer=optimizer)
+    state = step.init(fzero.params_of(model))
+    before = step.gather(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            state, metrics = step(state, _batch())
+    return [w for w in caught if issubclass(w.category, ZeroGradientWarning)], before, step.gather(state), metrics
+
+
+def test_a_detached_loss_warns_once_and_updates_nothing():
+    def detached(model):
+        return lambda p, b: (fzero.apply(model, p, b["x"]).detach() - b["y"]).pow(2).mean()
+
+    got, before, after, metrics = _steps_warning(detached, O.adamw(1e-2, weight_decay=0.1))
+    assert len(got) == 1
+    assert "gradient of step 1 is exactly zero" in str(got[0].message)
+    assert "No param took part in the loss, so none was updated" in str(got[0].message)
+    assert _params_equal(before, after) and len(metrics["unused"]) == 4
+
+
+def test_a_constant_loss_with_weight_decay_warns_loudly_that_params_moved():
+    def constant(model):
+        return lambda p, b: fzero.apply(model, p, b["x"]).sum() * 0.0
+
+    got, before, after, _ = _steps_warning(constant, O.adamw(1e-2, weight_decay=0.1))
+    assert len(got) == 1
+    assert "The optimizer still ran and MOVED the params (largest change" in str(got[0].message)
+    assert not _params_equal(before, after)
+
+
+def test_a_constant_loss_without_decay_warns_that_nothing_moved():
+    def constant(model):
+        return lambda p, b: fzero.apply(model, p, b["x"]).sum() * 0.0
+
+    got, before, after, _ = _steps_warning(constant, O.sgd(0.1))
+    assert len(got) == 1 and "the params did not move" in str(got[0].message)
+    assert _params_equal(before, after)
+
+
+def test_a_nonzero_gradient_does_not_warn():
+    got, *_ = _steps_warning(_loss_of, O.adamw(1e-3), steps=2)
+    assert got == []
+
+
+# -- a rank whose loss never runs the model -------------------------------------------------------------------------
+
+def _lazy_rank_loss(model):
+    """Rank r's share of the batch is marked in x[:, 0]; a marked rank's loss never calls the model."""
+    def loss_fn(params, b):
+        if bool(b["x"][0, 0] > 100):
+            return b["x"].pow(2).mean() * 0
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    return loss_fn
+
+
+def _marked(ranks, n=2):
+    b = _batch()
+    per = b["x"].shape[0] // n
+    for r in ranks:
+        b["x"][r * per:(r + 1) * per, 0] = 1000.0
+    return b
+
+
+@pytest.mark.parametrize("stages, lazy", [(0, 1), (1, 1), (0, 0)])
+def test_a_rank_whose_loss_never_runs_the_model_is_named(stages, lazy):
+    model = _model()
+    step = fzero.compile(_lazy_rank_loss(model), stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=rf"fzero.Step: at step 1 the loss of rank {lazy} of 2 used no param \(its loss_fn never ran "
+                                           r"the model on its batch\).*DDP refuses this too"):
+        step(state, _marked([lazy]))
+    step(state, _batch())  # refused before the update: the state is still good
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_rank_whose_loss_never_runs_the_model_at_stages_2_3(stages):
+    """There every rank's backward issues the unit's collectives, so the rank that skipped them is named by the mesh."""
+    model = _model()
+    step = fzero.compile(_lazy_rank_loss(model), stages=stages, mesh=fzero.local_mesh(2))
+    with pytest.raises(RanksDisagree, match=r"ranks disagree at collective .* rank 1 all_reduce metrics"):
+        step(step.init(fzero.params_of(model)), _marked([1]))
+
+
+def test_no_rank_running_the_model_is_the_zero_gradient_warning_not_an_error():
+    model = _model()
+    step = fzero.compile(_lazy_rank_loss(model), mesh=fzero.local_mesh(2))
+    with pytest.warns(ZeroGradientWarning, match=r"No param took part in the loss"):
+        _, metrics = step(step.init(fzero.params_of(model)), _marked([0, 1]))
+    assert len(metrics["unused"]) == 4
