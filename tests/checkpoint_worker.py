@@ -6,6 +6,8 @@
         --dist --problem mlp --stages 3 --first 0 --last 5 --save /tmp/ck
     python tests/checkpoint_worker.py crash --save /tmp/ck [--keep]   # saves a large-ish state until killed
 
+``--weights DIR`` (train): the trained params as safetensors files (``save_weights``; ``--max-shard-size`` bytes).
+
 ``--out`` gets (rank 0) ``{"params": gathered params, "losses": [...]}``, written with torch.save and read back
 with ``weights_only=True``.
 """
@@ -45,6 +47,8 @@ def train(args) -> None:
         losses.append(m["loss"])
     if args.save:
         fzero.checkpoint.save(args.save, state, extra={"next_batch": args.last})
+    if args.weights:  # a collective under dist_mesh: every rank gathers, rank 0 writes
+        fzero.checkpoint.save_weights(step, state, args.weights, max_shard_size=args.max_shard_size)
     params = step.gather(state)
     if args.out and (not args.dist or mesh.rank == 0):
         torch.save({"params": params, "losses": losses}, args.out)
@@ -87,6 +91,8 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--out")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--weights", help="a directory for fzero.checkpoint.save_weights (safetensors) after training")
+    parser.add_argument("--max-shard-size", type=int, default=5 * 10**9)
     args = parser.parse_args()
     train(args) if args.mode == "train" else crash(args)
 

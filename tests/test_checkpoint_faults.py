@@ -300,6 +300,18 @@ def test_a_full_disk_during_consolidate_is_named_and_leaves_nothing(saved, tmp_p
     with pytest.raises(CheckpointWriteError, match=rf"fzero.checkpoint.consolidate: cannot write {tmp_path}/out.pt: no space left on the device \(ENOSPC\)") as e:
         fzero.checkpoint.consolidate(path, tmp_path / "out.pt")
     assert e.value.errno == errno.ENOSPC and sorted(os.listdir(tmp_path)) == []
+    def partial_files_fail(fd):  # the safetensors writer's .<file>.partial
+        if ".partial" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", partial_files_fail)
+    step, state = saved[1], saved[2]
+    for export in (lambda: fzero.checkpoint.consolidate(path, tmp_path / "hf", format="safetensors"),
+                   lambda: fzero.checkpoint.save_weights(step, state, tmp_path / "hf")):
+        with pytest.raises(CheckpointWriteError, match=rf"cannot write {tmp_path}/hf: no space left on the device \(ENOSPC\): it needs at least"):
+            export()
+        assert os.listdir(tmp_path / "hf") == []  # no partial file left
 
 
 # -- read-only and missing directories ----------------------------------------------------------------------------
@@ -358,6 +370,10 @@ def test_save_and_consolidate_into_a_read_only_directory(saved, tmp_path, monkey
             fzero.checkpoint.consolidate(path, tmp_path / "ro" / "model.pt")
         with pytest.raises(CheckpointWriteError, match=rf"cannot write {tmp_path}/ro/sub/ck: {words}"):
             fzero.checkpoint.save(tmp_path / "ro" / "sub" / "ck", state)
+        with pytest.raises(CheckpointWriteError, match=rf"fzero.checkpoint.consolidate: cannot write {tmp_path}/ro/hf: {words}"):
+            fzero.checkpoint.consolidate(path, tmp_path / "ro" / "hf", format="safetensors")
+        with pytest.raises(CheckpointWriteError, match=rf"fzero.checkpoint.save_weights: cannot write {tmp_path}/ro/hf: {words}"):
+            fzero.checkpoint.save_weights(step, state, tmp_path / "ro" / "hf")
     assert_survives(previous, step, step.gather(state))
     assert sorted(os.listdir(tmp_path / "ro")) == ["ck"]
 

@@ -5,6 +5,8 @@ fzero.checkpoint.save("ckpt", state, extra={"batch": k}, keep=3)   # ckpt/step_0
 state = fzero.checkpoint.load("ckpt", like=step)                  # the latest complete one, sharded for `step`
 k = fzero.checkpoint.read_extra("ckpt")["batch"]
 fzero.checkpoint.consolidate("ckpt", "model.pt", model=model)     # one fp32 state dict for model.load_state_dict
+fzero.checkpoint.consolidate("ckpt", "hf", model=model, format="safetensors", dtype="bf16")  # for from_pretrained("hf")
+fzero.checkpoint.save_weights(step, state, "hf", model=model)      # the same from a live state, unit by unit
 ```
 or ``python -m fzero.checkpoint consolidate ckpt model.pt`` (``info ckpt`` prints what a checkpoint holds,
 ``verify ckpt`` checks every file, one line each, exit status 1 if any is wrong).
@@ -35,9 +37,15 @@ an unpickler that resolves only DCP's metadata classes, everything else is JSON.
 Under torchrun, ``save`` and ``load`` are collective (every rank calls them, with its own state) and the
 directory must be on a filesystem every rank sees.
 
+**Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or
+``model-0000k-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` past ``max_shard_size``), tied
+weights once as ``save_pretrained`` does, streaming: a group of parameters (a checkpoint) or a unit (a live
+stage-3 state) at a time, never the whole model twice.
+
 Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
-failures named), ``_save``, ``_load``, ``_consolidate``, ``_cli`` (``python -m fzero.checkpoint``); ``_state``
+failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
+``_safetensors`` (the streaming writer), ``_cli`` (``python -m fzero.checkpoint``); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """
 
@@ -49,8 +57,9 @@ from fzero.checkpoint._load import load
 from fzero.checkpoint._oserrors import CheckpointWriteError
 from fzero.checkpoint._save import save
 from fzero.checkpoint._verify import CheckpointCorrupted
+from fzero.checkpoint._weights import save_weights
 
 __all__ = [
     "CheckpointCorrupted", "CheckpointError", "CheckpointWriteError", "consolidate", "latest", "load", "main", "read_extra",
-    "save", "step_dir", "verify",
+    "save", "save_weights", "step_dir", "verify",
 ]

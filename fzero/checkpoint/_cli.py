@@ -17,9 +17,12 @@ from fzero.checkpoint._verify import verify_all
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description="Inspect, verify and consolidate fzero checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="write one fp32 state dict (torch.save) of a checkpoint's parameters")
+    c = sub.add_parser("consolidate", help="write a checkpoint's parameters and buffers as one state dict (torch.save) or as safetensors files")
     c.add_argument("path", help="a checkpoint directory, or a parent of step_* checkpoints (the newest is used)")
-    c.add_argument("out", help="the .pt file to write")
+    c.add_argument("out", help="the .pt file to write, or with --format safetensors the directory")
+    c.add_argument("--format", choices=["pt", "safetensors"], default="pt", help="pt: one torch.save file; safetensors: Hugging Face's model.safetensors (sharded past --max-shard-size)")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the dtype of the floating tensors written")
+    c.add_argument("--max-shard-size", default="5GB", help="safetensors: the most data bytes per file (e.g. 5GB, 500MB)")
     c.add_argument("--no-verify", action="store_true", help="do not check the files' checksums (sizes only)")
     i = sub.add_parser("info", help="print a checkpoint's fzero.json, after verifying every file's checksum")
     i.add_argument("path")
@@ -36,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"path": found, **info}, indent=1))
         else:
             found, info, _ = open_checkpoint(args.path, "fzero.checkpoint consolidate", verify=not args.no_verify)
-            out = consolidate(found, args.out, verify=not args.no_verify)
+            out = consolidate(found, args.out, verify=not args.no_verify, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size)
             count = sum(int(torch.Size(p["shape"]).numel()) for p in info["params"])
-            print(f"{out}: {len(info['params'])} tensors, {count:,} parameters (fp32) from {found} (step {info['step']})")
-    except (CheckpointError, FileNotFoundError) as e:
+            print(f"{out}: {len(info['params'])} tensors, {count:,} parameters ({args.dtype}, {args.format}) from {found} (step {info['step']})")
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,11 +1,12 @@
-"""``fzero.checkpoint.consolidate``: one fp32 state dict file from a checkpoint, for ``model.load_state_dict``."""
+"""``fzero.checkpoint.consolidate``: a checkpoint's weights as one state dict file (``model.load_state_dict``) or as
+Hugging Face safetensors files (``from_pretrained``)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import torch
 
@@ -13,25 +14,39 @@ from fzero.checkpoint import _dcp, _oserrors
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import fsync_dir, open_checkpoint
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
+from fzero.checkpoint._safetensors import out_dtype, parse_size
+from fzero.checkpoint._weights import DEFAULT_SHARD, check_format, items_for, names, prepare_dir, writing
 
 
-def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None, verify: bool = True) -> str:
-    """Write the parameters of the checkpoint at ``path`` as one fp32 state dict file; returns ``out_file``.
+def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None, verify: bool = True,
+                format: str = "pt", dtype: str = "fp32", max_shard_size: int | str = DEFAULT_SHARD) -> str:
+    """Write the parameters of the checkpoint at ``path`` as one state dict file, or as safetensors files; returns
+    ``out_file``.
 
     Without ``model``: the trained parameters under their saved names (fp32 masters when the run kept them)
     and the saved buffers. With ``model``: exactly ``model.state_dict()``'s keys, so that
     ``model.load_state_dict(torch.load(out, weights_only=True))`` is strict: tied aliases get the saved
     tensor, buffers the saved ones, and what the checkpoint lacks (frozen parameters, buffers never adopted)
-    comes from ``model``. Floating tensors are fp32. ``verify``: as for ``load``.
+    comes from ``model``. Floating tensors are in ``dtype`` ("fp32", "bf16" or "fp16"). ``verify``: as for ``load``.
+
+    ``format="safetensors"``: ``out_file`` is a directory (made if missing; its parent must exist) that gets
+    Hugging Face's ``model.safetensors``, or shards and ``model.safetensors.index.json`` past ``max_shard_size``
+    (bytes, or "5GB", "500MB"), for ``from_pretrained`` beside a ``config.json``. Tied weights are written once,
+    under the name ``save_pretrained`` keeps (see ``save_weights``). Parameters are read from the checkpoint
+    and written a group of about 256 MiB at a time: the model is never whole in memory.
 
     ``out_file``'s directory must exist and be writable, and its filesystem must have room for the tensors:
     each is checked before the checkpoint is read, and a write that fails anyway (ENOSPC, EROFS, EACCES) is
     reported as such, leaving no partial file behind.
     """
     api = "fzero.checkpoint.consolidate"
+    check_format(format, api=api, allowed=("pt", "safetensors"))
+    dt, max_bytes = out_dtype(dtype, api=api), parse_size(max_shard_size, api=api)
     found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
     out_file = os.path.abspath(os.fspath(out_file))
+    if format == "safetensors":
+        return _to_safetensors(found, info, manifest, metadata, out_file, model=model, dtype=dt, max_bytes=max_bytes, api=api)
     check_out_dir(os.path.dirname(out_file), api=api)
     needed = sum(4 * int(torch.Size(p["shape"]).numel()) for p in info["params"])
     needed += sum(getattr(torch, b["dtype"]).itemsize * int(torch.Size(b["shape"]).numel()) for b in info.get("buffers", ()))
@@ -48,10 +63,57 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
                   check=manifest.check)
         tensors.update(buffers)
         out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
-        torch.save(out, f)
+        torch.save({k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}, f)
     os.replace(tmp, out_file)
     fsync_dir(os.path.dirname(out_file))
     return out_file
+
+
+GROUP_BYTES = 256 << 20  # fp32 bytes of parameters read from the checkpoint at once by the safetensors export
+
+
+def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: Any, out_dir: str, *, model: torch.nn.Module | None,
+                    dtype: torch.dtype, max_bytes: int, api: str) -> str:
+    """The checkpoint's params and buffers as safetensors files in ``out_dir``, a group of params at a time."""
+    source = "master" if info["master"] else "params"
+    shapes = {p["name"]: tuple(p["shape"]) for p in info["params"]}
+    order = [n for n in info.get("packing_order") or () if n in shapes] or list(shapes)  # the model's order where recorded
+    held = {n: (shapes[n], torch.float32) for n in order}
+    buffers = {b["name"]: (tuple(b["shape"]), getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
+    held.update(buffers)
+    rename, extras = names(held, model, api=api)
+    items = items_for(held, rename, extras, dtype)
+    prepare_dir(out_dir, api=api, needed=sum(i.nbytes for i in items))
+    with writing(out_dir, items, max_shard_size=max_bytes, api=api) as w:
+        for group in _groups(order, shapes):
+            flats = {n: torch.empty(int(torch.Size(shapes[n]).numel()), dtype=torch.float32) for n in group}
+            _dcp.load(found, metadata, [_dcp.Dest(f"{source}/{n}", (0,), tuple(t.shape), torch.float32, view=t) for n, t in flats.items() if t.numel()],
+                      check=manifest.check)
+            for n in group:
+                w.put(rename[n], flats.pop(n).view(shapes[n]))
+        loaded = {n: torch.empty(shape, dtype=d) for n, (shape, d) in buffers.items()}
+        _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in loaded.items()],
+                  check=manifest.check)
+        for n, t in loaded.items():
+            w.put(rename[n], t)
+        for n, t in extras:
+            w.put(n, t)
+        w.close()
+    return out_dir
+
+
+def _groups(order: list[str], shapes: dict[str, tuple[int, ...]]) -> Iterator[list[str]]:
+    """Consecutive names of at most ``GROUP_BYTES`` of fp32 each (a larger tensor alone)."""
+    group, size = [], 0
+    for n in order:
+        b = 4 * int(torch.Size(shapes[n]).numel())
+        if group and size + b > GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(n)
+        size += b
+    if group:
+        yield group
 
 
 def check_out_dir(directory: str, *, api: str) -> None:
