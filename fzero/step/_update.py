@@ -6,6 +6,11 @@ the global norm, decide on overflow from that norm (summed over ranks, so every 
 clip, run the optimizer on what the ``opt_state`` part says this rank owns (fp32 master weights when the
 policy keeps them), and let it bring the params back (``after_update``: the all-gather of stages 1-2). A param that no rank's gradient used (``fzero.step._usage``; torch's ``grad is None``)
 skips the optimizer: the ``active`` mask travels to it through ``LayoutSegments``.
+
+What cannot train is said here, before the optimizer writes anything: a learning-rate schedule whose value is
+not finite (``current_lr``), and some ranks' losses using no param while others' did (``EMPTY_FLAG``: a zero
+gradient averaged in silently). A gradient that is exactly zero everywhere trains nothing, or worse lets weight
+decay drift the params: it warns once per step object (``ZeroGradientWarning``).
 """
 
 from __future__ import annotations
@@ -217,6 +222,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     lr = current_lr(step.optimizer, int(state.step))
     opt_state = state.opt_state
     flats = state.params
+    warning = None
     if not skipped:
         if step.clip_grad_norm is not None:  # as torch.nn.utils.clip_grad_norm_: scale by min(1, c / (norm + 1e-6))
             coef = (step.clip_grad_norm / (reduced[1].sqrt() + 1e-6)).clamp(max=1.0)
@@ -232,8 +238,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
         if zero:
             moved = max((float((params[k].float() - b).abs().max()) for k, b in before.items() if b.numel()), default=0.0)
             used_any = bool((reduced[2:] > 0).any())
-            warnings.warn(_zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved),
-                          ZeroGradientWarning, stacklevel=2)
+            warning = _zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved)
             del before
         del grad_tree, params
         step.opt_state.after_update(step.params, comm, flats, layout)
@@ -254,4 +259,6 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     new_state = dataclasses.replace(
         state, params=dict(flats), opt_state=opt_state, step=state.step + (0 if skipped else 1), loss_scale=loss_scale, meta=meta
     )
+    if warning is not None:  # last: where warnings are errors, the step is whole when it raises
+        warnings.warn(warning, ZeroGradientWarning, stacklevel=2)
     return new_state, metrics
