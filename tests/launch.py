@@ -14,18 +14,41 @@ once more, and the test says so on stdout. Any other failure, and any wrong numb
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(__file__)
 _CPP_ABORT = "terminate called without an active exception"
 
 
-def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --standalone --nproc_per_node nproc *args``; asserts it succeeded."""
+def _command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args], env
+
+
+def torchrun_failing(args: list[str], *, nproc: int = 2, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """The same launch for a job that is expected to fail: its completed process (never asserted) and the seconds
+    it took (``time.monotonic``). A job still running after ``timeout`` seconds raises ``subprocess.TimeoutExpired``
+    (torchrun and its workers are killed): a hang fails the test instead of stalling the suite."""
+    cmd, env = _command(args, nproc)
+    start = time.monotonic()
+    # its own process group, so that a timeout kills the workers too, not only torchrun
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), time.monotonic() - start
+
+
+def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node nproc *args``; asserts it succeeded."""
+    cmd, env = _command(args, nproc)
     for attempt in (1, 2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or _CPP_ABORT not in proc.stderr or attempt == 2:

@@ -2,66 +2,134 @@
 
 No per-call matching across ranks here (it would cost a round trip per collective): ``Step.init`` checks
 once, with ``agree``, that every rank runs the same layout and settings (see ``fzero.dist._comm``).
+
+Every collective is issued asynchronously and waited for through ``fzero.dist._waiting``, which ends the
+wait when another rank fails, vanishes or does not arrive within the mesh timeout, with an error that names
+that rank and this collective (its number on the mesh, op, tag, unit, and the step call it belongs to), read
+from the job's fault board (``fzero.dist._faults``). ``agree`` moves its descriptions the same way (two
+all-gathers of bytes) rather than with ``all_gather_object``, which would wait without a bound.
 """
 
 from __future__ import annotations
 
+import pickle
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fzero.dist._comm import Counter, Pending, Recording, disagreement, ranged
+from fzero.dist._comm import Counter, Pending, RanksDisagree, Recording, disagreement, ranged
+from fzero.dist._faults import Board, Call
+from fzero.dist._waiting import wait
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+CALLS_FIX = ("Under fzero.dist_mesh every rank makes the same fzero calls in the same order: Step.__call__, "
+             "Step.evaluate, Step.gather and Step.state_dict are collectives, so call them on every rank (keep only "
+             "printing and saving on rank 0), with the same number of steps on every rank.")
+
 
 class DistComm(Recording):
-    def __init__(self, rank: int, size: int, group, counter: Counter | None) -> None:
+    def __init__(self, rank: int, size: int, group, counter: Counter | None, board: Board | None = None) -> None:
         self.rank = rank
         self.size = size
         self.group = group
         self.counter = counter
+        self.board = board  # None: plain waits, raw backend errors
+
+    def _issue(self, op: str, tag: str, label: str | None, tensor: torch.Tensor, numel: int, src: int | None = None) -> Call | None:
+        if self.board is None:
+            return None
+        unit = "" if label is None else f" {label!r}"
+        source = "" if src is None else f" from rank {src}"
+        return self.board.issue(f"{op} {tag}{unit}{source}, {numel} x {str(tensor.dtype).removeprefix('torch.')}")
+
+    def _wait(self, work, call: Call | None, tensor: torch.Tensor) -> None:
+        # gloo (CPU tensors) is waited for in slices; a CUDA wait only orders streams (see fzero.dist._waiting)
+        wait(work, call, self.board, bounded=tensor.device.type == "cpu")
+
+    def begin(self) -> None:
+        """Check that every rank starts the same call (the same API, its same count in each process), before its
+        first collective: a rank that calls ``Step.evaluate`` or ``Step.gather`` while the others step would pair
+        collectives of different sizes, which gloo answers by aborting the process in C++. One all-reduce of two
+        integers (not counted: it moves no training data); the names are gathered only when they differ."""
+        if self.board is None or self.size == 1 or "gloo" not in str(dist.get_backend(self.group)):
+            return
+        phase = self.board.phase
+        code = zlib.crc32(phase.encode())
+        both = torch.tensor([code, -code], dtype=torch.int64)  # max and -min in one all-reduce
+        call = self.board.issue("check that every rank starts the same call")
+        self._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True), call, both)
+        if int(both[0]) == -int(both[1]):
+            return
+        phases = self._all_gather_objects(phase, what="gather the calls the ranks start")
+        first = next(r for r in range(self.size) if phases[r] != phases[0])
+        raise RanksDisagree(
+            f"fzero.dist_mesh: ranks start different calls: rank 0 starts its {phases[0]}, rank {first} its "
+            f"{phases[first]}. {CALLS_FIX}")
 
     def agree(self, fields, *, api, fix):
         if self.size == 1:
             return
-        described: list[Any] = [None] * self.size
-        dist.all_gather_object(described, list(fields), group=self.group)
+        described = self._all_gather_objects(list(fields), what=f"agree: compare the layout and settings of {api}")
         error = disagreement(described, api=api, fix=fix)
         if error is not None:
             raise error
 
+    def _all_gather_objects(self, obj: Any, *, what: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: its length, then its bytes, each a waited all-gather."""
+        if self.board is None or "gloo" not in str(dist.get_backend(self.group)):
+            described: list[Any] = [None] * self.size
+            dist.all_gather_object(described, obj, group=self.group)
+            return described
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.size, dtype=torch.int64)
+        call = self.board.issue(f"{what} (sizes)")
+        self._wait(_ALL_GATHER(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True), call, sizes)
+        longest = int(sizes.max())
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: data.numel()] = data
+        everyone = torch.empty(longest * self.size, dtype=torch.uint8)
+        call = self.board.issue(f"{what} ({longest} bytes per rank)")
+        self._wait(_ALL_GATHER(everyone, mine, group=self.group, async_op=True), call, everyone)
+        return [pickle.loads(everyone[r * longest : r * longest + int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
+
     @ranged
     def all_gather(self, out, shard, *, tag, label=None):
         self._note("all_gather", tag, out.numel(), out, label)
+        call = self._issue("all_gather", tag, label, out, out.numel())
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        _ALL_GATHER(out, shard.clone(), group=self.group)
+        self._wait(_ALL_GATHER(out, shard.clone(), group=self.group, async_op=True), call, out)
         return out
 
     @ranged
     def all_gather_async(self, out, shard, *, tag, label=None):
         self._note("all_gather", tag, out.numel(), out, label)
+        call = self._issue("all_gather", tag, label, out, out.numel())
         work = _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True)
-        return Pending(lambda: (work.wait(), out)[1])
+        return Pending(lambda: (self._wait(work, call, out), out)[1])
 
     @ranged
     def reduce_scatter(self, full, *, tag, label=None):
         self._note("reduce_scatter", tag, full.numel(), full, label)
+        call = self._issue("reduce_scatter", tag, label, full, full.numel())
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        self._wait(_REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call, full)
         return out
 
     @ranged
     def all_reduce(self, tensor, *, tag, label=None):
         self._note("all_reduce", tag, tensor.numel(), tensor, label)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        call = self._issue("all_reduce", tag, label, tensor, tensor.numel())
+        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call, tensor)
         return tensor
 
     @ranged
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
-        dist.broadcast(tensor, src=src, group=self.group)
+        call = self._issue("broadcast", tag, label, tensor, tensor.numel(), src)
+        self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True), call, tensor)
         return tensor

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -112,6 +113,7 @@ class DistMesh:
     rank: int
     backend: str
     counter: Counter | None = dataclasses.field(default=None, compare=False)
+    timeout: float = 300.0  # seconds a rank waits at a collective for the others (see dist_mesh)
 
     @property
     def device(self) -> torch.device:
@@ -122,11 +124,49 @@ class DistMesh:
         return torch.device("cpu")
 
     def comm(self):
+        """This rank's comm for one call of the step (or of init, evaluate, gather), whose collectives it numbers
+        and describes for the errors of a failed job (``fzero.dist._faults``)."""
         import torch.distributed as dist
 
         from fzero.dist._dist_comm import DistComm
 
-        return DistComm(self.rank, self.size, dist.group.WORLD, self.counter)
+        board = fault_board(self.timeout)
+        if board is not None:
+            board.enter(_calling_api(sys._getframe(1)))
+        comm = DistComm(self.rank, self.size, dist.group.WORLD, self.counter, board)
+        comm.begin()
+        return comm
+
+
+# Which fzero call asked for a comm, named as users know it (the step does not say; the caller's frame does).
+_APIS = {"Step.__call__": "fzero.Step.__call__", "Step.evaluate": "fzero.Step.evaluate",
+         "Step.gather": "fzero.Step.gather", "init_state": "fzero.Step.init"}
+
+
+def _calling_api(frame: Any) -> str:
+    code = frame.f_code
+    name = getattr(code, "co_qualname", code.co_name)
+    return _APIS.get(name, name)
+
+
+def fault_board(timeout: float) -> Any:
+    """This process's fault board for the default process group (made, with its process hooks, on first use);
+    None where torch.distributed has no default store to keep it on."""
+    import torch.distributed as dist
+
+    from fzero.dist import _hooks
+    from fzero.dist._faults import Board
+
+    board = _hooks.current()
+    world = dist.group.WORLD
+    if board is None or board.group is not world:
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get_store is None:
+            return None
+        board = Board(get_store(), rank=dist.get_rank(), size=dist.get_world_size(), timeout=timeout, group=world)
+        _hooks.install(board)
+    board.timeout = timeout
+    return board
 
 
 Mesh = LocalMesh | DistMesh
@@ -141,16 +181,30 @@ def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
     return LocalMesh(n, float(timeout))
 
 
-def dist_mesh(*, backend: str | None = None, timeout: float = 600.0) -> DistMesh:
+def dist_mesh(*, backend: str | None = None, timeout: float = 300.0) -> DistMesh:
     """This process as one rank of a ``torchrun`` job; initialises the default process group if needed.
 
     ``backend`` defaults to gloo for CPU tensors and, where CUDA is available, NCCL for CUDA tensors
     (``"cpu:gloo,cuda:nccl"``: each collective goes to the backend of its tensors' device, so a job whose
     params live on the CPU works on a GPU machine too). With CUDA, a process that has not chosen its
-    device is put on ``LOCAL_RANK``'s, as torchrun numbers them. ``timeout`` bounds every collective, so a
-    rank that never arrives ends the job with an error instead of a hang.
+    device is put on ``LOCAL_RANK``'s, as torchrun numbers them.
+
+    Faults end the job fast and say why (``fzero.dist._faults``): when a rank raises, the others stop
+    within about a second with a ``RankFailed`` naming that rank, its exception and the collective they
+    were waiting at; a rank whose process vanishes (SIGKILL, the out-of-memory killer) is named the same
+    way. ``timeout`` (seconds, default 300) is how long a rank waits at one collective for the others: a
+    rank that stalls ends the job after it with a ``MeshTimeout`` naming the rank that did not arrive. It
+    bounds the wait for the slowest rank, not a step: raise it where one rank can fall that far behind the
+    others, e.g. ``dist_mesh(timeout=1800)`` for a compile-heavy first step (``torch.compile`` on one rank
+    while the others wait) or a long evaluation or checkpoint on rank 0 alone. It is also the process
+    group's timeout when ``dist_mesh`` creates the group; a group made with ``init_process_group(timeout=...)``
+    keeps its own, and the shorter of the two applies. CUDA collectives rely on NCCL's own timeout.
     """
     import torch.distributed as dist
+
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+        raise ValueError(f"fzero.dist_mesh: timeout must be a number of seconds > 0, got {timeout!r}; e.g. "
+                         f"fzero.dist_mesh(timeout=1800) for a slow first step.")
 
     if not dist.is_initialized():
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
@@ -163,7 +217,8 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 600.0) -> DistMesh
         if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and not torch.cuda.is_initialized():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend())
+    fault_board(float(timeout))  # every rank's process id and hooks are on the board before its first collective
+    return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend(), timeout=float(timeout))
 
 
 def count_collectives(mesh: Mesh) -> Mesh:
