@@ -74,6 +74,10 @@ class Rendezvous:
 
 
 class ThreadComm(Recording):
+    # its "async" gathers copy under the caller's _same_version when waited for: a stage-3 prefetch may gather
+    # straight into a freed buffer the graph's views point at (fzero.zero._schedule)
+    async_writes_keep_version = True
+
     def __init__(self, rank: int, rendezvous: Rendezvous, counter: Counter | None) -> None:
         self.rank = rank
         self.size = rendezvous.size

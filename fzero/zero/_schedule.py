@@ -127,6 +127,11 @@ class Schedule:
             return
         waiting = self.waiting.get(name)
         target = waiting[-1] if waiting and waiting[-1].unalloc() else None
+        if target is not None and not getattr(self.comm, "async_writes_keep_version", False):
+            # torch.distributed's async collectives bump their output's version counter when the work completes, on
+            # the backend's thread, outside any _same_version: into the buffer the graph's views point at, that is
+            # "a view ... modified inplace" in backward. Gather into a fresh buffer; the refill copies it in.
+            target = None
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
