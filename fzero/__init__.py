@@ -24,6 +24,7 @@ from fzero.step._module import apply, params_of
 from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
 from fzero.step._state import TrainState
 from fzero.step._step import Step, train_step
+from fzero.step._update import ZeroGradientWarning
 from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "StaticLossScale",
     "Step",
     "TrainState",
+    "ZeroGradientWarning",
     "apply",
     "buffers_of",
     "checkpoint",

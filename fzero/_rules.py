@@ -10,7 +10,7 @@ Data:
   sharded 1/N (the ZeRO paper); ``sharded(what, stage)`` reads it.
 * ``SETTINGS[name] = Rule(stages, why, fix)``: the stages that accept a stage-bound setting:
   ``unit_elements`` 0-1 (flat buffers by size; at 2-3 units are modules), ``units`` 2-3, ``prefetch`` and
-  ``remat`` 3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at every stage.
+  ``remat`` 3, ``jit`` 2-3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at every stage.
 * ``OFFLOADS = (None, "cpu", "nvme")``: the offload choices ``combinations()`` enumerates ("disk" is "nvme").
 
 Functions (``api``: the public name that reports, e.g. "fzero.compile"; ``stage_key``: how that API spells
@@ -53,6 +53,8 @@ SETTINGS: dict[str, Rule] = {
     "units": Rule((2, 3), "units by module"),
     "prefetch": Rule((3,), "sharded params"),
     "remat": Rule((3,), "sharded params"),
+    "jit": Rule((2, 3), "units by module (each unit's forward is compiled)",
+                "At stages 0-1 there are no module units yet: compile the model yourself (torch.compile on each block)."),
     "offload": Rule((1, 2, 3), "each rank offloads its shard of the optimizer state"),
     "offload_params": Rule((3,), "param shards exist only at stage 3"),
 }

@@ -96,3 +96,14 @@ def test_jit_leaves_errors_of_the_model_itself_alone():
     with pytest.raises(Exception) as info:
         _run(model, _step(loss_fn, stage=2, jit=True), bad)
     assert not isinstance(info.value, UnitCompileError)
+
+
+def test_compile_takes_jit_at_stages_2_3_and_refuses_it_below():
+    model, loss_fn, batches = _problem()
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, jit=True)
+    assert step.grads.jit and step.stage == 3
+    assert not fzero.compile(loss_fn, stages=2).grads.jit
+    with pytest.raises(ValueError, match=r"fzero.compile: jit only applies at stages=2 or 3 .*compile the model yourself"):
+        fzero.compile(loss_fn, stages=1, jit=True)
+    with pytest.raises(TypeError, match=r"unknown setting 'jti'. Did you mean 'jit'\?"):
+        fzero.compile(loss_fn, stages=3, jti=True)

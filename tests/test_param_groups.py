@@ -339,14 +339,11 @@ def test_bad_arguments_are_refused_by_name(call, exc, match):
 
 
 def read_with_no_decay(optimizer, no_decay):
-    """``from_deepspeed`` with a ``no_decay`` argument. (Called through ``read_config``, which takes the arguments as a
-    dict: ``from_deepspeed`` itself gains a ``no_decay=`` keyword in fzero/config/_read.py.)"""
-    from fzero.config._read import read_config
+    """``fzero.config.from_deepspeed`` with a ``no_decay`` argument (it refuses one the config does not use)."""
+    from fzero.config import from_deepspeed
 
     cfg = {"optimizer": optimizer, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
-    settings, ctx = read_config(cfg, {"no_decay": no_decay}, None)
-    assert "no_decay" in ctx.used
-    return settings
+    return from_deepspeed(cfg, no_decay=no_decay)
 
 
 HF_NO_DECAY = ["bias", "ln"]  # this model's LayerNorms are named ln / ln_f

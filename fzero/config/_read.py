@@ -31,20 +31,23 @@ def from_deepspeed(
     hidden_size: Any = UNSET,
     precision: Any = UNSET,
     clip_grad_norm: Any = UNSET,
+    no_decay: Any = UNSET,
 ) -> Settings:
     """Read a DeepSpeed config (a JSON file path or a dict) into fzero ``Settings``.
 
     The keywords resolve ``"auto"`` values (see ``AUTO_RULES``): ``learning_rate``, ``betas``, ``eps``,
     ``weight_decay`` (optimizer), ``warmup_steps``, ``total_steps`` (scheduler), ``batch_size`` (per rank per
     micro-batch), ``grad_accum``, ``clip_grad_norm``, ``precision`` ("fp32", "bf16", "fp16"), ``hidden_size``
-    (bucket sizes). ``world_size`` checks ``train_batch_size = micro batch * accumulation * world size`` and
+    (bucket sizes). ``no_decay``: Hugging Face's list of name substrings whose params get no weight decay
+    (``["bias", "LayerNorm.weight"]``, the Trainer's groups), mapped onto the optimizer as a mask
+    (``fzero.optim.no_decay_names``). ``world_size`` checks ``train_batch_size = micro batch * accumulation * world size`` and
     derives the missing one. A keyword given for a value the config sets itself is an error (it would be
     ignored); ``world_size`` is always accepted.
     """
     given = {k: v for k, v in dict(
         learning_rate=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, batch_size=batch_size,
         grad_accum=grad_accum, total_steps=total_steps, warmup_steps=warmup_steps, hidden_size=hidden_size,
-        precision=precision, clip_grad_norm=clip_grad_norm,
+        precision=precision, clip_grad_norm=clip_grad_norm, no_decay=no_decay,
     ).items() if v is not UNSET}
     settings, ctx = read_config(config, given, world_size)
     unused = sorted(set(given) - ctx.used)

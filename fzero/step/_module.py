@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
+from fzero.step._state import check_params_fit_module
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -44,6 +45,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
+    check_params_fit_module(target, params, api="fzero.apply")  # a state of another model width must not run
     bank = current_buffers()
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._buffers)
         params = {**bank.for_module(module), **params}

@@ -49,7 +49,10 @@ class Step:
     opt_state: Any = OptStateReplicated()  # where the optimizer state and masters live, what a rank updates
     unit_elements: int = DEFAULT_UNIT_ELEMENTS
     donate: bool = True
-    autodiff: str = "func"  # "func": torch.func.grad; "autograd": plain torch.autograd.grad
+    # "autograd": plain torch.autograd (the default); "func": torch.func.grad, which differentiates with
+    # create_graph=True and so keeps the backward's intermediate gradients until it returns (measured on a 38M GPT:
+    # 2.2x a gradient per step against 1.06x, and 10-14% slower); it also refuses torch.utils.checkpoint
+    autodiff: str = "autograd"
     precision: Precision = Precision()  # fp32 unless a policy says otherwise
     grad_accum: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip the global gradient norm to this
@@ -268,8 +271,8 @@ def train_step(
     into k micro-batches on dim 0 and makes one update, equal to one k-times-larger batch.
     ``clip_grad_norm=c``: scale the gradient by min(1, c / (global norm + 1e-6)), as
     ``torch.nn.utils.clip_grad_norm_``. Details: ``unit_elements`` (size of the flat buffers that
-    collectives move, default 16 Mi elements), ``donate`` (default True), ``autodiff`` ("func" or
-    "autograd") and ``on_nonfinite`` ("error" or "skip": what an inf/NaN gradient norm does when there
+    collectives move, default 12.5 MiB of fp32), ``donate`` (default True), ``autodiff`` ("autograd", the
+    default, or "func": ``torch.func.grad``, which holds about twice the gradient memory) and ``on_nonfinite`` ("error" or "skip": what an inf/NaN gradient norm does when there
     is no fp16 loss scale to back off).
     """
     if not callable(loss_fn):

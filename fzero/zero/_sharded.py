@@ -186,7 +186,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
-    trainable = {n for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
+    shapes = {n: tuple(p.shape) for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
+    trainable = set(shapes)
     layout = params.layout
     for unit in layout.units:
         unknown = [s.path for s in unit.slots if s.path not in trainable]
@@ -195,6 +196,14 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                 f"{api}: the params name {unknown[:3]} (unit {unit.name!r}), which {type(module).__name__} has no trainable "
                 f"parameter for. Pass the params of this model, e.g. step.init(fzero.params_of(model))."
             )
+        for s in unit.slots:  # a state of another model width must not run (functional_call would run it anyway)
+            if shapes[s.path] != s.shape:
+                raise ValueError(
+                    f"{api}: unit {unit.name!r} param {s.path!r} has shape {s.shape} in the state but {shapes[s.path]} in "
+                    f"the model ({type(module).__name__}): the state was made from another model or another configuration "
+                    f"of it. Make the state from this model's params (step.init(fzero.params_of(model))), or run the model "
+                    f"it came from."
+                )
         if unit.name == ROOT:
             continue
         try:
