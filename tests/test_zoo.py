@@ -38,11 +38,12 @@ MESHES = (1, 2)
 # Not in issue 12; a torch.func behaviour. Under torch.func.grad, dropout on a non-contiguous tensor draws its
 # mask in another element order than eager autograd does (same generator state, same numbers, other places):
 #   x = torch.randn(8, 4, 16).transpose(0, 1); seed; F.dropout(x, .1, True)  vs  seed; torch.func.grad(...)
-# nn.TransformerEncoderLayer applies dropout1 to the transposed attention output, so under the default
-# autodiff="func" its masks differ from plain PyTorch's; transformer_encoder_autograd shows "autograd" matches.
+# nn.TransformerEncoderLayer applies dropout1 to the transposed attention output, so under autodiff="func" (the
+# entry "transformer_encoder") its masks differ from plain PyTorch's; transformer_encoder_autograd shows that the
+# default "autograd" matches.
 # Stage 3 runs each unit once under torch.func.grad too, so it has the same difference.
 FUNC_DROPOUT = ("torch.func.grad draws dropout masks on non-contiguous tensors (TransformerEncoderLayer.dropout1) "
-                "in another element order than eager autograd: the default autodiff='func' cannot match "
+                "in another element order than eager autograd: autodiff='func' cannot match "
                 "PyTorch's masks (not in issue 12; autodiff='autograd' does)")
 
 
@@ -119,13 +120,13 @@ def test_reference_compares_most_of_each_model(name):
 
 @pytest.mark.parametrize("stages", [0, 3])
 def test_hf_checkpointing_under_torch_func_names_autograd_as_the_fix(stages):
-    """Under the default autodiff="func", torch.func.grad refuses torch.utils.checkpoint: the error says what to do."""
+    """Under autodiff="func", torch.func.grad refuses torch.utils.checkpoint: the error says what to do."""
     entry = ZOO["gpt2_checkpointing"]
     model = entry.build()
 
     def loss_fn(params, batch):
         return entry.loss(lambda *a, **k: fzero.apply(model, params, *a, **k), batch)
 
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1), autodiff="func")
     with pytest.raises(RuntimeError, match=r'(?s)fzero.Step \(autodiff="func"\): torch.func.grad refused .*gradient_checkpointing_enable.*autodiff="autograd"'):
         step(step.init(fzero.params_of(model)), entry.batches()[0])

@@ -364,8 +364,10 @@ ZOO: dict[str, Entry] = {
     "llama_checkpointing": Entry(_seeded(_checkpointed(llama)), _tokens(128, seed=2), _hf_loss, hf=True,
                                  settings={"autodiff": "autograd"}),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
-    "transformer_encoder": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss),
-    # the same with plain autograd instead of torch.func.grad: tells fzero's causes from torch.func's (test_zoo.py)
+    # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
+    # from torch.func's (test_zoo.py)
+    "transformer_encoder": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss,
+                                 settings={"autodiff": "func"}),
     "transformer_encoder_autograd": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss,
                                           settings={"autodiff": "autograd"}),
     "lstm_gru": Entry(_seeded(lstm_gru), _tokens(64, seed=9), _lm_loss),
