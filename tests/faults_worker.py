@@ -14,6 +14,7 @@ Faults (all on rank 1; rank 0 trains as it should):
 - ``precision``: rank 1 trains in bf16, rank 0 in fp32.
 - ``features``: rank 1's batch at step ``--at`` has 12 features instead of 16.
 - ``evaluate``: rank 1 calls ``step.evaluate`` before step ``--at``, which the others do not.
+- ``fewer``: rank 1 makes one step fewer than rank 0, then ends its program without waiting for the others.
 
 Each rank writes ``<out>/rank<r>.json``: the error it raised (``"Type: message"``, or null) and when
 (``time.time()``), then re-raises it, so that the job fails as a user's would. Rank 1 writes ``<out>/fault.json``
@@ -37,7 +38,8 @@ STEPS = 6
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=("none", "raise", "kill", "stall", "stages", "width", "precision", "features", "evaluate"),
+    parser.add_argument("--fault", choices=("none", "raise", "kill", "stall", "stages", "width", "precision", "features", "evaluate",
+                                            "fewer"),
                         required=True)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--at", type=int, default=3, help="the step (1-based) at which rank 1 misbehaves")
@@ -72,7 +74,7 @@ def main() -> None:
     error = None
     try:
         state = step.init(fzero.params_of(model))
-        for k in range(1, STEPS + 1):
+        for k in range(1, STEPS + (0 if odd and args.fault == "fewer" else 1)):
             features = 12 if odd and args.fault == "features" and k == args.at else 16
             if features != 16:
                 _record(args.out, "fault.json", fault=args.fault)
@@ -86,7 +88,8 @@ def main() -> None:
     _record(args.out, f"rank{mesh.rank}.json", error=None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    torch.distributed.barrier()
+    if not (odd and args.fault == "fewer"):  # a rank that ends early does not meet the others at a barrier
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

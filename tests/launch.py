@@ -9,6 +9,10 @@ the torchrun tests run alone or under CPU load), one rank of a stage-2 job abort
 "terminate called without an active exception" (SIGABRT). The workers meet at a barrier before
 tearing down their gloo group, which did not stop it. Such a launch, and only such a launch, is run
 once more, and the test says so on stdout. Any other failure, and any wrong number, fails the test.
+A likely cause, not confirmed here (it does not happen on demand): a gloo worker thread dropping the last
+reference to a tensor while the interpreter finalizes needs the GIL and is ended by the interpreter, which in
+C++ is a terminate without an exception (see pytorch/pytorch PR 179291). ``torchrun_failing`` (jobs expected
+to fail) never retries.
 """
 
 from __future__ import annotations

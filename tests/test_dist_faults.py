@@ -21,13 +21,14 @@ import pytest
 from fzero.dist._comm import MeshTimeout, RanksDisagree
 from fzero.dist._faults import Board, RankFailed, first_fault, process_alive
 from fzero.dist import _waiting
-from launch import torchrun_failing
+from launch import torchrun, torchrun_failing
 
 HERE = os.path.dirname(__file__)
 BOUND = 60.0  # seconds a failed job may take, launch included
 # Seconds from rank 1's fault to rank 0's error: a rank waiting at a collective learns of it within a second; one in
 # a gloo reduce-scatter, when rank 1's process ends (it stays up to 3 s for the others to report). Not the timeout.
 SOON = 10.0
+GLOO_MISMATCH = "Received data size doesn't match"  # gloo's C++ abort when ranks pair collectives of different sizes
 
 
 def run(tmp_path, fault: str, stages: int, *extra: str) -> tuple[subprocess.CompletedProcess, float, dict]:
@@ -50,17 +51,20 @@ def error_of(files: dict, rank: int, proc: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.torchrun
 def test_a_job_without_faults_succeeds(tmp_path):
-    """The control: the same worker, nobody misbehaving, trains and ends cleanly."""
-    proc, seconds, files = run(tmp_path, "none", 3)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert files["rank0"]["error"] is None and files["rank1"]["error"] is None
+    """The control: the same worker, nobody misbehaving, trains and ends cleanly (launched as every successful
+    torchrun test is, with tests/launch.py's single retry of the known C++ abort at exit)."""
+    start = time.monotonic()
+    torchrun([os.path.join(HERE, "faults_worker.py"), "--fault", "none", "--stages", "3", "--out", str(tmp_path)], timeout=120)
+    assert time.monotonic() - start < 2 * BOUND
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text())["error"] is None
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [0, 3])
 def test_a_raising_rank_is_named_by_the_others_within_seconds(tmp_path, stages):
     proc, seconds, files = run(tmp_path, "raise", stages)
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     error = error_of(files, 0, proc)
     assert error.startswith("RankFailed: fzero.dist_mesh: rank 1 failed with ValueError: "), error
     assert "rank 1 broke its loss on purpose" in error
@@ -74,7 +78,7 @@ def test_a_raising_rank_is_named_by_the_others_within_seconds(tmp_path, stages):
 @pytest.mark.torchrun
 def test_a_killed_rank_is_named_as_vanished(tmp_path):
     proc, seconds, files = run(tmp_path, "kill", 3)
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     error = error_of(files, 0, proc)
     assert re.match(r"RankFailed: fzero\.dist_mesh: rank 1 vanished: its process \(pid \d+ on .+\) ended without "
                     r"reporting an error \(killed by a signal such as SIGKILL", error), error
@@ -86,7 +90,7 @@ def test_a_killed_rank_is_named_as_vanished(tmp_path):
 @pytest.mark.torchrun
 def test_a_stalled_rank_is_named_after_the_mesh_timeout(tmp_path):
     proc, seconds, files = run(tmp_path, "stall", 3, "--timeout", "10")
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     error = error_of(files, 0, proc)
     assert re.match(r"MeshTimeout: fzero\.dist_mesh: rank 1 did not arrive at collective #\d+ \(\w+ .*\) in step call #3 "
                     r"\(fzero\.Step\.__call__\) within the mesh timeout of 10 s\. Rank 1 took part in collective #\d+", error), error
@@ -102,7 +106,7 @@ def test_a_stalled_rank_is_named_after_the_mesh_timeout(tmp_path):
 @pytest.mark.torchrun
 def test_a_batch_of_another_feature_size_on_one_rank_is_named(tmp_path):
     proc, seconds, files = run(tmp_path, "features", 2)
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     error = error_of(files, 0, proc)
     assert error.startswith("RankFailed: fzero.dist_mesh: rank 1 failed with RuntimeError: "), error
     assert "4x12" in error and "in step call #3 (fzero.Step.__call__)" in error
@@ -123,12 +127,12 @@ def test_a_batch_of_another_feature_size_on_one_rank_is_named(tmp_path):
 )
 def test_ranks_built_differently_raise_at_init_on_every_rank(tmp_path, fault, stages, message):
     proc, seconds, files = run(tmp_path, fault, stages)
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     for rank in (0, 1):
         error = error_of(files, rank, proc)
         assert re.match(r"RanksDisagree: fzero\.Step\.init: " + message, error), error
-    assert abs(files["rank0"]["time"] - files["rank1"]["time"]) < 5.0
-    assert "terminate called" not in proc.stderr and "Aborted" not in proc.stderr  # not gloo's C++ abort
+    assert abs(files["rank0"]["time"] - files["rank1"]["time"]) < SOON
+    assert GLOO_MISMATCH not in proc.stderr, proc.stderr[-5000:]
 
 
 @pytest.mark.torchrun
@@ -136,12 +140,12 @@ def test_a_rank_that_evaluates_while_the_others_step_is_named_before_gloo_aborts
     """Without the check at the start of each call, gloo pairs the evaluation's collectives with the step's and
     aborts rank 1 in C++ ("Received data size doesn't match expected size")."""
     proc, seconds, files = run(tmp_path, "evaluate", 3)
-    assert proc.returncode != 0 and seconds < BOUND
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     for rank in (0, 1):
         error = error_of(files, rank, proc)
         assert error.startswith("RanksDisagree: fzero.dist_mesh: ranks start different calls: rank 0 starts its step "
                                 "call #3 (fzero.Step.__call__), rank 1 its call #1 of fzero.Step.evaluate."), error
-    assert "terminate called" not in proc.stderr
+    assert GLOO_MISMATCH not in proc.stderr, proc.stderr[-5000:]
 
 
 # -- the board and the sliced wait, in this process ---------------------------------------------------------
@@ -275,3 +279,56 @@ def test_process_alive_tells_a_zombie_from_a_running_process():
     assert not process_alive(child.pid)
     child.wait()
     assert not process_alive(child.pid)
+
+
+def test_the_limit_named_is_the_one_that_ran_out():
+    board = boards(timeout=10.0)[0]
+    assert _waiting._limit(board, None) == "the mesh timeout of 10 s"
+    assert _waiting._limit(board, "RuntimeError: [...] Timed out waiting 10000ms for recv operation") == "the mesh timeout of 10 s"
+    assert _waiting._limit(board, "Timed out waiting 4000ms for send").startswith("the process group's timeout of 4 s")
+
+
+def test_collectives_are_described_in_the_call_that_made_them():
+    from fzero.dist._mesh import _calling_api
+
+    def save_weights():
+        return _calling_api(sys._getframe())
+
+    assert save_weights() == "test_dist_faults.test_collectives_are_described_in_the_call_that_made_them.<locals>.save_weights"
+    b0 = boards()[0]
+    b0.enter("fzero.Step.__call__")
+    b0.enter("fzero.Step.__call__")
+    b0.enter("fzero.Step.gather")
+    assert str(b0.issue("all_gather gather 'blocks.0', 8 x float32")) == (
+        "collective #1 (all_gather gather 'blocks.0', 8 x float32) in call #1 of fzero.Step.gather")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, True, "300"])
+def test_dist_mesh_refuses_a_timeout_that_is_not_a_positive_number(timeout):
+    import fzero
+
+    with pytest.raises(ValueError, match=r"^fzero\.dist_mesh: timeout must be a number of seconds > 0, got .*dist_mesh\(timeout=1800\)"):
+        fzero.dist_mesh(timeout=timeout)
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_ends_its_program_early_is_named(tmp_path):
+    """Rank 1 makes one step fewer and ends without an error (at stage 1 its gather is local): rank 0, left at a
+    collective of its last step, names it instead of a raw "Connection closed by peer"."""
+    proc, seconds, files = run(tmp_path, "fewer", 1)
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
+    error = error_of(files, 0, proc)
+    assert error.startswith("RankFailed: fzero.dist_mesh: rank 1 ended its program (its process exited without an "
+                            "error) while this rank still expected it at a collective"), error
+    assert "in step call #6 (fzero.Step.__call__)" in error
+    assert files["rank1"]["error"] is None
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_gathers_while_the_others_step_is_named(tmp_path):
+    proc, seconds, files = run(tmp_path, "fewer", 3)
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
+    for rank in (0, 1):
+        assert error_of(files, rank, proc).startswith(
+            "RanksDisagree: fzero.dist_mesh: ranks start different calls: rank 0 starts its step call #6 "
+            "(fzero.Step.__call__), rank 1 its call #1 of fzero.Step.gather.")

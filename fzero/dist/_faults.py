@@ -243,16 +243,22 @@ def vanished(board: Board, gone: list[int], where: str, detail: str) -> RankFail
     """Ranks whose process ended without a word: recorded on the board (so that every rank names them) and raised."""
     culprit = gone[0]
     host, pid = board.process(culprit) or ("?", -1)
-    text = (f"rank {culprit} vanished: its process (pid {pid} on {host}) ended without reporting an error (killed by "
-            f"a signal such as SIGKILL or the out-of-memory killer, or a crash in C++; see the launcher's output and dmesg)")
+    if board.has("exited", culprit):  # its interpreter ended normally: it made fewer collective calls than this rank
+        text = (f"rank {culprit} ended its program (its process exited without an error) while this rank still expected "
+                f"it at a collective: every rank must make the same fzero calls (steps, Step.evaluate, Step.gather, "
+                f"checkpoints) the same number of times")
+    else:
+        text = (f"rank {culprit} vanished: its process (pid {pid} on {host}) ended without reporting an error (killed by "
+                f"a signal such as SIGKILL or the out-of-memory killer, or a crash in C++; see the launcher's output and dmesg)")
     board.publish(culprit, text)
     others = f" (also gone: ranks {gone[1:]})" if len(gone) > 1 else ""
     return RankFailed(f"fzero.dist_mesh: {text}{others}. This rank ({board.rank}) stopped {where}. [{detail}]",
                       rank=culprit, cause=text)
 
 
-def not_arrived(board: Board, call: Call) -> tuple[int | None, str]:
-    """(the rank that did not arrive at ``call``, why): for the timeout error. Reads every rank's position."""
+def not_arrived(board: Board, call: Call, limit: str) -> tuple[int | None, str]:
+    """(the rank that did not arrive at ``call`` within ``limit``, why): for the timeout error. Reads every rank's
+    position."""
     positions = {r: board.waiting(r) for r in range(board.size) if r != board.rank}
     here = [board.rank] + [r for r, p in positions.items() if p is not None and p[0] == call.seq]
     elsewhere = {r: p for r, p in positions.items() if p is not None and p[0] != call.seq}
@@ -262,8 +268,8 @@ def not_arrived(board: Board, call: Call) -> tuple[int | None, str]:
         culprit = missing[0]
         alive = board.alive(culprit)
         state = {True: "its process is alive", False: "its process is gone", None: "it runs on another host"}[alive]
-        why = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive at {call} within the "
-               f"mesh timeout of {board.timeout:g} s. Rank {culprit} {took_part} and is not waiting at any collective "
+        why = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive at {call} within "
+               f"{limit}. Rank {culprit} {took_part} and is not waiting at any collective "
                f"({state}): it is stuck or much slower in its own code since (loss_fn, the data loader, I/O, a lock). "
                f"Ranks waiting at #{call.seq}: {here}")
     elif elsewhere:
@@ -272,7 +278,7 @@ def not_arrived(board: Board, call: Call) -> tuple[int | None, str]:
                f"{board.rank} waits at {call}: the ranks issued different collectives")
     else:
         culprit = None
-        why = f"every rank waits at {call} and it did not complete within the mesh timeout of {board.timeout:g} s"
+        why = f"every rank waits at {call} and it did not complete within {limit}"
     return culprit, why
 
 

@@ -60,6 +60,8 @@ def current() -> Board | None:
 def _excepthook(etype: type, value: BaseException, tb: Any) -> None:
     board: Board | None = _state["board"]
     own = not hasattr(value, "fzero_culprit")
+    if board is not None and board.failing is None:  # a SIGTERM while this is printed must not interrupt it
+        board.failing = value
     if board is not None and not board.reported and own:
         _quietly(board.publish, board.rank, f"{etype.__name__}: {_message(value)}")
     _state["previous"](etype, value, tb)
@@ -98,7 +100,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     if board is None or board.reported:
         os.kill(os.getpid(), signal.SIGTERM)
         return
-    if board.failing is not None:  # the error naming the rank at fault is on its way up: let it be printed
+    if board.failing is not None:  # an error is on its way up or being printed: let it be
         return
     where = board.doing()
     error: BaseException | None = None

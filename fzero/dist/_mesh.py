@@ -146,7 +146,11 @@ _APIS = {"Step.__call__": "fzero.Step.__call__", "Step.evaluate": "fzero.Step.ev
 def _calling_api(frame: Any) -> str:
     code = frame.f_code
     name = getattr(code, "co_qualname", code.co_name)
-    return _APIS.get(name, name)
+    if name in _APIS:
+        return _APIS[name]
+    module = frame.f_globals.get("__name__", "")  # e.g. fzero.checkpoint._weights -> fzero.checkpoint.save_weights
+    public = ".".join(part for part in module.split(".") if not part.startswith("_"))
+    return f"{public}.{name}" if public else name
 
 
 def fault_board(timeout: float) -> Any:

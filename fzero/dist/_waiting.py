@@ -21,6 +21,7 @@ their errors are explained the same way.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from typing import Any
 
@@ -124,15 +125,23 @@ def explained(board: Board, call: Call, error: BaseException) -> BaseException:
 
 
 def timed_out(board: Board, call: Call, detail: str | None) -> BaseException:
-    culprit, why = not_arrived(board, call)
+    limit = _limit(board, detail)
+    culprit, why = not_arrived(board, call, limit)
     raw = f" [{detail}]" if detail else ""
     if culprit is not None and "different collectives" in why:
         board.publish(culprit, why)
         return culprit_named(RanksDisagree(f"fzero.dist_mesh: {why}.{raw}"), culprit)
     if culprit is not None:
-        board.publish(culprit, f"rank {culprit} did not arrive at collective #{call.seq} ({call.what}) within the "
-                               f"mesh timeout of {board.timeout:g} s")
+        board.publish(culprit, f"rank {culprit} did not arrive at collective #{call.seq} ({call.what}) within {limit}")
     return culprit_named(MeshTimeout(f"fzero.dist_mesh: {why}. {FIX_TIMEOUT}{raw}"), culprit)
+
+
+def _limit(board: Board, detail: str | None) -> str:
+    """The limit that ran out: the mesh's, or the process group's (gloo's own error says how many ms) where it is shorter."""
+    found = re.search(r"Timed out waiting (\d+)ms", detail or "")
+    if found is None or abs(int(found.group(1)) / 1000 - board.timeout) < 1:
+        return f"the mesh timeout of {board.timeout:g} s"
+    return f"the process group's timeout of {int(found.group(1)) / 1000:g} s (init_process_group(timeout=...))"
 
 
 def culprit_named(error: BaseException, culprit: int | None = None) -> BaseException:
