@@ -16,6 +16,7 @@ from typing import Any
 from fzero._compile import compile
 from fzero.autodiff._remat import remat
 from fzero.dist._comm import MeshTimeout
+from fzero.dist._faults import RankFailed, RankStopped
 from fzero.dist._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero.estimate._estimate import MemoryEstimate, estimate_memory
 from fzero.layout._units import units_of
@@ -51,6 +52,8 @@ __all__ = [
     "MemoryEstimate",
     "MeshTimeout",
     "Precision",
+    "RankFailed",
+    "RankStopped",
     "StaticLossScale",
     "Step",
     "TrainState",
