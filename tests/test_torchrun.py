@@ -17,9 +17,10 @@ from problems import PROBLEMS, fzero_run
 HERE = os.path.dirname(__file__)
 
 
-def run_torchrun(tmp_path, problem: str, stages: int, *extra: str) -> dict:
+def run_torchrun(tmp_path, problem: str, stages: int, *extra: str, nproc: int = 2) -> dict:
     out = tmp_path / f"{problem}-{stages}.pt"
-    torchrun([os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra])
+    torchrun([os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra],
+             nproc=nproc)
     return torch.load(out, weights_only=False)
 
 
@@ -38,6 +39,31 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
     assert ops == ({"broadcast", "all_reduce"} if stages == 0 else {"broadcast", "all_reduce", "reduce_scatter", "all_gather"})
     if stages == 3:  # gather() under dist_mesh is a collective; prefetch issued async all-gathers
         assert ("all_gather", "gather") in {(op, tag) for op, tag, _ in dist["calls"]}
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
+    # the default ("auto") runs all-gathers and reduce-scatters as point-to-point exchanges (the test above);
+    # gloo's own collectives give the same bits on 2 ranks (a sum of two numbers does not depend on its order)
+    dist = run_torchrun(tmp_path, "gpt", stages, "--collectives", "native")
+    local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2))
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [0, 3])
+def test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise(tmp_path, one_thread, stages):
+    # collectives="p2p" sums in rank order 0..N-1, as local_mesh does: the same bits on more than 2 ranks,
+    # where the order of a sum changes its rounding (gloo's ring sums each chunk in another order)
+    dist = run_torchrun(tmp_path, "gpt", stages, "--collectives", "p2p", nproc=4)
+    local, metrics = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(4))
+    assert dist["world"] == 4
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
 
 
 @pytest.mark.torchrun

@@ -25,8 +25,9 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--offload-params", action="store_true")
     parser.add_argument("--meta-init", action="store_true", help="ranks other than 0 pass meta params to init")
+    parser.add_argument("--collectives", choices=("auto", "native", "p2p"), default="auto")
     args = parser.parse_args()
-    mesh = fzero.count_collectives(fzero.dist_mesh())
+    mesh = fzero.count_collectives(fzero.dist_mesh(collectives=args.collectives))
     prob = PROBLEMS[args.problem]()
     # under dist_mesh each process passes its own share of the global batch
     local = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in prob.batches]

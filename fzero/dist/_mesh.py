@@ -114,6 +114,7 @@ class DistMesh:
     backend: str
     counter: Counter | None = dataclasses.field(default=None, compare=False)
     timeout: float = 300.0  # seconds a rank waits at a collective for the others (see dist_mesh)
+    collectives: str = "auto"  # how gloo collectives run: see dist_mesh
 
     @property
     def device(self) -> torch.device:
@@ -133,7 +134,7 @@ class DistMesh:
         board = fault_board(self.timeout)
         if board is not None:
             board.enter(_calling_api(sys._getframe(1)))
-        comm = DistComm(self.rank, self.size, dist.group.WORLD, self.counter, board)
+        comm = DistComm(self.rank, self.size, dist.group.WORLD, self.counter, board, collectives=self.collectives)
         comm.begin()
         return comm
 
@@ -185,7 +186,7 @@ def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
     return LocalMesh(n, float(timeout))
 
 
-def dist_mesh(*, backend: str | None = None, timeout: float = 300.0) -> DistMesh:
+def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives: str = "auto") -> DistMesh:
     """This process as one rank of a ``torchrun`` job; initialises the default process group if needed.
 
     ``backend`` defaults to gloo for CPU tensors and, where CUDA is available, NCCL for CUDA tensors
@@ -203,12 +204,21 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0) -> DistMesh
     while the others wait) or a long evaluation or checkpoint on rank 0 alone. It is also the process
     group's timeout when ``dist_mesh`` creates the group; a group made with ``init_process_group(timeout=...)``
     keeps its own, and the shorter of the two applies. CUDA collectives rely on NCCL's own timeout.
+
+    ``collectives``: how the collectives of CPU tensors run on gloo. ``"auto"`` (the default): all-gathers and
+    reduce-scatters as direct point-to-point exchanges (``fzero.dist._p2p``: measured 1.3-1.7x and 2-4x faster
+    than gloo's own on the sizes a step moves, and they run while the rank computes), all-reduces as gloo's ring
+    (faster than an exchange's two rounds); ``"native"``: torch.distributed's collectives throughout; ``"p2p"``:
+    all-reduces as exchanges too, which sum in rank order as ``local_mesh`` does (the same bits on any number of
+    ranks). NCCL's collectives are always NCCL's own.
     """
     import torch.distributed as dist
 
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"fzero.dist_mesh: timeout must be a number of seconds > 0, got {timeout!r}; e.g. "
                          f"fzero.dist_mesh(timeout=1800) for a slow first step.")
+    if collectives not in ("auto", "native", "p2p"):
+        raise ValueError(f"fzero.dist_mesh: collectives must be 'auto', 'native' or 'p2p', got {collectives!r}.")
 
     if not dist.is_initialized():
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
@@ -222,7 +232,7 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0) -> DistMesh
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     fault_board(float(timeout))  # every rank's process id and hooks are on the board before its first collective
-    return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend(), timeout=float(timeout))
+    return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend(), timeout=float(timeout), collectives=collectives)
 
 
 def count_collectives(mesh: Mesh) -> Mesh:

@@ -13,6 +13,9 @@ gloo's reduce-scatter is the exception: its collective runs inside ``wait``, whi
 closed by peer", explained from the board) or at the process group's timeout (``dist_mesh``'s, when it made the
 group), which is explained like the mesh timeout.
 
+The point-to-point exchanges that stand for gloo's all-gather and reduce-scatter (``fzero.dist._p2p``) are waited
+for by a helper thread (``Together``): a send or receive waited on in a slice that runs out closes its connection.
+
 NCCL's ``wait`` only orders CUDA streams (the CPU does not wait), and a wait with a timeout would make the CPU
 spin until the GPU is done: CUDA collectives are waited on plainly and rely on NCCL's own watchdog and timeout;
 their errors are explained the same way.
@@ -21,7 +24,9 @@ their errors are explained the same way.
 from __future__ import annotations
 
 import datetime
+import queue
 import re
+import threading
 import time
 from typing import Any
 
@@ -32,6 +37,67 @@ from fzero.dist._faults import (FIX_TIMEOUT, Board, Call, RankFailed, disagree_t
 FIRST_SLICE = 0.1  # seconds; a collective that completes sooner never reads the store
 LONGEST_SLICE = 1.0  # how late, at most, a rank learns of another rank's failure while it waits
 _SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises when the work is still running
+
+
+class Together:
+    """Several point-to-point works (``fzero.dist._p2p``) waited for as one collective.
+
+    A gloo send or receive must not be waited on in slices: a ``wait(timeout)`` that runs out closes the connection
+    to that peer ("Application timeout caused pair closure"), and its ``is_completed`` stays false until ``wait``.
+    So a bounded wait hands the works to a helper thread, which waits for them plainly, and waits in slices on the
+    helper's answer instead (``wait(timedelta)`` below, with c10d's timeout error). A rank that gives up on such a
+    wait (another rank failed) leaves the helper waiting on what will never come, so a fresh helper serves the
+    next one.
+    """
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._handed = False
+
+    def run(self) -> None:  # on the helper thread
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - raised on the waiting thread instead
+            self._error = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None and not self._handed:  # nothing to bound: wait here
+            self.run()
+        elif not self._handed:
+            self._handed = True
+            _helper().put(self)
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(_SLICE_ENDED)
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        """The waiting rank gives up: if the helper is still waiting for these works, retire it."""
+        global _HELPER
+        if self._handed and not self._done.is_set():
+            _HELPER = None
+
+
+_HELPER: "queue.SimpleQueue[Together] | None" = None  # the queue of the process's helper thread
+
+
+def _helper() -> "queue.SimpleQueue[Together]":
+    global _HELPER
+    if _HELPER is None:
+        jobs: queue.SimpleQueue[Together] = queue.SimpleQueue()
+
+        def serve() -> None:
+            while True:
+                jobs.get().run()
+
+        threading.Thread(target=serve, name="fzero-p2p-wait", daemon=True).start()
+        _HELPER = jobs
+    return _HELPER
 
 
 def wait(work: Any, call: Call | None, board: Board | None, *, bounded: bool) -> None:
@@ -49,6 +115,8 @@ def wait(work: Any, call: Call | None, board: Board | None, *, bounded: bool) ->
             except RuntimeError as e:
                 raise explained(board, call, e) from None
     except BaseException as e:
+        if isinstance(work, Together):
+            work.abandon()
         if hasattr(e, "fzero_culprit"):  # on its way to this rank's excepthook: a SIGTERM now must not replace it
             board.failing = e
         raise
