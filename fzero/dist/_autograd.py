@@ -58,20 +58,31 @@ class ReplicatedShardGrad(torch.autograd.Function):
     Autograd calls the backward once per unit, as soon as every use of the unit in the graph has
     contributed, so the whole gradient of a unit lives only until its reduce-scatter: at most one
     unit's full gradient at a time, plus the shards (ZeRO-2's 2Ψ + (2+K)Ψ/N).
+
+    Under plain autograd a ``sink`` (``fzero.zero._shard_grads.ShardGradView``) may take the reduction instead:
+    the backward starts it (``reduce_scatter_async``), hands it to ``sink.reduced(name, pending, dtype)`` and
+    returns no gradient, so the next unit's backward runs while it is in flight. (A collective started in a
+    backward is what ``torch.func`` refuses, so under it the reduction stays a Function of its own, as above.)
     """
 
     @staticmethod
-    def forward(shard, full, comm, reduce_dtype=None):
+    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None):
         return full.view_as(full)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.comm = inputs[2]
         ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
+        ctx.sink, ctx.name = (inputs[4], inputs[5]) if len(inputs) > 4 else (None, None)
+        ctx.shard_dtype = inputs[0].dtype
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None
+        if ctx.sink is not None:
+            pending = ctx.comm.reduce_scatter_async(_as(grad_full, ctx.reduce_dtype).contiguous(), tag="grads", label=ctx.name)
+            ctx.sink.reduced(ctx.name, pending, ctx.shard_dtype)
+            return None, None, None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

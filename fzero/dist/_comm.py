@@ -8,7 +8,8 @@ the same sums by the same N and stays bitwise comparable):
   shard, in rank order; ``shard`` may be a view of ``out``. ``all_gather_async`` (same arguments) starts it
   and returns a ``Pending`` whose ``wait()`` gives ``out`` once filled; ranks must issue in the same order.
 - ``reduce_scatter(full, *, tag, label=None)``: this rank's 1/N slice of the sum over ranks of ``full``
-  (``full`` itself when N = 1).
+  (``full`` itself when N = 1). ``reduce_scatter_async`` starts it and returns a ``Pending`` (``full`` must not
+  change until it is waited for).
 - ``all_reduce(tensor, *, tag, label=None)``: sum ``tensor`` over ranks, in place; returns it.
 - ``broadcast(tensor, *, src, tag, label=None)``: overwrite ``tensor`` with rank ``src``'s, in place.
 - ``agree(fields, *, api, fix)``: raise ``RanksDisagree`` naming the first field (in rank 0's order) whose

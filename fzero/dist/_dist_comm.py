@@ -155,6 +155,17 @@ class DistComm(Recording):
         return out
 
     @ranged
+    def reduce_scatter_async(self, full, *, tag, label=None):
+        self._note("reduce_scatter", tag, full.numel(), full, label)
+        call = self._issue("reduce_scatter", tag, label, full, full.numel())
+        if self._exchanges("reduce_scatter", full):
+            sent = _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group)
+            return Pending(lambda: (self._wait_works(sent.works, call, full), sent.finish())[1])
+        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
+        work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(lambda: (self._wait(work, call, full), out)[1])
+
+    @ranged
     def all_reduce(self, tensor, *, tag, label=None):
         self._note("all_reduce", tag, tensor.numel(), tensor, label)
         call = self._issue("all_reduce", tag, label, tensor, tensor.numel())

@@ -151,6 +151,9 @@ class ThreadComm(Recording):
         # result is waited for: at the same point of the program on every rank, so ranks stay matched.
         return Pending(lambda: self.all_gather(out, shard, tag=tag, label=label))
 
+    def reduce_scatter_async(self, full, *, tag, label=None):  # as all_gather_async: the exchange runs when waited for
+        return Pending(lambda: self.reduce_scatter(full, tag=tag, label=label))
+
     @ranged
     def reduce_scatter(self, full, *, tag, label=None):
         self._note("reduce_scatter", tag, full.numel(), full, label)

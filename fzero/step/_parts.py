@@ -152,10 +152,15 @@ class ParamsReplicated:
         return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
 
     def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
-        """After a sharded optimizer updated this rank's slice: every rank's slices back into the whole buffers."""
+        """After a sharded optimizer updated this rank's slice: every rank's slices back into the whole buffers.
+        Every unit's all-gather is issued before the first is waited for, so the ranks meet once, not once per unit
+        (and the exchanges of ``dist_mesh`` on gloo run side by side)."""
+        pending = []
         for u in layout.units:
             lo, hi = u.shard_range(comm.rank, comm.size)
-            comm.all_gather(flats[u.name], flats[u.name][lo:hi], tag="params")
+            pending.append(comm.all_gather_async(flats[u.name], flats[u.name][lo:hi], tag="params"))
+        for p in pending:
+            p.wait()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,11 +38,67 @@ class GradsInBackward(GradsReduceScatter):
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
-        return View(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype, jit=self.jit),
-                    releases=True)
+        view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
+                                                                 jit=self.jit, sink=view if view.active else None), names)
+        return view
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
         return grad  # already this rank's reduced shard
+
+
+class ShardGradView(View):
+    """Stage 2's view under plain autograd: each unit's reduce-scatter is started in backward and waited for while
+    later units' backward runs, rather than in its own backward.
+
+    ``ReplicatedShardGrad`` hands this view each unit's pending reduction (``reduced``) instead of returning the
+    gradient to autograd. At most ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shard
+    added to the unit's accumulated gradient) when another starts, the rest at the end of each micro-batch
+    (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
+    of ``dist_mesh`` on gloo, or NCCL's stream, move one unit while the next is differentiated. The cost: one unit's
+    whole gradient more alive at a time. The shards are the same numbers the synchronous path gives (the same
+    reduction, cast to the shard's dtype as autograd casts it, accumulated over micro-batches in order).
+    Under ``torch.func.grad`` (``autodiff="func"``) ``grad_into`` is not called and the reductions stay synchronous.
+    """
+
+    IN_FLIGHT = 1
+
+    def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str]) -> None:
+        super().__init__(inputs, build, releases=True)
+        self.names = names
+        self.active = False  # grad_into was called: the reductions come here
+        self._pending: list[tuple[str, Any, torch.dtype]] = []
+        self._acc: dict[str, torch.Tensor] = {}
+
+    def grad_into(self, leaves: list[torch.Tensor]) -> bool:
+        self.active = True
+        return True  # plain autograd's backward; the leaves themselves receive no gradient
+
+    @property
+    def accumulates(self) -> bool:
+        return self.active
+
+    def reduced(self, name: str, pending: Any, dtype: torch.dtype) -> None:
+        self._pending.append((name, pending, dtype))
+        while len(self._pending) > self.IN_FLIGHT:
+            self._settle()
+
+    def _settle(self) -> None:
+        name, pending, dtype = self._pending.pop(0)
+        shard = pending.wait().to(dtype)
+        acc = self._acc.get(name)
+        self._acc[name] = shard if acc is None else acc.add_(shard)
+
+    def release(self) -> None:
+        while self._pending:
+            self._settle()
+        super().release()
+
+    def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.active:
+            return grads
+        grads.clear()
+        acc, self._acc = self._acc, {}
+        return [acc[n] if n in acc else torch.zeros_like(x) for n, x in zip(self.names, self.inputs)]
 
 
 def check_units(units: object, api: str) -> tuple[str, ...] | None:

@@ -123,12 +123,16 @@ class ReplicatedParams(UnitParams):
 
     unit_stage = 2  # what fzero.remat names in its error when given these params
 
-    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor], **kw) -> None:
+    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor], *, sink: Any = None, **kw) -> None:
         super().__init__(inputs, layout, comm, **kw)
         self.wholes = wholes
+        self.sink = sink  # under plain autograd: takes each unit's reduction while it is in flight (ShardGradView)
 
     def _whole(self, unit):
-        return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype)
+        if self.sink is None:
+            return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype)
+        return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype,
+                                         self.sink, unit.name)
 
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
