@@ -1,5 +1,5 @@
-"""Stage 2's reductions in flight during backward (issue 15): under plain autograd each unit's reduce-scatter is
-started in its backward and waited for while later units are differentiated (``ShardGradView``), and the
+"""Reductions in flight during backward at stages 2-3 (issue 15): under plain autograd each unit's reduce-scatter
+is started in its backward and waited for while later units are differentiated (``ShardGradView``), and the
 updated params of stages 1-2 are all-gathered with every unit's gather issued before the first wait.
 
 Only the timing changes, never a number: every test compares bitwise with the synchronous path (each unit's
@@ -20,10 +20,10 @@ def _spy(monkeypatch):
     seen = {"most": 0, "reduced": 0}
     original = ShardGradView.reduced
 
-    def reduced(self, name, pending, dtype):
+    def reduced(self, name, pending, like):
         seen["reduced"] += 1
         seen["most"] = max(seen["most"], len(self._pending) + 1)
-        return original(self, name, pending, dtype)
+        return original(self, name, pending, like)
 
     monkeypatch.setattr(ShardGradView, "reduced", reduced)
     return seen
@@ -31,12 +31,13 @@ def _spy(monkeypatch):
 
 @pytest.mark.parametrize("problem", ["mlp", "gpt", "any"])
 @pytest.mark.parametrize("in_flight", [0, 1, 3])
-def test_reductions_in_flight_equal_the_synchronous_path_bitwise(monkeypatch, problem, in_flight):
+@pytest.mark.parametrize("stages", [2, 3])
+def test_reductions_in_flight_equal_the_synchronous_path_bitwise(monkeypatch, problem, in_flight, stages):
     prob = PROBLEMS[problem]()
-    synchronous, m_sync = fzero_run(prob, stages=2, mesh=fzero.local_mesh(2), autodiff="func", grad_accum=2)
+    synchronous, m_sync = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="func", grad_accum=2)
     seen = _spy(monkeypatch)
     monkeypatch.setattr(ShardGradView, "IN_FLIGHT", in_flight)
-    overlapped, m_over = fzero_run(prob, stages=2, mesh=fzero.local_mesh(2), autodiff="autograd", grad_accum=2)
+    overlapped, m_over = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="autograd", grad_accum=2)
     assert seen["reduced"] > 0  # the in-flight path ran
     # the newest plus IN_FLIGHT older ones, never more (the models have 3 units or more: at 0 and 1 the bound is met)
     assert seen["most"] <= in_flight + 1 and (in_flight > 1 or seen["most"] == in_flight + 1)
@@ -47,20 +48,34 @@ def test_reductions_in_flight_equal_the_synchronous_path_bitwise(monkeypatch, pr
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", fzero.Precision(compute=torch.bfloat16, reduce=torch.float32)])
-def test_reductions_in_flight_keep_the_low_precision_casts(precision):
+@pytest.mark.parametrize("stages", [2, 3])
+def test_reductions_in_flight_keep_the_low_precision_casts(precision, stages):
     # the shard gradient is cast to the shard's dtype as autograd casts it (bf16 params, fp32 reduction)
     prob = PROBLEMS["gpt"]()
-    synchronous, _ = fzero_run(prob, stages=2, mesh=fzero.local_mesh(2), autodiff="func", precision=precision)
-    overlapped, _ = fzero_run(prob, stages=2, mesh=fzero.local_mesh(2), autodiff="autograd", precision=precision)
+    synchronous, _ = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="func", precision=precision)
+    overlapped, _ = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="autograd", precision=precision)
     for a, b in zip(overlapped, synchronous):
         assert_trees_equal(a, b)
 
 
-def test_stage2_with_reductions_in_flight_equals_stage0_bitwise():
+@pytest.mark.parametrize("stages", [2, 3])
+def test_reductions_in_flight_equal_stage0_bitwise(stages):
     prob = PROBLEMS["gpt"]()
     stage0, _ = fzero_run(prob, stages=0, mesh=fzero.local_mesh(2))
-    stage2, _ = fzero_run(prob, stages=2, mesh=fzero.local_mesh(2))
-    for a, b in zip(stage2, stage0):
+    sharded, _ = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2))
+    for a, b in zip(sharded, stage0):
+        assert_trees_equal(a, b)
+
+
+@pytest.mark.parametrize("settings", [{"remat": True}, {"offload": "cpu", "offload_params": True}, {"prefetch": False}],
+                         ids=["remat", "offload-params", "no-prefetch"])
+def test_stage3_reductions_in_flight_with_remat_offload_and_no_prefetch(settings):
+    # remat units and the root unit still reduce through autograd (their leaves' .grad); offloaded shards get
+    # their gradient on the host
+    prob = PROBLEMS["gpt"]()
+    synchronous, _ = fzero_run(prob, stages=3, mesh=fzero.local_mesh(2), autodiff="func", grad_accum=2, **settings)
+    overlapped, _ = fzero_run(prob, stages=3, mesh=fzero.local_mesh(2), autodiff="autograd", grad_accum=2, **settings)
+    for a, b in zip(overlapped, synchronous):
         assert_trees_equal(a, b)
 
 
@@ -84,14 +99,15 @@ def test_a_unit_without_gradient_gets_zeros_not_another_units_shard():
 
     batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
     runs = {}
-    for autodiff in ("func", "autograd"):
-        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=2, mesh=fzero.local_mesh(2), autodiff=autodiff)
+    for autodiff, stages in (("func", 2), ("autograd", 2), ("autograd", 3)):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=stages, mesh=fzero.local_mesh(2), autodiff=autodiff)
         state = step.init(fzero.params_of(model))
         for _ in range(2):
             state, metrics = step(state, batch)
         assert set(metrics["unused"]) == {"blocks.1.weight", "blocks.1.bias"}
-        runs[autodiff] = step.gather(state)
-    assert_trees_equal(runs["autograd"], runs["func"])
+        runs[autodiff, stages] = step.gather(state)
+    assert_trees_equal(runs["autograd", 2], runs["func", 2])
+    assert_trees_equal(runs["autograd", 3], runs["func", 2])
     before = fzero.params_of(model)
-    assert torch.equal(runs["autograd"]["blocks.1.weight"], before["blocks.1.weight"])  # untouched, as torch's grad=None
-    assert not torch.equal(runs["autograd"]["blocks.2.weight"], before["blocks.2.weight"])
+    assert torch.equal(runs["autograd", 3]["blocks.1.weight"], before["blocks.1.weight"])  # untouched, as torch's grad=None
+    assert not torch.equal(runs["autograd", 3]["blocks.2.weight"], before["blocks.2.weight"])

@@ -60,7 +60,7 @@ class ReplicatedShardGrad(torch.autograd.Function):
     unit's full gradient at a time, plus the shards (ZeRO-2's 2Ψ + (2+K)Ψ/N).
 
     Under plain autograd a ``sink`` (``fzero.zero._shard_grads.ShardGradView``) may take the reduction instead:
-    the backward starts it (``reduce_scatter_async``), hands it to ``sink.reduced(name, pending, dtype)`` and
+    the backward starts it (``reduce_scatter_async``), hands it to ``sink.reduced(name, pending, shard)`` and
     returns no gradient, so the next unit's backward runs while it is in flight. (A collective started in a
     backward is what ``torch.func`` refuses, so under it the reduction stays a Function of its own, as above.)
     """
@@ -74,13 +74,13 @@ class ReplicatedShardGrad(torch.autograd.Function):
         ctx.comm = inputs[2]
         ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
         ctx.sink, ctx.name = (inputs[4], inputs[5]) if len(inputs) > 4 else (None, None)
-        ctx.shard_dtype = inputs[0].dtype
+        ctx.shard = inputs[0].detach()  # where and in which dtype its gradient goes (a view: no memory)
 
     @staticmethod
     def backward(ctx, grad_full):
         if ctx.sink is not None:
             pending = ctx.comm.reduce_scatter_async(_as(grad_full, ctx.reduce_dtype).contiguous(), tag="grads", label=ctx.name)
-            ctx.sink.reduced(ctx.name, pending, ctx.shard_dtype)
+            ctx.sink.reduced(ctx.name, pending, ctx.shard)
             return None, None, None, None, None, None
         return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None
 

@@ -110,7 +110,32 @@ class _UnitGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like)
+        if ctx.call.params.sink is not None:  # plain autograd: the reduction in flight while the next unit's backward runs
+            _reduce(flat, ctx.call, ctx.free_after, sink=ctx.call.params.sink)
+            return None, None, None, None
         return _UnitReduce.apply(flat, ctx.call, ctx.free_after), None, None, None
+
+
+def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any = None) -> torch.Tensor | None:
+    """Reduce-scatter a unit's gradient into its shard's, and free the gathered buffer again. ``sink``: start the
+    reduction and hand it there (``ShardGradView.reduced``), returning None; else wait for it and return the shard."""
+    if free_after and not call.refilled:
+        raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
+    params = call.params
+    grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
+    shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
+    if sink is not None:
+        pending = params.comm.reduce_scatter_async(grad, tag="grads", label=call.unit.name)
+        grad_shard = None
+    else:
+        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)
+    if free_after:
+        call.done()
+        call.free()
+        call.refilled = False
+    if sink is not None:
+        sink.reduced(call.unit.name, pending, shard.detach())
+    return grad_shard
 
 
 class _UnitReduce(torch.autograd.Function):
@@ -118,16 +143,7 @@ class _UnitReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(grad_full, call, free_after):
-        if free_after and not call.refilled:
-            raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
-        params = call.params
-        grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
-        shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
-        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)
-        if free_after:
-            call.done()
-            call.free()
-            call.refilled = False
+        grad_shard = _reduce(grad_full, call, free_after)
         return grad_shard.view_as(grad_shard) if grad_shard is grad_full else grad_shard
 
     @staticmethod

@@ -47,11 +47,12 @@ class GradsInBackward(GradsReduceScatter):
 
 
 class ShardGradView(View):
-    """Stage 2's view under plain autograd: each unit's reduce-scatter is started in backward and waited for while
-    later units' backward runs, rather than in its own backward.
+    """The view of stages 2-3 under plain autograd: each unit's reduce-scatter is started in backward and waited for
+    while later units' backward runs, rather than in its own backward.
 
-    ``ReplicatedShardGrad`` hands this view each unit's pending reduction (``reduced``) instead of returning the
-    gradient to autograd. At most ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shard
+    ``ReplicatedShardGrad`` (stage 2) and ``_UnitGather`` (stage 3) hand this view each unit's pending reduction
+    (``reduced``) instead of returning the gradient to autograd; what still comes through autograd (stage 3's
+    root unit, a ``remat`` unit) is taken from the leaves' ``.grad``. At most ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shard
     added to the unit's accumulated gradient) when another starts, the rest at the end of each micro-batch
     (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
     of ``dist_mesh`` on gloo, or NCCL's stream, move one unit while the next is differentiated. The cost: one unit's
@@ -66,31 +67,43 @@ class ShardGradView(View):
         super().__init__(inputs, build, releases=True)
         self.names = names
         self.active = False  # grad_into was called: the reductions come here
-        self._pending: list[tuple[str, Any, torch.dtype]] = []
-        self._acc: dict[str, torch.Tensor] = {}
+        self._pending: list[tuple[str, Any, torch.Tensor]] = []
+        self._micro: dict[str, torch.Tensor] = {}  # this micro-batch's shard gradients
+        self._acc: dict[str, torch.Tensor] = {}  # the step's, summed over micro-batches
 
     def grad_into(self, leaves: list[torch.Tensor]) -> bool:
         self.active = True
-        return True  # plain autograd's backward; the leaves themselves receive no gradient
+        self._leaves = leaves  # a unit reduced synchronously (stage 3's root unit, a remat unit) fills its leaf's .grad
+        return True  # plain autograd's backward
 
     @property
     def accumulates(self) -> bool:
         return self.active
 
-    def reduced(self, name: str, pending: Any, dtype: torch.dtype) -> None:
-        self._pending.append((name, pending, dtype))
+    def reduced(self, name: str, pending: Any, like: torch.Tensor) -> None:
+        """Unit ``name``'s reduction was started; its shard gradient goes where ``like`` (the unit's shard) is, in its
+        dtype (as autograd would cast and move it: the host, where stage 3 offloads params)."""
+        self._pending.append((name, pending, like))
         while len(self._pending) > self.IN_FLIGHT:
             self._settle()
 
     def _settle(self) -> None:
-        name, pending, dtype = self._pending.pop(0)
-        shard = pending.wait().to(dtype)
-        acc = self._acc.get(name)
-        self._acc[name] = shard if acc is None else acc.add_(shard)
+        name, pending, like = self._pending.pop(0)
+        _add(self._micro, name, pending.wait().to(like.device, like.dtype, non_blocking=like.is_cuda))
 
     def release(self) -> None:
+        """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called
+        twice has two, summed first, as autograd sums them) to those of the earlier ones, in that order."""
         while self._pending:
             self._settle()
+        for name, leaf in zip(self.names, getattr(self, "_leaves", ())):
+            if leaf.grad is not None:
+                _add(self._micro, name, leaf.grad)
+                leaf.grad = None
+        self._leaves = ()
+        for name, g in self._micro.items():
+            _add(self._acc, name, g)
+        self._micro = {}
         super().release()
 
     def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -99,6 +112,11 @@ class ShardGradView(View):
         grads.clear()
         acc, self._acc = self._acc, {}
         return [acc[n] if n in acc else torch.zeros_like(x) for n, x in zip(self.names, self.inputs)]
+
+
+def _add(into: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
+    acc = into.get(name)
+    into[name] = grad if acc is None else acc.add_(grad)
 
 
 def check_units(units: object, api: str) -> tuple[str, ...] | None:

@@ -17,14 +17,15 @@ from fzero.step._parts import View
 from fzero.step._step import Step, as_step
 from fzero.zero._schedule import Schedule
 from fzero.zero._sharded import ShardedParams
-from fzero.zero._shard_grads import GradsInBackward, check_units
+from fzero.zero._shard_grads import GradsInBackward, ShardGradView, check_units
 
 
-class _GatheredView(View):
-    """A step's view at stage 3: its ``Schedule`` records the order of the gathers, for the next step's prefetch."""
+class _GatheredView(ShardGradView):
+    """A step's view at stage 3: its ``Schedule`` records the order of the gathers, for the next step's prefetch;
+    under plain autograd it takes the units' reductions while they are in flight (``ShardGradView``)."""
 
-    def __init__(self, inputs, build, schedule: Schedule) -> None:
-        super().__init__(inputs, build, releases=True)
+    def __init__(self, inputs, build, schedule: Schedule, names: list[str] | None = None) -> None:
+        super().__init__(inputs, build, names or [])
         self.schedule = schedule
 
     def finish(self, meta: Any) -> Any:
@@ -50,12 +51,13 @@ class ParamsSharded:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
-        return _GatheredView(
+        view = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
-                                     jit=grads.jit),
-            schedule,
+                                     jit=grads.jit, sink=view if view.active else None),
+            schedule, names,
         )
+        return view
 
     def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
         layout = state.meta.layout

@@ -146,10 +146,11 @@ class ShardedParams(UnitParams):
 
     unit_stage = 3  # what fzero.remat names in its error when given these params
 
-    def __init__(self, inputs, layout, comm, schedule: Any, *, remat: bool = False, **kw) -> None:
+    def __init__(self, inputs, layout, comm, schedule: Any, *, remat: bool = False, sink: Any = None, **kw) -> None:
         super().__init__(inputs, layout, comm, **kw)
         self.schedule = schedule
         self.remat = remat
+        self.sink = sink  # under plain autograd: takes each unit's reduction while it is in flight (ShardGradView)
 
     def __getitem__(self, name: str) -> Any:
         raise TypeError(
