@@ -111,3 +111,54 @@ def test_a_unit_without_gradient_gets_zeros_not_another_units_shard():
     before = fzero.params_of(model)
     assert torch.equal(runs["autograd", 3]["blocks.1.weight"], before["blocks.1.weight"])  # untouched, as torch's grad=None
     assert not torch.equal(runs["autograd", 3]["blocks.2.weight"], before["blocks.2.weight"])
+
+
+@pytest.mark.parametrize("stages", [0, 1])
+@pytest.mark.parametrize("problem", ["gpt", "mlp"])
+def test_stage01_reductions_start_in_backward_in_descending_unit_order(monkeypatch, stages, problem):
+    # ParamView starts each unit's all-reduce (stage 0) or reduce-scatter (stage 1) as soon as backward completes
+    # it, from the last unit down; what backward never completes (unused params) starts at its end, in that order
+    from fzero.step._parts import ParamView
+
+    order, during = {}, []  # per view (a rank's step): the units in the order their reductions started
+    original = ParamView._start_ready
+
+    def spy(self, *, all_=False):
+        before = self._next
+        original(self, all_=all_)
+        order.setdefault(self, []).extend(range(before, self._next, -1))  # the view kept: no id reused
+        during.append(0 if all_ else before - self._next)
+
+    monkeypatch.setattr(ParamView, "_start_ready", spy)
+    prob = PROBLEMS[problem]()
+    by_func, _ = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="func", grad_accum=2)
+    started, _ = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), autodiff="autograd", grad_accum=2)
+    for a, b in zip(started, by_func):
+        assert_trees_equal(a, b)
+    assert len(order) == 2 * len(prob.batches)  # each rank's step started its reductions
+    for started_units in order.values():
+        units = len(started_units)
+        assert units == len(next(iter(order)).layout.units) and started_units == list(range(units - 1, -1, -1))
+    assert problem != "gpt" or units > 1
+    assert sum(during) > 0  # some started while backward still ran
+
+
+@pytest.mark.parametrize("stages", [0, 1])
+def test_stage01_a_unit_backward_never_completes_starts_at_the_end(stages):
+    torch.manual_seed(0)
+    model = _Skips()
+
+    def loss_fn(params, batch):
+        return (fzero.apply(model, params, batch["x"]) - batch["y"]).pow(2).mean()
+
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
+    runs = {}
+    for autodiff in ("func", "autograd"):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=stages, mesh=fzero.local_mesh(2),
+                             autodiff=autodiff, unit_elements=20)
+        state = step.init(fzero.params_of(model))
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        assert set(metrics["unused"]) == {"blocks.1.weight", "blocks.1.bias"}
+        runs[autodiff] = step.gather(state)
+    assert_trees_equal(runs["autograd"], runs["func"])

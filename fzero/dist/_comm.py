@@ -10,7 +10,8 @@ the same sums by the same N and stays bitwise comparable):
 - ``reduce_scatter(full, *, tag, label=None)``: this rank's 1/N slice of the sum over ranks of ``full``
   (``full`` itself when N = 1). ``reduce_scatter_async`` starts it and returns a ``Pending`` (``full`` must not
   change until it is waited for).
-- ``all_reduce(tensor, *, tag, label=None)``: sum ``tensor`` over ranks, in place; returns it.
+- ``all_reduce(tensor, *, tag, label=None)``: sum ``tensor`` over ranks, in place; returns it (``all_reduce_async``:
+  started, a ``Pending``).
 - ``broadcast(tensor, *, src, tag, label=None)``: overwrite ``tensor`` with rank ``src``'s, in place.
 - ``agree(fields, *, api, fix)``: raise ``RanksDisagree`` naming the first field (in rank 0's order) whose
   value differs on some rank. ``fields`` are small picklable (name, value) pairs describing what every rank

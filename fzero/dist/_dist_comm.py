@@ -178,6 +178,17 @@ class DistComm(Recording):
         return tensor
 
     @ranged
+    def all_reduce_async(self, tensor, *, tag, label=None):
+        self._note("all_reduce", tag, tensor.numel(), tensor, label)
+        call = self._issue("all_reduce", tag, label, tensor, tensor.numel())
+        if self._exchanges("all_reduce", tensor):
+            sent = _p2p.all_reduce(tensor, rank=self.rank, size=self.size, group=self.group,
+                                   wait=lambda works: self._wait_works(works, call, tensor))
+            return Pending(lambda: (self._wait_works(sent.works, call, tensor), sent.finish())[1])
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(lambda: (self._wait(work, call, tensor), tensor)[1])
+
+    @ranged
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
         call = self._issue("broadcast", tag, label, tensor, tensor.numel(), src)

@@ -168,6 +168,9 @@ class ThreadComm(Recording):
         self._done()
         return acc
 
+    def all_reduce_async(self, tensor, *, tag, label=None):  # as all_gather_async: the exchange runs when waited for
+        return Pending(lambda: self.all_reduce(tensor, tag=tag, label=label))
+
     @ranged
     def all_reduce(self, tensor, *, tag, label=None):
         self._note("all_reduce", tag, tensor.numel(), tensor, label)

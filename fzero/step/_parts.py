@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from fzero.dist._comm import Pending
 from fzero.layout._layout import Layout
 from fzero.step import _usage
 
@@ -64,6 +65,9 @@ class View:
     def finish(self, meta: Any) -> Any:
         return meta
 
+    def begin_micro(self, *, last: bool) -> None:
+        """A micro-batch's gradient is about to be taken (``last``: the step's last)."""
+
 
 class ParamView(View):
     """Stages 0-1: the gradient is taken with respect to each param, a view of its unit's buffer.
@@ -76,10 +80,18 @@ class ParamView(View):
     ``collect`` copies them into unit buffers one unit at a time.
     """
 
-    def __init__(self, layout: Layout, flats: dict[str, torch.Tensor]) -> None:
+    def __init__(self, layout: Layout, flats: dict[str, torch.Tensor], *, start: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__(layout.param_views(flats), self._assemble)
         self.layout = layout
         self.flats: list[torch.Tensor | None] | None = None  # per unit, made on its first gradient (in place mode)
+        # In place mode, in the last micro-batch: ``start(flat)`` starts a complete unit's reduction (the grads part's
+        # ``start``) while the backward goes on, the units in descending order, as backward completes them (a unit
+        # waits for those after it, so every rank starts the same reductions in the same order whatever the timing).
+        self._start = start
+        self._last = True
+        self._arrived: list[int] = []
+        self._started: list[Any] = []
+        self._next = -1  # the unit to start next (descending)
 
     def _assemble(self, xs: list[torch.Tensor]) -> Any:
         return self.layout.assemble(xs, None if self.flats is not None else _usage.record)
@@ -89,11 +101,19 @@ class ParamView(View):
         """Whether the gradients are accumulated in place (a micro-batch's own are not returned)."""
         return self.flats is not None
 
+    def begin_micro(self, *, last: bool) -> None:
+        """A micro-batch's gradient is about to be taken; ``last``: the step's last (its reductions may start)."""
+        self._last = last
+
     def grad_into(self, leaves: list[torch.Tensor]) -> bool:
         """Hook each leaf (an alias of ``inputs``) so that its gradient goes into its unit's flat gradient as
         soon as autograd has it; True: ``torch.autograd.backward`` is to be used."""
         if self.flats is None:
             self.flats = [None] * len(self.layout.units)
+        self._arrived = [0] * len(self.layout.units)
+        if self._last and self._start is not None:
+            self._started = [None] * len(self.layout.units)
+            self._next = len(self.layout.units) - 1
         k = 0
         for u, unit in enumerate(self.layout.units):
             usage = _usage.active(unit)
@@ -104,14 +124,30 @@ class ParamView(View):
         return True
 
     def _hook(self, u: int, slot: Any, i: int, used: list[bool] | None) -> Callable[[torch.Tensor], None]:
+        count = len(self.layout.units[u].slots)
+
         def into_flat(param: torch.Tensor) -> None:
             flat = self._flat(u, param)
             flat.narrow(0, slot.offset, slot.numel).view(slot.shape).add_(param.grad)
             param.grad = None
             if used is not None:
                 used[i] = True
+            self._arrived[u] += 1
+            if self._arrived[u] == count and self._started:
+                self._start_ready()
 
         return into_flat
+
+    def _start_ready(self, *, all_: bool = False) -> None:
+        """Start the reductions of the complete units from the top down, stopping at the first incomplete one
+        (``all_``: at the end of the backward, every unit, complete or not)."""
+        units = self.layout.units
+        while self._next >= 0 and (all_ or self._arrived[self._next] == len(units[self._next].slots)):
+            u = self._next
+            flat = self.flats[u] if self.flats[u] is not None else self._zeros(units[u])
+            self.flats[u] = None  # the pending reduction holds it
+            self._started[u] = self._start(flat)
+            self._next -= 1
 
     def _flat(self, u: int, like: torch.Tensor) -> torch.Tensor:
         flat = self.flats[u]
@@ -119,9 +155,15 @@ class ParamView(View):
             flat = self.flats[u] = torch.zeros(self.layout.units[u].padded, dtype=like.dtype, device=like.device)
         return flat
 
-    def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def collect(self, grads: list[torch.Tensor]) -> list[Any]:
+        """One gradient per unit: a flat tensor, or (reductions started in backward) a ``Pending`` of the reduced one."""
         if self.flats is not None:
             grads.clear()
+            if self._started:
+                self._start_ready(all_=True)
+                started, self._started = self._started, []
+                self.flats = None
+                return started
             flats, self.flats = self.flats, None
             return [f if f is not None else self._zeros(u) for u, f in zip(self.layout.units, flats)]
         return self.layout.flatten_grads(grads)
@@ -177,11 +219,20 @@ class GradsAllReduce:
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
         """The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
-        flattened into unit buffers, one unit at a time, for the collectives."""
-        return ParamView(state.meta.layout, state.params)
+        flattened into unit buffers, one unit at a time, for the collectives; under plain autograd each unit's
+        reduction starts as soon as backward has completed it (``ParamView``), as DDP's buckets do."""
+        def start(flat: torch.Tensor) -> Any:
+            return self.start(comm, flat, reduce_dtype=reduce_dtype or flat.dtype, compute=flat.dtype)
+
+        return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
         return comm.all_reduce(grad.to(reduce_dtype), tag="grads").to(compute)
+
+    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
+        """``sync`` started now and waited for later (a ``Pending``)."""
+        pending = comm.all_reduce_async(grad.to(reduce_dtype), tag="grads")
+        return Pending(lambda: pending.wait().to(compute))
 
 
 @dataclasses.dataclass(frozen=True)

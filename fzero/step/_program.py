@@ -33,7 +33,9 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     low = None if prec.compute == torch.float32 else prec.compute
     buffers = broadcast_buffers(comm, state.buffers)
     with compute_dtype(low), recording(state.meta.layout) as usage:  # which params the gradients use (torch's grad=None)
-        for micro in split_micro(batch, step.grad_accum):
+        micros = split_micro(batch, step.grad_accum)
+        for k, micro in enumerate(micros):
+            view.begin_micro(last=k == len(micros) - 1)
             grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
                                                  into=getattr(view, "grad_into", None))
             view.release()

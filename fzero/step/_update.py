@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fzero.dist._comm import Pending
+
 from fzero.layout._layout import Layout
 from fzero.step._precision import StaticLossScale, next_loss_scale
 from fzero.layout._segments import LayoutSegments
@@ -188,7 +190,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     owned_grads = []
     for i, g in enumerate(grads):
         grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
-        g = step.grads.sync(comm, g, reduce_dtype=reduce_dtype, compute=prec.compute)
+        # started in backward (stages 0-1 under plain autograd, ``ParamView``), or synchronised now
+        g = g.wait() if isinstance(g, Pending) else step.grads.sync(comm, g, reduce_dtype=reduce_dtype, compute=prec.compute)
         owned_grads.append(g.to(torch.float32).div_(divisor))
 
     # Global norm from this rank's slice of every unit, summed over ranks (grouped by unit: size buckets

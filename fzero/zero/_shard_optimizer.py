@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from fzero.dist._comm import Pending
+
 from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
 from fzero.layout._layout import Layout
 from fzero.step._parts import GradsAllReduce, OptStateReplicated
@@ -30,6 +32,10 @@ class GradsReduceScatter(GradsAllReduce):
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
         return comm.reduce_scatter(grad.to(reduce_dtype), tag="grads").to(compute)
+
+    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
+        pending = comm.reduce_scatter_async(grad.to(reduce_dtype), tag="grads")
+        return Pending(lambda: pending.wait().to(compute))
 
 
 @dataclasses.dataclass(frozen=True)
