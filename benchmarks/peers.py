@@ -102,6 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--untied", action="store_true", help="a separate LM head (DESIGN.md's 218M reference workload: "
+                   "--layers 12 --width 1024 --heads 16 --vocab 32768 --batch 1 --untied)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps of a memory run")
@@ -253,7 +255,7 @@ def memory_worker(args) -> None:
     base = rss_kib("VmRSS")
     peak_rss_reset()
     with torch.device("meta") if args.system in META else contextlib.nullcontext():
-        model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab)
+        model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab, tie=not args.untied)
     psi = num_params(model)
     step, notes = make_system(args.system, args, model)
     del model  # the system holds what it needs
@@ -296,7 +298,7 @@ def timing_worker(args) -> None:
     batch_at = _batch_fn(args, rank, world)
     systems, notes, psi = {}, {}, None
     for n in names:
-        model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab)
+        model = build_model(args.layers, args.width, args.heads, args.seq, args.vocab, tie=not args.untied)
         psi = num_params(model)
         systems[n], notes[n] = make_system(n, args, model)
         del model
@@ -366,6 +368,8 @@ def launch(args, worker_args: list[str], mmap: int | None, label: str, timeout: 
             cmd += [f"--{name}", str(getattr(args, name))]
         if args.fsdp_fused:
             cmd.append("--fsdp-fused")
+        if args.untied:
+            cmd.append("--untied")
         t0 = time.time()
         # A session of its own, so that a timeout ends torchrun's workers too, not only the launcher.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -455,7 +459,7 @@ def driver(args) -> None:
     psi = next((r["num_params"] for r in runs if "num_params" in r), None)
     info = next((r["machine"] for r in runs if "machine" in r), machine())
     out.update(num_params=psi, machine=info, total_s=time.time() - t0)
-    print(f"\nGPT {args.layers}x{args.width}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, tied embeddings, "
+    print(f"\nGPT {args.layers}x{args.width}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, {'untied' if args.untied else 'tied'} embeddings, "
           f"{psi:,} params, fp32 | batch {args.batch} per rank x {args.nproc} ranks, gloo, OMP_NUM_THREADS=1 | "
           f"no gradient clipping | {info['cpu']}, {info['cores']} cores, torch {info['torch']} | "
           f"{out['total_s']:.0f} s in all\n")

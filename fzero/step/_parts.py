@@ -110,6 +110,7 @@ class ParamView(View):
         soon as autograd has it; True: ``torch.autograd.backward`` is to be used."""
         if self.flats is None:
             self.flats = [None] * len(self.layout.units)
+            self._written = [[False] * len(u.slots) for u in self.layout.units]
         self._arrived = [0] * len(self.layout.units)
         if self._last and self._start is not None:
             self._started = [None] * len(self.layout.units)
@@ -128,7 +129,12 @@ class ParamView(View):
 
         def into_flat(param: torch.Tensor) -> None:
             flat = self._flat(u, param)
-            flat.narrow(0, slot.offset, slot.numel).view(slot.shape).add_(param.grad)
+            where = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+            if self._written[u][i]:  # a later micro-batch: accumulate
+                where.add_(param.grad)
+            else:  # the slot's first gradient of the step: the buffer was not zeroed (a memset of the whole gradient)
+                where.copy_(param.grad)
+                self._written[u][i] = True
             param.grad = None
             if used is not None:
                 used[i] = True
@@ -144,15 +150,32 @@ class ParamView(View):
         units = self.layout.units
         while self._next >= 0 and (all_ or self._arrived[self._next] == len(units[self._next].slots)):
             u = self._next
-            flat = self.flats[u] if self.flats[u] is not None else self._zeros(units[u])
+            flat = self._holes_zeroed(u)
+            flat = flat if flat is not None else self._zeros(units[u])
             self.flats[u] = None  # the pending reduction holds it
             self._started[u] = self._start(flat)
             self._next -= 1
 
     def _flat(self, u: int, like: torch.Tensor) -> torch.Tensor:
         flat = self.flats[u]
+        if flat is None:  # uninitialised: each slot's first gradient is copied in, the rest zeroed by _holes_zeroed
+            flat = self.flats[u] = torch.empty(self.layout.units[u].padded, dtype=like.dtype, device=like.device)
+        return flat
+
+    def _holes_zeroed(self, u: int) -> torch.Tensor | None:
+        """Unit ``u``'s flat gradient with what no gradient was written to (padding, params without a gradient) zeroed."""
+        flat = self.flats[u]
         if flat is None:
-            flat = self.flats[u] = torch.zeros(self.layout.units[u].padded, dtype=like.dtype, device=like.device)
+            return None
+        unit, written = self.layout.units[u], self._written[u]
+        end = 0
+        for slot, w in sorted(zip(unit.slots, written), key=lambda sw: sw[0].offset):
+            if w:
+                if slot.offset > end:
+                    flat[end:slot.offset].zero_()
+                end = max(end, slot.offset + slot.numel)
+        if end < unit.padded:
+            flat[end:].zero_()
         return flat
 
     def collect(self, grads: list[torch.Tensor]) -> list[Any]:
@@ -164,7 +187,8 @@ class ParamView(View):
                 started, self._started = self._started, []
                 self.flats = None
                 return started
-            flats, self.flats = self.flats, None
+            flats = [self._holes_zeroed(u) for u in range(len(self.layout.units))]
+            self.flats = None
             return [f if f is not None else self._zeros(u) for u, f in zip(self.layout.units, flats)]
         return self.layout.flatten_grads(grads)
 
