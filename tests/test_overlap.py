@@ -90,7 +90,8 @@ class _Skips(torch.nn.Module):
         return self.blocks[2](torch.tanh(self.blocks[0](x))).sum(-1)
 
 
-def test_a_unit_without_gradient_gets_zeros_not_another_units_shard():
+def _skips_runs(runs: list[tuple[str, int]], **settings) -> dict:
+    """``_Skips`` trained 2 steps per (autodiff, stages) on local_mesh(2): the gathered params of each run."""
     torch.manual_seed(0)
     model = _Skips()
 
@@ -98,17 +99,23 @@ def test_a_unit_without_gradient_gets_zeros_not_another_units_shard():
         return (fzero.apply(model, params, batch["x"]) - batch["y"]).pow(2).mean()
 
     batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
-    runs = {}
-    for autodiff, stages in (("func", 2), ("autograd", 2), ("autograd", 3)):
-        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=stages, mesh=fzero.local_mesh(2), autodiff=autodiff)
+    out = {"before": fzero.params_of(model)}
+    for autodiff, stages in runs:
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=stages, mesh=fzero.local_mesh(2),
+                             autodiff=autodiff, **({"unit_elements": 20} if stages < 2 else {}), **settings)
         state = step.init(fzero.params_of(model))
         for _ in range(2):
             state, metrics = step(state, batch)
         assert set(metrics["unused"]) == {"blocks.1.weight", "blocks.1.bias"}
-        runs[autodiff, stages] = step.gather(state)
+        out[autodiff, stages] = step.gather(state)
+    return out
+
+
+def test_a_unit_without_gradient_gets_zeros_not_another_units_shard():
+    runs = _skips_runs([("func", 2), ("autograd", 2), ("autograd", 3)])
     assert_trees_equal(runs["autograd", 2], runs["func", 2])
     assert_trees_equal(runs["autograd", 3], runs["func", 2])
-    before = fzero.params_of(model)
+    before = runs["before"]
     assert torch.equal(runs["autograd", 3]["blocks.1.weight"], before["blocks.1.weight"])  # untouched, as torch's grad=None
     assert not torch.equal(runs["autograd", 3]["blocks.2.weight"], before["blocks.2.weight"])
 
@@ -145,20 +152,5 @@ def test_stage01_reductions_start_in_backward_in_descending_unit_order(monkeypat
 
 @pytest.mark.parametrize("stages", [0, 1])
 def test_stage01_a_unit_backward_never_completes_starts_at_the_end(stages):
-    torch.manual_seed(0)
-    model = _Skips()
-
-    def loss_fn(params, batch):
-        return (fzero.apply(model, params, batch["x"]) - batch["y"]).pow(2).mean()
-
-    batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
-    runs = {}
-    for autodiff in ("func", "autograd"):
-        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(0.1), stages=stages, mesh=fzero.local_mesh(2),
-                             autodiff=autodiff, unit_elements=20)
-        state = step.init(fzero.params_of(model))
-        for _ in range(2):
-            state, metrics = step(state, batch)
-        assert set(metrics["unused"]) == {"blocks.1.weight", "blocks.1.bias"}
-        runs[autodiff] = step.gather(state)
-    assert_trees_equal(runs["autograd"], runs["func"])
+    runs = _skips_runs([("func", stages), ("autograd", stages)])
+    assert_trees_equal(runs["autograd", stages], runs["func", stages])

@@ -123,7 +123,7 @@ def profiled(name: Callable[[], str]) -> Any:
 def ranged(method: Callable) -> Callable:
     """A collective in a profiler range named ``fzero.<op>:<tag>[:<unit>]`` (``profiled``), so a trace shows each
     collective, what it moves and for which unit."""
-    op = method.__name__
+    op = method.__name__.removesuffix("_async")  # started or waited for, the range names the collective
 
     @functools.wraps(method)
     def inner(self, *args: Any, tag: str, label: str | None = None, **kwargs: Any) -> Any:

@@ -120,17 +120,10 @@ class DistComm(Recording):
         self._wait(_ALL_GATHER(everyone, mine, group=self.group, async_op=True), call, everyone)
         return [pickle.loads(everyone[r * longest : r * longest + int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
 
-    @ranged
+    # Each collective is issued asynchronously (``*_async``, a ``Pending``); the plain form waits for it at once.
+
     def all_gather(self, out, shard, *, tag, label=None):
-        self._note("all_gather", tag, out.numel(), out, label)
-        call = self._issue("all_gather", tag, label, out, out.numel())
-        if self._exchanges("all_gather", out):
-            sent = _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group)
-            self._wait_works(sent.works, call, out)
-            return sent.finish()
-        # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        self._wait(_ALL_GATHER(out, shard.clone(), group=self.group, async_op=True), call, out)
-        return out
+        return self.all_gather_async(out, shard, tag=tag, label=label).wait()
 
     @ranged
     def all_gather_async(self, out, shard, *, tag, label=None):
@@ -139,20 +132,12 @@ class DistComm(Recording):
         if self._exchanges("all_gather", out):
             sent = _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group)
             return Pending(lambda: (self._wait_works(sent.works, call, out), sent.finish())[1])
+        # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
         work = _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True)
         return Pending(lambda: (self._wait(work, call, out), out)[1])
 
-    @ranged
     def reduce_scatter(self, full, *, tag, label=None):
-        self._note("reduce_scatter", tag, full.numel(), full, label)
-        call = self._issue("reduce_scatter", tag, label, full, full.numel())
-        if self._exchanges("reduce_scatter", full):
-            sent = _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group)
-            self._wait_works(sent.works, call, full)
-            return sent.finish()
-        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        self._wait(_REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call, full)
-        return out
+        return self.reduce_scatter_async(full, tag=tag, label=label).wait()
 
     @ranged
     def reduce_scatter_async(self, full, *, tag, label=None):
@@ -165,17 +150,8 @@ class DistComm(Recording):
         work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(lambda: (self._wait(work, call, full), out)[1])
 
-    @ranged
     def all_reduce(self, tensor, *, tag, label=None):
-        self._note("all_reduce", tag, tensor.numel(), tensor, label)
-        call = self._issue("all_reduce", tag, label, tensor, tensor.numel())
-        if self._exchanges("all_reduce", tensor):
-            sent = _p2p.all_reduce(tensor, rank=self.rank, size=self.size, group=self.group,
-                                   wait=lambda works: self._wait_works(works, call, tensor))
-            self._wait_works(sent.works, call, tensor)
-            return sent.finish()
-        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call, tensor)
-        return tensor
+        return self.all_reduce_async(tensor, tag=tag, label=label).wait()
 
     @ranged
     def all_reduce_async(self, tensor, *, tag, label=None):
