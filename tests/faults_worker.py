@@ -22,6 +22,7 @@ with the time it misbehaved, just before it does.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -39,7 +40,7 @@ STEPS = 6
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", choices=("none", "raise", "kill", "stall", "stages", "width", "precision", "features", "evaluate",
-                                            "fewer"),
+                                            "fewer", "collectives"),
                         required=True)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--at", type=int, default=3, help="the step (1-based) at which rank 1 misbehaves")
@@ -48,6 +49,8 @@ def main() -> None:
     args = parser.parse_args()
     mesh = fzero.dist_mesh() if args.timeout is None else fzero.dist_mesh(timeout=args.timeout)
     odd = mesh.rank == 1
+    if odd and args.fault == "collectives":  # gloo's own collectives on rank 1, exchanges on rank 0
+        mesh = dataclasses.replace(mesh, collectives="native")
     width = 64 if odd and args.fault == "width" else 8
     stages = args.stages - 1 if odd and args.fault == "stages" else args.stages
     precision = "bf16" if odd and args.fault == "precision" else "fp32"

@@ -123,6 +123,9 @@ def test_a_batch_of_another_feature_size_on_one_rank_is_named(tmp_path):
         ("width", 0, r"ranks disagree on the number of units: rank 0 has \d+, rank 1 has \d+\."),
         ("precision", 3, r"ranks disagree on the precision: rank 0 has Precision\(compute=torch\.float32.*\), rank 1 has "
                          r"Precision\(compute=torch\.bfloat16"),
+        # exchanges on one rank, gloo's own collectives on the other would pair unrelated messages
+        ("collectives", 2, r"ranks disagree on how gloo collectives run \(dist_mesh\(collectives=\.\.\.\)\): rank 0 has "
+                           r"'auto', rank 1 has 'native'\."),
     ],
 )
 def test_ranks_built_differently_raise_at_init_on_every_rank(tmp_path, fault, stages, message):

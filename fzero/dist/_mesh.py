@@ -251,7 +251,8 @@ AGREE_FIX = (
 )
 
 
-def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int, device_type: str | None = None) -> list[tuple[str, Any]]:
+def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int, device_type: str | None = None,
+                   collectives: str | None = None) -> list[tuple[str, Any]]:
     """What every rank of one job must share, as (name, value) pairs in the order a difference is reported.
 
     Ranks that differ in any of these would issue collectives of different units or sizes, or pair
@@ -263,6 +264,8 @@ def program_fields(layout: Any, *, stage: int, precision: Any, grad_accum: int, 
     ]
     if device_type is not None:  # gloo and NCCL would each wait for the other: a hang, not an error
         fields.append(("the device type of the params", device_type))
+    if collectives is not None:  # exchanges on one rank and gloo's collectives on another pair unrelated messages
+        fields.append(("how gloo collectives run (dist_mesh(collectives=...))", repr(collectives)))
     fields += [(f"unit #{i}", repr(u.name)) for i, u in enumerate(layout.units)]
     for u in layout.units:
         fields += [(f"the number of params in unit {u.name!r}", len(u.slots)), (f"the dtype of unit {u.name!r}", str(u.dtype))]

@@ -69,7 +69,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
         if not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
             # a rank that makes its params learns their device from the first unit it made
             fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
-                                    device_type=(device or torch.device("cpu")).type)
+                                    device_type=(device or torch.device("cpu")).type, collectives=getattr(comm, "collectives", None))
             comm.agree(fields, api=API, fix=AGREE_FIX)
             agreed = True
         flat = layout.pack_unit(unit, values, device=device)  # in the compute dtype
