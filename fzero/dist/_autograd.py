@@ -73,7 +73,7 @@ class ReplicatedShardGrad(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.comm = inputs[2]
         ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
-        ctx.sink, ctx.name = (inputs[4], inputs[5]) if len(inputs) > 4 else (None, None)
+        ctx.sink, ctx.name = inputs[4:6] if len(inputs) > 4 else (None, None)
         ctx.shard = inputs[0].detach()  # where and in which dtype its gradient goes (a view: no memory)
 
     @staticmethod

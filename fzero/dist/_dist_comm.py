@@ -33,8 +33,6 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # ring all-reduce beats an exchange's two rounds (0.75-0.95x).
 AUTO_EXCHANGES = ("all_gather", "reduce_scatter")
 
-COLLECTIVES = ("auto", "native", "p2p")
-
 CALLS_FIX = ("Under fzero.dist_mesh every rank makes the same fzero calls in the same order: Step.__call__, "
              "Step.evaluate, Step.gather and Step.state_dict are collectives, so call them on every rank (keep only "
              "printing and saving on rank 0), with the same number of steps on every rank.")

@@ -186,6 +186,9 @@ def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
     return LocalMesh(n, float(timeout))
 
 
+COLLECTIVES = ("auto", "native", "p2p")  # dist_mesh(collectives=...)
+
+
 def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives: str = "auto") -> DistMesh:
     """This process as one rank of a ``torchrun`` job; initialises the default process group if needed.
 
@@ -217,8 +220,8 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"fzero.dist_mesh: timeout must be a number of seconds > 0, got {timeout!r}; e.g. "
                          f"fzero.dist_mesh(timeout=1800) for a slow first step.")
-    if collectives not in ("auto", "native", "p2p"):
-        raise ValueError(f"fzero.dist_mesh: collectives must be 'auto', 'native' or 'p2p', got {collectives!r}.")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"fzero.dist_mesh: collectives must be one of {COLLECTIVES}, got {collectives!r}.")
 
     if not dist.is_initialized():
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]

@@ -251,10 +251,10 @@ class GradsAllReduce:
         return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
-        return comm.all_reduce(grad.to(reduce_dtype), tag="grads").to(compute)
+        return self.start(comm, grad, reduce_dtype=reduce_dtype, compute=compute).wait()
 
     def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
-        """``sync`` started now and waited for later (a ``Pending``)."""
+        """The gradient's reduction started now, waited for later (a ``Pending``; ``sync`` waits at once)."""
         pending = comm.all_reduce_async(grad.to(reduce_dtype), tag="grads")
         return Pending(lambda: pending.wait().to(compute))
 

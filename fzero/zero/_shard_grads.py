@@ -67,6 +67,7 @@ class ShardGradView(View):
         super().__init__(inputs, build, releases=True)
         self.names = names
         self.active = False  # grad_into was called: the reductions come here
+        self._leaves: list[torch.Tensor] | tuple = ()
         self._pending: list[tuple[str, Any, torch.Tensor]] = []
         self._micro: dict[str, torch.Tensor] = {}  # this micro-batch's shard gradients
         self._acc: dict[str, torch.Tensor] = {}  # the step's, summed over micro-batches
@@ -96,7 +97,7 @@ class ShardGradView(View):
         twice has two, summed first, as autograd sums them) to those of the earlier ones, in that order."""
         while self._pending:
             self._settle()
-        for name, leaf in zip(self.names, getattr(self, "_leaves", ())):
+        for name, leaf in zip(self.names, self._leaves):
             if leaf.grad is not None:
                 _add(self._micro, name, leaf.grad)
                 leaf.grad = None

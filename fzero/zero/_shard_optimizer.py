@@ -30,9 +30,6 @@ class GradsReduceScatter(GradsAllReduce):
 
     whole = False
 
-    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
-        return comm.reduce_scatter(grad.to(reduce_dtype), tag="grads").to(compute)
-
     def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
         pending = comm.reduce_scatter_async(grad.to(reduce_dtype), tag="grads")
         return Pending(lambda: pending.wait().to(compute))

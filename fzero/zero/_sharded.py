@@ -129,8 +129,6 @@ class ReplicatedParams(UnitParams):
         self.sink = sink  # under plain autograd: takes each unit's reduction while it is in flight (ShardGradView)
 
     def _whole(self, unit):
-        if self.sink is None:
-            return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype)
         return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype,
                                          self.sink, unit.name)
 
