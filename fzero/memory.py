@@ -63,6 +63,10 @@ class _Tally:
         with self._lock:
             self.live -= self._sizes.pop(key, 0)
 
+    def on_returned(self, buffer: torch.Tensor) -> None:
+        """A buffer was given back to a step's pool (``fzero.step._pool``): no longer in use, as if freed."""
+        self._drop(buffer.untyped_storage()._cdata)
+
     def on_resized(self, buffer: torch.Tensor) -> None:
         """A counted storage was freed (``resize_(0)``) or given its memory back (stage 3, between a unit's
         forward and its backward): count its new size."""
@@ -97,6 +101,13 @@ class LiveBytes(TorchDispatchMode, _Tally):
 
     def on_gathered(self, buffer: torch.Tensor) -> None:
         """Counted already: the allocation went through this dispatch mode."""
+
+    def on_lent(self, buffer: torch.Tensor) -> None:
+        """A step's pool lends a buffer it held (``fzero.step._pool``): in use, as a new one would be."""
+        storage = buffer.untyped_storage()
+        if storage._cdata not in self._sizes:
+            self._set(storage._cdata, storage.nbytes())
+            weakref.finalize(storage, self._drop, storage._cdata)
 
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

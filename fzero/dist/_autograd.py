@@ -15,40 +15,50 @@ from fzero.dist import _events
 
 
 class ReduceScatter(torch.autograd.Function):
-    """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient."""
+    """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient.
+    ``pool`` (plain autograd, a step's ``fzero.step._pool``): the shard is made in one of its buffers, and ``full``
+    goes back to it."""
 
     @staticmethod
-    def forward(full, comm, tag, back_tag):
-        out = comm.reduce_scatter(full.contiguous(), tag=tag)
+    def forward(full, comm, tag, back_tag, pool=None):
+        if pool is not None:
+            from fzero.step._pool import reduce_scatter  # the step package depends on this one
+
+            out = reduce_scatter(comm, full.contiguous(), pool=pool, tag=tag).wait()
+        else:
+            out = comm.reduce_scatter(full.contiguous(), tag=tag)
         # One rank returns ``full`` itself; a Function must not hand back its input unaliased.
         return out.view_as(out) if out is full else out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:]
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:4]
 
     @staticmethod
     def backward(ctx, grad_shard):
-        return AllGather.apply(grad_shard, ctx.comm, ctx.back_tag, ctx.tag), None, None, None
+        return AllGather.apply(grad_shard, ctx.comm, ctx.back_tag, ctx.tag), None, None, None, None
 
 
 class AllGather(torch.autograd.Function):
     """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient (summed in
-    ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype)."""
+    ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype). ``pool`` (plain autograd):
+    the gathered buffer and the reduced shard are a step's buffers (``fzero.step._pool``)."""
 
     @staticmethod
-    def forward(shard, comm, tag, back_tag, reduce_dtype=None):
-        out = _events.gathered(torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device))
-        return comm.all_gather(out, shard.contiguous(), tag=tag)
+    def forward(shard, comm, tag, back_tag, reduce_dtype=None, pool=None):
+        n = shard.numel() * comm.size
+        out = torch.empty(n, dtype=shard.dtype, device=shard.device) if pool is None else pool.take(n, dtype=shard.dtype, device=shard.device)
+        return comm.all_gather(_events.gathered(out), shard.contiguous(), tag=tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.comm, ctx.tag, ctx.back_tag = inputs[1:4]
         ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
+        ctx.pool = inputs[5] if len(inputs) > 5 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag), None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag, ctx.pool), None, None, None, None, None
 
 
 class ReplicatedShardGrad(torch.autograd.Function):
@@ -66,7 +76,7 @@ class ReplicatedShardGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None):
+    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None, pool=None):
         return full.view_as(full)
 
     @staticmethod
@@ -74,15 +84,18 @@ class ReplicatedShardGrad(torch.autograd.Function):
         ctx.comm = inputs[2]
         ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
         ctx.sink, ctx.name = inputs[4:6] if len(inputs) > 4 else (None, None)
+        ctx.pool = inputs[6] if len(inputs) > 6 else None
         ctx.shard = inputs[0].detach()  # where and in which dtype its gradient goes (a view: no memory)
 
     @staticmethod
     def backward(ctx, grad_full):
         if ctx.sink is not None:
-            pending = ctx.comm.reduce_scatter_async(_as(grad_full, ctx.reduce_dtype).contiguous(), tag="grads", label=ctx.name)
+            from fzero.step._pool import reduce_scatter  # the step's buffers (the step package depends on this one)
+
+            pending = reduce_scatter(ctx.comm, _as(grad_full, ctx.reduce_dtype).contiguous(), pool=ctx.pool, tag="grads", label=ctx.name)
             ctx.sink.reduced(ctx.name, pending, ctx.shard)
-            return None, None, None, None, None, None
-        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None
+            return None, None, None, None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None, None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -7,9 +7,9 @@ the same sums by the same N and stays bitwise comparable):
 - ``all_gather(out, shard, *, tag, label=None)``: fill ``out`` (N·len(shard) elements) with every rank's
   shard, in rank order; ``shard`` may be a view of ``out``. ``all_gather_async`` (same arguments) starts it
   and returns a ``Pending`` whose ``wait()`` gives ``out`` once filled; ranks must issue in the same order.
-- ``reduce_scatter(full, *, tag, label=None)``: this rank's 1/N slice of the sum over ranks of ``full``
-  (``full`` itself when N = 1). ``reduce_scatter_async`` starts it and returns a ``Pending`` (``full`` must not
-  change until it is waited for).
+- ``reduce_scatter(full, *, tag, label=None, out=None)``: this rank's 1/N slice of the sum over ranks of ``full``
+  (``full`` itself when N = 1), written into ``out`` when given (a buffer a step reuses, ``fzero.step._pool``).
+  ``reduce_scatter_async`` starts it and returns a ``Pending`` (``full`` must not change until it is waited for).
 - ``all_reduce(tensor, *, tag, label=None)``: sum ``tensor`` over ranks, in place; returns it (``all_reduce_async``:
   started, a ``Pending``).
 - ``broadcast(tensor, *, src, tag, label=None)``: overwrite ``tensor`` with rank ``src``'s, in place.

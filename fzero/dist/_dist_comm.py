@@ -134,17 +134,17 @@ class DistComm(Recording):
         work = _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True)
         return Pending(lambda: (self._wait(work, call, out), out)[1])
 
-    def reduce_scatter(self, full, *, tag, label=None):
-        return self.reduce_scatter_async(full, tag=tag, label=label).wait()
+    def reduce_scatter(self, full, *, tag, label=None, out=None):
+        return self.reduce_scatter_async(full, tag=tag, label=label, out=out).wait()
 
     @ranged
-    def reduce_scatter_async(self, full, *, tag, label=None):
+    def reduce_scatter_async(self, full, *, tag, label=None, out=None):
         self._note("reduce_scatter", tag, full.numel(), full, label)
         call = self._issue("reduce_scatter", tag, label, full, full.numel())
         if self._exchanges("reduce_scatter", full):
-            sent = _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group)
+            sent = _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group, out=out)
             return Pending(lambda: (self._wait_works(sent.works, call, full), sent.finish())[1])
-        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
+        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device) if out is None else out
         work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(lambda: (self._wait(work, call, full), out)[1])
 

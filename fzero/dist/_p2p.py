@@ -60,23 +60,28 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, *, rank: int, size: int, 
     return Exchange(works, lambda: out)
 
 
-def reduce_scatter(full: torch.Tensor, *, rank: int, size: int, group: Any) -> Exchange:
-    """This rank's chunk of the sum over ranks of ``full``, summed in rank order; ``full`` is only read."""
+def reduce_scatter(full: torch.Tensor, *, rank: int, size: int, group: Any, out: torch.Tensor | None = None) -> Exchange:
+    """This rank's chunk of the sum over ranks of ``full``, summed in rank order, in ``out`` (new if None);
+    ``full`` is only read. The first peer's chunk is received straight into ``out``: no copy of our own chunk,
+    and one receive buffer fewer (none on 2 ranks)."""
     edge = bounds(full.numel(), size)
     chunk = lambda r: full[edge[r]:edge[r + 1]]  # noqa: E731
+    out = torch.empty(edge[rank + 1] - edge[rank], dtype=full.dtype, device=full.device) if out is None else out
+    first = 1 if rank == 0 else 0  # the lowest rank that is not us: its chunk goes into ``out``
     theirs: dict[int, torch.Tensor] = {}
     works = []
     for step in range(1, size):
         to, frm = (rank + step) % size, (rank - step) % size
         works.append(dist.isend(chunk(to), _global(group, to), group=group))
-        theirs[frm] = torch.empty(edge[rank + 1] - edge[rank], dtype=full.dtype, device=full.device)
+        theirs[frm] = out if frm == first else torch.empty_like(out)
         works.append(dist.irecv(theirs[frm], _global(group, frm), group=group))
 
     def finish() -> torch.Tensor:
-        first = theirs.pop(0) if rank != 0 else chunk(rank).clone()  # a received buffer is ours to sum into
-        for r in range(1, size):
-            first += chunk(rank) if r == rank else theirs.pop(r)
-        return first
+        if rank == 0:  # c0 + c1, as c1 + c0 is the same float: addition commutes bitwise
+            torch.add(chunk(0), out, out=out)
+        for r in range(2 if rank == 0 else 1, size):
+            out.add_(chunk(rank) if r == rank else theirs[r])
+        return out
 
     return Exchange(works, finish)
 

@@ -146,24 +146,26 @@ class ThreadComm(Recording):
         self._done()
         return out
 
+    runs_when_waited = True  # every *_async below: what a caller allocates for it can wait until then too
+
     def all_gather_async(self, out, shard, *, tag, label=None):  # its profiler range is the all_gather's, when waited for
         # Threads of one process have no transfer to overlap with compute, so the exchange runs when the
         # result is waited for: at the same point of the program on every rank, so ranks stay matched.
         return Pending(lambda: self.all_gather(out, shard, tag=tag, label=label))
 
-    def reduce_scatter_async(self, full, *, tag, label=None):  # as all_gather_async: the exchange runs when waited for
-        return Pending(lambda: self.reduce_scatter(full, tag=tag, label=label))
+    def reduce_scatter_async(self, full, *, tag, label=None, out=None):  # as all_gather_async: the exchange runs when waited for
+        return Pending(lambda: self.reduce_scatter(full, tag=tag, label=label, out=out))
 
     @ranged
-    def reduce_scatter(self, full, *, tag, label=None):
+    def reduce_scatter(self, full, *, tag, label=None, out=None):
         self._note("reduce_scatter", tag, full.numel(), full, label)
         if self.size == 1:
             return full
         slots = self._exchange(self._sig("reduce_scatter", tag, label, full.numel(), full), full)
         n = full.numel() // self.size
         lo, hi = self.rank * n, (self.rank + 1) * n
-        acc = slots[0][lo:hi].clone()
-        for theirs in slots[1:]:
+        acc = torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out) if out is not None else slots[0][lo:hi] + slots[1][lo:hi]
+        for theirs in slots[2:]:
             acc += theirs[lo:hi]
         self._done()
         return acc

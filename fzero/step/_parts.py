@@ -30,6 +30,7 @@ import torch
 from fzero.dist._comm import Pending
 from fzero.layout._layout import Layout
 from fzero.step import _usage
+from fzero.step._pool import Pool, take
 
 
 class View:
@@ -80,9 +81,11 @@ class ParamView(View):
     ``collect`` copies them into unit buffers one unit at a time.
     """
 
-    def __init__(self, layout: Layout, flats: dict[str, torch.Tensor], *, start: Callable[[torch.Tensor], Any] | None = None) -> None:
+    def __init__(self, layout: Layout, flats: dict[str, torch.Tensor], *, start: Callable[[torch.Tensor], Any] | None = None,
+                 pool: Pool | None = None) -> None:
         super().__init__(layout.param_views(flats), self._assemble)
         self.layout = layout
+        self.pool = pool  # where the flat gradients' buffers come from (fzero.step._pool)
         self.flats: list[torch.Tensor | None] | None = None  # per unit, made on its first gradient (in place mode)
         # In place mode, in the last micro-batch: ``start(flat)`` starts a complete unit's reduction (the grads part's
         # ``start``) while the backward goes on, the units in descending order, as backward completes them (a unit
@@ -159,7 +162,7 @@ class ParamView(View):
     def _flat(self, u: int, like: torch.Tensor) -> torch.Tensor:
         flat = self.flats[u]
         if flat is None:  # uninitialised: each slot's first gradient is copied in, the rest zeroed by _holes_zeroed
-            flat = self.flats[u] = torch.empty(self.layout.units[u].padded, dtype=like.dtype, device=like.device)
+            flat = self.flats[u] = take(self.pool, self.layout.units[u].padded, dtype=like.dtype, device=like.device)
         return flat
 
     def _holes_zeroed(self, u: int) -> torch.Tensor | None:
@@ -206,8 +209,8 @@ class ParamsReplicated:
         """What a rank keeps of a packed unit at init (``copy``: the packed buffer is shared by another rank)."""
         return flat.clone() if copy else flat
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any) -> View:
-        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype)
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Pool | None = None) -> View:
+        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool)
 
     def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
         layout = state.meta.layout
@@ -241,20 +244,21 @@ class GradsAllReduce:
         """How params are grouped into units: None, by size (``unit_elements``)."""
         return None
 
-    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None) -> View:
         """The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
         flattened into unit buffers, one unit at a time, for the collectives; under plain autograd each unit's
         reduction starts as soon as backward has completed it (``ParamView``), as DDP's buckets do."""
         def start(flat: torch.Tensor) -> Any:
-            return self.start(comm, flat, reduce_dtype=reduce_dtype or flat.dtype, compute=flat.dtype)
+            return self.start(comm, flat, reduce_dtype=reduce_dtype or flat.dtype, compute=flat.dtype, pool=pool)
 
-        return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None)
+        return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None, pool=pool)
 
-    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
-        return self.start(comm, grad, reduce_dtype=reduce_dtype, compute=compute).wait()
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Pool | None = None) -> torch.Tensor:
+        return self.start(comm, grad, reduce_dtype=reduce_dtype, compute=compute, pool=pool).wait()
 
-    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
-        """The gradient's reduction started now, waited for later (a ``Pending``; ``sync`` waits at once)."""
+    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Pool | None = None) -> Any:
+        """The gradient's reduction started now, waited for later (a ``Pending``; ``sync`` waits at once); in place,
+        so ``pool`` (where a reduce-scatter's output comes from) is not needed."""
         pending = comm.all_reduce_async(grad.to(reduce_dtype), tag="grads")
         return Pending(lambda: pending.wait().to(compute))
 

@@ -26,7 +26,9 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     reduce_dtype = None if prec.reduce_dtype == prec.compute else prec.reduce_dtype
     # disk offload of params: a mapped shard's pages go back to its file after each use
     release = step.opt_state.release(state.opt_state)
-    view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release)
+    # under torch.func the backward's buffers are the transform's: a pool lends only to plain autograd's
+    pool = step.pool if step.autodiff == "autograd" else None
+    view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool)
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     acc: list[torch.Tensor] | None = None
     losses, aux = [], None
@@ -47,7 +49,7 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-    new_state, metrics = finish(step, comm, state, acc, loss, scale, meta, aux, usage)
+    new_state, metrics = finish(step, comm, state, acc, loss, scale, meta, aux, usage, pool=step.pool)
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
         for t in new_state.params.values():

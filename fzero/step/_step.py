@@ -32,6 +32,7 @@ from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicat
 from fzero.step._precision import Precision, policy
 from fzero.step._program import eval_program, rank_program
 from fzero.step._batch import LossFnInContext, split_batch
+from fzero.step._pool import Pool
 from fzero.step._state import RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified
 
 
@@ -131,11 +132,20 @@ class Step:
         return program(self._in_context, comm, *args)
 
     @functools.cached_property
+    def pool(self) -> Pool:
+        """The host buffers this step lends itself across units and calls (gradients, reduced shards): memory, never
+        values (``fzero.step._pool``). A cache of this step object, as ``_in_context`` is, not a field: it
+        describes no setting, and a step rebuilt by a transform starts an empty one."""
+        return Pool()
+
+    @functools.cached_property
     def _in_context(self) -> "Step":
         """This step with its ``loss_fn`` wrapped to name the batch when it fails (``LossFnInContext``): what the rank
         programs run. Made once per step object (a cache, not a field), so it is also the identity that warns once."""
         split = isinstance(self.mesh, LocalMesh) or self.grad_accum > 1
-        return dataclasses.replace(self, loss_fn=LossFnInContext(self.loss_fn, split=split))
+        in_context = dataclasses.replace(self, loss_fn=LossFnInContext(self.loss_fn, split=split))
+        in_context.__dict__["pool"] = self.pool  # one pool per step the user holds (its cache, as this one)
+        return in_context
 
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, state: TrainState | RankStates, batch: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from fzero.dist._comm import Pending
 from fzero.layout._layout import Layout
 from fzero.step._precision import StaticLossScale, next_loss_scale
 from fzero.layout._segments import LayoutSegments
+from fzero.step._pool import Pool, give
 from fzero.step._usage import Usage
 
 
@@ -176,9 +177,10 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
 
 
 def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
-           usage: Usage | None = None):
+           usage: Usage | None = None, *, pool: Pool | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
-    gradients used (``fzero.step._usage``); None: all of them."""
+    gradients used (``fzero.step._usage``); None: all of them. ``pool``: where the gradients' buffers go when
+    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs."""
     layout, n, prec = state.meta.layout, comm.size, step.precision
     units = layout.units
     ranges = [u.shard_range(comm.rank, n) for u in units]
@@ -191,7 +193,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
     for i, g in enumerate(grads):
         grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
         # started in backward (stages 0-1 under plain autograd, ``ParamView``), or synchronised now
-        g = g.wait() if isinstance(g, Pending) else step.grads.sync(comm, g, reduce_dtype=reduce_dtype, compute=prec.compute)
+        g = g.wait() if isinstance(g, Pending) else step.grads.sync(comm, g, reduce_dtype=reduce_dtype, compute=prec.compute, pool=pool)
         owned_grads.append(g.to(torch.float32).div_(divisor))
 
     # Global norm from this rank's slice of every unit, summed over ranks (grouped by unit: size buckets
@@ -245,7 +247,10 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
             del before
         del grad_tree, params
         step.opt_state.after_update(step.params, comm, flats, layout)
-    del owned_grads, slices
+    del slices
+    for g in owned_grads:  # the update is done with them: their buffers serve the next step
+        give(pool, g)
+    del owned_grads
 
     metrics = {
         "loss": float(reduced[0]) / n,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -73,21 +73,40 @@ def active(unit: Unit) -> Usage | None:
     return usage
 
 
-def split(flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:
-    """``flat`` cut into ``unit``'s slots (and its padding, last), 1-D views; recorded while a step records."""
+def split(flat: torch.Tensor, unit: Unit, *, pool: Any = None) -> tuple[torch.Tensor, ...]:
+    """``flat`` cut into ``unit``'s slots (and its padding, last), 1-D views; recorded while a step records
+    (``pool``: where the backward's flat gradient is made, see ``join``)."""
     sizes = split_sizes(unit)
     usage = active(unit)
     if usage is None:
         return torch.split(flat, sizes)
     # the record itself, not its list, is the argument: torch.func rebuilds list arguments (a copy would be written)
-    return _RecordedSplit.apply(flat, tuple(sizes), usage, unit.name)
+    return _RecordedSplit.apply(flat, tuple(sizes), usage, unit.name, pool)
 
 
 def join(grads: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], used: list[bool] | None,
-         like: tuple[torch.dtype, torch.device]) -> torch.Tensor:
-    """The flat gradient of a split: ``grads`` (None where a piece got none: zeros) in one ``cat``, noting in
-    ``used`` which pieces got one. ``sizes`` may be longer than ``grads`` (trailing pieces without a view: zeros)."""
+         like: tuple[torch.dtype, torch.device], pool: Any = None) -> torch.Tensor:
+    """The flat gradient of a split: ``grads`` (None where a piece got none: zeros) in one buffer, noting in
+    ``used`` which pieces got one. ``sizes`` may be longer than ``grads`` (trailing pieces without a view: zeros).
+
+    With a ``pool`` (plain autograd) the buffer is one of the step's and each gradient is copied into its place;
+    without (``torch.func``, whose backward computes on its own wrapped tensors) it is one ``cat``."""
     present = next((g for g in grads if g is not None), None)
+    if pool is not None:
+        dtype, device = (present.dtype, present.device) if present is not None else like
+        flat = pool.take(sum(sizes), dtype=dtype, device=device)
+        offset = 0
+        for i, n in enumerate(sizes):
+            g = grads[i] if i < len(grads) else None
+            piece = flat.narrow(0, offset, n)
+            if g is None:
+                piece.zero_()
+            else:
+                if used is not None and i < len(used):
+                    used[i] = True
+                piece.view(g.shape).copy_(g)  # a transposed gradient is copied once, not made contiguous first
+            offset += n
+        return flat
     parts = []
     for i, n in enumerate(sizes):
         g = grads[i] if i < len(grads) else None
@@ -147,16 +166,16 @@ class _RecordedSplit(torch.autograd.Function):
     """``torch.split`` whose backward notes which outputs got a gradient (``usage.used[unit][i] = True``)."""
 
     @staticmethod
-    def forward(flat, sizes, usage, unit):
+    def forward(flat, sizes, usage, unit, pool=None):
         return tuple(flat.split(list(sizes)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        flat, ctx.sizes, usage, unit = inputs
+        flat, ctx.sizes, usage, unit, ctx.pool = inputs if len(inputs) == 5 else (*inputs, None)
         ctx.used = usage.used[unit]
         ctx.like = (flat.dtype, flat.device)
         ctx.set_materialize_grads(False)  # a view that got no gradient arrives as None
 
     @staticmethod
     def backward(ctx, *grads):
-        return join(grads, ctx.sizes, ctx.used, ctx.like), None, None, None
+        return join(grads, ctx.sizes, ctx.used, ctx.like, ctx.pool), None, None, None, None

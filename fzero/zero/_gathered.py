@@ -21,6 +21,7 @@ from fzero.dist._comm import profiled
 from fzero.layout import _tree
 from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage
+from fzero.step._pool import reduce_scatter as pooled_reduce_scatter
 from fzero.zero._schedule import UnitCall
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
@@ -109,7 +110,7 @@ class _UnitGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like)
+        flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like, pool=ctx.call.params.pool)
         if ctx.call.params.sink is not None:  # plain autograd: the reduction in flight while the next unit's backward runs
             _reduce(flat, ctx.call, ctx.free_after, sink=ctx.call.params.sink)
             return None, None, None, None
@@ -124,8 +125,8 @@ def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any =
     params = call.params
     grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
     shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
-    if sink is not None:
-        pending = params.comm.reduce_scatter_async(grad, tag="grads", label=call.unit.name)
+    if sink is not None:  # into a buffer of the step's pool; the whole gradient goes back to it once reduced
+        pending = pooled_reduce_scatter(params.comm, grad, pool=params.pool, tag="grads", label=call.unit.name)
         grad_shard = None
     else:
         grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)

@@ -11,6 +11,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
+from fzero.step._pool import Pool, can_move, fill_from, free_into, move_into, take
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.
@@ -70,9 +71,13 @@ class UnitCall:
             bound.__exit__(None, None, None)
 
     def free(self) -> None:
-        """Give the gathered buffer's memory back; the graph's views of it stay, pointing at nothing until refilled."""
+        """Give the gathered buffer's memory back (to the step's pool, on the host); the graph's views of it stay,
+        pointing at nothing until refilled."""
         if self.full is not None and self.full.untyped_storage().nbytes():
-            self.full.untyped_storage().resize_(0)
+            if can_move(self.schedule.pool, self.full):
+                free_into(self.schedule.pool, self.full)
+            else:
+                self.full.untyped_storage().resize_(0)
             _events.resized(self.full)
 
     def unalloc(self) -> bool:
@@ -82,7 +87,10 @@ class UnitCall:
         """The buffer with its memory back (contents undefined until a gather fills it)."""
         full = self.full
         if not full.untyped_storage().nbytes():
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if can_move(self.schedule.pool, full):
+                fill_from(self.schedule.pool, full)
+            else:
+                full.untyped_storage().resize_(full.numel() * full.element_size())
             _events.resized(full)
         return full
 
@@ -100,8 +108,10 @@ class Schedule:
     """
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
-                 release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu")) -> None:
+                 release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu"),
+                 pool: Pool | None = None) -> None:
         self.comm = comm
+        self.pool = pool  # where gathered buffers' memory comes from and goes back to (fzero.step._pool)
         self.device = device  # where units are gathered; a shard held elsewhere (on the host) is copied here first
         self.release = release  # disk offload of params: give a shard's pages back once it is gathered
         self.units = {u.name: u for u in layout.units}
@@ -137,7 +147,7 @@ class Schedule:
             with _same_version(out):
                 handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         else:
-            out = _events.gathered(torch.empty(unit.padded, dtype=unit.dtype, device=self.device))
+            out = _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
             handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         self.pending[pos] = (name, handle, target)
 
@@ -178,7 +188,7 @@ class Schedule:
         else:
             if self.following:
                 self._stop_following(ahead)
-            full = _events.gathered(torch.empty(call.unit.padded, dtype=shard.dtype, device=self.device))
+            full = _events.gathered(take(self.pool, call.unit.padded, dtype=shard.dtype, device=self.device))
             self.comm.all_gather(full, self._here(shard), tag="params", label=name)
         self._after(name, pos, call)
         if call.keeps_graph:
@@ -199,7 +209,11 @@ class Schedule:
         elif self.following and ahead is not None and ahead[0] == name and ahead[2] in (call, None):
             with _same_version(full), torch.no_grad():
                 got = ahead[1].wait()
-                if ahead[2] is None:  # gathered ahead while the forward still used this buffer: copy it in
+                if ahead[2] is None and call.unalloc() and can_move(self.pool, got):  # gathered ahead: its memory
+                    move_into(call.full, got)  # becomes the freed buffer's, no copy
+                    _events.resized(got)
+                    _events.resized(call.full)
+                elif ahead[2] is None:  # gathered ahead while the forward still used this buffer: copy it in
                     call.alloc().copy_(got)
             del got, ahead  # the pending gather holds its buffer: drop it before the next one is issued
         else:

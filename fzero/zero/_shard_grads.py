@@ -34,15 +34,15 @@ class GradsInBackward(GradsReduceScatter):
     def unit_of(self, api: str) -> Callable[[str], str] | None:
         return by_container_child if self.units is None else by_prefixes(self.units, api=api)
 
-    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None) -> View:
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Any = None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                 jit=self.jit, sink=view if view.active else None), names)
+                                                                 jit=self.jit, sink=view if view.active else None, pool=pool), names)
         return view
 
-    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
         return grad  # already this rank's reduced shard
 
 

@@ -19,6 +19,7 @@ from fzero.dist._comm import Pending
 from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
 from fzero.layout._layout import Layout
 from fzero.step._parts import GradsAllReduce, OptStateReplicated
+from fzero.step._pool import Pool, reduce_scatter
 from fzero.step._step import Step, as_step
 from fzero.zero._policies import OffloadPolicy
 
@@ -30,8 +31,9 @@ class GradsReduceScatter(GradsAllReduce):
 
     whole = False
 
-    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype) -> Any:
-        pending = comm.reduce_scatter_async(grad.to(reduce_dtype), tag="grads")
+    def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Pool | None = None) -> Any:
+        # the shard in a buffer of ``pool``; the whole gradient goes back to it once reduced
+        pending = reduce_scatter(comm, grad.to(reduce_dtype), pool=pool, tag="grads")
         return Pending(lambda: pending.wait().to(compute))
 
 

@@ -47,14 +47,15 @@ class ParamsSharded:
     def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return dict(flats)  # the shards themselves
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any) -> View:
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
-        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
+        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
+                            pool=pool)
         view = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
-                                     jit=grads.jit, sink=view if view.active else None),
+                                     jit=grads.jit, sink=view if view.active else None, pool=pool),
             schedule, names,
         )
         return view

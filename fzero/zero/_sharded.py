@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from fzero.layout._clone import clone_structure
 from fzero.step import _usage
+from fzero.step._pool import Pool
 from fzero.dist._autograd import AllGather, ReplicatedShardGrad
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.layout._layout import ROOT, Layout, Unit
@@ -41,8 +43,9 @@ class UnitParams(Mapping):
     """
 
     def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None,
-                 jit: bool = False) -> None:
+                 jit: bool = False, pool: Pool | None = None) -> None:
         self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
+        self.pool = pool  # plain autograd: where the units' flat gradients and reduced shards are made (fzero.step._pool)
         self.jit = jit  # each unit's forward through torch.compile (fzero.zero._jit)
         self._compiled: dict[int, Any] = {}
         self.layout = layout
@@ -87,7 +90,8 @@ class UnitParams(Mapping):
     def views(self, unit: Unit) -> dict[str, torch.Tensor]:
         """``{path: tensor}`` of a whole unit, made once per step (its autograd node is created here)."""
         if unit.name not in self._views:
-            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit), _usage.split)
+            split = functools.partial(_usage.split, pool=self.pool)
+            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit), split)
         return self._views[unit.name]
 
     def _whole(self, unit: Unit) -> torch.Tensor:
@@ -98,10 +102,14 @@ class UnitParams(Mapping):
 
     def release(self) -> None:
         """Drop the views and skeletons at the end of the step: skeletons point back here (a cycle that
-        would keep the root unit's gathered buffer alive until the garbage collector runs)."""
+        would keep the root unit's gathered buffer alive until the garbage collector runs). Stage 3's root
+        unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
         self._skeletons.clear()
         self._compiled.clear()
+        root, self._root = getattr(self, "_root", None), None
+        if root is not None and self.pool is not None:
+            self.pool.give(root)
 
     def skeleton(self, module: nn.Module) -> nn.Module:
         skel = self._skeletons.get(id(module))
@@ -130,7 +138,7 @@ class ReplicatedParams(UnitParams):
 
     def _whole(self, unit):
         return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype,
-                                         self.sink, unit.name)
+                                         self.sink, unit.name, self.pool)
 
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
@@ -160,7 +168,8 @@ class ShardedParams(UnitParams):
         if unit.name != ROOT:
             raise RuntimeError(f"fzero (stage 3): unit {unit.name!r} is gathered only inside its own forward.")
         # The root unit is gathered once and stays gathered until backward is done with it (as FSDP2 keeps its root).
-        return AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype)
+        self._root = AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype, self.pool)
+        return self._root
 
     def run_unit(self, inner, unit, args, kwargs):
         return run_unit(inner, unit, self, args, kwargs)

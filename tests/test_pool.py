@@ -1,0 +1,167 @@
+"""The step's pool of host buffers (issue 15, ``fzero.step._pool``): memory reused across units and steps, never values.
+
+A step lends itself its units' flat gradients, the reduce-scattered shards and (stage 3) the gathered units'
+memory, and gets them back when their use is over. What must hold: the same bits as without the pool, no
+buffer lent while anything still refers to it, no fresh unit-sized allocation in a step once the pool has
+them, and a pool that does not grow from step to step.
+"""
+
+import collections
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fzero
+import fzero.step._step as step_module
+from fzero.step._pool import Pool, can_move, free_into, fill_from
+from fzero.testing import assert_trees_equal
+from problems import PROBLEMS, fzero_run
+
+
+# -- the pool itself ---------------------------------------------------------------------------------------
+
+
+def test_a_given_buffer_is_lent_again():
+    pool = Pool()
+    a = pool.take(1000, dtype=torch.float32, device="cpu")
+    ptr = a.data_ptr()
+    pool.give(a)
+    del a
+    assert pool.held_bytes == 4000
+    b = pool.take(1000, dtype=torch.float32, device="cpu")
+    assert b.data_ptr() == ptr and pool.held_bytes == 0
+    c = pool.take(1000, dtype=torch.float32, device="cpu")  # nothing free: a new one
+    assert c.data_ptr() != ptr
+
+
+def test_a_buffer_something_still_holds_is_never_lent_again():
+    pool = Pool()
+    for keep in (lambda t: t[10:20], lambda t: t, lambda t: t.view(10, 100)):  # a view, the taker's tensor, a reshape
+        a = pool.take(1000, dtype=torch.float32, device="cpu")
+        a.fill_(7.0)
+        held = keep(a)
+        pool.give(a)
+        del a
+        b = pool.take(1000, dtype=torch.float32, device="cpu")
+        b.fill_(-1.0)  # had the pool lent the same memory, ``held`` would read -1
+        assert bool((held == 7.0).all())
+        del held, b
+        pool = Pool()
+
+
+def test_only_its_own_whole_buffers_come_back():
+    pool = Pool()
+    pool.give(torch.empty(100))  # never lent
+    a = pool.take(100, dtype=torch.float32, device="cpu")
+    pool.give(a[:50])  # a view of a loan
+    assert pool.held_bytes == 0
+    pool.give(a)
+    assert pool.held_bytes == 400
+    assert pool.take(100, dtype=torch.float64, device="cpu").dtype == torch.float64  # by dtype too
+    assert pool.held_bytes == 400
+
+
+def test_memory_moves_into_a_freed_buffer_and_back_without_a_write():
+    # stage 3: a gathered unit's memory goes to the pool between forward and backward; the graph's views stay
+    pool = Pool()
+    full = pool.take(64, dtype=torch.float32, device="cpu")
+    full.copy_(torch.arange(64.0))
+    view = full[8:16]
+    version = full._version
+    assert can_move(pool, full)
+    free_into(pool, full)
+    assert full.untyped_storage().nbytes() == 0 and pool.held_bytes == 256
+    fill_from(pool, full)
+    assert full.untyped_storage().nbytes() == 256 and pool.held_bytes == 0
+    full.copy_(torch.arange(64.0))
+    assert torch.equal(view, torch.arange(8.0, 16.0)) and view._version == version + 1  # only our own copy counted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_buffers_are_left_to_the_caching_allocator():
+    pool = Pool()
+    a = pool.take(100, dtype=torch.float32, device="cuda")
+    pool.give(a)
+    assert a.is_cuda and pool.held_bytes == 0
+
+
+# -- in a step -----------------------------------------------------------------------------------------------
+
+
+def _without_pool(monkeypatch):
+    monkeypatch.setattr(step_module.Step, "pool", property(lambda self: None))
+
+
+@pytest.mark.parametrize("problem", ["mlp", "gpt"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_a_pooled_step_equals_one_without_the_pool_bitwise(monkeypatch, problem, stages):
+    prob = PROBLEMS[problem]()
+    pooled, m_pooled = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), grad_accum=2)
+    _without_pool(monkeypatch)
+    plain, m_plain = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2), grad_accum=2)
+    for a, b in zip(pooled, plain):
+        assert_trees_equal(a, b)
+    assert [m["grad_norm"] for m in m_pooled] == [m["grad_norm"] for m in m_plain]
+
+
+class _UnitSizedAllocations(TorchDispatchMode):
+    """New storages of at least ``least`` bytes, by op."""
+
+    def __init__(self, least: int) -> None:
+        super().__init__()
+        self.least = least
+        self.by_op: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes() >= self.least \
+                    and t.untyped_storage().data_ptr() not in ins:
+                self.by_op[str(func)] += 1
+        return out
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_after_the_first_step_no_unit_sized_buffer_is_allocated(stages):
+    # an MLP whose layers (the units) are much larger than its activations: a unit-sized allocation is a buffer
+    width = 256
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    unit = width * width + width
+
+    def loss_fn(params, batch):
+        return fzero.apply(model, params, batch).square().mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=stages, mesh=fzero.local_mesh(1),
+                         **({"unit_elements": unit} if stages < 2 else {}))
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(2, width)
+    for _ in range(2):
+        state, _ = step(state, x)
+    held = step.pool.held_bytes
+    seen = _UnitSizedAllocations(least=unit * 4 // 2)  # a whole unit, or a shard of one (there is one rank here)
+    with seen:
+        state, _ = step(state, x)
+    # what is left: the per-parameter weight gradients autograd makes (as in plain PyTorch), nothing of fzero's
+    assert set(seen.by_op) <= {"aten.mm.default"}, seen.by_op
+    assert step.pool.held_bytes == held  # the pool does not grow from step to step
+
+
+def test_a_pool_holds_at_most_what_a_step_used_at_once():
+    # stage 2 on two simulated ranks: the pool keeps the shards (one unit's half each) and the flat gradients of
+    # at most two units (the one in flight and the next); nothing grows with the steps
+    prob = PROBLEMS["mlp"](steps=4)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=2, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(prob.model))
+    held = []
+    for b in prob.batches:
+        state, _ = step(state, b)
+        held.append(step.pool.held_bytes)
+    units = state[0].meta.layout.units
+    shards = sum(u.padded // 2 for u in units) * 4
+    largest = max(u.padded for u in units) * 4
+    assert held[1:] == held[1:2] * (len(held) - 1)
+    assert 0 < held[-1] <= 2 * (shards + 2 * largest)  # two ranks
