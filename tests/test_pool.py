@@ -34,6 +34,11 @@ def test_a_given_buffer_is_lent_again():
     assert b.data_ptr() == ptr and pool.held_bytes == 0
     c = pool.take(1000, dtype=torch.float32, device="cpu")  # nothing free: a new one
     assert c.data_ptr() != ptr
+    pool.give(b)
+    pool.give(c)
+    assert pool.held_bytes == 8000
+    pool.clear()
+    assert pool.held_bytes == 0
 
 
 def test_a_buffer_something_still_holds_is_never_lent_again():

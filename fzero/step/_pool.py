@@ -77,6 +77,11 @@ class Pool:
             self._free[(buffer.numel(), buffer.dtype)].append(buffer.detach())  # its own alias, not the taker's tensor
         _events.returned(buffer)
 
+    def clear(self) -> None:
+        """Let go of every free buffer (their memory goes back to the allocator); buffers out on loan are unaffected."""
+        with self._lock:
+            self._free.clear()
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the free buffers it holds now."""
