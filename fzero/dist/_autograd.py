@@ -70,8 +70,9 @@ class ReplicatedShardGrad(torch.autograd.Function):
     unit's full gradient at a time, plus the shards (ZeRO-2's 2Ψ + (2+K)Ψ/N).
 
     Under plain autograd a ``sink`` (``fzero.zero._shard_grads.ShardGradView``) may take the reduction instead:
-    the backward starts it (``reduce_scatter_async``), hands it to ``sink.reduced(name, pending, shard)`` and
-    returns no gradient, so the next unit's backward runs while it is in flight. (A collective started in a
+    the backward hands it the unit's gradient (``sink.ready(name, grad, shard)``), which starts its reduce-scatter
+    (alone, or in a bucket with the next units) and returns no gradient, so the next unit's backward runs while
+    it is in flight. (A collective started in a
     backward is what ``torch.func`` refuses, so under it the reduction stays a Function of its own, as above.)
     """
 
@@ -90,10 +91,7 @@ class ReplicatedShardGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_full):
         if ctx.sink is not None:
-            from fzero.step._pool import reduce_scatter  # the step's buffers (the step package depends on this one)
-
-            pending = reduce_scatter(ctx.comm, _as(grad_full, ctx.reduce_dtype).contiguous(), pool=ctx.pool, tag="grads", label=ctx.name)
-            ctx.sink.reduced(ctx.name, pending, ctx.shard)
+            ctx.sink.ready(ctx.name, _as(grad_full, ctx.reduce_dtype).contiguous(), ctx.shard)
             return None, None, None, None, None, None, None
         return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None, None
 

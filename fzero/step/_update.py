@@ -248,8 +248,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
         del grad_tree, params
         step.opt_state.after_update(step.params, comm, flats, layout)
     del slices
-    for g in owned_grads:  # the update is done with them: their buffers serve the next step
-        give(pool, g)
+    for g in owned_grads:  # the update is done with them: their buffers serve the next step (a bucket's, once)
+        give(pool, g if g._base is None else g._base)
     del owned_grads
 
     metrics = {

@@ -21,7 +21,6 @@ from fzero.dist._comm import profiled
 from fzero.layout import _tree
 from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage
-from fzero.step._pool import reduce_scatter as pooled_reduce_scatter
 from fzero.zero._schedule import UnitCall
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
@@ -125,8 +124,7 @@ def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any =
     params = call.params
     grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
     shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
-    if sink is not None:  # into a buffer of the step's pool; the whole gradient goes back to it once reduced
-        pending = pooled_reduce_scatter(params.comm, grad, pool=params.pool, tag="grads", label=call.unit.name)
+    if sink is not None:  # the sink starts its reduction (alone or in a bucket with the next units')
         grad_shard = None
     else:
         grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)
@@ -135,7 +133,7 @@ def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any =
         call.free()
         call.refilled = False
     if sink is not None:
-        sink.reduced(call.unit.name, pending, shard.detach())
+        sink.ready(call.unit.name, grad, shard.detach())
     return grad_shard
 
 

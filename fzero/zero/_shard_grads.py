@@ -17,6 +17,7 @@ import torch
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
 from fzero.layout._units import by_container_child, by_prefixes
 from fzero.step._parts import View
+from fzero.step._pool import give, reduce_scatter, take
 from fzero.step._step import Step, as_step
 from fzero.zero._sharded import ReplicatedParams
 from fzero.zero._shard_optimizer import GradsReduceScatter
@@ -39,7 +40,8 @@ class GradsInBackward(GradsReduceScatter):
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                 jit=self.jit, sink=view if view.active else None, pool=pool), names)
+                                                                 jit=self.jit, sink=view if view.active else None, pool=pool), names,
+                             comm=comm, pool=pool)
         return view
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
@@ -50,11 +52,15 @@ class ShardGradView(View):
     """The view of stages 2-3 under plain autograd: each unit's reduce-scatter is started in backward and waited for
     while later units' backward runs, rather than in its own backward.
 
-    ``ReplicatedShardGrad`` (stage 2) and ``_UnitGather`` (stage 3) hand this view each unit's pending reduction
-    (``reduced``) instead of returning the gradient to autograd; what still comes through autograd (stage 3's
-    root unit, a ``remat`` unit) is taken from the leaves' ``.grad``. At most ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shard
-    added to the unit's accumulated gradient) when another starts, the rest at the end of each micro-batch
-    (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
+    ``ReplicatedShardGrad`` (stage 2) and ``_UnitGather`` (stage 3) hand this view each unit's whole gradient
+    (``ready``) instead of returning it to autograd; what still comes through autograd (stage 3's root unit, a
+    ``remat`` unit) is taken from the leaves' ``.grad``. Units smaller than ``BUCKET_ELEMENTS`` are reduced in
+    buckets: consecutive units' gradients are laid out rank chunk by rank chunk (every unit's chunk 0, then every
+    unit's chunk 1, ...) so that one reduce-scatter gives each rank its shard of every unit, summed in the same
+    rank order as one reduce-scatter per unit (FSDP2 lays out its reduce-scatter input the same way), and a
+    model of many small units pays one collective's latency per bucket rather than per unit. At most
+    ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shards added to the units'
+    accumulated gradients) when another starts, the rest at the end of each micro-batch (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
     of ``dist_mesh`` on gloo, or NCCL's stream, move one unit while the next is differentiated. The cost: one unit's
     whole gradient more alive at a time. The shards are the same numbers the synchronous path gives (the same
     reduction, cast to the shard's dtype as autograd casts it, accumulated over micro-batches in order).
@@ -62,13 +68,19 @@ class ShardGradView(View):
     """
 
     IN_FLIGHT = 1
+    # a bucket is reduced once it holds this many elements: 4 MiB of fp32, DDP's first bucket (1 MiB) to its later
+    # ones (25 MiB); a GPT block of width 512 (3.1M) is a bucket of its own, the main job's blocks (160K) share one
+    BUCKET_ELEMENTS = 2**20
 
-    def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str]) -> None:
+    def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str], *, comm: Any = None, pool: Any = None) -> None:
         super().__init__(inputs, build, releases=True)
         self.names = names
+        self.comm = comm
+        self.pool = pool  # the step's buffers (fzero.step._pool)
         self.active = False  # grad_into was called: the reductions come here
         self._leaves: list[torch.Tensor] | tuple = ()
-        self._pending: list[tuple[str, Any, torch.Tensor]] = []
+        self._bucket: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # units ready, not yet reduced
+        self._pending: list[tuple[list[tuple[str, torch.Tensor]], Any]] = []
         self._micro: dict[str, torch.Tensor] = {}  # this micro-batch's shard gradients
         self._acc: dict[str, torch.Tensor] = {}  # the step's, summed over micro-batches
 
@@ -81,20 +93,50 @@ class ShardGradView(View):
     def accumulates(self) -> bool:
         return self.active
 
-    def reduced(self, name: str, pending: Any, like: torch.Tensor) -> None:
-        """Unit ``name``'s reduction was started; its shard gradient goes where ``like`` (the unit's shard) is, in its
-        dtype (as autograd would cast and move it: the host, where stage 3 offloads params)."""
-        self._pending.append((name, pending, like))
+    def ready(self, name: str, grad: torch.Tensor, like: torch.Tensor) -> None:
+        """Unit ``name``'s whole flat gradient ``grad`` (backward is done with it; the view may reuse it). Its shard
+        gradient goes where ``like`` (the unit's shard) is, in its dtype (as autograd would cast and move it: the
+        host, where stage 3 offloads params)."""
+        self._bucket.append((name, grad, like))
+        if sum(g.numel() for _, g, _ in self._bucket) >= self.BUCKET_ELEMENTS:
+            self._start_bucket()
+
+    def _start_bucket(self) -> None:
+        bucket, self._bucket = self._bucket, []
+        if not bucket:
+            return
+        n = self.comm.size
+        if len(bucket) == 1:
+            name, full, like = bucket[0]
+        else:  # every unit's chunk r together, for r = 0 .. n-1: the reduce-scatter's chunk r is rank r's shards
+            total = sum(g.numel() for _, g, _ in bucket)
+            full = take(self.pool, total, dtype=bucket[0][1].dtype, device=bucket[0][1].device)
+            at = 0
+            for r in range(n):
+                for _, g, _ in bucket:
+                    c = g.numel() // n
+                    full[at:at + c].copy_(g[r * c:(r + 1) * c])
+                    at += c
+            for _, g, _ in bucket:
+                give(self.pool, g)
+            name = "+".join(name for name, _, _ in bucket)
+        pending = reduce_scatter(self.comm, full, pool=self.pool, tag="grads", label=name)
+        self._pending.append(([(name, like) for name, _, like in bucket], pending))
         while len(self._pending) > self.IN_FLIGHT:
             self._settle()
 
     def _settle(self) -> None:
-        name, pending, like = self._pending.pop(0)
-        _add(self._micro, name, pending.wait().to(like.device, like.dtype, non_blocking=like.is_cuda))
+        units, pending = self._pending.pop(0)
+        shards, at = pending.wait(), 0
+        for name, like in units:
+            shard = shards if len(units) == 1 else shards[at:at + like.numel()]
+            at += like.numel()
+            _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda))
 
     def release(self) -> None:
         """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called
         twice has two, summed first, as autograd sums them) to those of the earlier ones, in that order."""
+        self._start_bucket()
         while self._pending:
             self._settle()
         for name, leaf in zip(self.names, self._leaves):

@@ -24,8 +24,8 @@ class _GatheredView(ShardGradView):
     """A step's view at stage 3: its ``Schedule`` records the order of the gathers, for the next step's prefetch;
     under plain autograd it takes the units' reductions while they are in flight (``ShardGradView``)."""
 
-    def __init__(self, inputs, build, schedule: Schedule, names: list[str] | None = None) -> None:
-        super().__init__(inputs, build, names or [])
+    def __init__(self, inputs, build, schedule: Schedule, names: list[str] | None = None, **kw: Any) -> None:
+        super().__init__(inputs, build, names or [], **kw)
         self.schedule = schedule
 
     def finish(self, meta: Any) -> Any:
@@ -56,7 +56,7 @@ class ParamsSharded:
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
                                      jit=grads.jit, sink=view if view.active else None, pool=pool),
-            schedule, names,
+            schedule, names, comm=comm, pool=pool,
         )
         return view
 
