@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="bf16/fp16 keep fp32 master weights; fp16 adds a dynamic loss scale")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--bucket-elements", type=int, default=2**20,
+                   help="stages 2-3: reduce the blocks' gradients together until a bucket holds this many elements "
+                        "(this model's blocks are small, and each collective has a fixed cost); 0: each block alone")
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
     p.add_argument("--offload", choices=("cpu", "disk"), default=None,
                    help="optimizer state and fp32 masters on the host, or in files under --offload-dir (stages 1-3)")
@@ -220,7 +223,8 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
                          grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
                          offload_params=args.offload_params, offload_dir=args.offload_dir,
-                         **({"remat": True} if args.remat and args.stages == 3 else {}))
+                         **({"remat": True} if args.remat and args.stages == 3 else {}),
+                         **({"bucket_elements": args.bucket_elements} if args.stages >= 2 else {}))
     state = step.init(fzero.params_of(model, copy=False), materialize=model.init_value)
     first = 0
     if args.resume:  # the newest complete checkpoint, resharded for this step's stage and world size

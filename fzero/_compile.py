@@ -37,7 +37,8 @@ def compile(  # noqa: A001 - the public name is the design's
     a policy object (``fzero.CPUOffload(...)``, ``fzero.DiskOffload(dir, ...)``) carrying them; ``offload_params`` (stage 3) — see
     ``fzero.offload``. Details (keyword):
     ``unit_elements`` (stages 0-1), ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
-    ``units`` and ``jit`` (each unit's forward through ``torch.compile``; see ``shard_grads``), at stage 3
+    ``units``, ``jit`` (each unit's forward through ``torch.compile``) and ``bucket_elements`` (units reduced
+    together; see ``shard_grads``), at stage 3
     ``prefetch`` and ``remat`` (see ``shard_params``).
 
     ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
@@ -55,8 +56,9 @@ def compile(  # noqa: A001 - the public name is the design's
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
     units = details.pop("units", None)
     jit = details.pop("jit", False)
+    bucket = {"bucket_elements": details.pop("bucket_elements")} if "bucket_elements" in details else {}
     stage3 = {k: details.pop(k) for k in ("prefetch", "remat") if k in details}
-    _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3, *(["jit"] if jit else []),
+    _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3, *(["jit"] if jit else []), *bucket,
                                    *(["unit_elements"] if "unit_elements" in details else [])], api="fzero.compile")
     if offload is None:  # the stage rules of offload itself are fzero.offload's to check, below
         _rules.check_offload(stages, None, offload_params or offload_dir is not None, api="fzero.compile",
@@ -69,7 +71,7 @@ def compile(  # noqa: A001 - the public name is the design's
     if stages >= 1:
         step = shard_optimizer(step)
     if stages >= 2:
-        step = shard_grads(step, units=units, jit=jit)
+        step = shard_grads(step, units=units, jit=jit, **bucket)
     if stages >= 3:
         step = shard_params(step, **stage3)
     if offload is not None:
@@ -79,4 +81,4 @@ def compile(  # noqa: A001 - the public name is the design's
 
 # compile's own keywords and the stage settings it takes out of ``details``: what a typo is compared with
 _KEYWORDS = (*(name for name, p in inspect.signature(compile).parameters.items() if p.kind is p.KEYWORD_ONLY),
-             "units", "prefetch", "remat", "jit")
+             "units", "prefetch", "remat", "jit", "bucket_elements")

@@ -10,7 +10,8 @@ Data:
   sharded 1/N (the ZeRO paper); ``sharded(what, stage)`` reads it.
 * ``SETTINGS[name] = Rule(stages, why, fix)``: the stages that accept a stage-bound setting:
   ``unit_elements`` 0-1 (flat buffers by size; at 2-3 units are modules), ``units`` 2-3, ``prefetch`` and
-  ``remat`` 3, ``jit`` 2-3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at every stage.
+  ``remat`` 3, ``jit`` and ``bucket_elements`` 2-3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at
+  every stage.
 * ``OFFLOADS = (None, "cpu", "nvme")``: the offload choices ``combinations()`` enumerates ("disk" is "nvme").
 
 Functions (``api``: the public name that reports, e.g. "fzero.compile"; ``stage_key``: how that API spells
@@ -51,6 +52,8 @@ SETTINGS: dict[str, Rule] = {
                           "At stages 2-3 units are modules: pass units=('blocks.0', ...) (module paths; default, each "
                           "child of a ModuleList/Sequential)."),
     "units": Rule((2, 3), "units by module"),
+    "bucket_elements": Rule((2, 3), "buckets of module units reduced together",
+                            "At stages 0-1 units are already buckets by size: pass unit_elements=... instead."),
     "prefetch": Rule((3,), "sharded params"),
     "remat": Rule((3,), "sharded params"),
     "jit": Rule((2, 3), "units by module (each unit's forward is compiled)",

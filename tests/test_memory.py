@@ -13,7 +13,6 @@ import pytest
 
 import fzero
 from fzero.memory import LiveBytes, state_bytes, zero_model_state_bytes
-from fzero.zero._shard_grads import ShardGradView
 from problems import mlp_problem
 
 WIDTH, LAYERS = 128, 16
@@ -21,14 +20,6 @@ UNIT_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 # transient whole-unit buffers allowed above the formula: a unit's gradient before its reduction (and its
 # per-parameter pieces before the cat); at stage 3 also the gathered unit, the prefetched one, and its gradient
 EXTRA_UNITS = {0: 2, 1: 2, 2: 4, 3: 4}
-
-
-@pytest.fixture(autouse=True)
-def one_unit_per_bucket(monkeypatch):
-    """The formula counts model states; stages 2-3 reduce small units in buckets (``ShardGradView.BUCKET_ELEMENTS``,
-    4 MiB), which would hold this whole 1 MiB model's gradient at once. Here each unit is its own bucket; what a
-    bucket adds is bounded in ``test_a_bucket_adds_at_most_its_own_size``."""
-    monkeypatch.setattr(ShardGradView, "BUCKET_ELEMENTS", 0)
 
 
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
@@ -60,21 +51,20 @@ def test_model_state_bytes_follow_zero_formula(stages, ranks):
         )
 
 
-def _stage2_peak() -> int:
+def _stage2_peak(**settings) -> int:
     prob = mlp_problem(steps=1, sizes=[WIDTH] * (LAYERS + 1), batch=2)
     counters = {}
     mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
-    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=2, mesh=mesh)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=2, mesh=mesh, **settings)
     step(step.init(fzero.params_of(prob.model)), prob.batches[0])
     return counters[0].peak
 
 
-def test_a_bucket_adds_at_most_its_own_size(monkeypatch):
+def test_a_bucket_adds_at_most_its_own_size():
     # buckets of 4 of the 16 units: the units' gradients wait until their bucket is full, and the bucket is copied
     # once (every unit's rank chunks together): at most two buckets more than one unit per bucket, never the model
     per_unit = _stage2_peak()
-    monkeypatch.setattr(ShardGradView, "BUCKET_ELEMENTS", 4 * (WIDTH * WIDTH + WIDTH))
-    bucketed = _stage2_peak()
+    bucketed = _stage2_peak(bucket_elements=4 * (WIDTH * WIDTH + WIDTH))
     assert per_unit < bucketed <= per_unit + 2 * 4 * UNIT_BYTES
     assert bucketed - per_unit < LAYERS * UNIT_BYTES / 2  # a bucket's worth, far from the whole gradient
 

@@ -27,7 +27,6 @@ def _spy(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(ShardGradView, "_start_bucket", start_bucket)
-    monkeypatch.setattr(ShardGradView, "BUCKET_ELEMENTS", 0)
     return seen
 
 
@@ -159,20 +158,32 @@ def test_stage01_a_unit_backward_never_completes_starts_at_the_end(stages):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_bucketed_reductions_equal_one_per_unit_bitwise_with_fewer_calls(monkeypatch, stages):
-    # the GPT's units are small: by default they share buckets (one reduce-scatter for several units), each rank's
-    # shards summed in the same rank order as one reduce-scatter per unit; the elements moved do not change
+def test_bucketed_reductions_equal_one_per_unit_bitwise_with_fewer_calls(stages):
+    # bucket_elements: consecutive units reduced in one reduce-scatter (every unit's rank chunks together), each
+    # rank's shards summed in the same rank order as one reduce-scatter per unit; the elements moved do not change
     prob = PROBLEMS["gpt"]()
-    runs, calls, default = {}, {}, ShardGradView.BUCKET_ELEMENTS
-    for bucket in (default, 0):
-        monkeypatch.setattr(ShardGradView, "BUCKET_ELEMENTS", bucket)
+    runs, calls = {}, {}
+    for bucket in (10**6, 0):
         mesh = fzero.count_collectives(fzero.local_mesh(2))
-        runs[bucket] = fzero_run(prob, stages=stages, mesh=mesh, grad_accum=2)
+        runs[bucket] = fzero_run(prob, stages=stages, mesh=mesh, grad_accum=2, bucket_elements=bucket)
         calls[bucket] = (mesh.counter.count(rank=0, op="reduce_scatter", tag="grads"),
                          mesh.counter.elements(rank=0, op="reduce_scatter", tag="grads"))
-    (bucketed, m_b), (per_unit, m_u) = runs[default], runs[0]
+    (bucketed, m_b), (per_unit, m_u) = runs[10**6], runs[0]
     for a, b in zip(bucketed, per_unit):
         assert_trees_equal(a, b)
     assert [m["grad_norm"] for m in m_b] == [m["grad_norm"] for m in m_u]
-    assert calls[default][0] < calls[0][0]
-    assert calls[default][1] == calls[0][1]
+    assert calls[10**6][0] < calls[0][0]
+    assert calls[10**6][1] == calls[0][1]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "25MB"])
+def test_bucket_elements_must_be_a_count(bad):
+    prob = PROBLEMS["mlp"]()
+    with pytest.raises(ValueError, match="bucket_elements must be an int >= 0"):
+        fzero.compile(prob.loss_fn, stages=2, mesh=fzero.local_mesh(2), bucket_elements=bad)
+
+
+def test_bucket_elements_is_refused_below_stage_2():
+    prob = PROBLEMS["mlp"]()
+    with pytest.raises(ValueError, match="bucket_elements"):
+        fzero.compile(prob.loss_fn, stages=1, mesh=fzero.local_mesh(2), bucket_elements=1000)

@@ -17,7 +17,6 @@ import fzero
 import fzero.step._step as step_module
 from fzero.step._pool import Pool, can_move, free_into, fill_from
 from fzero.testing import assert_trees_equal
-from fzero.zero._shard_grads import ShardGradView
 from problems import PROBLEMS, fzero_run
 
 
@@ -158,7 +157,7 @@ def test_after_the_first_step_no_unit_sized_buffer_is_allocated(stages):
 
 def test_a_pool_holds_at_most_what_a_step_used_at_once():
     # stage 2 on two simulated ranks: the pool keeps the shards (one unit's half each) and the flat gradients of
-    # at most two units (the one in flight and the next) or a bucket of them; nothing grows with the steps
+    # at most two units (the one in flight and the next); nothing grows with the steps
     prob = PROBLEMS["mlp"](steps=6)
     step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=2, mesh=fzero.local_mesh(2))
     state = step.init(fzero.params_of(prob.model))
@@ -171,6 +170,6 @@ def test_a_pool_holds_at_most_what_a_step_used_at_once():
     largest = max(u.padded for u in units) * 4
     # a bucket: units until BUCKET_ELEMENTS is reached; its units' gradients and their interleaved copy, and the
     # bucket in flight before it
-    bucket = min(sum(u.padded for u in units) * 4, ShardGradView.BUCKET_ELEMENTS * 4 + largest)
+    bucket = largest  # one unit per bucket (the default)
     assert held[2:] == held[2:3] * (len(held) - 2)  # its size is reached within two steps, then kept
     assert 0 < held[-1] <= 2 * (shards + 3 * bucket)  # two ranks

@@ -30,6 +30,7 @@ class GradsInBackward(GradsReduceScatter):
 
     units: tuple[str, ...] | None = None
     jit: bool = False  # each unit's forward through torch.compile (fzero.zero._jit)
+    bucket_elements: int = 0  # units reduced together until a bucket holds this many elements (0: each alone)
     in_backward = True
 
     def unit_of(self, api: str) -> Callable[[str], str] | None:
@@ -41,7 +42,7 @@ class GradsInBackward(GradsReduceScatter):
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
                                                                  jit=self.jit, sink=view if view.active else None, pool=pool), names,
-                             comm=comm, pool=pool)
+                             comm=comm, pool=pool, bucket_elements=self.bucket_elements)
         return view
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
@@ -54,8 +55,8 @@ class ShardGradView(View):
 
     ``ReplicatedShardGrad`` (stage 2) and ``_UnitGather`` (stage 3) hand this view each unit's whole gradient
     (``ready``) instead of returning it to autograd; what still comes through autograd (stage 3's root unit, a
-    ``remat`` unit) is taken from the leaves' ``.grad``. Units smaller than ``BUCKET_ELEMENTS`` are reduced in
-    buckets: consecutive units' gradients are laid out rank chunk by rank chunk (every unit's chunk 0, then every
+    ``remat`` unit) is taken from the leaves' ``.grad``. With ``bucket_elements`` (``shard_grads``), units are reduced in
+    buckets of at least that many elements: consecutive units' gradients are laid out rank chunk by rank chunk (every unit's chunk 0, then every
     unit's chunk 1, ...) so that one reduce-scatter gives each rank its shard of every unit, summed in the same
     rank order as one reduce-scatter per unit (FSDP2 lays out its reduce-scatter input the same way), and a
     model of many small units pays one collective's latency per bucket rather than per unit. At most
@@ -68,13 +69,12 @@ class ShardGradView(View):
     """
 
     IN_FLIGHT = 1
-    # a bucket is reduced once it holds this many elements: 4 MiB of fp32, DDP's first bucket (1 MiB) to its later
-    # ones (25 MiB); a GPT block of width 512 (3.1M) is a bucket of its own, the main job's blocks (160K) share one
-    BUCKET_ELEMENTS = 2**20
 
-    def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str], *, comm: Any = None, pool: Any = None) -> None:
+    def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str], *, comm: Any = None, pool: Any = None,
+                 bucket_elements: int = 0) -> None:
         super().__init__(inputs, build, releases=True)
         self.names = names
+        self.bucket_elements = bucket_elements
         self.comm = comm
         self.pool = pool  # the step's buffers (fzero.step._pool)
         self.active = False  # grad_into was called: the reductions come here
@@ -98,7 +98,7 @@ class ShardGradView(View):
         gradient goes where ``like`` (the unit's shard) is, in its dtype (as autograd would cast and move it: the
         host, where stage 3 offloads params)."""
         self._bucket.append((name, grad, like))
-        if sum(g.numel() for _, g, _ in self._bucket) >= self.BUCKET_ELEMENTS:
+        if sum(g.numel() for _, g, _ in self._bucket) >= self.bucket_elements:
             self._start_bucket()
 
     def _start_bucket(self) -> None:
@@ -171,13 +171,19 @@ def check_units(units: object, api: str) -> tuple[str, ...] | None:
     return tuple(units)
 
 
-def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool = False) -> Step:
+def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool = False, bucket_elements: int = 0) -> Step:
     """ZeRO-2: each unit's gradient is reduce-scattered during backward, so no rank holds the whole gradient.
 
     Units are modules (``units``: module paths, see ``fzero.units_of``; default each child of a
     ``ModuleList``/``Sequential``), and ``loss_fn`` must run the model through ``fzero.apply`` (or read
     ``params[name]``) so that each unit's reduction is attached when the forward reaches it. ``jit=True``: each
     unit's forward runs through ``torch.compile`` (regional compilation, ``fzero.zero._jit``), here and at stage 3.
+
+    ``bucket_elements``: reduce consecutive units together until a bucket holds at least this many elements, one
+    reduce-scatter per bucket (DeepSpeed's ``reduce_bucket_size``, in elements too; DDP's ``bucket_cap_mb``). It
+    pays off for many small units (each collective has a fixed latency), and costs up to about two buckets of
+    gradient memory beyond one unit's; the numbers are bitwise those of one reduce-scatter per unit. Default 0:
+    each unit is reduced alone, as soon as backward has it (ZeRO-2's memory; ``fzero.estimate_memory`` assumes it).
     """
     step = as_step(step, "fzero.shard_grads")
     if step.grads.in_backward:
@@ -194,4 +200,8 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool =
         )
     if not isinstance(jit, bool):
         raise TypeError(f"fzero.shard_grads: jit must be True or False, got {jit!r}.")
-    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads"), jit=jit))
+    if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 0:
+        raise ValueError(f"fzero.shard_grads: bucket_elements must be an int >= 0 (elements per bucket of units reduced "
+                         f"together; 0: each unit alone), got {bucket_elements!r}.")
+    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads"), jit=jit,
+                                                           bucket_elements=bucket_elements))

@@ -56,7 +56,7 @@ class ParamsSharded:
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
                                      jit=grads.jit, sink=view if view.active else None, pool=pool),
-            schedule, names, comm=comm, pool=pool,
+            schedule, names, comm=comm, pool=pool, bucket_elements=grads.bucket_elements,
         )
         return view
 
@@ -89,7 +89,7 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
             f"fzero.shard_params: needs fzero.shard_grads inside it (sharded params need sharded gradients and optimizer "
             f"state), but the step is {step.stage_name}. Write fzero.shard_params(fzero.shard_grads(fzero.shard_optimizer(step, mesh)))."
         )
-    grads = step.grads if units is None else GradsInBackward(check_units(units, "fzero.shard_params"), jit=step.grads.jit)
+    grads = step.grads if units is None else dataclasses.replace(step.grads, units=check_units(units, "fzero.shard_params"))
     if not isinstance(prefetch, bool):
         raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
     if not isinstance(remat, bool):
