@@ -242,8 +242,10 @@ def _hints(zero: dict, stages: int, ctx: Ctx) -> tuple[int | None, bool | None]:
     # one flat buffer is both the reduction bucket and (stage 1) the all-gather bucket: the smaller bounds both
     unit_elements = min(buckets.values()) if buckets else None
     if buckets and not _rules.accepts("unit_elements", stages):
-        ctx.notes.append(f"zero_optimization.{'/'.join(buckets)}: no effect at stage {stages} (units are modules there; "
-                         f"units=); at stages 0-1 it would set unit_elements={unit_elements}.")
+        ctx.notes.append(f"zero_optimization.{'/'.join(buckets)}: not carried over at stage {stages} (units are modules "
+                         f"there; units=). fzero.compile(..., bucket_elements=n) reduces consecutive units together; a "
+                         f"config's value is not taken as n because DeepSpeed's default (5e8) would hold the whole "
+                         f"gradient. At stages 0-1 it would set unit_elements={unit_elements}.")
     size_key = next((k for k in ("stage3_prefetch_bucket_size", "prefetch_bucket_size") if k in zero), None)
     size = None if size_key is None else as_int(f"zero_optimization.{size_key}", zero[size_key])
     overlap = None if zero.get("overlap_comm") is None else as_bool("zero_optimization.overlap_comm", zero["overlap_comm"])
