@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
 import fzero.step._step as step_module
-from fzero.step._pool import Pool, can_move, free_into, fill_from
+from fzero.step._pool import Pool, alloc_memory, can_move, free_memory
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, fzero_run
 
@@ -76,9 +76,9 @@ def test_memory_moves_into_a_freed_buffer_and_back_without_a_write():
     view = full[8:16]
     version = full._version
     assert can_move(pool, full)
-    free_into(pool, full)
+    free_memory(pool, full)
     assert full.untyped_storage().nbytes() == 0 and pool.held_bytes == 256
-    fill_from(pool, full)
+    alloc_memory(pool, full)
     assert full.untyped_storage().nbytes() == 256 and pool.held_bytes == 0
     full.copy_(torch.arange(64.0))
     assert torch.equal(view, torch.arange(8.0, 16.0)) and view._version == version + 1  # only our own copy counted

@@ -77,7 +77,7 @@ class ReplicatedShardGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None, pool=None):
+    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None):
         return full.view_as(full)
 
     @staticmethod
@@ -85,15 +85,14 @@ class ReplicatedShardGrad(torch.autograd.Function):
         ctx.comm = inputs[2]
         ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
         ctx.sink, ctx.name = inputs[4:6] if len(inputs) > 4 else (None, None)
-        ctx.pool = inputs[6] if len(inputs) > 6 else None
         ctx.shard = inputs[0].detach()  # where and in which dtype its gradient goes (a view: no memory)
 
     @staticmethod
     def backward(ctx, grad_full):
         if ctx.sink is not None:
             ctx.sink.ready(ctx.name, _as(grad_full, ctx.reduce_dtype).contiguous(), ctx.shard)
-            return None, None, None, None, None, None, None
-        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None, None
+            return None, None, None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -122,16 +122,22 @@ def can_move(pool: Pool | None, buffer: torch.Tensor) -> bool:
     return pool is not None and _SWAP and buffer.device.type == "cpu" and buffer._base is None and buffer.numel() > 0
 
 
-def free_into(pool: Pool, buffer: torch.Tensor) -> None:
-    """Move ``buffer``'s memory into ``pool``, leaving its storage empty (as ``resize_(0)``; see ``can_move``)."""
+def free_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
+    """Leave ``buffer``'s storage empty: its memory into ``pool`` where it can move (``can_move``), else ``resize_(0)``."""
+    if not can_move(pool, buffer):
+        buffer.untyped_storage().resize_(0)
+        return
     holder = torch.empty(0, dtype=buffer.dtype)
     buffer.untyped_storage()._swap_data_ptr_(holder.untyped_storage())
     holder.set_(holder.untyped_storage(), 0, (buffer.numel(),))
     pool.give(holder)
 
 
-def fill_from(pool: Pool, buffer: torch.Tensor) -> None:
-    """Give ``buffer``'s empty storage memory from ``pool`` (contents undefined), as ``resize_(n)`` would."""
+def alloc_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
+    """Give ``buffer``'s empty storage memory (contents undefined): from ``pool`` where it can move, else ``resize_(n)``."""
+    if not can_move(pool, buffer):
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        return
     move_into(buffer, pool.take(buffer.numel(), dtype=buffer.dtype, device=buffer.device, report=False))
 
 

@@ -11,7 +11,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
-from fzero.step._pool import Pool, can_move, fill_from, free_into, move_into, take
+from fzero.step._pool import Pool, alloc_memory, can_move, free_memory, move_into, take
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.
@@ -74,10 +74,7 @@ class UnitCall:
         """Give the gathered buffer's memory back (to the step's pool, on the host); the graph's views of it stay,
         pointing at nothing until refilled."""
         if self.full is not None and self.full.untyped_storage().nbytes():
-            if can_move(self.schedule.pool, self.full):
-                free_into(self.schedule.pool, self.full)
-            else:
-                self.full.untyped_storage().resize_(0)
+            free_memory(self.schedule.pool, self.full)
             _events.resized(self.full)
 
     def unalloc(self) -> bool:
@@ -87,10 +84,7 @@ class UnitCall:
         """The buffer with its memory back (contents undefined until a gather fills it)."""
         full = self.full
         if not full.untyped_storage().nbytes():
-            if can_move(self.schedule.pool, full):
-                fill_from(self.schedule.pool, full)
-            else:
-                full.untyped_storage().resize_(full.numel() * full.element_size())
+            alloc_memory(self.schedule.pool, full)
             _events.resized(full)
         return full
 

@@ -138,7 +138,7 @@ class ReplicatedParams(UnitParams):
 
     def _whole(self, unit):
         return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype,
-                                         self.sink, unit.name, self.pool)
+                                         self.sink, unit.name)
 
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
