@@ -30,6 +30,9 @@ batches. Systems:
   ``fzero.optim.adamw`` (torch's fused kernel). After ``step.init`` the user's module is moved to the
   meta device (fzero needs only its structure), as FSDP2 and DeepSpeed free the module's full weights.
 * ``fzero-s3-nopf``: stage 3 with ``prefetch=False``: step time with vs without prefetch overlap.
+* ``fzero-s3-head`` (with ``--untied``): stage 3 with the LM head a unit of its own
+  (``units=units_of(model) + ("lm_head",)``), to time against ``fzero-s3`` in one run. ``--head-unit`` does the
+  same for every stage-3 fzero system and gives FSDP2 the head's own ``fully_shard``, as torchtitan does.
 * ``fzero-s2-jit``, ``fzero-s3-jit``: stages 2-3 with ``jit=True`` (each unit's forward through
   ``torch.compile``, plain autograd), against ``fsdp2-compile``: FSDP2 with each block ``.compile()``d before
   ``fully_shard`` (torchtitan's regional compilation). Compilation happens in the warm-up steps.
@@ -69,7 +72,7 @@ from _common import (LR, WEIGHT_DECAY, build_model, gpt_loss, machine, make_batc
                      num_params, peak_rss_reset, rss_kib, write_json)
 
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fzero-s0", "fzero-s1", "fzero-s2", "fzero-s3",
-           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta", "fsdp2-compile", "fzero-s2-jit", "fzero-s3-jit")
+           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta", "fsdp2-compile", "fzero-s2-jit", "fzero-s3-jit", "fzero-s3-head")
 PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fsdp2-meta", "fsdp2-compile")
 META = ("fsdp2-meta", "fzero-s3-meta")  # built on the meta device; memory runs only
 
@@ -92,11 +95,15 @@ DS_ZERO3_SMALL = {**DS_ZERO3, "reduce_bucket_size": 5_000_000, "allgather_bucket
                   "stage3_prefetch_bucket_size": 5_000_000, "stage3_max_live_parameters": 5_000_000}
 
 
+def default_systems() -> str:
+    return ",".join(SYSTEMS)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--system", default=None, help="memory worker (under torchrun): run this one system")
     p.add_argument("--interleave", default=None, help="timing worker (under torchrun): these systems, interleaved")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="driver: comma-separated systems to run")
+    p.add_argument("--systems", default=default_systems(), help="driver: comma-separated systems to run")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -104,6 +111,13 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--untied", action="store_true", help="a separate LM head (DESIGN.md's 218M reference workload: "
                    "--layers 12 --width 1024 --heads 16 --vocab 32768 --batch 1 --untied)")
+    p.add_argument("--head-unit", action="store_true",
+                   help="with --untied: the LM head is a unit of its own, for FSDP2 (fully_shard(model.lm_head), as "
+                        "torchtitan wraps its output layer) and for fzero at stage 3 (units=units_of(model) + ('lm_head',)); "
+                        "default: it is in the root unit with the embeddings")
+    p.add_argument("--bucket-elements", type=int, default=0,
+                   help="fzero at stages 2-3: reduce consecutive units' gradients together up to this many elements "
+                        "(compile(bucket_elements=...); examples/train_gpt.py uses 2**20); default 0: one reduction per unit")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps of a memory run")
@@ -116,7 +130,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=180, help="driver: seconds allowed per memory run")
     p.add_argument("--timing-timeout", type=float, default=600, help="driver: seconds allowed for the timing run")
     p.add_argument("--json-out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.head_unit and not args.untied:
+        p.error("--head-unit needs --untied: a tied head reads the embedding's weight, so it cannot be a unit of its own")
+    return args
 
 
 # -- the systems (worker side) ----------------------------------------------------------------------
@@ -159,6 +176,8 @@ def make_system(name: str, args, model):
             if name == "fsdp2-compile":  # regional compilation, as torchtitan: each block compiled, then sharded
                 block.compile()
             fully_shard(block, mesh=mesh)
+        if args.head_unit:
+            fully_shard(model.lm_head, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if meta:  # sharded on meta: allocate the local shards, then fill them one parameter at a time
             model.to_empty(device="cpu")
@@ -167,7 +186,8 @@ def make_system(name: str, args, model):
                     p.copy_(distribute_tensor(model.init_value(pname, p), p.device_mesh, p.placements))
         kind = {"fused": True} if args.fsdp_fused else {"foreach": True}
         compiled = ", each block torch.compile'd" if name == "fsdp2-compile" else ""
-        return torch_step(model, torch_adamw(model.parameters(), **kind)), f"fully_shard per block + root{compiled}, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
+        head = " + lm_head" if args.head_unit else ""
+        return torch_step(model, torch_adamw(model.parameters(), **kind)), f"fully_shard per block{head} + root{compiled}, reshard_after_forward=True, AdamW({next(iter(kind))}=True)"
 
     if name.startswith("deepspeed"):
         import deepspeed
@@ -198,16 +218,23 @@ def make_system(name: str, args, model):
 
         stage = int(name[len("fzero-s")])
         kw = {"prefetch": False} if name.endswith("nopf") else {}
+        head_unit = args.head_unit or name.endswith("-head")
+        if head_unit and model.lm_head is None:
+            raise SystemExit(f"peers.py: {name} needs --untied: a tied head reads the embedding's weight, so it cannot be a unit of its own")
+        units = {"units": fzero.units_of(model) + ("lm_head",)} if head_unit and stage == 3 else {}
+        if args.bucket_elements and stage >= 2:
+            units["bucket_elements"] = args.bucket_elements
 
         def loss_fn(params, batch):
             return gpt_loss(fzero.apply(model, params, batch["x"]), batch["y"])
 
         opt = fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
         if name.endswith("-jit"):  # each unit's forward through torch.compile (stages 2-3), composed by hand
-            fstep = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(loss_fn, opt, mesh=fzero.dist_mesh(), autodiff="autograd")), jit=True)
-            fstep = fzero.shard_params(fstep) if stage == 3 else fstep
+            bucket = {"bucket_elements": units.pop("bucket_elements")} if "bucket_elements" in units else {}
+            fstep = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(loss_fn, opt, mesh=fzero.dist_mesh(), autodiff="autograd")), jit=True, **bucket)
+            fstep = fzero.shard_params(fstep, **units) if stage == 3 else fstep
         else:
-            fstep = fzero.compile(loss_fn, optimizer=opt, stages=stage, mesh=fzero.dist_mesh(), **kw)
+            fstep = fzero.compile(loss_fn, optimizer=opt, stages=stage, mesh=fzero.dist_mesh(), **kw, **units)
         if name.endswith("-meta"):  # one unit at a time, from the meta-device model
             box = {"state": fstep.init(fzero.params_of(model, copy=False), materialize=model.init_value)}
         else:
@@ -219,7 +246,9 @@ def make_system(name: str, args, model):
             return metrics["loss"]
 
         jit = ", jit=True (autodiff='autograd')" if name.endswith("-jit") else ""
-        return step, f"fzero.compile(stages={stage}, mesh=dist_mesh(){', prefetch=False' if kw else ''}{jit}), fzero.optim.adamw"
+        head = ", units=units_of(model) + ('lm_head',)" if "units" in units else ""
+        head += f", bucket_elements={units['bucket_elements']}" if "bucket_elements" in units else ""
+        return step, f"fzero.compile(stages={stage}, mesh=dist_mesh(){', prefetch=False' if kw else ''}{head}{jit}), fzero.optim.adamw"
 
     raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
@@ -370,6 +399,10 @@ def launch(args, worker_args: list[str], mmap: int | None, label: str, timeout: 
             cmd.append("--fsdp-fused")
         if args.untied:
             cmd.append("--untied")
+        if args.head_unit:
+            cmd.append("--head-unit")
+        if args.bucket_elements:
+            cmd += ["--bucket-elements", str(args.bucket_elements)]
         t0 = time.time()
         # A session of its own, so that a timeout ends torchrun's workers too, not only the launcher.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -441,6 +474,8 @@ def memory_stats(results: list[dict], systems: list[str], mmap: int | None) -> d
 
 def driver(args) -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.untied and args.systems == default_systems():
+        systems.remove("fzero-s3-head")  # the default list, on a tied model: no head of its own to make a unit
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
