@@ -30,9 +30,10 @@ batches. Systems:
   ``fzero.optim.adamw`` (torch's fused kernel). After ``step.init`` the user's module is moved to the
   meta device (fzero needs only its structure), as FSDP2 and DeepSpeed free the module's full weights.
 * ``fzero-s3-nopf``: stage 3 with ``prefetch=False``: step time with vs without prefetch overlap.
-* ``fzero-s3-head`` (with ``--untied``): stage 3 with the LM head a unit of its own
-  (``units=units_of(model) + ("lm_head",)``), to time against ``fzero-s3`` in one run. ``--head-unit`` does the
-  same for every stage-3 fzero system and gives FSDP2 the head's own ``fully_shard``, as torchtitan does.
+* ``fzero-s2-head``, ``fzero-s3-head`` (with ``--untied``): stages 2-3 with the LM head a unit of its own
+  (``units=units_of(model) + ("lm_head",)``), to time against ``fzero-s2``/``fzero-s3`` in one run. ``--head-unit``
+  does the same for every fzero system at stages 2-3 and gives FSDP2 the head's own ``fully_shard``, as torchtitan
+  does.
 * ``fzero-s2-jit``, ``fzero-s3-jit``: stages 2-3 with ``jit=True`` (each unit's forward through
   ``torch.compile``, plain autograd), against ``fsdp2-compile``: FSDP2 with each block ``.compile()``d before
   ``fully_shard`` (torchtitan's regional compilation). Compilation happens in the warm-up steps.
@@ -72,7 +73,7 @@ from _common import (LR, WEIGHT_DECAY, build_model, gpt_loss, machine, make_batc
                      num_params, peak_rss_reset, rss_kib, write_json)
 
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fzero-s0", "fzero-s1", "fzero-s2", "fzero-s3",
-           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta", "fsdp2-compile", "fzero-s2-jit", "fzero-s3-jit", "fzero-s3-head")
+           "fzero-s3-nopf", "fsdp2-meta", "fzero-s3-meta", "fsdp2-compile", "fzero-s2-jit", "fzero-s3-jit", "fzero-s2-head", "fzero-s3-head")
 PEERS = ("ddp", "fsdp2", "deepspeed-z3", "deepspeed-z3-small", "fsdp2-meta", "fsdp2-compile")
 META = ("fsdp2-meta", "fzero-s3-meta")  # built on the meta device; memory runs only
 
@@ -113,7 +114,7 @@ def parse_args(argv=None):
                    "--layers 12 --width 1024 --heads 16 --vocab 32768 --batch 1 --untied)")
     p.add_argument("--head-unit", action="store_true",
                    help="with --untied: the LM head is a unit of its own, for FSDP2 (fully_shard(model.lm_head), as "
-                        "torchtitan wraps its output layer) and for fzero at stage 3 (units=units_of(model) + ('lm_head',)); "
+                        "torchtitan wraps its output layer) and for fzero at stages 2-3 (units=units_of(model) + ('lm_head',)); "
                         "default: it is in the root unit with the embeddings")
     p.add_argument("--bucket-elements", type=int, default=0,
                    help="fzero at stages 2-3: reduce consecutive units' gradients together up to this many elements "
@@ -221,7 +222,7 @@ def make_system(name: str, args, model):
         head_unit = args.head_unit or name.endswith("-head")
         if head_unit and model.lm_head is None:
             raise SystemExit(f"peers.py: {name} needs --untied: a tied head reads the embedding's weight, so it cannot be a unit of its own")
-        units = {"units": fzero.units_of(model) + ("lm_head",)} if head_unit and stage == 3 else {}
+        units = {"units": fzero.units_of(model) + ("lm_head",)} if head_unit and stage >= 2 else {}
         if args.bucket_elements and stage >= 2:
             units["bucket_elements"] = args.bucket_elements
 
@@ -230,9 +231,9 @@ def make_system(name: str, args, model):
 
         opt = fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
         if name.endswith("-jit"):  # each unit's forward through torch.compile (stages 2-3), composed by hand
-            bucket = {"bucket_elements": units.pop("bucket_elements")} if "bucket_elements" in units else {}
-            fstep = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(loss_fn, opt, mesh=fzero.dist_mesh(), autodiff="autograd")), jit=True, **bucket)
-            fstep = fzero.shard_params(fstep, **units) if stage == 3 else fstep
+            grads_kw = {k: v for k, v in units.items() if k == "bucket_elements" or stage == 2}
+            fstep = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(loss_fn, opt, mesh=fzero.dist_mesh(), autodiff="autograd")), jit=True, **grads_kw)
+            fstep = fzero.shard_params(fstep, **{k: v for k, v in units.items() if k == "units"}) if stage == 3 else fstep
         else:
             fstep = fzero.compile(loss_fn, optimizer=opt, stages=stage, mesh=fzero.dist_mesh(), **kw, **units)
         if name.endswith("-meta"):  # one unit at a time, from the meta-device model
@@ -475,7 +476,7 @@ def memory_stats(results: list[dict], systems: list[str], mmap: int | None) -> d
 def driver(args) -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.untied and args.systems == default_systems():
-        systems.remove("fzero-s3-head")  # the default list, on a tied model: no head of its own to make a unit
+        systems = [s for s in systems if not s.endswith("-head")]  # the default list, on a tied model: no head of its own
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
