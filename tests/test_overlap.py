@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fzero
+from fzero.models import GPT, GPTConfig, gpt_loss
 from fzero.testing import assert_trees_equal
 from fzero.zero._shard_grads import ShardGradView
 from problems import PROBLEMS, fzero_run
@@ -174,6 +175,76 @@ def test_bucketed_reductions_equal_one_per_unit_bitwise_with_fewer_calls(stages)
     assert [m["grad_norm"] for m in m_b] == [m["grad_norm"] for m in m_u]
     assert calls[10**6][0] < calls[0][0]
     assert calls[10**6][1] == calls[0][1]
+
+
+def _deep_gpt():
+    from problems import Problem
+
+    base = PROBLEMS["gpt"]()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=5))  # blocks of 12.6K elements: a 30K bucket gathers 2-3 of them at once
+    return Problem(model, lambda params, b: gpt_loss(fzero.apply(model, params, b["x"]), b["y"]), base.batches)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["into-freed-buffers", "fresh-buffers"])
+@pytest.mark.parametrize("problem", ["gpt5", "any"])
+def test_bucketed_gathers_equal_one_per_unit_bitwise_with_fewer_calls(problem, fresh, monkeypatch):
+    # stage 3 with bucket_elements: the prefetched gathers of consecutive units run as one all-gather, each unit's
+    # buffer filled from it; the same values, fewer calls, the same elements. "any" calls a shared block twice (a
+    # unit twice in the order ends a bucket). fresh: the path of dist_mesh's comm, whose refills gather into fresh
+    # buffers that are then moved into the freed ones, rather than straight into the freed buffers (local_mesh).
+    from fzero.dist._thread_comm import ThreadComm
+
+    if fresh:
+        monkeypatch.setattr(ThreadComm, "async_writes_keep_version", False)
+    prob = _deep_gpt() if problem == "gpt5" else PROBLEMS[problem]()
+    runs, calls = {}, {}
+    for bucket in (30_000, 0):
+        mesh = fzero.count_collectives(fzero.local_mesh(2))
+        runs[bucket] = fzero_run(prob, stages=3, mesh=mesh, bucket_elements=bucket)
+        calls[bucket] = (mesh.counter.count(rank=0, op="all_gather", tag="params"),
+                         mesh.counter.elements(rank=0, op="all_gather", tag="params"))
+    (bucketed, m_b), (per_unit, m_u) = runs[30_000], runs[0]
+    for a, b in zip(bucketed, per_unit):
+        assert_trees_equal(a, b)
+    assert [m["loss"] for m in m_b] == [m["loss"] for m in m_u]
+    assert calls[30_000][0] < calls[0][0], calls
+    assert calls[30_000][1] == calls[0][1]
+
+
+def test_bucketed_gathers_follow_the_order_and_stop_with_it():
+    # a forward that leaves the recorded order stops prefetch (pending buckets completed and dropped on every rank)
+    # and still trains as the unbucketed step does
+    torch.manual_seed(0)
+
+    class Skippy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
+
+        def forward(self, x, *, depth):
+            for block in self.blocks[:depth]:
+                x = torch.tanh(block(x))
+            return x
+
+    model = Skippy()
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 64, generator=gen), "depth": d} for d in (4, 4, 2, 4, 3, 4)]
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b["x"], depth=b["depth"]).square().mean()
+
+    runs, calls = {}, {}
+    for bucket in (9_000, 0):  # about two blocks (4160 elements each) per bucket
+        mesh = fzero.count_collectives(fzero.local_mesh(2))
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=mesh, bucket_elements=bucket)
+        state = step.init(fzero.params_of(model))
+        for b in batches:
+            state, _ = step(state, b)
+        runs[bucket] = step.gather(state)
+        calls[bucket] = mesh.counter.count(rank=0, op="all_gather", tag="params")
+    assert_trees_equal(runs[9_000], runs[0])
+    assert calls[9_000] < calls[0]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "25MB"])

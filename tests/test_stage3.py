@@ -79,7 +79,7 @@ def test_prefetch_order_is_re_recorded_when_the_forward_changes():
     assert_trees_equal(runs[True], runs[False])  # a wrong prefetch was dropped, not used
 
 
-def _gathered_peak(n_layer: int, prefetch: bool) -> tuple[int, int, list[int]]:
+def _gathered_peak(n_layer: int, prefetch: bool, **settings) -> tuple[int, int, list[int]]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=2, d_model=64, seq_len=16))
     x = torch.randint(0, 256, (2, 16))
@@ -89,7 +89,7 @@ def _gathered_peak(n_layer: int, prefetch: bool) -> tuple[int, int, list[int]]:
 
     trackers = {}
     mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=lambda r: trackers.setdefault(r, GatheredBytes()))
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=mesh, prefetch=prefetch)
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=mesh, prefetch=prefetch, **settings)
     state = step.init(fzero.params_of(model))
     for _ in range(2):  # the second step prefetches along the recorded order
         state, _ = step(state, {"x": x, "y": x})
@@ -108,6 +108,20 @@ def test_gathered_params_peak_is_a_few_units_whatever_the_depth(prefetch):
     assert peak24 >= root + blocks[0]  # it did gather: the bound is not vacuous
     assert peak24 == peak4  # independent of depth
     assert peak24 < 0.2 * (root + sum(blocks))
+
+
+def test_bucketed_gathers_hold_a_few_buckets_whatever_the_depth():
+    # bucket_elements of three blocks: the next bucket is gathered while the last unit of the current one runs, and
+    # each unit's buffer gets its memory when it is filled from the bucket's, so at most the root, the unit
+    # running and one bucket (where unbucketed prefetch holds two units)
+    _, root, blocks = _gathered_peak(4, True)
+    bucket = 3 * blocks[0] // 4  # elements
+    peak24, _, _ = _gathered_peak(24, True, bucket_elements=bucket)
+    peak12, _, _ = _gathered_peak(12, True, bucket_elements=bucket)
+    assert peak24 <= root + blocks[0] + 4 * bucket
+    assert peak24 > root + 2 * blocks[0]  # more than unbucketed prefetch holds: the bound is not vacuous
+    assert peak24 == peak12  # independent of depth
+    assert peak24 < 0.2 * (root + 24 * blocks[0])
 
 
 def test_model_states_are_one_nth_at_stage3():

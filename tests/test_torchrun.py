@@ -53,6 +53,22 @@ def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, 
 
 
 @pytest.mark.torchrun
+@pytest.mark.parametrize("problem", ["gpt", "any"])
+def test_torchrun_bucketed_stage3_equals_local_mesh_bitwise(tmp_path, one_thread, problem):
+    # bucket_elements at stage 3 under dist_mesh: several units' gradients in one reduce-scatter, several prefetched
+    # units in one all-gather (the refills gathered into fresh buffers and moved into the freed ones)
+    dist = run_torchrun(tmp_path, problem, 3, "--bucket-elements", "30000")
+    mesh = fzero.count_collectives(fzero.local_mesh(2))
+    local, metrics = fzero_run(PROBLEMS[problem](), stages=3, mesh=mesh)  # one gather and one reduction per unit
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
+    gathers = [n for op, tag, n in dist["calls"] if (op, tag) == ("all_gather", "params")]
+    unbucketed = [c.numel for c in mesh.counter.calls if (c.rank, c.op, c.tag) == (0, "all_gather", "params")]
+    assert len(gathers) < len(unbucketed) and sum(gathers) == sum(unbucketed)
+
+
+@pytest.mark.torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [0, 3])
 def test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise(tmp_path, one_thread, stages):

@@ -136,8 +136,8 @@ def test_hf_checkpointing_under_torch_func_names_autograd_as_the_fix(stages):
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "bn_cnn", "hook_aux"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_buckets_train_as_pytorch(name, stages):
-    # bucket_elements (issue 15): the units' gradients reduced together, in one reduce-scatter per bucket, on models
-    # nobody here wrote; every unit of these tiny models fits one bucket
+    # bucket_elements (issue 15): the units' gradients reduced together, in one reduce-scatter per bucket, and at stage
+    # 3 the prefetched units gathered together, on models nobody here wrote; every unit of these tiny models fits one bucket
     entry = ZOO[name]
     if entry.hf:
         pytest.importorskip("transformers")

@@ -3,6 +3,7 @@ buffer of each unit call (``UnitCall``), whose storage the schedule frees and re
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -11,7 +12,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
-from fzero.step._pool import Pool, alloc_memory, can_move, free_memory, move_into, take
+from fzero.step._pool import Pool, alloc_memory, can_move, free_memory, give, move_into, take
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.
@@ -99,12 +100,18 @@ class Schedule:
     that unit still waiting for its backward). The first departure from the order stops prefetch for
     the rest of the step (pending gathers are completed and dropped, on every rank alike), and the order
     this step really took goes into the new state.
+
+    ``bucket_elements`` (``shard_grads(bucket_elements=...)``): a prefetch takes the next gathers of the order
+    together, until they hold at least that many elements, in one all-gather (``_Bucket``), so a model of many
+    small units pays one collective's latency per bucket rather than per unit. Each unit's buffer is then filled
+    from the bucket's, the same values its own gather would give.
     """
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
                  release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu"),
-                 pool: Pool | None = None) -> None:
+                 pool: Pool | None = None, bucket_elements: int = 0) -> None:
         self.comm = comm
+        self.bucket_elements = bucket_elements
         self.pool = pool  # where gathered buffers' memory comes from and goes back to (fzero.step._pool)
         self.device = device  # where units are gathered; a shard held elsewhere (on the host) is copied here first
         self.release = release  # disk offload of params: give a shard's pages back once it is gathered
@@ -120,22 +127,20 @@ class Schedule:
             self._issue(0)
 
     def _issue(self, pos: int, current: UnitCall | None = None) -> None:
-        if pos >= len(self.order):
+        if pos >= len(self.order) or pos in self.pending:  # (already issued with a bucket)
             return
         name = self.order[pos]
-        unit = self.units[name]
         if current is not None and current.unit.name == name and current.keeps_graph:
             # the unit's backward comes right after its forward (the last unit, at the turn): its buffer is
             # kept rather than freed and gathered again, as FSDP keeps its last layer
             self.pending[pos] = (name, None, current)
             return
-        waiting = self.waiting.get(name)
-        target = waiting[-1] if waiting and waiting[-1].unalloc() else None
-        if target is not None and not getattr(self.comm, "async_writes_keep_version", False):
-            # torch.distributed's async collectives bump their output's version counter when the work completes, on
-            # the backend's thread, outside any _same_version: into the buffer the graph's views point at, that is
-            # "a view ... modified inplace" in backward. Gather into a fresh buffer; the refill copies it in.
-            target = None
+        span = self._bucket_span(pos)
+        if len(span) > 1:
+            self._issue_bucket(span)
+            return
+        unit = self.units[name]
+        target = self._target(name)
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
@@ -144,6 +149,61 @@ class Schedule:
             out = _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
             handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         self.pending[pos] = (name, handle, target)
+
+    def _target(self, name: str) -> "UnitCall | None":
+        """The call whose freed buffer a gather of ``name`` refills (its latest call still waiting for its backward),
+        or None: a fresh buffer.
+
+        Always a fresh one under torch.distributed: its async collectives bump their output's version counter when
+        the work completes, on the backend's thread, outside any ``_same_version``; into the buffer the graph's views
+        point at, that is "a view ... modified inplace" in backward. The refill then moves (or copies) it in."""
+        waiting = self.waiting.get(name)
+        target = waiting[-1] if waiting and waiting[-1].unalloc() else None
+        return target if target is not None and getattr(self.comm, "async_writes_keep_version", False) else None
+
+    def _bucket_span(self, pos: int) -> list[int]:
+        """The positions of the order gathered together from ``pos``: consecutive gathers of distinct units of one
+        dtype, until they hold ``bucket_elements``. A bucket ends before the turn (a unit gathered twice in a row,
+        whose buffer ``_issue`` keeps instead)."""
+        span = [pos]
+        if not self.bucket_elements:
+            return span
+        first = self.units[self.order[pos]]
+        total = first.padded
+        while total < self.bucket_elements and span[-1] + 1 < len(self.order):
+            nxt = span[-1] + 1
+            name = self.order[nxt]
+            unit = self.units[name]
+            if name == self.order[span[-1]] or name in {self.order[p] for p in span} or unit.dtype != first.dtype:
+                break
+            span.append(nxt)
+            total += unit.padded
+        return span
+
+    def _issue_bucket(self, span: list[int]) -> None:
+        """One all-gather for the units at positions ``span``: each rank's shards side by side, so that the bucket's
+        chunk of rank r holds rank r's shard of every unit (``_Bucket.fill`` puts each unit together)."""
+        names = [self.order[p] for p in span]
+        units = [self.units[n] for n in names]
+        dtype = units[0].dtype
+        shards = [self._here(self.shards[n]) for n in names]
+        sizes = [sh.numel() for sh in shards]
+        mine = take(self.pool, sum(sizes), dtype=dtype, device=self.device)
+        torch.cat(shards, out=mine)
+        out = _events.gathered(take(self.pool, sum(u.padded for u in units), dtype=dtype, device=self.device))
+        handle = self.comm.all_gather_async(out, mine, tag="params", label="+".join(names))
+        bucket = _Bucket(handle, out, mine, sizes, self.comm.size, self.pool)
+        at = 0
+        for p, name, unit, size in zip(span, names, units, sizes):
+            target = self._target(name)
+            # the unit's buffer gets its memory when its part is filled in, not now: then the bucket and its units'
+            # buffers are not all held while the gather runs
+            dest = target.alloc if target is not None else functools.partial(self._fresh, unit)
+            self.pending[p] = (name, _Piece(bucket, at, dest), target)
+            at += size
+
+    def _fresh(self, unit: Unit) -> torch.Tensor:
+        return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
 
     def _here(self, shard: torch.Tensor) -> torch.Tensor:
         """The shard on the gather's device: itself, or (params offloaded to the host) an asynchronous copy up."""
@@ -243,3 +303,39 @@ def _same_version(buffer: torch.Tensor):
     """Writes into a unit's buffer that restore the values its forward read: autograd's saved views of it
     must not count them as modifications (FSDP refills its unsharded params the same way)."""
     return torch.autograd._unsafe_preserve_version_counter(buffer)
+
+
+class _Bucket:
+    """An all-gather of several units' shards in one collective (``Schedule._issue_bucket``): waited for once, then
+    each unit's part is copied into the unit's own buffer; the bucket's buffers go back to the pool after the last."""
+
+    def __init__(self, handle: Any, out: torch.Tensor, mine: torch.Tensor, sizes: list[int], ranks: int, pool: Pool | None) -> None:
+        self.handle, self.out, self.mine, self.sizes, self.ranks, self.pool = handle, out, mine, sizes, ranks, pool
+        self.left = len(sizes)
+
+    def fill(self, at: int, dest: torch.Tensor) -> torch.Tensor:
+        """``dest`` (a unit's buffer) from the gathered bucket: rank r's shard of the unit lies at ``at`` in rank r's chunk."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            give(self.pool, self.mine)
+            self.mine = None
+        chunk, size = sum(self.sizes), dest.numel() // self.ranks
+        with torch.no_grad():
+            dest.view(self.ranks, size).copy_(self.out.view(self.ranks, chunk)[:, at:at + size])
+        self.left -= 1
+        if not self.left:
+            give(self.pool, self.out)
+            self.out = None
+        return dest
+
+
+class _Piece:
+    """One unit's share of a ``_Bucket``, standing where a unit's own gather handle stands in ``Schedule.pending``."""
+
+    def __init__(self, bucket: _Bucket, at: int, dest: Callable[[], torch.Tensor]) -> None:
+        self.bucket, self.at, self.dest = bucket, at, dest
+
+    def wait(self) -> torch.Tensor:
+        dest, self.dest = self.dest, None
+        return self.bucket.fill(self.at, dest())

@@ -184,6 +184,10 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool =
     pays off for many small units (each collective has a fixed latency), and costs up to about two buckets of
     gradient memory beyond one unit's; the numbers are bitwise those of one reduce-scatter per unit. Default 0:
     each unit is reduced alone, as soon as backward has it (ZeRO-2's memory; ``fzero.estimate_memory`` assumes it).
+    At stage 3 (``shard_params`` around this) the prefetched gathers are bucketed the same way (DeepSpeed's
+    ``allgather_bucket_size``): one all-gather for the next units of the recorded order, each unit's buffer then
+    filled from the bucket's: a bucket of gathered params is held beside the unit that runs, where prefetch held one
+    unit.
     """
     step = as_step(step, "fzero.shard_grads")
     if step.grads.in_backward:

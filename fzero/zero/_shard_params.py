@@ -51,7 +51,7 @@ class ParamsSharded:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
-                            pool=pool)
+                            pool=pool, bucket_elements=grads.bucket_elements)
         view = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
