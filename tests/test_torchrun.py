@@ -54,12 +54,14 @@ def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("problem", ["gpt", "any"])
-def test_torchrun_bucketed_stage3_equals_local_mesh_bitwise(tmp_path, one_thread, problem):
-    # bucket_elements at stage 3 under dist_mesh: several units' gradients in one reduce-scatter, several prefetched
-    # units in one all-gather (the refills gathered into fresh buffers and moved into the freed ones)
-    dist = run_torchrun(tmp_path, problem, 3, "--bucket-elements", "30000")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_torchrun_bucketed_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stages):
+    # bucket_elements under dist_mesh: several units' gradients in one reduce-scatter, several units in one
+    # all-gather (stage 2: the updated params; stage 3: the prefetched units, whose refills are gathered into fresh
+    # buffers and moved into the freed ones)
+    dist = run_torchrun(tmp_path, problem, stages, "--bucket-elements", "30000")
     mesh = fzero.count_collectives(fzero.local_mesh(2))
-    local, metrics = fzero_run(PROBLEMS[problem](), stages=3, mesh=mesh)  # one gather and one reduction per unit
+    local, metrics = fzero_run(PROBLEMS[problem](), stages=stages, mesh=mesh)  # one gather and one reduction per unit
     for d, l in zip(dist["history"], local):
         assert_trees_equal(d, l)
     assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]

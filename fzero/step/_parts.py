@@ -30,7 +30,7 @@ import torch
 from fzero.dist._comm import Pending
 from fzero.layout._layout import Layout
 from fzero.step import _usage
-from fzero.step._pool import Pool, take
+from fzero.step._pool import GatherBucket, Pool, take
 
 
 class View:
@@ -220,16 +220,56 @@ class ParamsReplicated:
         """This rank's slice of every unit, as views (what a sharded optimizer updates)."""
         return {u.name: flats[u.name][slice(*u.shard_range(rank, layout.world_size))] for u in layout.units}
 
-    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+                    pool: Pool | None = None) -> None:
         """After a sharded optimizer updated this rank's slice: every rank's slices back into the whole buffers.
         Every unit's all-gather is issued before the first is waited for, so the ranks meet once, not once per unit
-        (and the exchanges of ``dist_mesh`` on gloo run side by side)."""
-        pending = []
+        (and the exchanges of ``dist_mesh`` on gloo run side by side). ``bucket_elements`` (stage 2's
+        ``shard_grads(bucket_elements=...)``): consecutive units of one dtype gathered in one all-gather until they
+        hold that many elements (``GatherBucket``), each unit's buffer then filled from the bucket's. A bucket's
+        buffer is memory beside the params, so one is in flight at a time: it is filled in before the next is
+        issued (all of them at once would hold a second copy of the params)."""
+        pending, group = [], []
+
+        def flush() -> None:
+            if len(group) == 1:
+                lo, hi = group[0].shard_range(comm.rank, comm.size)
+                pending.append(comm.all_gather_async(flats[group[0].name], flats[group[0].name][lo:hi], tag="params"))
+            elif group:
+                shards = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in group]
+                for p in pending:
+                    if isinstance(p, _Filled):
+                        p.wait()
+                bucket = GatherBucket(comm, shards, pool=pool, label="+".join(u.name for u in group))
+                pending.append(_Filled(bucket, [flats[u.name] for u in group]))
+            group.clear()
+
         for u in layout.units:
-            lo, hi = u.shard_range(comm.rank, comm.size)
-            pending.append(comm.all_gather_async(flats[u.name], flats[u.name][lo:hi], tag="params"))
+            if group and group[0].dtype != u.dtype:
+                flush()
+            group.append(u)
+            if sum(g.padded for g in group) >= bucket_elements:
+                flush()
+        flush()
         for p in pending:
             p.wait()
+
+
+class _Filled:
+    """The units' whole buffers filled from a ``GatherBucket`` (what ``gather_back`` waits for)."""
+
+    def __init__(self, bucket: GatherBucket, fulls: list[torch.Tensor]) -> None:
+        self.bucket, self.fulls = bucket, fulls
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        at = 0
+        for full in self.fulls:
+            self.bucket.fill(at, full)
+            at += full.numel() // self.bucket.ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +277,7 @@ class GradsAllReduce:
     """The whole gradient, summed over ranks by one all-reduce per unit after the backward (stage 0, as DDP)."""
 
     units = None  # units by size (``unit_elements``), not by module
+    bucket_elements = 0  # each unit's collectives alone (``shard_grads(bucket_elements=...)`` sets it from stage 2)
     in_backward = False
     whole = True  # every rank ends with the whole gradient (the norm is taken over its slice of it)
 
@@ -304,5 +345,5 @@ class OptStateReplicated:
 
         return apply_update(optimizer, grads, opt_state, params, segments)
 
-    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, **gather: Any) -> None:
         """Every rank updated every param: nothing to bring back."""

@@ -246,7 +246,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
             warning = _zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved)
             del before
         del grad_tree, params
-        step.opt_state.after_update(step.params, comm, flats, layout)
+        step.opt_state.after_update(step.params, comm, flats, layout, bucket_elements=step.grads.bucket_elements, pool=pool)
     del slices
     for g in owned_grads:  # the update is done with them: their buffers serve the next step (a bucket's, once)
         give(pool, g if g._base is None else g._base)

@@ -12,7 +12,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
-from fzero.step._pool import Pool, alloc_memory, can_move, free_memory, give, move_into, take
+from fzero.step._pool import GatherBucket, Pool, alloc_memory, can_move, free_memory, move_into, take
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.
@@ -102,7 +102,7 @@ class Schedule:
     this step really took goes into the new state.
 
     ``bucket_elements`` (``shard_grads(bucket_elements=...)``): a prefetch takes the next gathers of the order
-    together, until they hold at least that many elements, in one all-gather (``_Bucket``), so a model of many
+    together, until they hold at least that many elements, in one all-gather (``GatherBucket``), so a model of many
     small units pays one collective's latency per bucket rather than per unit. Each unit's buffer is then filled
     from the bucket's, the same values its own gather would give.
     """
@@ -181,26 +181,19 @@ class Schedule:
         return span
 
     def _issue_bucket(self, span: list[int]) -> None:
-        """One all-gather for the units at positions ``span``: each rank's shards side by side, so that the bucket's
-        chunk of rank r holds rank r's shard of every unit (``_Bucket.fill`` puts each unit together)."""
+        """One all-gather for the units at positions ``span`` (``GatherBucket``); each unit's buffer is filled from it
+        when the unit's gather is waited for."""
         names = [self.order[p] for p in span]
-        units = [self.units[n] for n in names]
-        dtype = units[0].dtype
-        shards = [self._here(self.shards[n]) for n in names]
-        sizes = [sh.numel() for sh in shards]
-        mine = take(self.pool, sum(sizes), dtype=dtype, device=self.device)
-        torch.cat(shards, out=mine)
-        out = _events.gathered(take(self.pool, sum(u.padded for u in units), dtype=dtype, device=self.device))
-        handle = self.comm.all_gather_async(out, mine, tag="params", label="+".join(names))
-        bucket = _Bucket(handle, out, mine, sizes, self.comm.size, self.pool)
+        bucket = GatherBucket(self.comm, [self._here(self.shards[n]) for n in names], pool=self.pool, label="+".join(names),
+                              mark=_events.gathered)
         at = 0
-        for p, name, unit, size in zip(span, names, units, sizes):
-            target = self._target(name)
+        for p, name in zip(span, names):
+            unit, target = self.units[name], self._target(name)
             # the unit's buffer gets its memory when its part is filled in, not now: then the bucket and its units'
             # buffers are not all held while the gather runs
             dest = target.alloc if target is not None else functools.partial(self._fresh, unit)
             self.pending[p] = (name, _Piece(bucket, at, dest), target)
-            at += size
+            at += unit.padded // self.comm.size
 
     def _fresh(self, unit: Unit) -> torch.Tensor:
         return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
@@ -305,35 +298,10 @@ def _same_version(buffer: torch.Tensor):
     return torch.autograd._unsafe_preserve_version_counter(buffer)
 
 
-class _Bucket:
-    """An all-gather of several units' shards in one collective (``Schedule._issue_bucket``): waited for once, then
-    each unit's part is copied into the unit's own buffer; the bucket's buffers go back to the pool after the last."""
-
-    def __init__(self, handle: Any, out: torch.Tensor, mine: torch.Tensor, sizes: list[int], ranks: int, pool: Pool | None) -> None:
-        self.handle, self.out, self.mine, self.sizes, self.ranks, self.pool = handle, out, mine, sizes, ranks, pool
-        self.left = len(sizes)
-
-    def fill(self, at: int, dest: torch.Tensor) -> torch.Tensor:
-        """``dest`` (a unit's buffer) from the gathered bucket: rank r's shard of the unit lies at ``at`` in rank r's chunk."""
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-            give(self.pool, self.mine)
-            self.mine = None
-        chunk, size = sum(self.sizes), dest.numel() // self.ranks
-        with torch.no_grad():
-            dest.view(self.ranks, size).copy_(self.out.view(self.ranks, chunk)[:, at:at + size])
-        self.left -= 1
-        if not self.left:
-            give(self.pool, self.out)
-            self.out = None
-        return dest
-
-
 class _Piece:
-    """One unit's share of a ``_Bucket``, standing where a unit's own gather handle stands in ``Schedule.pending``."""
+    """One unit's share of a ``GatherBucket``, standing where a unit's own gather handle stands in ``Schedule.pending``."""
 
-    def __init__(self, bucket: _Bucket, at: int, dest: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor]) -> None:
         self.bucket, self.at, self.dest = bucket, at, dest
 
     def wait(self) -> torch.Tensor:

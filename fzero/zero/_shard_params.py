@@ -65,7 +65,7 @@ class ParamsSharded:
         schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
         return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
 
-    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout) -> None:
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, **gather: Any) -> None:
         """Each rank updated its own shard, which is all it holds: nothing to bring back."""
 
 
