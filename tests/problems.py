@@ -46,9 +46,10 @@ def mlp_problem(*, steps: int = 5, sizes=(16, 32, 32, 4), batch: int = GLOBAL_BA
 _CORPUS: list[torch.Tensor] = []
 
 
-def gpt_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
+def gpt_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH, cfg: GPTConfig | None = None) -> Problem:
+    """The repo's GPT (``GPTConfig.tiny()`` unless ``cfg`` says otherwise) on bytes of the stdlib's sources."""
     torch.manual_seed(0)
-    cfg = GPTConfig.tiny()
+    cfg = cfg or GPTConfig.tiny()
     model = GPT(cfg)
     if not _CORPUS:
         _CORPUS.append(load_corpus(max_bytes=1 << 20))
@@ -125,6 +126,34 @@ def any_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
 
 
 PROBLEMS = {"mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem}
+
+
+class SkippyBlocks(torch.nn.Module):
+    """Blocks of which a forward runs the first ``depth`` (a keyword that is not a tensor): the order of the stage-3
+    gathers changes from one step to the next, which prefetch must notice."""
+
+    def __init__(self, width: int, n: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(width, width) for _ in range(n)])
+
+    def forward(self, x, *, depth):
+        for block in self.blocks[:depth]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def check_every_step(got, metrics, expected, ref_losses, *, ranks: int) -> None:
+    """fzero's params and losses against the reference's, step by step: bitwise on one rank (the same kernels on the
+    same numbers), at fp32 tolerance on several (a full-batch mean becomes a mean of per-rank means)."""
+    from fzero.testing import assert_trees_close, assert_trees_equal
+
+    assert len(got) == len(expected)
+    for k, (g, e) in enumerate(zip(got, expected)):
+        if ranks == 1:
+            assert_trees_equal(g, e)
+        else:
+            assert_trees_close(g, e, rtol=1e-5, atol=1e-6)
+        assert abs(metrics[k]["loss"] - ref_losses[k]) <= 1e-5 * abs(ref_losses[k])
 
 
 def reference_run(problem: Problem, *, fused: bool) -> tuple[list[dict[str, torch.Tensor]], list[float]]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fzero
-from fzero.models import GPT, GPTConfig, gpt_loss
+from fzero.models import GPTConfig
 from fzero.testing import assert_trees_equal
 from fzero.zero._shard_grads import ShardGradView
-from problems import PROBLEMS, fzero_run
+from problems import PROBLEMS, SkippyBlocks, fzero_run
 
 
 def _spy(monkeypatch):
@@ -179,15 +179,6 @@ def test_bucketed_reductions_equal_one_per_unit_bitwise_with_fewer_calls(stages)
         assert calls_b < calls_u and moved_b == moved_u
 
 
-def _deep_gpt():
-    from problems import Problem
-
-    base = PROBLEMS["gpt"]()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny(n_layer=5))  # blocks of 12.6K elements: a 30K bucket gathers 2-3 of them at once
-    return Problem(model, lambda params, b: gpt_loss(fzero.apply(model, params, b["x"]), b["y"]), base.batches)
-
-
 @pytest.mark.parametrize("fresh", [False, True], ids=["into-freed-buffers", "fresh-buffers"])
 @pytest.mark.parametrize("problem", ["gpt5", "any"])
 def test_bucketed_gathers_equal_one_per_unit_bitwise_with_fewer_calls(problem, fresh, monkeypatch):
@@ -199,7 +190,8 @@ def test_bucketed_gathers_equal_one_per_unit_bitwise_with_fewer_calls(problem, f
 
     if fresh:
         monkeypatch.setattr(ThreadComm, "async_writes_keep_version", False)
-    prob = _deep_gpt() if problem == "gpt5" else PROBLEMS[problem]()
+    # gpt5: blocks of 12.6K elements, so a 30K bucket gathers 2-3 of them at once
+    prob = PROBLEMS["gpt"](cfg=GPTConfig.tiny(n_layer=5)) if problem == "gpt5" else PROBLEMS[problem]()
     runs, calls = {}, {}
     for bucket in (30_000, 0):
         mesh = fzero.count_collectives(fzero.local_mesh(2))
@@ -218,18 +210,7 @@ def test_bucketed_gathers_follow_the_order_and_stop_with_it():
     # a forward that leaves the recorded order stops prefetch (pending buckets completed and dropped on every rank)
     # and still trains as the unbucketed step does
     torch.manual_seed(0)
-
-    class Skippy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
-
-        def forward(self, x, *, depth):
-            for block in self.blocks[:depth]:
-                x = torch.tanh(block(x))
-            return x
-
-    model = Skippy()
+    model = SkippyBlocks(64, 4)
     gen = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(8, 64, generator=gen), "depth": d} for d in (4, 4, 2, 4, 3, 4)]
 

@@ -11,7 +11,7 @@ from fzero.layout._layout import SHARD_ALIGN
 from fzero.memory import GatheredBytes, state_bytes, zero_model_state_bytes
 from fzero.models import GPT, GPTConfig, gpt_loss
 from fzero.testing import assert_trees_close, assert_trees_equal
-from problems import PROBLEMS, fzero_run
+from problems import PROBLEMS, SkippyBlocks, check_every_step, fzero_run, reference_run
 
 
 @pytest.mark.parametrize("problem", ["gpt", "any"])
@@ -45,20 +45,9 @@ def test_prefetch_changes_nothing_but_timing():
     assert_trees_equal(runs[True], runs[False])
 
 
-class _Skippy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(3)])
-
-    def forward(self, x, *, depth):
-        for block in self.blocks[:depth]:
-            x = torch.tanh(block(x))
-        return x
-
-
 def test_prefetch_order_is_re_recorded_when_the_forward_changes():
     torch.manual_seed(0)
-    model = _Skippy()
+    model = SkippyBlocks(6, 3)
 
     def loss_fn(params, b):
         return fzero.apply(model, params, b["x"], depth=b["depth"]).pow(2).mean()
@@ -251,21 +240,12 @@ def test_an_untied_head_as_a_unit_trains_as_pytorch_and_is_reduced_first(stages,
     it trains as plain PyTorch step by step (bitwise on one rank), and the head's gradient (first in backward) is
     reduced first, not after the whole backward as the root unit's is. At stage 3 the head, last in forward, is
     kept gathered through the turn to its backward."""
-    from problems import Problem, reference_run
-
-    base = PROBLEMS["gpt"]()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny(tie_embeddings=False))
-    prob = Problem(model, lambda params, b: gpt_loss(fzero.apply(model, params, b["x"]), b["y"]), base.batches)
+    prob = PROBLEMS["gpt"](cfg=GPTConfig.tiny(tie_embeddings=False))
+    model = prob.model
     expected, ref_losses = reference_run(prob, fused=True)
     mesh = fzero.count_collectives(fzero.local_mesh(ranks))
     got, metrics = fzero_run(prob, stages=stages, mesh=mesh, units=fzero.units_of(model) + ("lm_head",))
-    for k, (g, e) in enumerate(zip(got, expected)):
-        if ranks == 1:
-            assert_trees_equal(g, e)
-        else:
-            assert_trees_close(g, e, rtol=1e-5, atol=1e-6)
-        assert metrics[k]["loss"] == pytest.approx(ref_losses[k], rel=1e-5)
+    check_every_step(got, metrics, expected, ref_losses, ranks=ranks)
     start = fzero.params_of(model)
     assert (got[-1]["lm_head.weight"] - start["lm_head.weight"]).abs().max() > 1e-3  # the head did train
 
