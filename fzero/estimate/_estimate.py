@@ -135,7 +135,10 @@ def estimate_memory(
     "bf16", "fp16" or a ``fzero.Precision``. ``optimizer``: "adamw", "adam", "lamb", "lion", "sgd" (momentum), a
     ``fzero.optim`` transform (its state is measured on meta tensors), or bytes of optimizer state per parameter.
     ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, with either offload). ``units``, ``unit_elements`` and
-    ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload.
+    ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload. Collectives are taken one unit at a
+    time (``compile``'s default ``bucket_elements=0``): buckets hold more, up to about two buckets of gradient in
+    backward, and at stage 3 a bucket of gathered params beside the unit that runs (tests/test_memory.py,
+    tests/test_stage3.py), which this estimate does not add.
     """
     _rules.check_stage(stages, api=API)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
