@@ -345,5 +345,6 @@ class OptStateReplicated:
 
         return apply_update(optimizer, grads, opt_state, params, segments)
 
-    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, **gather: Any) -> None:
+    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+                     pool: Pool | None = None) -> None:
         """Every rank updated every param: nothing to bring back."""

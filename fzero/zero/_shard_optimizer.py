@@ -72,8 +72,9 @@ class OptStateSharded(OptStateReplicated):
             return super().apply(optimizer, grads, opt_state, params, segments)
         return self.offload.apply(optimizer, grads, opt_state, params, segments)
 
-    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, **gather: Any) -> None:
-        params.gather_back(comm, flats, layout, **gather)
+    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+                     pool: Pool | None = None) -> None:
+        params.gather_back(comm, flats, layout, bucket_elements=bucket_elements, pool=pool)
 
 
 def shard_optimizer(step: Step, mesh: Mesh | None = None) -> Step:

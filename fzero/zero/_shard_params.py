@@ -65,7 +65,8 @@ class ParamsSharded:
         schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
         return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
 
-    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, **gather: Any) -> None:
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+                    pool: Any = None) -> None:
         """Each rank updated its own shard, which is all it holds: nothing to bring back."""
 
 
