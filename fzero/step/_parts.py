@@ -23,6 +23,7 @@ order of composition is checked by the types. The parts that need another part's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -237,11 +238,11 @@ class ParamsReplicated:
                 pending.append(comm.all_gather_async(flats[group[0].name], flats[group[0].name][lo:hi], tag="params"))
             elif group:
                 shards = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in group]
-                for p in pending:
-                    if isinstance(p, _Filled):
-                        p.wait()
+                for p in pending:  # the bucket before this one is filled in (and its buffers back in the pool) first
+                    p.wait()
                 bucket = GatherBucket(comm, shards, pool=pool, label="+".join(u.name for u in group))
-                pending.append(_Filled(bucket, [flats[u.name] for u in group]))
+                pending.extend(Pending(functools.partial(bucket.fill, at, flats[u.name]))
+                               for at, u in zip(bucket.offsets, group))
             group.clear()
 
         for u in layout.units:
@@ -253,23 +254,6 @@ class ParamsReplicated:
         flush()
         for p in pending:
             p.wait()
-
-
-class _Filled:
-    """The units' whole buffers filled from a ``GatherBucket`` (what ``gather_back`` waits for)."""
-
-    def __init__(self, bucket: GatherBucket, fulls: list[torch.Tensor]) -> None:
-        self.bucket, self.fulls = bucket, fulls
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        at = 0
-        for full in self.fulls:
-            self.bucket.fill(at, full)
-            at += full.numel() // self.bucket.ranks
 
 
 @dataclasses.dataclass(frozen=True)

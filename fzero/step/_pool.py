@@ -126,6 +126,7 @@ class GatherBucket:
         self.out = mark(take(pool, comm.size * sum(sizes), dtype=dtype, device=device))
         self.handle = comm.all_gather_async(self.out, self.mine, tag="params", label=label)
         self.sizes, self.ranks, self.pool = sizes, comm.size, pool
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # where each unit's shard lies in a rank's chunk
         self.left = len(sizes)
 
     def fill(self, at: int, dest: torch.Tensor) -> torch.Tensor:

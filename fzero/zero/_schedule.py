@@ -12,6 +12,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
+from fzero.dist._comm import Pending
 from fzero.step._pool import GatherBucket, Pool, alloc_memory, can_move, free_memory, move_into, take
 
 class UnitCall:
@@ -186,14 +187,12 @@ class Schedule:
         names = [self.order[p] for p in span]
         bucket = GatherBucket(self.comm, [self._here(self.shards[n]) for n in names], pool=self.pool, label="+".join(names),
                               mark=_events.gathered)
-        at = 0
-        for p, name in zip(span, names):
+        for p, name, at in zip(span, names, bucket.offsets):
             unit, target = self.units[name], self._target(name)
             # the unit's buffer gets its memory when its part is filled in, not now: then the bucket and its units'
             # buffers are not all held while the gather runs
             dest = target.alloc if target is not None else functools.partial(self._fresh, unit)
-            self.pending[p] = (name, _Piece(bucket, at, dest), target)
-            at += unit.padded // self.comm.size
+            self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest)), target)
 
     def _fresh(self, unit: Unit) -> torch.Tensor:
         return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
@@ -298,12 +297,7 @@ def _same_version(buffer: torch.Tensor):
     return torch.autograd._unsafe_preserve_version_counter(buffer)
 
 
-class _Piece:
-    """One unit's share of a ``GatherBucket``, standing where a unit's own gather handle stands in ``Schedule.pending``."""
-
-    def __init__(self, bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor]) -> None:
-        self.bucket, self.at, self.dest = bucket, at, dest
-
-    def wait(self) -> torch.Tensor:
-        dest, self.dest = self.dest, None
-        return self.bucket.fill(self.at, dest())
+def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """One unit's share of a ``GatherBucket`` (what ``Schedule.pending`` holds where a unit's own gather would be):
+    its buffer, given its memory now, filled from the bucket."""
+    return bucket.fill(at, dest())
