@@ -147,7 +147,7 @@ class Schedule:
             with _same_version(out):
                 handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         else:
-            out = _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
+            out = self._fresh(unit)
             handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
         self.pending[pos] = (name, handle, target)
 
@@ -175,7 +175,7 @@ class Schedule:
             nxt = span[-1] + 1
             name = self.order[nxt]
             unit = self.units[name]
-            if name == self.order[span[-1]] or name in {self.order[p] for p in span} or unit.dtype != first.dtype:
+            if name in {self.order[p] for p in span} or unit.dtype != first.dtype:
                 break
             span.append(nxt)
             total += unit.padded
@@ -195,6 +195,7 @@ class Schedule:
             self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest)), target)
 
     def _fresh(self, unit: Unit) -> torch.Tensor:
+        """A fresh buffer to gather ``unit`` into, from the step's pool (counted as gathered memory)."""
         return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
 
     def _here(self, shard: torch.Tensor) -> torch.Tensor:
