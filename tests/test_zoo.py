@@ -70,6 +70,12 @@ def _known(name: str, stages: int, ranks: int) -> list[str]:
         "inplace_input": [],
         "unused_head": [],
         "spectral_norm": [],
+        "gemma_hidden_states": [],
+        "qwen2_moe_router": [],
+        "mamba": [],
+        "vit": [],
+        "whisper_encoder": [],
+        "user_hooks": [],
     }
     return causes[name]
 

@@ -162,6 +162,80 @@ def _layers_dropped(ref: "Reference") -> None:
     assert any(used) and not all(used), f"LayerDrop made no difference over {STEPS} steps (layer 0 used: {used}); change SEED"
 
 
+def gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=32))
+
+
+def _hidden_states_loss(call, b):
+    """The LM loss plus a penalty on every hidden state: what ``output_hidden_states=True`` captures (with forward
+    hooks that transformers 5 installs lazily, from inside the forward) feeds the loss and its gradient."""
+    out = call(input_ids=b["input_ids"], labels=b["labels"], output_hidden_states=True)
+    if len(out.hidden_states) != 3:  # the embeddings and one per layer (2 layers); the last is after the final norm
+        raise ValueError(f"output_hidden_states=True gave {len(out.hidden_states)} hidden states, not 3")
+    return out.loss + 0.1 * sum(h.pow(2).mean() for h in out.hidden_states)
+
+
+def qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # output_router_logits=True: the router logits (captured by hooks on each layer's gate) give the load-balancing
+    # auxiliary loss, which the model adds to its loss (router_aux_loss_coef, default 0.001)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=32, output_router_logits=True))
+
+
+def _moe_loss(call, b):
+    out = call(input_ids=b["input_ids"], labels=b["labels"])
+    if out.aux_loss is None:
+        raise ValueError("output_router_logits=True gave no auxiliary loss: the router logits were not captured")
+    return out.loss  # includes router_aux_loss_coef * aux_loss
+
+
+def mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    # a state-space model; without the mamba_ssm kernels transformers runs its PyTorch reference (a log record)
+    return MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                                        conv_kernel=4))
+
+
+def vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=32, num_labels=10))
+
+
+def _pixels_loss(call, b):
+    return call(pixel_values=b["x"], labels=b["y"]).loss
+
+
+def whisper():
+    from transformers import WhisperConfig, WhisperForAudioClassification
+
+    # a speech encoder (log-mel frames in, a class out); the token ids only matter to the decoder, which this model
+    # does not have: set inside the tiny vocabulary so that transformers has nothing to log
+    return WhisperForAudioClassification(WhisperConfig(
+        vocab_size=64, d_model=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=32, decoder_layers=1,
+        decoder_attention_heads=4, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8, max_target_positions=8,
+        num_labels=10, pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=3))
+
+
+def _audio():
+    gen = torch.Generator().manual_seed(16)  # 2 * max_source_positions frames of num_mel_bins, as Whisper requires
+    return [{"x": torch.randn(GLOBAL_BATCH, 8, 16, generator=gen), "y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen)}
+            for _ in range(STEPS)]
+
+
+def _audio_loss(call, b):
+    return call(input_features=b["x"], labels=b["y"]).loss
+
+
 # --------------------------------------------------------------------------------------- torch.nn
 
 
@@ -257,6 +331,44 @@ def hooked():
 def _hooked_loss(call, b):
     main = _lm_loss(call, b)
     return main + 0.1 * _CAPTURED.h.pow(2).mean()  # what the hook saw, with its gradient
+
+
+# user-written hooks, as a user would add them for logging or an auxiliary loss: a forward pre-hook on the root, a
+# forward hook on a Linear *inside* a unit capturing what it computed (used in the loss), and a full backward hook on
+# a unit. Each records into a thread-local store (each rank thread of local_mesh(n) is a process under torchrun).
+_SEEN = threading.local()
+
+
+def _seen() -> dict:
+    if not hasattr(_SEEN, "calls"):
+        _SEEN.calls = {"pre": 0, "forward": 0, "backward": 0}
+    return _SEEN.calls
+
+
+def _count_pre(module, args):
+    _seen()["pre"] += 1
+
+
+def _capture_inner(module, args, output):
+    _seen()["forward"] += 1
+    _SEEN.h = output
+
+
+def _count_backward(module, grad_input, grad_output):
+    _seen()["backward"] += 1
+
+
+def user_hooks():
+    model = TokenModel(Blocks())
+    model.register_forward_pre_hook(_count_pre)
+    model.body.blocks[1][0].register_forward_hook(_capture_inner)
+    model.body.blocks[0].register_full_backward_hook(_count_backward)
+    return model
+
+
+def _user_hooks_loss(call, b):
+    main = _lm_loss(call, b)
+    return main + 0.1 * _SEEN.h.pow(2).mean()
 
 
 @dataclasses.dataclass
@@ -363,6 +475,12 @@ ZOO: dict[str, Entry] = {
                                 settings={"autodiff": "autograd"}),
     "llama_checkpointing": Entry(_seeded(_checkpointed(llama)), _tokens(128, seed=2), _hf_loss, hf=True,
                                  settings={"autodiff": "autograd"}),
+    # issue 26: what transformers captures with its lazily installed hooks feeds the loss; four more families
+    "gemma_hidden_states": Entry(_seeded(gemma), _tokens(128, seed=17), _hidden_states_loss, hf=True),
+    "qwen2_moe_router": Entry(_seeded(qwen2_moe), _tokens(128, seed=18), _moe_loss, hf=True),
+    "mamba": Entry(_seeded(mamba), _tokens(128, seed=19), _hf_loss, hf=True),
+    "vit": Entry(_seeded(vit), _images, _pixels_loss, hf=True),
+    "whisper_encoder": Entry(_seeded(whisper), _audio, _audio_loss, hf=True),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
     # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
     # from torch.func's (test_zoo.py)
@@ -372,6 +490,7 @@ ZOO: dict[str, Entry] = {
                                           settings={"autodiff": "autograd"}),
     "lstm_gru": Entry(_seeded(lstm_gru), _tokens(64, seed=9), _lm_loss),
     "hook_aux": Entry(_seeded(hooked), _tokens(64, seed=10), _hooked_loss),
+    "user_hooks": Entry(_seeded(user_hooks), _tokens(64, seed=20), _user_hooks_loss),
     "dataclass_out": Entry(_seeded(dataclass_out), _tokens(64, seed=11), _lm_loss),
     "inplace_add": Entry(_seeded(inplace_add), _tokens(64, seed=12), _lm_loss),
     "inplace_input": Entry(_seeded(inplace_input), _tokens(64, seed=15), _lm_loss),
@@ -403,7 +522,8 @@ def split(batch: Any, n: int) -> list[Any]:
 def reference_run(entry: Entry, ranks: int) -> Reference:
     model = entry.build()
     replicas = [model] + [copy.deepcopy(model) for _ in range(ranks - 1)]
-    named = dict(model.named_parameters())
+    # trainable params only, as fzero.params_of gives them (Whisper's sinusoidal position table is frozen)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     by_id = {id(p): n for n, p in named.items()}
     aliases = {k: by_id[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
     opt = torch.optim.AdamW(list(named.values()), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
@@ -423,7 +543,7 @@ def reference_run(entry: Entry, ranks: int) -> Reference:
             loss = entry.loss(rep, half)
             loss.backward()
             rank_losses.append(loss.item())
-            grads.append([p.grad for p in rep.parameters()])
+            grads.append([p.grad for p in rep.parameters() if p.requires_grad])
             if r == 0:
                 end = torch.get_rng_state()
         torch.set_rng_state(end)  # the process goes on as rank 0 did

@@ -29,7 +29,8 @@ import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
 from fzero.layout import _tree
-from fzero.step._context import outside_step_scope
+from fzero.step._context import (Snapshots, as_in_forward, current_buffers, current_compute_dtype, outside_step_scope,
+                                 recording, replaying)
 
 __all__ = ["remat"]
 
@@ -130,6 +131,8 @@ class _Call:
         self.rng: _RngState | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.unused: list[bool] = []
+        self.snapshots = Snapshots()  # the step's buffers as the forward found them, for the recompute
+        self.bank, self.dtype = current_buffers(), current_compute_dtype()  # what fzero.apply ran with in the forward
 
     @property
     def name(self) -> str:
@@ -237,14 +240,81 @@ def _has_tensor(out) -> bool:
     return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in out))
 
 
+# -- arguments the forward changes ---------------------------------------------------------------------------
+# The recompute calls fn with the same Python objects its forward got. Tensors are saved and checked by autograd
+# (an in-place change is refused when backward unpacks them) and the step's buffers are snapshotted (above); any
+# other object that fn changes (a Hugging Face Cache appended to by every attention layer) would be changed a
+# second time by the recompute, and backward would differentiate another computation than the forward ran.
+# The objects among fn's arguments are described before and after the forward, a few levels into their
+# attributes and containers (tensor identity, shape and version; container lengths); a difference raises.
+
+_CHANGED_ARGUMENT = """fzero.remat: {name} changed an argument that is not a tensor during its forward: {detail}.
+The recompute in backward runs {name} again with the same object, which would change it a second time (a key/value
+cache appended to twice makes backward differentiate attention over twice the keys: silently wrong gradients), so
+the step stops here, before any update. Fix: {fix}"""
+_FIX_CACHE = ("turn the model's cache off for training, as Hugging Face's own gradient checkpointing does: "
+              "model.config.use_cache = False, or pass use_cache=False to the model's forward.")
+_FIX_OTHER = "pass a fresh object on each call or one that the function does not change, or do not remat this function."
+_DEPTH = 4
+
+
+def _describe(x: Any, depth: int, seen: set[int]) -> Any:
+    """A comparable description of what ``x`` holds (tensors by identity, shape and version counter)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", id(x), tuple(x.shape), x._version)
+    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)) or depth == 0 or id(x) in seen:
+        return ("leaf", x if isinstance(x, (bool, int, float, str, bytes)) or x is None else id(x))
+    if isinstance(x, torch.nn.Module) or callable(x) and not hasattr(x, "__dict__"):
+        return ("object", id(x))
+    seen = seen | {id(x)}
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_describe(v, depth - 1, seen) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((repr(k), _describe(v, depth - 1, seen)) for k, v in x.items()))
+    attrs = getattr(x, "__dict__", None)
+    if attrs is None:
+        return ("leaf", id(x))
+    return ("object", id(x), tuple((k, _describe(v, depth - 1, seen)) for k, v in attrs.items()))
+
+
+def _object_states(call: "_Call") -> list[tuple[str, Any, Any]]:
+    """``(where, object, description)`` of each leaf of fn's arguments that is an object holding state."""
+    tree = torch_pytree.tree_unflatten(call.leaves, call.spec)
+    leaves, _ = torch_pytree.tree_flatten_with_path(tree)
+    return [(_where(path), x, _describe(x, _DEPTH, set())) for path, x in leaves if x is not _SLOT and _holds_state(x)]
+
+
+def _where(path: Any) -> str:
+    """``args[1]``/``kwargs['past_key_values']`` from a pytree key path into ``(args, kwargs)``."""
+    text = torch_pytree.keystr(path)  # "[0][1]" or "[1]['past_key_values']"
+    return ("args" if text.startswith("[0]") else "kwargs") + text[3:]
+
+
+def _holds_state(x: Any) -> bool:
+    return hasattr(x, "__dict__") and not isinstance(x, (torch.Tensor, torch.nn.Module, type)) and not callable(x)
+
+
+def _check_unchanged(call: "_Call", before: list[tuple[str, Any, Any]]) -> None:
+    for where, x, description in before:
+        if _describe(x, _DEPTH, set()) != description:
+            kind = type(x).__name__
+            cache = "cache" in kind.lower() or any("Cache" in c.__name__ for c in type(x).__mro__)
+            detail = (f"a {type(x).__module__}.{kind} passed as {where}" +
+                      (" (a key/value cache: the model runs with use_cache=True)" if cache else ""))
+            raise RuntimeError(_CHANGED_ARGUMENT.format(name=call.name, detail=detail,
+                                                        fix=_FIX_CACHE if cache else _FIX_OTHER))
+
+
 class _RematForward(torch.autograd.Function):
     @staticmethod
     def forward(call, *inputs):
         call.devices = [x.device for x in inputs]
         call.rng = _RngState(inputs)
         call.autocast = _autocast_state(call.devices)
-        with torch.no_grad(), _NoCapturedGrad(call, inputs):
+        before = _object_states(call)
+        with torch.no_grad(), _NoCapturedGrad(call, inputs), recording(call.snapshots):
             outs = call.run(list(inputs))
+        _check_unchanged(call, before)
         # A Function must not return one of its inputs as is, nor one tensor twice.
         seen: set[int] = set()
         res = []
@@ -291,7 +361,8 @@ class _RematBackward(torch.autograd.Function):
         # stream, ordered before the recompute that reads it.
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
         leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
-        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), outside_step_scope():
+        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), outside_step_scope(), \
+                as_in_forward(call.bank, call.dtype), replaying(call.snapshots):
             outs = call.run(leaves)
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         wrt = [x for x, need in zip(leaves, call.diff) if need]

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fzero.step._context import buffers_for_run
+
 
 def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers of ``module`` (those in its ``state_dict``) as ``{name: copy}``, for
@@ -76,7 +78,7 @@ class Buffers:
                 self.dtypes[name] = b.dtype
                 self.values[name] = self._live(b.detach())
             out[name] = self.values[name]
-        return out
+        return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
 
     def result(self) -> dict[str, torch.Tensor]:
         """The values after the forward, each in its own dtype."""

@@ -1,11 +1,12 @@
-"""Per-thread context of a simulated rank.
+"""Per-thread context of a step.
 
-``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward,
-so two rank threads running the same module at once would see each other's parameters (and could leave
-them behind). On a ``local_mesh`` with more than one rank, every rank thread therefore runs a shallow
-clone of the module: new module objects that share every parameter and buffer tensor with the
-original, which no rank thread then swaps (so the clones copy a module at rest). Clones live for one
-step call; single-rank runs use the module itself.
+``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward, and a
+forward may write into its module (Hugging Face installs its output-capturing hooks lazily, from inside the
+forward). So within a step, on every rank (one process, a ``local_mesh`` rank thread, a torchrun process),
+``fzero.apply`` runs a clone of the user's module: new module objects that share every parameter and buffer
+tensor with the original and no mutable container (``fzero.layout._clone``). The clones copy a module at rest
+and live for one step call; the user's module is never written, not even for the length of a step.
+Outside a step, ``fzero.apply`` is ``functional_call`` on the module itself.
 """
 
 from __future__ import annotations
@@ -23,23 +24,21 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def simulated_rank(rank: int) -> Iterator[None]:
-    """Mark this thread as rank ``rank`` of a multi-rank ``local_mesh`` for the length of one step."""
-    _local.rank, _local.clones = rank, {}
-    try:
+def module_clones() -> Iterator[None]:
+    """For the length of one step call on this thread (one rank): ``fzero.apply`` runs clones of the modules it
+    is given, one per module, made on first use."""
+    with _set("clones", {}):
         yield
-    finally:
-        _local.rank, _local.clones = None, {}
 
 
 def module_for_thread(module: nn.Module) -> nn.Module:
-    """``module`` itself, or in a rank thread of a multi-rank local mesh, this step's clone of it sharing all tensors."""
-    rank = getattr(_local, "rank", None)
-    if rank is None:
+    """Within a step, this step's (and this rank's) clone of ``module``, sharing all its tensors; else ``module``."""
+    clones = getattr(_local, "clones", None)
+    if clones is None:
         return module
-    clone = _local.clones.get(id(module))
+    clone = clones.get(id(module))
     if clone is None:
-        clone = _local.clones[id(module)] = clone_structure(module)
+        clone = clones[id(module)] = clone_structure(module)
     return clone
 
 
@@ -124,3 +123,52 @@ def cast_floating(tree: Any, dtype: "torch.dtype | None") -> Any:
     import torch.utils._pytree as torch_pytree
 
     return torch_pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+# -- buffers under recompute ---------------------------------------------------------------------------
+# fzero.remat runs a function twice: under no_grad in the forward, and again with grad in backward. What the
+# function writes into the step's buffers (BatchNorm running statistics, spectral-norm vectors) must be written
+# once, by the forward, as without remat; and the recompute must read the values the forward read. So while a
+# remat forward runs, every buffer the step hands a module is noted with a copy of its value (``Snapshots``), and
+# while its recompute runs, the module gets a fresh copy of that value instead: its writes go nowhere.
+
+
+@contextlib.contextmanager
+def as_in_forward(bank: Any, dtype: "torch.dtype | None") -> Iterator[None]:
+    """A recompute in backward runs where the forward ran: with the step's buffer bank and compute dtype, which
+    the step set only for the length of its forward (without them ``fzero.apply`` would run the module's own
+    buffers, and write into them, and skip the low-precision casts)."""
+    with _set("buffers", bank), _set("dtype", dtype):
+        yield
+
+
+class Snapshots(dict):
+    """``{id(live buffer): (live buffer, its value when the forward first handed it out)}``, for one remat call
+    (the live tensor is kept so that its id stays its own)."""
+
+
+@contextlib.contextmanager
+def recording(snapshots: Snapshots) -> Iterator[None]:
+    """A remat forward: note each buffer handed out (``buffers_for_run``) into ``snapshots``."""
+    with _set("snapshots", snapshots), _set("replay", False):
+        yield
+
+
+@contextlib.contextmanager
+def replaying(snapshots: Snapshots) -> Iterator[None]:
+    """A remat recompute: hand out copies of the values in ``snapshots`` instead of the live buffers."""
+    with _set("snapshots", snapshots), _set("replay", True):
+        yield
+
+
+def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's ``buffers`` as a module should run with them now (see the comment above)."""
+    snapshots = getattr(_local, "snapshots", None)
+    if snapshots is None or not buffers:
+        return buffers
+    if getattr(_local, "replay", False):
+        return {k: snapshots[id(v)][1].clone() if id(v) in snapshots else v for k, v in buffers.items()}
+    for v in buffers.values():
+        if id(v) not in snapshots:
+            snapshots[id(v)] = (v, v.detach().clone())
+    return buffers

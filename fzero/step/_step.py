@@ -26,7 +26,7 @@ from fzero.dist._comm import Rendezvous, ThreadComm
 from fzero.layout import _tree
 from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
-from fzero.step._context import simulated_rank
+from fzero.step._context import module_clones
 from fzero.step._init import init_state
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated
 from fzero.step._precision import Precision, policy
@@ -127,9 +127,8 @@ class Step:
             api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
             fields = program_fields(state.meta.layout, stage=state.meta.stage, precision=self.precision, grad_accum=self.grad_accum)
             comm.agree(fields, api=api, fix=AGREE_FIX)
-            with simulated_rank(comm.rank):
-                return program(self._in_context, comm, *args)
-        return program(self._in_context, comm, *args)
+        with module_clones():  # fzero.apply runs clones: the user's module is never written (fzero.step._context)
+            return program(self._in_context, comm, *args)
 
     @functools.cached_property
     def pool(self) -> Pool:

@@ -37,11 +37,11 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     call = UnitCall(inner, unit, params)
     shard = params.inputs[unit.name]
     if params.remat and torch.is_grad_enabled():
-        def unit_forward(shard, args, kwargs):  # gathers again when remat recomputes it
+        def unit_forward(shard, /, *args, **kwargs):  # gathers again when remat recomputes it
             return call.run(_UnitGather.apply(shard, call, False, _usage.active(unit)), args, kwargs)
 
         unit_forward.__qualname__ = f"unit {unit.name!r}"
-        return remat(unit_forward)(shard, args, kwargs)
+        return remat(unit_forward)(shard, *args, **kwargs)
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())

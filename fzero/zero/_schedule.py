@@ -62,7 +62,7 @@ class UnitCall:
         """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
         for its forward, and again for its backward, where ``torch.utils.checkpoint`` (HF's gradient
         checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
-        gets the error of ``_UnitCall.__getattr__``, never a view of a freed buffer."""
+        gets the error of ``_UnitSkin.__getattr__`` (``fzero.zero._sharded``), never a view of a freed buffer."""
         if self._bound is None and self.tensors:
             self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
             self._bound.__enter__()

@@ -5,9 +5,10 @@
 (DESIGN.md §3). At stage 2 a unit's call only attaches the reduce-scatter of its gradient
 (``ReplicatedParams``); at stage 3:
 
-* A *skeleton* of the module is built for the step: the same module objects' structure, its trainable
-  parameters replaced by meta tensors (no memory), buffers and frozen parameters shared with the
-  original. Each unit submodule of the skeleton is swapped for a ``_UnitCall``.
+* A *skeleton* of the module is built for the step: a clone of the module tree (``fzero.layout._clone``), its
+  trainable parameters replaced by meta tensors (no memory), buffers and frozen parameters shared with the
+  original. Each unit keeps its place, its class and its hooks in the skeleton, as a ``_UnitSkin`` whose
+  call runs the unit through the step's params object.
 * The root unit (parameters outside every unit) is all-gathered once, through the ``AllGather``
   Function whose backward reduce-scatters, and passed to ``functional_call`` on the skeleton. Like
   FSDP2's root module, it stays gathered until backward is done with it.
@@ -29,7 +30,7 @@ from fzero.layout._clone import clone_structure
 from fzero.step import _usage
 from fzero.step._pool import Pool
 from fzero.dist._autograd import AllGather, ReplicatedShardGrad
-from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype
+from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.layout._layout import ROOT, Layout, Unit
 from fzero.zero._gathered import run_unit
 from fzero.zero._jit import compiled
@@ -65,13 +66,14 @@ class UnitParams(Mapping):
         return apply_units(module, self, args, kwargs)
 
     def runner(self, inner: nn.Module, unit: Unit) -> Any:
-        """What runs a unit's module: itself, or (``jit``) its compiled forward."""
-        return compiled(inner, unit.name, self._compiled) if self.jit else inner
+        """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward."""
+        run = functools.partial(compiled, inner, unit.name, self._compiled) if self.jit else lambda: inner
+        return functools.partial(_as_own_class, inner, run)
 
     def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The step's buffers inside ``unit``, by name relative to it."""
         prefix = unit.name + "."
-        return {k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)}
+        return buffers_for_run({k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)})
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._unit_of)
@@ -230,37 +232,56 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                 f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
                 f"in the root unit (units=... without {unit.name!r})."
             )
-        parent_path, _, child = unit.name.rpartition(".")
-        parent = skel.get_submodule(parent_path)
-        parent._modules[child] = _UnitCall(sub, unit, params)
+        sub.__class__ = _skin(type(sub))  # sub is the skeleton's own clone: the user's module keeps its class
+        sub.__dict__["_fz"] = (unit, params)
     return skel
 
 
-class _UnitCall(nn.Module):
-    """Stands in the skeleton where a unit was: each call is one gathered, recomputed Function."""
+class _UnitSkin(nn.Module):
+    """What a unit of the skeleton is between its calls: the unit's own module object (a clone), at its own path, of a
+    subclass of its own class (``_skin``), as FSDP2 gives ``fully_shard``'s modules a subclass of theirs. So the
+    skeleton's ``named_modules()``/``named_children()`` show the user's tree, ``isinstance`` holds, and what walks the
+    tree (Hugging Face installing its output-capturing hooks) reaches the unit and what is inside it.
 
-    def __init__(self, inner: nn.Module, unit: Unit, params: UnitParams) -> None:
-        super().__init__()
-        # not registered as a child: functional_call on the skeleton must not see the unit's meta params
-        self.__dict__["_fz"] = (inner, unit, params)
+    A call goes to ``run_unit`` (gathered, at stage 3); inside it the module runs as its own class
+    (``_as_own_class``), hooks and any ``__call__`` of its class (Hugging Face's checkpointing layers) included.
+    Between calls its trainable params are meta tensors: a read of one outside the unit's forward raises.
+    """
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner, unit, params = self.__dict__["_fz"]
-        return params.run_unit(inner, unit, args, kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        unit, params = self.__dict__["_fz"]
+        return params.run_unit(self, unit, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner, unit, params = self.__dict__["_fz"]
-            value = getattr(inner, name)
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                path = f"{unit.name}.{name}"
-                if isinstance(params, ReplicatedParams) and path in params.views(unit):
-                    return params.views(unit)[path]  # stage 2: whole params exist; no gather involved
-                raise AttributeError(
-                    f"fzero.apply (stage 3): '{unit.name}.{name}' was read outside the forward of its unit {unit.name!r}; "
-                    f"a unit's parameters exist only while the unit runs. Move that use into the unit's forward, or "
-                    f"keep the module in the root unit (units=... without {unit.name!r})."
-                ) from None
-            return value
+        value = super().__getattr__(name)
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            unit, params = self.__dict__["_fz"]
+            path = f"{unit.name}.{name}"
+            if isinstance(params, ReplicatedParams) and path in params.views(unit):
+                return params.views(unit)[path]  # stage 2: whole params exist; no gather involved
+            raise AttributeError(
+                f"fzero.apply (stage 3): '{unit.name}.{name}' was read outside the forward of its unit {unit.name!r}; "
+                f"a unit's parameters exist only while the unit runs. Move that use into the unit's forward, or "
+                f"keep the module in the root unit (units=... without {unit.name!r})."
+            ) from None
+        return value
+
+
+@functools.cache
+def _skin(cls: type) -> type:
+    """The ``_UnitSkin`` subclass of ``cls``, named as ``cls`` (``str(type(m))`` unchanged: Hugging Face keys its
+    output-capture registry on it). One per class, made once: a cache of types, no state."""
+    return type(cls.__name__, (_UnitSkin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                  "_fz_class": cls})
+
+
+def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """``runner()(*args, **kwargs)`` with ``module`` of its own class again for the call: its hooks and its class's
+    ``__call__`` run as in eager PyTorch, and ``torch.compile`` (``jit``, made on the first call) sees the class it
+    would see there."""
+    skin = type(module)
+    module.__class__ = skin._fz_class
+    try:
+        return runner()(*args, **kwargs)
+    finally:
+        module.__class__ = skin

@@ -1,0 +1,237 @@
+"""Hooks, captured outputs and recompute train as in plain PyTorch, and the user's module is never written (issue 26).
+
+The parity of hooked models (Hugging Face ``output_hidden_states``, MoE router logits, user-written forward,
+pre- and full backward hooks feeding the loss) against PyTorch is in the zoo (tests/zoo.py, tests/test_zoo.py).
+Here: the invariants around it. fzero runs clones of the user's module (``fzero.layout._clone``), so hooks that
+a forward installs (as transformers does, lazily) land in the clone, never in the user's module; hooks see the
+calls an eager forward makes, step after step, without piling up; a stage-3 skeleton shows the user's module
+tree; and ``remat`` neither repeats buffer writes nor silently recomputes with a changed Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from zoo import ZOO, TokenModel, Blocks, check, fzero_run, gemma, llama, reference_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STAGES = (0, 1, 2, 3)
+MESHES = (1, 2)
+
+
+def _hf_loss_fn(model):
+    def loss_fn(params, b):
+        out = fzero.apply(model, params, input_ids=b, labels=b, output_hidden_states=True)
+        if len(out.hidden_states) != 3:
+            raise ValueError(f"{len(out.hidden_states)} hidden states, not 3")
+        return out.loss + 0.1 * out.hidden_states[1].pow(2).mean()
+    return loss_fn
+
+
+def _module_picture(model: nn.Module) -> dict:
+    """Everything fzero must leave as it is: per submodule, its ``__dict__`` keys, every hook dictionary's
+    entries, its class; and the values of every parameter and buffer."""
+    picture = {}
+    for name, m in model.named_modules():
+        picture[name] = (type(m), sorted(m.__dict__),
+                         {k: list(v) for k, v in m.__dict__.items() if k.endswith("hooks") or "hooks_" in k})
+    picture["tensors"] = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+    return picture
+
+
+def _assert_same_picture(before: dict, after: dict) -> None:
+    assert set(before) == set(after)
+    for name in before:
+        if name == "tensors":
+            continue
+        assert before[name] == after[name], f"fzero changed the user's module {name or '(root)'}"
+    for k, v in before["tensors"].items():
+        assert torch.equal(v, after["tensors"][k]), f"fzero wrote into the user's {k}"
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", STAGES)
+def test_the_users_module_is_never_written_with_hf_output_capture(stages, ranks):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = gemma().train()
+    x = torch.randint(0, 128, (4, 8))
+    before = _module_picture(model)
+    step = fzero.compile(_hf_loss_fn(model), stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    for _ in range(3):
+        state, _ = step(state, x)
+    step.evaluate(state, x)
+    step.gather(state)
+    _assert_same_picture(before, _module_picture(model))
+    # and the user's own forward afterwards is what it was: 3 hidden states (transformers installs its hooks now,
+    # into the user's module, as it would without fzero), the same values as a fresh copy of the model gives
+    torch.manual_seed(0)
+    fresh = gemma().train()
+    with torch.no_grad():
+        got = model(input_ids=x, output_hidden_states=True)
+        want = fresh(input_ids=x, output_hidden_states=True)
+    assert len(got.hidden_states) == 3
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+
+
+def test_hooks_do_not_pile_up_over_many_steps():
+    """transformers installs its capture hooks once per module object; fzero gives each step fresh clones, so each
+    step's forward fires each hook once: counted, not timed (a growing count is what made steps slower)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = gemma().train()
+    fired = []
+    lock = threading.Lock()
+
+    def count(module, args, output):
+        with lock:
+            fired.append(1)
+
+    model.model.layers[0].register_forward_hook(count)
+    step = fzero.compile(_hf_loss_fn(model), stages=1, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    x = torch.randint(0, 128, (4, 8))
+    per_step = []
+    for _ in range(50):
+        n = len(fired)
+        state, _ = step(state, x)  # the loss raises if hidden_states is not 3 long
+        per_step.append(len(fired) - n)
+    assert per_step == [2] * 50  # one call per rank per step, from the first step to the fiftieth
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 1  # the user's own hook, nothing added
+
+
+_CALLS: list = []
+_LOCK = threading.Lock()
+
+
+def _note(kind):
+    def hook(*_):
+        with _LOCK:
+            _CALLS.append(kind)
+    return hook
+
+
+def _counted_model():
+    torch.manual_seed(0)
+    model = TokenModel(Blocks()).train()
+    model.register_forward_pre_hook(_note("pre"))
+    model.body.blocks[1][0].register_forward_hook(_note("forward"))  # inside a unit
+    model.body.blocks[0].register_forward_hook(_note("unit forward"))  # on a unit
+    model.body.blocks[0].register_full_backward_hook(_note("backward"))
+    return model
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", STAGES)
+def test_hooks_see_the_calls_an_eager_forward_and_backward_make(stages, ranks):
+    batches = [torch.randint(0, 64, (4, 8)) for _ in range(3)]
+    model = _counted_model()
+    _CALLS.clear()
+    for x in batches:  # eager: each rank's replica runs forward and backward once per step
+        for part in x.chunk(ranks):
+            model(part).sum().backward()
+    eager = sorted(_CALLS)
+    model = _counted_model()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).sum(), stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    _CALLS.clear()
+    for x in batches:
+        state, _ = step(state, x)
+    assert sorted(_CALLS) == eager
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_skeleton_shows_the_users_module_tree(stages):
+    """Units keep their place and class in the skeleton a stage-2/3 step runs (what walks named_children(), as
+    transformers does to install its hooks, reaches them); the user's module keeps its own classes."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = llama().train()
+    seen = {}
+
+    def loss_fn(params, b):
+        out = fzero.apply(model, params, input_ids=b, labels=b)
+        skeleton = fzero.zero._sharded.UnitParams.skeleton(params, model)
+        seen["tree"] = [(n, type(m).__name__, isinstance(m, type(model.get_submodule(n))))
+                        for n, m in skeleton.named_modules()]
+        return out.loss
+
+    step = fzero.compile(loss_fn, stages=stages)
+    step(step.init(fzero.params_of(model)), torch.randint(0, 128, (2, 8)))
+    assert seen["tree"] == [(n, type(m).__name__, True) for n, m in model.named_modules()]
+    assert all(type(m).__module__.startswith(("transformers", "torch")) for m in model.modules())
+
+
+# -- recompute ------------------------------------------------------------------------------------------------
+
+
+def _llama_no_cache():
+    model = llama()
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+def test_remat_on_an_hf_decoder_with_its_default_cache_raises_before_any_update(ranks):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = llama().train()  # use_cache=True, the default: each layer appends to one DynamicCache
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b, labels=b).loss, stages=3, remat=True,
+                         mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    first = step.gather(state)
+    with pytest.raises(RuntimeError, match=r"(?s)unit 'model\.layers\.0' changed an argument .*DynamicCache.*"
+                                           r"use_cache = False"):
+        step(state, torch.randint(0, 128, (4, 8)))
+    assert all(torch.equal(v, first[k]) for k, v in fzero.params_of(model).items())
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("name, build", [("llama", _llama_no_cache), ("bn_cnn", None), ("spectral_norm", None)])
+def test_remat_trains_as_pytorch_without_remat(name, build, ranks):
+    """``remat=True`` against plain PyTorch without recompute: the same params every step, and buffers (BatchNorm's
+    running means, variances and ``num_batches_tracked``; spectral norm's vectors) written once per step."""
+    if name == "llama":
+        pytest.importorskip("transformers")
+    entry = ZOO[name]
+    if build is not None:
+        entry = dataclasses.replace(entry, build=lambda: (torch.manual_seed(0), build().train())[1])
+    ref = reference_run(entry, ranks)
+    run = fzero_run(dataclasses.replace(entry, settings={**entry.settings, "remat": True}), stages=3, ranks=ranks)
+    check(entry, ref, run)
+    if name == "bn_cnn":
+        assert int(run.state_dict["0.1.num_batches_tracked"]) == 4  # 4 steps, not 8
+
+
+def test_fzero_remat_writes_buffers_once_at_stages_0_to_2():
+    """``fzero.remat`` around a BatchNorm block inside loss_fn: the running statistics as without remat."""
+    def run(use_remat, stages):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+
+        def loss_fn(params, x):
+            f = lambda p, x: fzero.apply(block, p, x)  # noqa: E731
+            return (fzero.remat(f) if use_remat else f)(dict(params) if stages < 2 else
+                                                         {k: params[k] for k in params}, x).pow(2).mean()
+
+        step = fzero.compile(loss_fn, stages=stages, mesh=fzero.local_mesh(2) if stages else None)
+        state = step.init(fzero.params_of(block))
+        before = {k: v.clone() for k, v in block.state_dict().items()}
+        for i in range(3):
+            state, _ = step(state, torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+        assert all(torch.equal(v, before[k]) for k, v in block.state_dict().items())  # the recompute too
+        return step.state_dict(state, block)
+
+    for stages in (0, 1, 2):
+        plain, rematted = run(False, stages), run(True, stages)
+        assert int(rematted["1.num_batches_tracked"]) == 3
+        for k in plain:
+            torch.testing.assert_close(rematted[k], plain[k], rtol=0, atol=0)
