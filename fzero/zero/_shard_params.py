@@ -78,9 +78,10 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
     ``units``: module paths (see ``fzero.units_of``); default, each child of a ``ModuleList``/``Sequential``.
     ``prefetch``: gather the next unit while the current one computes, in forward and in backward (order
     recorded on the first step). ``remat=True``: recompute each unit in backward (``fzero.remat``, which
-    gathers it again) instead of keeping its activations: less memory, one more forward per unit. As with
-    ``torch.utils.checkpoint``, a forward with side effects then has them twice (a KV cache appended to
-    twice, BatchNorm statistics updated twice, hooks run twice): turn them off (HF: ``use_cache=False``).
+    gathers it again) instead of keeping its activations: less memory, one more forward per unit. Buffer writes
+    (BatchNorm statistics) still happen once per step; a unit that changes a non-tensor argument (a Hugging Face
+    KV cache under ``use_cache=True``) raises before any update, naming the fix (``use_cache=False``); hooks
+    inside a unit fire again in its recompute, as under ``torch.utils.checkpoint``.
     """
     step = as_step(step, "fzero.shard_params")
     if step.params.sharded:
