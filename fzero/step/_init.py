@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
 from fzero.layout import _tree
@@ -34,6 +35,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     n = step.world_size
     prec = step.precision
     low = None if prec.compute == torch.float32 else prec.compute
+    check_params_train(params, low_precision=low is not None)
     layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
@@ -128,3 +130,59 @@ def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor, device:
             f"value, {where} of shape {tuple(meta.shape)}."
         )
     return value
+
+
+def check_params_train(params: Any, *, low_precision: bool) -> None:
+    """Refuse params that a step would train other than as given, before anything is packed.
+
+    - The same tensor under two paths (or two overlapping views of one storage): each path would become a slot
+      of its own and train apart, breaking the tie. ``fzero.params_of`` lists a tied parameter once, and
+      ``fzero.apply`` resolves its other names (``tie_weights=True``), as PyTorch trains it: as one.
+    - A frozen module parameter (an ``nn.Parameter`` with ``requires_grad=False``, or a tensor without it among
+      tensors with it): the step would update it like any other. ``fzero.params_of`` leaves it out, and
+      ``fzero.apply`` reads it from the module.
+    - Under an fp32 policy, a parameter of another dtype (float64, bf16): the step holds every parameter in its
+      compute dtype, and a unit holds one dtype.
+    """
+    if params is None:
+        return
+    paths, leaves, _ = _tree.flatten_with_paths(params)
+    tensors = [(p or "<root>", x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+    _check_no_ties(tensors)
+    trains = any(x.requires_grad for _, x in tensors)
+    for path, x in tensors:
+        if not x.requires_grad and (isinstance(x, nn.Parameter) or trains):
+            raise ValueError(
+                f"{API}: params[{path!r}] is frozen (requires_grad=False), but every tensor in params is trained. "
+                f"Leave frozen parameters out of params: fzero.params_of(model) does, and fzero.apply reads them from "
+                f"the module; or set requires_grad=True to train it."
+            )
+        if not low_precision and x.is_floating_point() and x.dtype != torch.float32:
+            raise TypeError(
+                f"{API}: params[{path!r}] is {x.dtype}, but this step computes in torch.float32 (precision=\"fp32\") and "
+                f"holds every parameter in that dtype. Cast it (model.float(), or {{k: v.float() for k, v in params.items()}}), "
+                f"or give the step the policy of that dtype (precision=\"bf16\" or \"fp16\" for half-precision params)."
+            )
+
+
+def _check_no_ties(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Two leaves that are one tensor, or views of overlapping memory, are refused by both paths."""
+    spans: dict[Any, list[tuple[int, int, str]]] = {}
+    first: dict[int, str] = {}
+    for path, x in tensors:
+        other = first.setdefault(id(x), path)
+        if other == path and not x.is_meta and x.numel():
+            storage = x.untyped_storage()
+            lo = x.storage_offset() * x.element_size()
+            hi = lo + (1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride()))) * x.element_size()
+            key = (storage.device, storage.data_ptr())
+            for a, b, q in spans.get(key, ()):
+                if lo < b and a < hi:
+                    other = q
+            spans.setdefault(key, []).append((lo, hi, path))
+        if other != path:
+            raise ValueError(
+                f"{API}: params[{other!r}] and params[{path!r}] are the same tensor (or overlapping views of one), so the "
+                f"step would train them as two parameters and break the tie. Pass a tied parameter once, as "
+                f"fzero.params_of(model) does: fzero.apply(model, params, ...) gives it to every name it is tied to."
+            )
