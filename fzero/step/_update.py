@@ -8,7 +8,7 @@ policy keeps them), and let it bring the params back (``after_update``: the all-
 skips the optimizer: the ``active`` mask travels to it through ``LayoutSegments``.
 
 What cannot train is said here, before the optimizer writes anything: a learning-rate schedule whose value is
-not finite (``current_lr``), and some ranks' losses using no param while others' did (``EMPTY_FLAG``: a zero
+not finite or negative (``current_lr``), and some ranks' losses using no param while others' did (``EMPTY_FLAG``: a zero
 gradient averaged in silently). A gradient that is exactly zero everywhere trains nothing, or worse lets weight
 decay drift the params: it warns once per step object (``ZeroGradientWarning``).
 """
@@ -92,6 +92,12 @@ def current_lr(optimizer: Any, step: int) -> float:
             f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {out} at step {step} (schedules are "
             f"called with the steps already taken, so this is optimizer step {step + 1}); the params were not updated. "
             f"Fix the schedule for that step (a division by zero warmup or decay length? a log or power of 0?)."
+        )
+    if out < 0:  # the optimizer would step up the gradient: gradient ascent, with every metric looking normal
+        raise ValueError(
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {out} at step {step} (optimizer step "
+            f"{step + 1}); a negative learning rate runs gradient ascent. The params were not updated. Fix the "
+            f"schedule for that step (a linear decay past its end? clamp it: max(0.0, ...))."
         )
     return out
 
