@@ -269,11 +269,26 @@ def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[s
     """Raise a ``ValueError`` when a param of ``params`` (name -> tensor, as ``fzero.params_of`` names them) has
     another shape than the parameter of that name in ``module``: the state was made from another model (an
     MLP(4, 8, 2) state run by an MLP(4, 16, 2)), and ``torch.func.functional_call`` would run it anyway, as the
-    smaller model. ``units``: name -> unit, to name the unit too. Names the module lacks are left to the caller.
+    smaller model. ``units``: name -> unit, to name the unit too. Names the module lacks are refused too, with
+    the names missing on either side: ``functional_call`` would fail deep inside torch ("Sequential has no
+    attribute layers") or set an attribute the forward never reads.
 
     Meant for ``fzero.apply`` (stages 0-1) and the stage 2-3 skeleton, once per module and layout (a dict lookup
     per param)."""
     own = dict(module.named_parameters(remove_duplicate=False))
+    unexpected = [name for name in params if name not in own]
+    if unexpected:
+        known = {*own, *(n for n, _ in module.named_buffers(remove_duplicate=False))}
+        unexpected = [name for name in unexpected if name not in known]
+    if unexpected:
+        missing = [name for name, q in own.items() if name not in params and q.requires_grad]
+        raise ValueError(
+            f"{api}: params has {len(unexpected)} name(s) that {type(module).__name__} does not have: "
+            f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}; the model has {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} that params lacks. The params (or the state) were made from another "
+            f"model, or a module renamed its layers. Make the state from this model's params "
+            f"(step.init(fzero.params_of(model))), run the model it came from, or rename the keys to this model's names."
+        )
     for name, p in params.items():
         q = own.get(name)
         if q is None or not isinstance(p, torch.Tensor) or p.shape == q.shape:
