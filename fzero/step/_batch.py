@@ -1,20 +1,32 @@
 """What a step is given: the global batch split across the ranks of a local mesh, and a rank's batch
-split into micro-batches for gradient accumulation (dim 0 of every tensor leaf; other leaves are shared);
-and ``loss_fn`` run on it with the batch named when it fails."""
+split into micro-batches for gradient accumulation; and ``loss_fn`` run on it with the batch named when it fails.
+
+How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every tensor leaf of dim >= 1 holds rows
+of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
+loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A tensor that is not
+per row, such as a per-class weight, cannot be told from rows by its shape: it belongs in ``loss_fn``'s closure,
+not in the batch, and a row count of its own is refused rather than split silently.
+"""
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from fzero.layout import _tree
 
+_NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
+                "where every rank and micro-batch sees it whole, not into the batch; a 0-d tensor in the batch is "
+                "given whole to every rank")
+
 
 def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split every tensor of the global ``batch`` on dim 0 into n equal per-rank batches (other leaves are copied to all)."""
-    return _split_dim0(batch, n, lambda path, size: (
+    """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring)."""
+    return _split_rows(batch, n, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
         f"fzero.Step.__call__: under local_mesh({n}) the global batch is split on dim 0 across {n} ranks, but "
         f"batch leaf {path!r} has {size}, which does not divide by {n}. Pass a batch whose dim 0 "
         f"is a multiple of {n} (e.g. drop the last partial batch)."
@@ -22,29 +34,70 @@ def split_batch(batch: Any, n: int) -> list[Any]:
 
 
 def split_micro(batch: Any, k: int) -> list[Any]:
-    """This rank's batch as k micro-batches, split on dim 0 (other leaves are given to every micro-batch)."""
+    """This rank's batch as k micro-batches, split on its rows (see the module's docstring)."""
     if k == 1:
         return [batch]
-    return _split_dim0(batch, k, lambda path, size: (
+    return _split_rows(batch, k, f"grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0", lambda path, size: (
         f"fzero.Step.__call__: grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0, but "
         f"batch leaf {path!r} has {size} on this rank. Pass a per-rank batch whose dim 0 is a multiple of {k}."
     ))
 
 
-def _split_dim0(batch: Any, k: int, message: Callable[[str, str], str]) -> list[Any]:
+def row_leaves(batch: Any) -> list[tuple[str, int]]:
+    """(path, rows) of every tensor leaf of dim >= 1: the leaves whose dim 0 is the batch's rows."""
+    if batch is None:
+        return []
+    paths, leaves, _ = _tree.flatten_with_paths(batch)
+    return [(p or "<root>", x.shape[0]) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+
+
+def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
+    more = f", ... {len(rows) - limit} more" if len(rows) > limit else ""
+    return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more
+
+
+def _split_rows(batch: Any, k: int, why: str, message: Callable[[str, str], str]) -> list[Any]:
+    rows = row_leaves(batch)
+    if len({n for _, n in rows}) > 1:  # split as they are, the ranks would pair rows of one leaf with others'
+        raise ValueError(
+            f"fzero.Step.__call__: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
+            f"row counts differ: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
+        )
     paths, leaves, spec = _tree.flatten_with_paths(batch)
     parts: list[list[Any]] = [[] for _ in range(k)]
     for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.dim() == 0 or leaf.shape[0] % k:
-                size = "a 0-d tensor" if leaf.dim() == 0 else f"dim 0 of size {leaf.shape[0]}"
-                raise ValueError(message(path or "<root>", size))
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % k:
+                raise ValueError(message(path or "<root>", f"dim 0 of size {leaf.shape[0]}"))
             chunks = leaf.chunk(k)
-        else:
+        else:  # a 0-d tensor or a leaf that is not a tensor: the same for every rank and micro-batch
             chunks = [leaf] * k
         for i in range(k):
             parts[i].append(chunks[i])
     return [spec.unflatten(p) for p in parts]
+
+
+def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: str = "") -> None:
+    """Refuse a batch that holds no rows, or (``expected``) another number of rows than the step was set up for.
+
+    An empty batch gives a NaN loss (a mean over nothing), which the step would average into every rank's update;
+    rows that do not match the DeepSpeed config's batch sizes train with another batch than the config says, and
+    the learning rate tuned for it. ``where``: whose batch ("the global batch", "rank 1's batch"); ``setting``:
+    what ``expected`` comes from, for the message."""
+    rows = row_leaves(batch)
+    empty = [(p, n) for p, n in rows if n == 0]
+    if empty:
+        raise ValueError(
+            f"fzero.Step.__call__: {where} is empty: batch leaf {empty[0][0]!r} has 0 rows. A step needs at least one row "
+            f"on every rank (the loss of no rows is NaN, and every rank would apply it). Give every rank rows (e.g. "
+            f"drop_last=True, or a DistributedSampler that shards evenly), or skip the step on every rank together."
+        )
+    wrong = [(p, n) for p, n in rows if expected is not None and n != expected]
+    if wrong:
+        raise ValueError(
+            f"fzero.Step.__call__: {setting} make {expected} rows for {where}, but {_rows_listed(wrong)}. Pass "
+            f"batches of {expected} rows, or change the config's batch sizes to the batches you pass; {_NOT_PER_ROW}."
+        )
 
 
 # Errors of plain Python and torch that loss_fn (the user's code, or the model it runs) raises on a batch it
@@ -58,21 +111,112 @@ class LossFnInContext:
     """``loss_fn``, whose plain errors on a batch say which batch: a raw "mat1 and mat2 shapes cannot be multiplied"
     from deep inside the model becomes the same exception type with the batch's leaves, shapes and dtypes and, where
     the message tells, what the model expected; the original stays as ``__cause__``, so no user error is hidden.
-    Errors that already name fzero's API pass unchanged. ``split``: the batch was split (mesh ranks, micro-batches)."""
+    Errors that already name fzero's API pass unchanged. ``split``: the batch was split (mesh ranks, micro-batches).
 
-    __slots__ = ("fn", "split")
+    Its first call with a graph (the first micro-batch of the first step) also checks what only a forward shows:
+    that the loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
+    every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing for it."""
+
+    __slots__ = ("fn", "split", "checked")
 
     def __init__(self, fn: Callable[..., Any], *, split: bool) -> None:
         self.fn = fn
         self.split = split
+        self.checked = False
 
     def __call__(self, params: Any, batch: Any) -> Any:
+        if self.checked or not torch.is_grad_enabled():  # checked already, or an evaluation (no graph to check)
+            return self._run(params, batch)
+        from fzero.step._context import watching_apply
+
+        with watching_apply() as modules:
+            out = self._run(params, batch)
+        self.checked = True  # once per step object: ranks of a local mesh run one module, checked alike
+        loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
+        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            check_own_params(loss, modules)
+        comm = getattr(_rank, "comm", None)
+        if comm is not None:  # every rank reaches this at its first step's first forward, so the calls pair up
+            agree_structure(comm, modules)
+        return out
+
+    def _run(self, params: Any, batch: Any) -> Any:
         try:
             return self.fn(params, batch)
         except _PLAIN_ERRORS as e:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
             raise type(e)(loss_fn_failure(e, batch, split=self.split)) from e
+
+
+_rank = threading.local()  # the comm of this process's step under dist_mesh, for agree_structure
+
+
+class dist_checks:
+    """Within ``Step.__call__`` under ``dist_mesh``: the comm that the first forward agrees on the model's structure with."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def __enter__(self) -> None:
+        self.outer, _rank.comm = getattr(_rank, "comm", None), self.comm
+
+    def __exit__(self, *exc: Any) -> None:
+        _rank.comm = self.outer
+
+
+def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
+    """Refuse a loss whose graph reaches a module's own ``nn.Parameter`` (an autograd leaf of its own).
+
+    Inside ``fzero.apply`` the module holds the step's params; outside it, its own tensors, which the step neither
+    differentiates nor updates. An L2 term summed over ``model.parameters()`` after ``fzero.apply`` returned would
+    count in the loss but add nothing to the gradient (measured: grad norm 0.955 instead of 40.3), silently. One walk
+    of the first step's graph finds such leaves; the step's own leaves are plain tensors, never ``nn.Parameter``."""
+    found: dict[int, nn.Parameter] = {}
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    functorch = torch._C._functorch
+    while functorch.is_gradtrackingtensor(loss):  # under torch.func.grad the module's leaves are in the level below
+        loss = functorch.get_unwrapped(loss)
+        todo.append(loss.grad_fn)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the graph reaches this leaf
+        if isinstance(leaf, nn.Parameter):
+            found[id(leaf)] = leaf
+        todo.extend(fn for fn, _ in node.next_functions)
+    if not found:
+        return
+    named = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
+    described = [repr(n) for i, n in named.items() if i in found]  # in the module's order
+    described += [f"a parameter of shape {tuple(p.shape)}" for i, p in found.items() if i not in named]
+    more = f", ... {len(described) - 4} more" if len(described) > 4 else ""
+    raise ValueError(
+        f"fzero.Step: the loss depends on the module's own parameters ({', '.join(described[:4])}{more}), not on the "
+        f"params loss_fn was given: outside fzero.apply(model, params, ...) the module holds its own tensors, which this "
+        f"step neither differentiates nor updates, so such a term would count in the loss but not in the gradient. "
+        f"Compute it from params, e.g. an L2 term as sum((p ** 2).sum() for p in params.values()) (or weight decay in "
+        f"the optimizer: fzero.optim.adamw(lr, weight_decay=...)); a tensor that should not train goes in as a constant "
+        f"(.detach())."
+    )
+
+
+def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
+    """Under ``dist_mesh``, check that every rank ran modules of one structure: each submodule's path, type and
+    settings (``extra_repr``), in order. Parameter names and shapes are agreed at ``Step.init``; a parameter-free
+    op (GELU on one rank, Tanh on another) changes neither, and the ranks would average gradients of different
+    models."""
+    fields = []
+    for i, module in enumerate(modules):
+        model = f" of model #{i} fzero.apply ran" if len(modules) > 1 else ""
+        fields += [(f"the module at {path or '<root>'!r}{model}", f"{type(m).__qualname__}({m.extra_repr()})")
+                   for path, m in module.named_modules()]
+    comm.agree(fields, api="fzero.Step.__call__ (the first step's fzero.apply)", fix=(
+        "Every rank must run the same model: build it from the same code and config on every rank, and keep "
+        "rank-dependent choices out of it."))
 
 
 def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False) -> str:

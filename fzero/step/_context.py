@@ -116,6 +116,21 @@ def current_buffers() -> Any:
     return getattr(_local, "buffers", None)
 
 
+@contextlib.contextmanager
+def watching_apply() -> Iterator[list]:
+    """Within the block, the modules ``fzero.apply`` runs in this thread, each once, in the order first run: for the
+    first forward's checks (``fzero.step._batch.LossFnInContext``), which name parameters and agree on structure."""
+    modules: list = []
+    with _set("applied", modules):
+        yield modules
+
+
+def note_applied(module: nn.Module) -> None:
+    modules = getattr(_local, "applied", None)
+    if modules is not None and not any(m is module for m in modules):
+        modules.append(module)
+
+
 def cast_floating(tree: Any, dtype: "torch.dtype | None") -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype`` (unchanged when ``dtype`` is None)."""
     if dtype is None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread
+from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 from fzero.step._state import check_params_fit_module
 
 
@@ -37,6 +37,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
+    note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
     run_module = getattr(type(params), "run_module", None)

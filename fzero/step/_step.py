@@ -31,7 +31,7 @@ from fzero.step._init import init_state
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated
 from fzero.step._precision import Precision, policy
 from fzero.step._program import eval_program, rank_program
-from fzero.step._batch import LossFnInContext, split_batch
+from fzero.step._batch import LossFnInContext, check_rows, dist_checks, split_batch
 from fzero.step._pool import Pool
 from fzero.step._state import RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified
 
@@ -58,6 +58,9 @@ class Step:
     grad_accum: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip the global gradient norm to this
     on_nonfinite: str = "error"  # an inf/NaN gradient norm without a loss scale: "error" or "skip" the step
+    # rows per rank per micro-batch (DeepSpeed's train_micro_batch_size_per_gpu), from a config: each call then
+    # checks that its batch has micro_batch_size * grad_accum rows per rank; None: any number of rows
+    micro_batch_size: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -101,6 +104,7 @@ class Step:
     def __call__(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
         """One optimizer step. Returns the new state and metrics: loss (mean over ranks), grad_norm, lr, step."""
         self._check_state(state)
+        self._check_rows(batch)
         if not self.donate:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh):
@@ -116,7 +120,18 @@ class Step:
         return new_state, metrics
 
     def _rank_step(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        return self._as_rank(comm, rank_program, state, batch)
+        with dist_checks(comm if isinstance(self.mesh, DistMesh) else None):  # the first forward agrees on the model
+            return self._as_rank(comm, rank_program, state, batch)
+
+    def _check_rows(self, batch: Any) -> None:
+        """An empty batch, and rows other than the config's batch sizes say (``micro_batch_size``), refused by name."""
+        n = self.world_size if isinstance(self.mesh, LocalMesh) else 1
+        where = (f"the global batch of local_mesh({n})" if n > 1 else
+                 f"rank {self.mesh.rank}'s batch" if isinstance(self.mesh, DistMesh) else "the batch")
+        expected = None if self.micro_batch_size is None else self.micro_batch_size * self.grad_accum * n
+        setting = (f"micro_batch_size={self.micro_batch_size} (a DeepSpeed config's train_micro_batch_size_per_gpu) x "
+                   f"grad_accum={self.grad_accum} (gradient_accumulation_steps)" + (f" x {n} ranks" if n > 1 else ""))
+        check_rows(batch, where=where, expected=expected, setting=setting)
 
     def _as_rank(self, comm, program: Callable, *args: Any) -> Any:
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
@@ -281,8 +296,10 @@ def train_step(
     ``clip_grad_norm=c``: scale the gradient by min(1, c / (global norm + 1e-6)), as
     ``torch.nn.utils.clip_grad_norm_``. Details: ``unit_elements`` (size of the flat buffers that
     collectives move, default 12.5 MiB of fp32), ``donate`` (default True), ``autodiff`` ("autograd", the
-    default, or "func": ``torch.func.grad``, which holds about twice the gradient memory) and ``on_nonfinite`` ("error" or "skip": what an inf/NaN gradient norm does when there
-    is no fp16 loss scale to back off).
+    default, or "func": ``torch.func.grad``, which holds about twice the gradient memory), ``on_nonfinite`` ("error" or "skip": what an inf/NaN gradient norm does when there
+    is no fp16 loss scale to back off) and ``micro_batch_size`` (rows per rank per micro-batch, as a DeepSpeed config's
+    ``train_micro_batch_size_per_gpu`` sets it: each call then refuses a batch of other than
+    ``micro_batch_size * grad_accum`` rows per rank).
     """
     if not callable(loss_fn):
         raise TypeError(f"fzero.train_step: loss_fn must be callable as loss_fn(params, batch), got {type(loss_fn).__name__}.")
@@ -307,7 +324,7 @@ def train_step(
 _TRAIN_STEP_KEYWORDS = ("mesh", "precision", "grad_accum", "clip_grad_norm")
 
 
-_DETAILS = {"unit_elements": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
+_DETAILS = {"unit_elements": int, "micro_batch_size": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
 
 
 def check_details(details: dict[str, Any], *, api: str, keywords: tuple[str, ...] = ()) -> dict[str, Any]:
