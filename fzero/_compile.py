@@ -13,19 +13,37 @@ from fzero.zero import offload as _offload
 from fzero.zero import shard_grads, shard_optimizer, shard_params
 
 
+class Default:
+    """A keyword's default in ``compile``'s signature, told apart from the same value given: with a config, a
+    keyword given wins even when it equals the default (``stages=0`` over a stage-3 config, ``precision="fp32"``
+    over a bf16 one), as docs/migrating.md promises. Shown as the value itself in ``help(fzero.compile)``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _value(x: Any) -> Any:
+    return x.value if isinstance(x, Default) else x
+
+
 def compile(  # noqa: A001 - the public name is the design's
     loss_fn: Callable[..., Any],
     *,
     optimizer: Any = None,
-    stages: int = 0,
+    stages: int = Default(0),
     mesh: Any = None,
-    offload: str | CPUOffload | DiskOffload | None = None,
-    offload_params: bool = False,
-    offload_dir: str | None = None,
-    sub_group_size: int = DEFAULT_SUB_GROUP,
-    precision: str | Precision = "fp32",
-    grad_accum: int = 1,
-    clip_grad_norm: float | None = None,
+    offload: str | CPUOffload | DiskOffload | None = Default(None),
+    offload_params: bool = Default(False),
+    offload_dir: str | None = Default(None),
+    sub_group_size: int = Default(DEFAULT_SUB_GROUP),
+    precision: str | Precision = Default("fp32"),
+    grad_accum: int = Default(1),
+    clip_grad_norm: float | None = Default(None),
     config: Any = None,
     **details: Any,
 ) -> Step:
@@ -42,18 +60,20 @@ def compile(  # noqa: A001 - the public name is the design's
     ``prefetch`` and ``remat`` (see ``shard_params``).
 
     ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
-    settings); keywords given explicitly win over it (see ``fzero.config``).
+    settings); keywords given explicitly win over it, even when they equal the default (see ``fzero.config``).
 
     ``optimizer`` defaults to ``fzero.optim.adamw(1e-3)``. Settings not built yet raise an error that says
     so, never a silent fallback. Which stage accepts which setting is ``fzero/_rules.py``.
     """
     from fzero import optim
 
-    _rules.check_stage(stages, api="fzero.compile")
-    if config is not None:  # a DeepSpeed config: its settings, and the keywords given here win over them
+    _rules.check_stage(_value(stages), api="fzero.compile")
+    if config is not None:  # a DeepSpeed config: its settings, and the keywords given here (not Default) win over them
         from fzero.config import merge_with_keywords
 
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
+    stages, offload, offload_params, offload_dir, sub_group_size, precision, grad_accum, clip_grad_norm = map(
+        _value, (stages, offload, offload_params, offload_dir, sub_group_size, precision, grad_accum, clip_grad_norm))
     units = details.pop("units", None)
     jit = details.pop("jit", False)
     bucket = {"bucket_elements": details.pop("bucket_elements")} if "bucket_elements" in details else {}

@@ -23,9 +23,9 @@ ZeRO tuning knobs mapped to fzero's hints where they mean something here. Nothin
 Defaults are DeepSpeed 0.19's where the config leaves a value out: gradients are clipped at 1.0, ``Adam`` means
 decoupled weight decay (``adam_w_mode``), ``Lamb``'s eps is 1e-8, ``WarmupLR`` warms up to the optimizer's lr.
 
-With ``fzero.compile(loss_fn, config=..., **keywords)`` the keywords win over the config. A keyword counts
-as given when its value differs from ``compile``'s default (``compile`` cannot tell ``stages=0`` from no
-``stages``): to go back to a default, edit the config or pass ``from_deepspeed(...).replace(stages=0)``.
+With ``fzero.compile(loss_fn, config=..., **keywords)`` the keywords given win over the config, even when they
+equal ``compile``'s default: ``stages=0`` with a stage-3 config is stage 0, ``precision="fp32"`` with a bf16
+config is fp32 (``compile``'s defaults are ``Default`` objects, told apart from a value given).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ _RESOLVE_ONLY = ("learning_rate", "betas", "eps", "weight_decay", "batch_size", 
 def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
     """``fzero.compile``'s keywords with the config's settings filled in: what ``compile(config=...)`` runs.
 
-    ``arguments``: compile's own arguments (``locals()``). A keyword whose value differs from compile's default
-    wins over the config; it also resolves a matching ``"auto"`` (``precision``, ``grad_accum``,
+    ``arguments``: compile's own arguments (``locals()``). A keyword given (not compile's ``Default``, even when it
+    equals the default value) wins over the config; it also resolves a matching ``"auto"`` (``precision``, ``grad_accum``,
     ``clip_grad_norm``). The ``from_deepspeed`` resolve keywords (``learning_rate``, ``total_steps``, ...) may be
     passed to compile too. ``config`` may be a path, a dict, or ``Settings`` from ``from_deepspeed``.
     """
@@ -24,7 +24,7 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
     details = dict(arguments.get("details") or {})
     explicit = {k: arguments[k] for k, p in params.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "config" and k in arguments
-                and not _same(arguments[k], p.default)}
+                and not _is_default(arguments[k], p.default)}
     mesh = arguments.get("mesh")
     world = 1 if mesh is None else getattr(mesh, "size", None)
     resolve = {k: details.pop(k) for k in _RESOLVE_ONLY if k in details}
@@ -51,14 +51,21 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
     if "offload" in out and "offload_params" not in params:
         raise NotImplementedError("fzero.compile: the config offloads (zero_optimization.offload_optimizer), and this "
                                   "fzero.compile has no offload settings yet.")
+    if "offload" in explicit and explicit["offload"] is None:  # offload=None given: none of the config's offload
+        for key in ("offload", "offload_params", "offload_dir", "sub_group_size"):
+            out.pop(key, None)
     out.update(explicit)  # the keywords given win
     out.update(details)
     out["mesh"] = mesh
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether compile's keyword was left out: its value is the signature's ``Default`` object itself (or, for a
+    keyword without one such as ``optimizer=None``, the default value)."""
+    if type(default).__name__ == "Default":
+        return value is default
     try:
-        return a is b or (type(a) is type(b) and bool(a == b))
+        return value is default or (type(value) is type(default) and bool(value == default))
     except Exception:  # noqa: BLE001 - tensors and other values without a plain ==
         return False

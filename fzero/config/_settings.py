@@ -16,8 +16,9 @@ from fzero import _rules
 class Settings:
     """fzero settings read from a DeepSpeed config. ``print(settings)`` shows them with their sources.
 
-    ``compile_kwargs()`` gives the keyword arguments of ``fzero.compile`` (without ``mesh``); the fields not in
-    it (batch sizes, ``steps_per_print``, ``wall_clock_breakdown``) are for the training loop.
+    ``compile_kwargs()`` gives the keyword arguments of ``fzero.compile`` (without ``mesh``), with the micro batch
+    (``micro_batch_size``), so that a step refuses batches of other rows than the config's; the fields not in it
+    (``train_batch_size``, ``steps_per_print``, ``wall_clock_breakdown``) are for the training loop.
     """
 
     source: str  # the file, or "dict"
@@ -70,6 +71,8 @@ class Settings:
             out["unit_elements"] = self.unit_elements
         if self.prefetch is not None and _rules.accepts("prefetch", stages):
             out["prefetch"] = self.prefetch
+        if self.micro_batch_size is not None:  # each step call then checks its rows against the config's batch sizes
+            out["micro_batch_size"] = self.micro_batch_size
         return out
 
     def __str__(self) -> str:
