@@ -15,6 +15,8 @@ Faults (all on rank 1; rank 0 trains as it should):
 - ``features``: rank 1's batch at step ``--at`` has 12 features instead of 16.
 - ``evaluate``: rank 1 calls ``step.evaluate`` before step ``--at``, which the others do not.
 - ``fewer``: rank 1 makes one step fewer than rank 0, then ends its program without waiting for the others.
+- ``activation``: rank 1's model has Tanh where rank 0's has GELU (the same parameters).
+- ``empty``: rank 1's batch at step ``--at`` has 0 rows.
 
 Each rank writes ``<out>/rank<r>.json``: the error it raised (``"Type: message"``, or null) and when
 (``time.time()``), then re-raises it, so that the job fails as a user's would. Rank 1 writes ``<out>/fault.json``
@@ -40,7 +42,7 @@ STEPS = 6
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", choices=("none", "raise", "kill", "stall", "stages", "width", "precision", "features", "evaluate",
-                                            "fewer", "collectives"),
+                                            "fewer", "collectives", "activation", "empty"),
                         required=True)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--at", type=int, default=3, help="the step (1-based) at which rank 1 misbehaves")
@@ -55,7 +57,7 @@ def main() -> None:
     stages = args.stages - 1 if odd and args.fault == "stages" else args.stages
     precision = "bf16" if odd and args.fault == "precision" else "fp32"
     torch.manual_seed(0)
-    model = MLP([16, width, width, 4])
+    model = MLP([16, width, width, 4], activation=torch.nn.Tanh if odd and args.fault == "activation" else torch.nn.GELU)
     calls = [0]
 
     def loss_fn(params, batch):
@@ -82,6 +84,9 @@ def main() -> None:
             if features != 16:
                 _record(args.out, "fault.json", fault=args.fault)
             batch = {"x": torch.randn(4, features, generator=gen), "y": torch.randn(4, 4, generator=gen)}
+            if odd and args.fault == "empty" and k == args.at:
+                _record(args.out, "fault.json", fault=args.fault)
+                batch = {"x": batch["x"][:0], "y": batch["y"][:0]}
             if odd and args.fault == "evaluate" and k == args.at:
                 step.evaluate(state, batch)
             state, _ = step(state, batch)

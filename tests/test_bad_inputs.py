@@ -469,3 +469,159 @@ def test_no_rank_running_the_model_is_the_zero_gradient_warning_not_an_error():
     with pytest.warns(ZeroGradientWarning, match=r"No param took part in the loss"):
         _, metrics = step(step.init(fzero.params_of(model)), _marked([0, 1]))
     assert len(metrics["unused"]) == 4
+
+
+# -- issue 32: the last silent failures, bad inputs ---------------------------------------------------------------
+
+def test_the_same_tensor_under_two_names_is_refused_at_init():
+    """Trained as two parameters, the tie would break silently: refused, with params_of's way of passing a tie."""
+    model = _model()
+    params = dict(model.named_parameters())
+    params["head.weight"] = params["layers.0.weight"]  # the same tensor under a second name
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1))
+    with pytest.raises(ValueError, match=r"fzero.Step.init: params\['head.weight'\] and params\['layers.0.weight'\] are the "
+                                         r"same tensor .* break the tie\. Pass a tied parameter once, as fzero.params_of"):
+        step.init(params)
+    view = {**dict(model.named_parameters()), "alias": params["layers.0.bias"][1:]}  # an overlapping view: the same mistake
+    with pytest.raises(ValueError, match=r"params\['alias'\] and params\['layers.0.bias'\] are the same tensor \(or overlapping"):
+        step.init(view)
+
+
+def test_a_frozen_parameter_in_params_is_refused_at_init():
+    model = _model()
+    model.layers[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"fzero.Step.init: params\['layers.0.weight'\] is frozen \(requires_grad=False\).*"
+                                         r"fzero.params_of\(model\) does"):
+        fzero.compile(_loss_of(model), optimizer=O.sgd(0.1)).init(dict(model.named_parameters()))
+    assert "layers.0.weight" not in fzero.params_of(model)  # the fix: the frozen one stays in the module
+
+
+def test_a_schedule_turning_negative_raises_at_that_step_and_writes_nothing():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(lambda count: 0.1 - 0.1 * count))
+    state, metrics = step(step.init(fzero.params_of(model)), _batch())  # lr 0.1, then 0.0: both fine
+    state, metrics = step(state, _batch())
+    before = step.gather(state)
+    with pytest.raises(ValueError, match=r"returned -0.1\d* at step 2 \(optimizer step 3\); a negative learning rate runs "
+                                         r"gradient ascent\. The params were not updated.*max\(0.0"):
+        step(state, _batch())
+    assert _params_equal(before, step.gather(state))  # refused before the optimizer wrote anything (not donated)
+
+
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_loss_reading_the_modules_own_parameters_is_refused(autodiff, where):
+    """An L2 term over model.parameters() counted in the loss but not in the gradient (grad norm 0.955 against 40.3):
+    refused at the first step by the walk of its graph, naming the parameters and the fix."""
+    model = _model()
+
+    def loss_fn(params, b):
+        l2 = sum((p ** 2).sum() for p in model.parameters()) if where == "before" else 0.0
+        out = fzero.apply(model, params, b["x"])
+        l2 = l2 + (sum((p ** 2).sum() for p in model.parameters()) if where == "after" else 0.0)
+        return torch.nn.functional.mse_loss(out, b["y"]) + 10 * l2
+
+    step = fzero.compile(loss_fn, optimizer=O.sgd(0.1), autodiff=autodiff)
+    with pytest.raises(ValueError, match=r"fzero.Step: the loss depends on the module's own parameters \('layers.0.weight', "
+                                         r"'layers.0.bias', 'layers.2.weight', 'layers.2.bias'\).*Compute it from params"):
+        step(step.init(fzero.params_of(model)), _batch())
+
+
+def test_an_l2_term_from_params_trains():
+    model = _model()
+
+    def loss_fn(params, b):
+        return _loss_of(model)(params, b) + 10 * sum((p ** 2).sum() for p in params.values())
+
+    step = fzero.compile(loss_fn, optimizer=O.sgd(0.1))
+    _, metrics = step(step.init(fzero.params_of(model)), _batch())
+    assert metrics["grad_norm"] > 10  # the term's gradient counts (about 40 here)
+
+
+@pytest.mark.parametrize("mesh", [None, 2])
+def test_a_batch_of_other_rows_than_the_config_is_refused_by_key(mesh):
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), config=config, mesh=mesh and fzero.local_mesh(mesh))
+    state = step.init(fzero.params_of(model))
+    rows = 8 * (mesh or 1)
+    for n in (6, 2 * rows):
+        with pytest.raises(ValueError, match=r"micro_batch_size=4 \(a DeepSpeed config's train_micro_batch_size_per_gpu\) x "
+                                             rf"grad_accum=2 \(gradient_accumulation_steps\).* make {rows} rows .* 'x' has {n}"):
+            step(state, _batch(n=n))
+    step(state, _batch(n=rows))
+
+
+@pytest.mark.parametrize("given, config, expected", [
+    ({"stages": 0}, {"zero_optimization": {"stage": 3}}, ("stage", 0)),
+    ({"precision": "fp32"}, {"bf16": {"enabled": True}}, ("compute", torch.float32)),
+    ({"grad_accum": 1}, {"gradient_accumulation_steps": 2}, ("grad_accum", 1)),
+    ({"clip_grad_norm": None}, {"gradient_clipping": 1.0}, ("clip_grad_norm", None)),
+    ({}, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, ("stage", 3)),
+])
+def test_a_keyword_equal_to_its_default_still_wins_over_the_config(given, config, expected):
+    step = fzero.compile(_loss_of(_model()), optimizer=O.sgd(0.1), config=config, **given)
+    field, value = expected
+    assert (step.precision.compute if field == "compute" else getattr(step, field)) == value
+
+
+def test_batch_leaves_of_different_rows_on_a_local_mesh_are_listed():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), mesh=fzero.local_mesh(2))
+    batch = {**_batch(), "y": _batch()["y"][:6]}
+    with pytest.raises(ValueError, match=r"every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their row "
+                                         r"counts differ: 'x' has 8, 'y' has 6\. .*loss_fn's closure"):
+        step(step.init(fzero.params_of(model)), batch)
+
+
+def test_a_0d_leaf_is_given_whole_and_a_per_class_weight_is_refused_on_a_local_mesh():
+    """How a local mesh (and grad_accum) treats leaves that are not rows: a 0-d tensor goes whole to every rank,
+    equal to the same step on one rank; a per-class weight (its own dim 0) is refused with the fix, not split."""
+    model = _model()
+
+    def loss_fn(params, b):
+        return _loss_of(model)(params, b) * b["scale"]
+
+    batch = {**_batch(), "scale": torch.tensor(3.0)}
+    losses = []
+    for mesh, accum in ((None, 1), (fzero.local_mesh(2), 1), (None, 2)):
+        step = fzero.compile(loss_fn, optimizer=O.sgd(0.1), mesh=mesh, grad_accum=accum)
+        losses.append(step(step.init(fzero.params_of(model)), batch)[1]["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and losses[2] == pytest.approx(losses[0], rel=1e-5)
+    step = fzero.compile(loss_fn, optimizer=O.sgd(0.1), mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"'w' has 2, 'x' has 8, 'y' has 8\. .*a per-class weight.*goes into loss_fn's closure"):
+        step(step.init(fzero.params_of(model)), {**batch, "w": torch.ones(2)})
+
+
+def test_an_empty_batch_is_refused_by_name():
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1))
+    with pytest.raises(ValueError, match=r"fzero.Step.__call__: the batch is empty: batch leaf 'x' has 0 rows.*drop_last=True"):
+        step(step.init(fzero.params_of(model)), _batch(n=0))
+
+
+def test_a_float64_parameter_is_refused_at_init_with_the_fix():
+    model = _model()
+    params = fzero.params_of(model)
+    params["layers.2.bias"] = params["layers.2.bias"].double()
+    with pytest.raises(TypeError, match=r"fzero.Step.init: params\['layers.2.bias'\] is torch.float64, but this step computes "
+                                        r"in torch.float32 .*model.float\(\)"):
+        fzero.compile(_loss_of(model), optimizer=O.sgd(0.1)).init(params)
+    bf16 = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), precision="bf16")  # cast to the policy's dtype: taken
+    bf16(bf16.init(params), _batch())
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_state_run_by_a_model_of_other_names_lists_them(stages):
+    model = _model()
+    mesh = fzero.local_mesh(2) if stages else None
+    state = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), stages=stages, mesh=mesh).init(fzero.params_of(model))
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    step = fzero.compile(_loss_of(other), optimizer=O.sgd(0.1), stages=stages, mesh=mesh)
+    message = (r"fzero.apply: params has 4 name\(s\) that Sequential does not have: \['layers.0.weight', .*the model has "
+               r"\['0.weight', '0.bias', '2.weight', '2.bias'\] that params lacks" if stages == 0 else  # stage 3: the skeleton's
+               r"fzero.apply \(stage 3\): the params name \['layers.0.bias', 'layers.0.weight'\] \(unit 'layers.0'\), which "
+               r"Sequential has no trainable parameter for")
+    with pytest.raises(ValueError, match=message):
+        step(state, _batch())

@@ -139,6 +139,28 @@ def test_ranks_built_differently_raise_at_init_on_every_rank(tmp_path, fault, st
 
 
 @pytest.mark.torchrun
+def test_ranks_whose_models_differ_in_a_parameter_free_op_raise_at_the_first_step(tmp_path):
+    """GELU on rank 0, Tanh on rank 1: the same parameters, so Step.init agrees; the first forward's structure check
+    names the module and both ranks on every rank, before any update (issue 32)."""
+    proc, seconds, files = run(tmp_path, "activation", 3)
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
+    for rank in (0, 1):
+        error = error_of(files, rank, proc)
+        assert re.match(r"RanksDisagree: fzero\.Step\.__call__ \(the first step's fzero\.apply\): ranks disagree on the "
+                        r"module at 'layers\.1': rank 0 has GELU\(approximate='none'\), rank 1 has Tanh\(\)\.", error), error
+
+
+@pytest.mark.torchrun
+def test_an_empty_batch_on_one_rank_is_named(tmp_path):
+    proc, seconds, files = run(tmp_path, "empty", 0)
+    assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
+    assert error_of(files, 1, proc).startswith("ValueError: fzero.Step.__call__: rank 1's batch is empty: batch leaf 'x' has 0 rows")
+    error = error_of(files, 0, proc)
+    assert error.startswith("RankFailed: fzero.dist_mesh: rank 1 failed with ValueError: "), error
+    assert "rank 1's batch is empty" in error and files["rank0"]["time"] - files["fault"]["time"] < SOON
+
+
+@pytest.mark.torchrun
 def test_a_rank_that_evaluates_while_the_others_step_is_named_before_gloo_aborts(tmp_path):
     """Without the check at the start of each call, gloo pairs the evaluation's collectives with the step's and
     aborts rank 1 in C++ ("Received data size doesn't match expected size")."""
