@@ -27,13 +27,13 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import tempfile
-import uuid
 import weakref
 from typing import Any, NamedTuple
 
 import optree
 import torch
+
+from fzero.zero import _offload_dir
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -50,11 +50,15 @@ class DiskStore:
     """
 
     def __init__(self, root: str, rank: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix=f"fzero-rank{rank}-{uuid.uuid4().hex[:8]}-", dir=root)
+        self.dir, lock = _offload_dir.make(root, rank)  # held while this process lives (see _offload_dir)
         self.sizes: dict[str, int] = {}
         self.tensors: dict[str, torch.Tensor] = {}  # key -> the mapped tensor (optimizer state, masters: fp32)
         self.maps: dict[int, mmap.mmap] = {}  # storage address -> the mapping of its file
-        self._finalizer = weakref.finalize(self, _remove, self.dir, self.maps)
+        self._finalizer = weakref.finalize(self, _remove, self.dir, self.maps, lock)  # also at interpreter exit
+
+    def close(self) -> None:
+        """Remove the files now (an ``init`` that failed half-way); otherwise the last state using them does."""
+        self._finalizer()
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key.replace("/", "__") + ".bin")
@@ -127,10 +131,10 @@ def is_file_backed(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _FILE_BACKED
 
 
-def _remove(path: str, maps: dict[int, mmap.mmap]) -> None:
+def _remove(path: str, maps: dict[int, mmap.mmap], lock: int | None) -> None:
     _FILE_BACKED.difference_update(maps)
     maps.clear()  # the mappings themselves close when the tensors viewing them are gone
-    shutil.rmtree(path, True)
+    _offload_dir.release(path, lock)
 
 
 class DiskOptState(NamedTuple):
@@ -148,6 +152,14 @@ def _is_param_leaf(path: tuple) -> bool:
 def init_disk(optimizer: Any, policy: Any, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
     """Write the initial optimizer state (and masters) of what this rank owns into fresh files."""
     store = DiskStore(policy.dir, rank)
+    try:
+        return _fill(store, optimizer, policy, owned, masters, rank)
+    except BaseException:  # a failed init leaves nothing in offload_dir (the state it was making is lost anyway)
+        store.close()
+        raise
+
+
+def _fill(store: DiskStore, optimizer: Any, policy: Any, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
     small = None
     for i, (name, t) in enumerate(owned.items()):
         source = masters[name] if masters is not None else t
