@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from fzero.checkpoint import _interrupts
+
 FILE_BYTES = 64 << 20  # a rank's data files are cut at about this size: DCP keeps a file's tensors alive until it closes
 
 
@@ -81,6 +83,7 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
+        _interrupts.check()  # a Ctrl-C held back while torch.save ran C++: raised here, between two tensors
         return self.pieces[(index.fqn, index.offset)].get()
 
 
@@ -204,14 +207,17 @@ class _Reader(dcp.FileSystemReader):
 # -- save and load ------------------------------------------------------------------------------------
 
 
-def save(path: str, pieces: list[Piece], *, distributed: bool, explain: Callable[[BaseException], Exception | None]) -> None:
-    """Write ``pieces`` as a DCP checkpoint into the directory ``path`` (a collective when ``distributed``).
+def save(path: str, pieces: list[Piece], *, distributed: bool, explain: Callable[[BaseException], Exception | None],
+         rank: int = 0) -> None:
+    """Write ``pieces`` as a DCP checkpoint into the directory ``path`` (a collective when ``distributed``; ``rank``:
+    this process's).
 
     ``explain(error)`` may turn a failure into a clearer error (a full disk, a read-only filesystem): DCP and
     torch.save wrap those in errors that do not name them.
     """
     writer = _Writer(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    _call(lambda: dcp.save({}, storage_writer=writer, planner=_SavePlanner(pieces), no_dist=not distributed), "save", path, explain)
+    _call(lambda: dcp.save({}, storage_writer=writer, planner=_SavePlanner(pieces), no_dist=not distributed), "save", path, explain,
+          rank=rank)
 
 
 def load(path: str, metadata: Metadata, dests: list[Dest], *, check: Callable[[list[str]], None]) -> None:
@@ -226,13 +232,17 @@ def load(path: str, metadata: Metadata, dests: list[Dest], *, check: Callable[[l
     _call(lambda: dcp.load({}, storage_reader=_Reader(path, metadata, check), planner=_LoadPlanner(dests), no_dist=True), "load", path, None)
 
 
-def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseException], Exception | None] | None) -> Any:
+def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseException], Exception | None] | None, *,
+          rank: int = 0) -> Any:
     hint = "could not read the data (a data file is corrupted or was changed)" if what == "load" else "could not write the checkpoint"
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is what we ask for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             return fn()
         except CheckpointException as e:  # a BaseException: catch it by name, re-raise as an Exception
+            stop = _interrupts.stop_signal(e, rank=rank)
+            if stop is not None:  # Ctrl-C (or SystemExit) of this process, which DCP wrapped: a request to stop, as itself
+                raise stop from None
             ours = [exc for exc, _tb in e.failures.values() if isinstance(exc, CheckpointError)]
             if ours:  # our own check failed inside DCP (a checksum): it says it best
                 raise ours[0] from None
@@ -242,6 +252,9 @@ def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseEx
             failures = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _tb) in sorted(e.failures.items()))
             raise CheckpointError(f"fzero.checkpoint.{what}: {path}: {hint}: {failures or e}") from None
         except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, AssertionError, KeyError) as e:
+            stop = _interrupts.stop_signal(e, rank=rank)
+            if stop is not None:
+                raise stop from None
             better = explain(e) if explain else None
             if better is not None:
                 raise better from None
