@@ -31,11 +31,14 @@ the incoming one, as optax's ``masked`` does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import optree
 import torch
 
+from fzero.layout import _tree
 from fzero.optim._base import GradientTransformation, _is_transform
 from fzero.optim._segments import WholeLeaves, current_segments, param_tree, use_segments
 from fzero.optim._select import NONE, GroupSegments, Resolver, Selections, assemble, views
@@ -60,8 +63,9 @@ class MultiTransformState(NamedTuple):
 class Groups:
     """Runs ``transforms[g]`` on the elements of group ``g`` of the leaves it is given (see the module docstring)."""
 
-    def __init__(self, api: str, what: str, rule: Any, to_group: Callable[[str, Any], int], n_groups: int) -> None:
-        self.api, self.n = api, n_groups
+    def __init__(self, api: str, what: str, rule: Any, to_group: Callable[[str, Any], int], n_groups: int, *,
+                 names: tuple[str, ...] | None = None) -> None:
+        self.api, self.n, self.names = api, n_groups, names  # names: multi_transform's labels, in group order
         self.resolver = Resolver(api, what, rule, to_group)
         self.selections = Selections()
 
@@ -71,7 +75,12 @@ class Groups:
         estimator's), and the rule is checked at the first update instead."""
         segments = current_segments()
         if not isinstance(segments, WholeLeaves):
-            self.resolver.groups(param_tree(tree, segments))
+            params = param_tree(tree, segments)
+            groups = self.resolver.groups(params)
+            seen = _seen.get()
+            if seen is not None and self.names is not None:
+                paths = _tree.flatten_with_paths(params)[0]
+                seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
 
     def selection(self, tree: Any) -> tuple[Any, Any]:
         segments = current_segments()
@@ -337,7 +346,7 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
             )
     names = tuple(transforms)
     inners = [transforms[n] for n in names]
-    groups = Groups(api, "labels", _checked_rule(api, "labels", labels), _label_group(api, names), len(names))
+    groups = Groups(api, "labels", _checked_rule(api, "labels", labels), _label_group(api, names), len(names), names=names)
     rates = [getattr(t, "learning_rate", None) for t in inners]
     rate = rates[0] if all(r is not None and (r is rates[0] or r == rates[0]) for r in rates) else None
 
@@ -364,6 +373,25 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
         return MultiTransformState(dict(zip(names, groups.fused(inners, grads, states_of(state), params))))
 
     return GradientTransformation(init, update, fused, rate)
+
+
+# -- which group each param is in, for checkpoints ------------------------------------------------------------------
+
+_seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("fzero_param_groups_seen", default=None)
+
+
+@contextlib.contextmanager
+def recording_groups() -> Iterator[list[dict[str, Any]]]:
+    """Collect, for each ``multi_transform`` whose ``init`` runs inside (under a train step's Segments), in init order,
+    ``{"api": ..., "labels": {param path: label}}``. Why: the optimizer state of a param in a group is that group's
+    transform's; a checkpoint records the labels so that a load with other labels (a layer moved from SGD to AdamW)
+    is refused instead of reading one transform's state as another's (``fzero.checkpoint``)."""
+    seen: list[dict[str, Any]] = []
+    token = _seen.set(seen)
+    try:
+        yield seen
+    finally:
+        _seen.reset(token)
 
 
 # -- checks ------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Parameter groups in a checkpoint: which ``multi_transform`` label each param had when it was saved.
+
+Why: under ``fzero.optim.multi_transform`` every group's state is kept for every param, but only a param's own
+group ever updates its elements (``fzero.optim._groups``). A param that moves to another group between save and
+load (a layer moved from SGD-momentum to AdamW) would start in its new group with whatever that group's state
+holds for it: zeros against a step count of thousands, or another transform's tensors where the groups share
+one (SGD's momentum read as Adam's first moment). Measured at commit 759f906: the moved layer's first AdamW update
+was about 14x the learning rate, without a word. So ``save`` records the labels in ``fzero.json`` and ``load``
+refuses labels that differ, naming each moved param and both labels.
+
+The labels are those of the step the state came from (``Step.init`` and every step call remember which step made
+a state): its optimizer's ``init`` runs on meta tensors of the state's layout, as a step would, and each
+``multi_transform`` in it reports its labels. A state no step is known for (one just loaded and saved again
+without a step) records none, and a checkpoint without labels loads as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fzero.checkpoint._dcp import CheckpointError
+from fzero.step._state import TrainState
+
+MOVED_FIX = (
+    "Load it with the labels it was saved with. To move params to another group, start the optimizer state afresh "
+    "from the saved params: new_step.init(old_step.gather(fzero.checkpoint.load(path, like=old_step))) (every "
+    "group's state starts over)."
+)
+
+
+def step_of(state: TrainState) -> Any:
+    """The step that made ``state`` (by ``Step.init`` or a step call), or None."""
+    from fzero.step._state import _verified
+
+    return _verified.get(state)
+
+
+def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
+    """``[{"api", "labels": {param path: label}}]`` for each ``multi_transform`` of ``step``'s optimizer, in init
+    order (see the module docstring); None when ``step`` is None (unknown)."""
+    if step is None:
+        return None
+    from fzero.layout._segments import LayoutSegments
+    from fzero.optim._groups import recording_groups
+    from fzero.optim._segments import use_segments
+
+    meta = state.meta
+    metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}
+    owned = step.opt_state.owned(step.params, meta.layout, metas, meta.rank)
+    if step.precision.has_master:
+        owned = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in owned.items()}
+    with recording_groups() as seen, use_segments(LayoutSegments(meta.layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)):
+        step.optimizer.init(owned)
+    return seen
+
+
+def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] | None, *, path: str, step: int, api: str) -> None:
+    """Raise a ``CheckpointError`` naming the params whose group differs between the checkpoint and the step."""
+    if saved is None or mine is None:
+        return  # saved without labels, or the step is not known: nothing to compare
+    if len(saved) != len(mine):
+        raise CheckpointError(
+            f"{api}: the checkpoint {path} (step {step}) was saved with {len(saved)} multi_transform parameter grouping(s) "
+            f"in its optimizer, this step's optimizer has {len(mine)}. {MOVED_FIX}"
+        )
+    for k, (was, now) in enumerate(zip(saved, mine)):
+        moved = [f"{p!r} from {was['labels'][p]!r} to {now['labels'][p]!r}" for p in sorted(set(was["labels"]) & set(now["labels"]))
+                 if was["labels"][p] != now["labels"][p]]
+        if moved:
+            which = "" if len(saved) == 1 else f" (the {_nth(k)} multi_transform)"
+            shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
+            raise CheckpointError(
+                f"{api}: params changed group since the checkpoint {path} (step {step}) was saved{which}: {shown}. A "
+                f"moved param's optimizer state in its new group is not that transform's state for it (it was never "
+                f"updated there, or it belongs to the transform it left), so its next updates would be wrong. {MOVED_FIX}"
+            )
+
+
+def _nth(k: int) -> str:
+    return {0: "1st", 1: "2nd", 2: "3rd"}.get(k, f"{k + 1}th")
