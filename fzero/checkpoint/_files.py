@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from typing import Any
 
 from fzero.checkpoint._dcp import CheckpointError
@@ -47,6 +48,22 @@ def refuse_to_clobber(final: str, keep: int | None, api: str) -> None:
         return  # an empty directory, or an (even incomplete) checkpoint: replaced
     hint = " It holds step_* checkpoints: pass keep=K to save into it." if keep is None and any(STEP_NAME.match(e) for e in entries_) else ""
     raise CheckpointError(f"{api}: {final} exists and is not an fzero checkpoint; refusing to replace it.{hint}")
+
+
+def check_destination(path: str, final: str, keep: int | None, api: str) -> None:
+    """Raise a ``CheckpointError`` if the directory a save makes or writes into (``path`` with ``keep=K``, else the
+    parent of ``final``), or the nearest existing folder above it, is not a directory (a regular file, say): named
+    before anything is written, rather than as the OS's bare FileExistsError or NotADirectoryError."""
+    folder = path if keep is not None else os.path.dirname(final)
+    probe = folder
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.path.isdir(probe):
+        return
+    kind = "regular file" if os.path.isfile(probe) else "file that is not a directory"
+    role = (f"the directory that keep={keep} saves step_* checkpoints into" if keep is not None and probe == folder else
+            f"the directory to hold {final}" if probe == folder else f"a folder above {final}")
+    raise CheckpointError(f"{api}: {probe} is a {kind}, but it is {role}. Pass a path where directories can be made, or move the file away.")
 
 
 def write_synced(file: str, data: bytes) -> None:
@@ -119,6 +136,52 @@ def lock_partial(partial: str, api: str) -> int | None:
 def unlock(fd: int | None) -> None:
     if fd is not None:
         os.close(fd)
+
+
+# -- one run per keep=K directory --------------------------------------------------------------------------
+# Two runs saving keep=K checkpoints into one directory prune and replace each other's step_* checkpoints, and
+# every save returns: the directory ends up holding one run's states, or a mix. So the first save of a process
+# into a keep=K directory takes an exclusive flock on the directory itself and holds it while the process lives
+# (the kernel drops it when the process ends, however it ends: a dead run's lock never blocks the next run). A
+# save of another process into it is refused, naming the holder's pid (from /proc/locks) and host. No file is
+# added to the directory.
+
+_held_dirs: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of a keep=K directory -> the fd holding its lock
+
+
+def hold_directory(parent: str, api: str) -> None:
+    """Take (or keep) this process's lock on the keep=K directory ``parent``; raise if another process holds it."""
+    st = os.stat(parent)
+    if (st.st_dev, st.st_ino) in _held_dirs:
+        return
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return  # a filesystem without locks: nothing to hold (as for a save's .partial)
+        raise CheckpointError(
+            f"{api}: another process saves checkpoints into {parent} ({_lock_holder(st)}): two runs saving keep=K "
+            f"checkpoints into one directory prune and replace each other's, and the directory would hold a mix of "
+            f"both. Give this run a directory of its own, or end the other run first (its lock goes with its process)."
+        ) from None
+    _held_dirs[(st.st_dev, st.st_ino)] = fd
+
+
+def _lock_holder(st: os.stat_result) -> str:
+    """'pid N on HOST' of the process holding a flock on the file ``st`` (from /proc/locks), or why unknown."""
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if "FLOCK" in fields and inode in fields:
+                    pid = fields[fields.index(inode) - 1]
+                    return f"pid {pid} on {socket.gethostname()} holds its lock"
+    except OSError:
+        pass
+    return "its lock is held by a process not visible here, e.g. on another host"
 
 
 def is_stale(partial: str) -> bool | None:

@@ -9,11 +9,15 @@ from typing import Any
 import torch
 
 from fzero.checkpoint import _dcp
+from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
+from fzero.checkpoint._groups import check_labels, labels, step_of
 from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers
 from fzero.layout import _tree
+from fzero.checkpoint._verify import MARKER, crc32_file
 from fzero.step._state import RankStates, TrainState
+from fzero.step._step import Step
 from fzero.zero._offload import DiskOptState
 
 
@@ -34,10 +38,14 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     api = "fzero.checkpoint.load"
     found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
+    made_by = _step_of(like)  # before _target copies a state: the copy is no step's
     target = _with_buffers(_target(like, info, found, api), info)
     states, distributed = held(target, api)
+    if distributed:
+        agree_on_checkpoint(Ranks(api, True), found, info, manifest, api=api)
     ents = [entries(s, api=api) for s in states]
     check_fits(found, info, states[0], ents[0], api=api)
+    check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api)
     process, processes = which_process(distributed)
     rng = torch.empty(0, dtype=torch.uint8)
     todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
@@ -50,9 +58,39 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     return _with_gather_order(target, info)
 
 
-def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState | RankStates:
-    from fzero.step._step import Step
+def agree_on_checkpoint(ranks: Ranks, found: str, info: dict[str, Any], manifest: Any, *, api: str) -> None:
+    """Under torchrun: raise on every rank unless every rank opened the same checkpoint (its step, and the CRC-32 of
+    its marker, which covers every file's checksum). Why: ranks that load different checkpoints (step 5 on one,
+    step 2 on another: a stale copy on one node's disk, a ``latest`` that raced a save) train on as one job with
+    states from different times, and nothing else would notice."""
+    marker = os.path.join(found, MARKER)
+    try:
+        crc = f"{crc32_file(marker):08x}"
+    except OSError:
+        crc = "unreadable"
+    mine = (info["step"], crc, found)
+    every = ranks.gather(mine, f"{api}: compare the checkpoints the ranks load")
+    odd = next((r for r, x in enumerate(every) if x[:2] != every[0][:2]), None)
+    if odd is None:
+        return
+    (s0, c0, p0), (sr, cr, pr) = every[0], every[odd]
+    raise CheckpointError(
+        f"{api}: the ranks load different checkpoints: rank 0 loads step {s0} from {p0} ({MARKER} CRC-32 {c0}), rank "
+        f"{odd} loads step {sr} from {pr} ({MARKER} CRC-32 {cr}). Every rank must resume from the same checkpoint: pass "
+        f"the same path on every rank, on a filesystem every rank sees (or copy the whole checkpoint to each node)."
+    )
 
+
+def _step_of(like: Any) -> Any:
+    """The step ``like`` is, or made it (None if unknown): its optimizer's parameter groups are the ones to load into."""
+    if isinstance(like, Step):
+        return like
+    if isinstance(like, (TrainState, RankStates)):
+        return step_of(like.states[0] if isinstance(like, RankStates) else like)
+    return None
+
+
+def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState | RankStates:
     if isinstance(like, Step):
         if info["params_tree"] != "dict":
             raise CheckpointError(

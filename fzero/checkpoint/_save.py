@@ -8,14 +8,14 @@ import shutil
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from fzero.checkpoint import _dcp, _oserrors
+from fzero.checkpoint import _dcp, _interrupts, _oserrors
+from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import (
-    FORMAT, INFO, VERSION, fsync_dir, is_complete, lock_partial, prune, publish, refuse_to_clobber, step_dir, sweep_partials,
-    unlock, write_synced,
+    FORMAT, INFO, VERSION, check_destination, fsync_dir, hold_directory, is_complete, lock_partial, prune, publish,
+    refuse_to_clobber, step_dir, sweep_partials, unlock, write_synced,
 )
+from fzero.checkpoint._groups import labels, step_of
 from fzero.checkpoint._oserrors import check_space
 from fzero.checkpoint._state import describe, entries, held, pieces, size_lower_bound, which_process
 from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
@@ -27,8 +27,13 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
 
     ``keep=None``: ``path`` is the checkpoint (an existing checkpoint there is replaced atomically).
     ``keep=K``: ``path`` is a parent directory; the checkpoint is ``path/step_<step:08d>`` and only the K
-    newest complete ones are kept. ``extra``: anything JSON can hold (e.g. the data loader's position),
-    returned by ``read_extra``. Under torchrun every rank calls ``save`` with its own state.
+    newest complete ones are kept. The first such save of a process holds the directory for it while it lives: a
+    save of another process (another run) into it is refused, naming that process. ``extra``: anything JSON can
+    hold (e.g. the data loader's position), returned by ``read_extra``. Under torchrun every rank calls ``save``
+    with its own state (a rank that does not is named, see ``_collective``).
+
+    Ctrl-C during a save raises ``KeyboardInterrupt`` itself once torch is out of its C++ code, and the previous
+    checkpoint stays (``_interrupts``).
     """
     api = "fzero.checkpoint.save"
     states, distributed = held(state, api)
@@ -43,12 +48,15 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         raise ValueError(f"{api}: {path} is a checkpoint itself; keep=K saves step_* checkpoints into a parent directory. Pass its parent.")
     step = states[0].step_count
     final = path if keep is None else os.path.join(path, step_dir(step))
+    check_destination(path, final, keep, api)  # on every rank, before the first collective: each names it alike
+    refuse_to_clobber(final, keep, api)
     parent, name = os.path.split(final)
     partial = os.path.join(parent, f".{name}.partial")
+    ranks = Ranks(api, distributed)
     process, processes = which_process(distributed)
     ents = [entries(s, api=api) for s in states]
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
-            **describe(states[0], ents[0]), "extra": extra_json}
+            **describe(states[0], ents[0]), "param_groups": labels(states[0], step_of(states[0])), "extra": extra_json}
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
     todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
     needed = size_lower_bound(states[0], ents[0], processes=processes, rng_bytes=torch.get_rng_state().numel())
@@ -59,6 +67,8 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         refuse_to_clobber(final, keep, api)
         try:
             os.makedirs(parent, exist_ok=True)
+            if keep is not None:
+                hold_directory(parent, api)
             if os.path.lexists(partial):  # a save that died before (or one still running: then it is refused)
                 unlock(lock_partial(partial, api))
                 shutil.rmtree(partial)
@@ -77,6 +87,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
             crcs = {**crcs, INFO: crc32_file(os.path.join(partial, INFO)), ".metadata": crc32_file(os.path.join(partial, ".metadata"))}
             write_synced(os.path.join(partial, MARKER), marker_bytes(partial, crcs))  # last: the checkpoint is complete
             fsync_dir(partial)
+            _interrupts.check()  # the last point to stop with the previous checkpoint in place: the publish is a rename
             publish(partial, final)
         except OSError as e:
             raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
@@ -85,10 +96,14 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         sweep_partials(parent)
 
     try:
-        _on_rank0(prepare, distributed, f"{api}: preparing {partial}")
-        _dcp.save(partial, todo, distributed=distributed, explain=explain)
-        crcs = _checksums(partial, process, distributed, api)
-        _on_rank0(lambda: finish(crcs), distributed, f"{api}: completing {final}")
+        with _interrupts.deferred():  # Ctrl-C: raised as itself between the phases and tensors, never inside torch's C++
+            _on_rank0(prepare, ranks, f"{api}: preparing {partial}")
+            _interrupts.check()
+            _dcp.save(partial, todo, distributed=distributed, explain=explain, rank=process)
+            _interrupts.check()
+            crcs = _checksums(partial, process, ranks, api)
+            _interrupts.check()
+            _on_rank0(lambda: finish(crcs), ranks, f"{api}: completing {final}")
     except BaseException:
         if lock:  # this process made `partial`: a failed save leaves nothing behind (a full disk gets its space back)
             shutil.rmtree(partial, ignore_errors=True)
@@ -99,17 +114,14 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     return final
 
 
-def _checksums(partial: str, process: int, distributed: bool, api: str) -> dict[str, int]:
+def _checksums(partial: str, process: int, ranks: Ranks, api: str) -> dict[str, int]:
     """The CRC-32 of every data file (each process reads back the files it wrote); all of them on rank 0."""
     mine: dict[str, int] | str
     try:
         mine = {f: crc32_file(os.path.join(partial, f)) for f in os.listdir(partial) if f.startswith(f"__{process}_")}
     except OSError as e:
         mine = f"rank {process}: {type(e).__name__}: {e}"
-    every = [mine]
-    if distributed:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+    every = ranks.gather(mine, f"{api}: gather the checksums of the files written")
     errors = [x for x in every if isinstance(x, str)]
     if errors:
         raise CheckpointError(f"{api}: could not read back the files just written in {partial} to checksum them: {'; '.join(errors)}")
@@ -126,19 +138,16 @@ def _whole(t: torch.Tensor) -> tuple:
     return tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, lambda: t
 
 
-def _on_rank0(fn: Any, distributed: bool, what: str) -> None:
+def _on_rank0(fn: Any, ranks: Ranks, what: str) -> None:
     """Run ``fn`` on rank 0 only; under torchrun every rank learns whether it worked (and none hangs if not)."""
     error: Exception | None = None
-    if not distributed or dist.get_rank() == 0:
+    if ranks.rank == 0:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             error = e
-    if distributed:
-        flag = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(flag)
-        if error is None and int(flag):
-            raise CheckpointError(f"{what} failed on rank 0 (see its error).")
+    if ranks.any(error is not None, what) and error is None:
+        raise CheckpointError(f"{what} failed on rank 0 (see its error).")
     if isinstance(error, OSError):
         raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from None
     if error is not None:

@@ -35,7 +35,8 @@ AUTO_EXCHANGES = ("all_gather", "reduce_scatter")
 
 CALLS_FIX = ("Under fzero.dist_mesh every rank makes the same fzero calls in the same order: Step.__call__, "
              "Step.evaluate, Step.gather and Step.state_dict are collectives, so call them on every rank (keep only "
-             "printing and saving on rank 0), with the same number of steps on every rank.")
+             "printing and writing your own files on rank 0; fzero.checkpoint.save and load are collectives too), with "
+             "the same number of steps on every rank.")
 
 
 class DistComm(Recording):
