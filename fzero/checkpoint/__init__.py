@@ -25,7 +25,13 @@ marker last and renames the directory into place (an existing checkpoint is swap
 checkpoint loadable; the next successful save in the same directory removes the ``.partial`` leftovers of
 crashed saves (a live save holds a lock on its own, so it is never taken for one). A failed save removes its
 own ``.partial``; a full disk (ENOSPC, EDQUOT), a read-only filesystem (EROFS) or a denied permission (EACCES)
-raises ``CheckpointWriteError`` saying so, with the path and the space needed.
+raises ``CheckpointWriteError`` saying so, with the path and the space needed. Ctrl-C during a save raises
+``KeyboardInterrupt`` itself (never an ``Exception`` that ``except Exception`` would swallow) and leaves the previous
+checkpoint as it was. A ``keep=K`` directory belongs to the first process that saves into it while that process
+lives: another run saving there is refused, naming its pid.
+
+**Groups.** ``fzero.json`` records each ``fzero.optim.multi_transform`` label of every param; ``load`` refuses a step
+whose labels moved a param to another group, naming it and both labels (its state there is not that transform's).
 
 **Verification.** ``load``, ``consolidate``, ``read_extra`` and ``info`` check the marker, every file's size,
 and the CRC-32 of ``fzero.json``, DCP's ``.metadata`` and every data file before using it, and raise
@@ -35,7 +41,9 @@ executes code on load: tensors are read with ``torch.load(weights_only=True)``, 
 an unpickler that resolves only DCP's metadata classes, everything else is JSON.
 
 Under torchrun, ``save`` and ``load`` are collective (every rank calls them, with its own state) and the
-directory must be on a filesystem every rank sees.
+directory must be on a filesystem every rank sees. Each starts by checking that every rank makes the same call (a
+rank that does not is named, within seconds or at the mesh timeout), and ``load`` checks that every rank opened the
+same checkpoint (its step and the checksum of its marker).
 
 **Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or
 ``model-0000k-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` past ``max_shard_size``), tied
@@ -45,7 +53,8 @@ stage-3 state) at a time, never the whole model twice.
 Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
 failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
-``_safetensors`` (the streaming writer), ``_cli`` (``python -m fzero.checkpoint``); ``_state``
+``_safetensors`` (the streaming writer), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
+exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """
 
