@@ -5,6 +5,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/checkpoint_worker.py train \
         --dist --problem mlp --stages 3 --first 0 --last 5 --save /tmp/ck
     python tests/checkpoint_worker.py crash --save /tmp/ck [--keep]   # saves a large-ish state until killed
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/checkpoint_worker.py dist-fault \
+        --kind save0 --out /tmp/faults                           # checkpoint calls the ranks do not make together
 
 ``--weights DIR`` (train): the trained params as safetensors files (``save_weights``; ``--max-shard-size`` bytes).
 
@@ -77,9 +79,57 @@ def crash(args) -> None:
         print(k, flush=True)
 
 
+def dist_fault(args) -> None:
+    """Under torchrun (2 ranks): a checkpoint call that the ranks do not make together (issue 32).
+
+    - ``save0``: rank 0 saves, rank 1 goes on to ``step.gather`` (another fzero call).
+    - ``save0-stall``: rank 0 saves, rank 1 stays in its own code (a sleep) past the mesh timeout.
+    - ``loads``: every rank saves at step 2 and at step 4; rank 0 loads step 4, rank 1 step 2.
+
+    Each rank writes ``<out>/rank<r>.json``: its pid, the error it raised (or null) and when; the error is re-raised.
+    """
+    import json
+    import time
+
+    def record(name: str, **fields) -> None:
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump({**fields, "pid": os.getpid(), "time": time.time()}, f)
+
+    mesh = fzero.dist_mesh() if args.timeout is None else fzero.dist_mesh(timeout=args.timeout)
+    prob = PROBLEMS["mlp"](steps=4)
+    batches = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in prob.batches]
+    step = make_step(prob, stages=args.stages, mesh=mesh)
+    record(f"pid{mesh.rank}.json")
+    error = None
+    try:
+        state = step.init(fzero.params_of(prob.model))
+        for k, b in enumerate(batches, 1):
+            state, _ = step(state, b)
+            if args.kind == "loads" and k in (2, 4):
+                fzero.checkpoint.save(os.path.join(args.out, "ck"), state, keep=2)
+        if args.kind == "loads":
+            which = os.path.join(args.out, "ck", fzero.checkpoint.step_dir(4 if mesh.rank == 0 else 2))
+            state = fzero.checkpoint.load(which, like=step)
+        elif mesh.rank == 0:
+            record("fault.json")
+            fzero.checkpoint.save(os.path.join(args.out, "ck"), state)
+        elif args.kind == "save0-stall":
+            time.sleep(600)
+        step.gather(state)
+    except BaseException as e:
+        error = e
+    record(f"rank{mesh.rank}.json", error=None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "crash"])
+    parser.add_argument("mode", choices=["train", "crash", "dist-fault"])
+    parser.add_argument("--kind", choices=["save0", "save0-stall", "loads"], help="dist-fault: which")
+    parser.add_argument("--timeout", type=float, default=None, help="dist-fault: dist_mesh(timeout=...)")
     parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
@@ -94,7 +144,7 @@ def main() -> None:
     parser.add_argument("--weights", help="a directory for fzero.checkpoint.save_weights (safetensors) after training")
     parser.add_argument("--max-shard-size", type=int, default=5 * 10**9)
     args = parser.parse_args()
-    train(args) if args.mode == "train" else crash(args)
+    {"train": train, "crash": crash, "dist-fault": dist_fault}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ the errno; a chmod that root ignores is replaced by a refusing ``mkdir``/``open`
 namespace (a full tmpfs, a read-only remount, a directory owned by an unmapped user), which needs no root.
 """
 
+import dataclasses
 import errno
 import fcntl
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,7 @@ import fzero
 from checkpoint_worker import crash_step, make_step
 from fzero.checkpoint import CheckpointCorrupted, CheckpointError, CheckpointWriteError
 from fzero.checkpoint._dcp import read_metadata
+from fzero.step._state import RankStates
 from fzero.testing import assert_trees_equal
 from problems import mlp_problem
 
@@ -513,3 +516,277 @@ def test_real_full_read_only_and_denied_filesystems(tmp_path):
     assert r["ro_loads"]
     assert r["save_denied"][0] == errno.EACCES and f"cannot write {denied}/ck: permission denied (EACCES)" in r["save_denied"][1]
     assert r["consolidate_denied"][0] == errno.EACCES and "permission denied (EACCES)" in r["consolidate_denied"][1]
+
+
+# -- the last silent failures (issue 32): param groups, two runs in one directory, a file as the path, Ctrl-C ------
+
+
+def test_params_that_changed_group_since_the_save_are_refused_at_load(tmp_path):
+    """A layer moved from SGD-momentum to AdamW between save and load: before, it loaded without a word and the
+    layer's first AdamW update was hundreds of times the lr (SGD's momentum read as Adam's first moment)."""
+    from fzero.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([4, 8, 8, 2])
+
+    def step_with(first: str):
+        opt = fzero.optim.multi_transform({"sgd": fzero.optim.sgd(0.1, momentum=0.9), "adamw": fzero.optim.adamw(1e-2)},
+                                          lambda p: {k: first if k.startswith("layers.0") else "adamw" for k in p})
+        return fzero.compile(lambda p, b: ((fzero.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=opt, stages=1,
+                             mesh=fzero.local_mesh(2))
+
+    gen = torch.Generator().manual_seed(1)
+    old = step_with("sgd")
+    state = old.init(fzero.params_of(model))
+    for _ in range(5):
+        state, _ = old(state, {"x": torch.randn(8, 4, generator=gen), "y": torch.randn(8, 2, generator=gen)})
+    path = fzero.checkpoint.save(tmp_path / "ck", state)
+    with pytest.raises(CheckpointError, match=rf"^fzero\.checkpoint\.load: params changed group since the checkpoint {path} \(step 5\) "
+                                              r"was saved: 'layers\.0\.bias' from 'sgd' to 'adamw'; 'layers\.0\.weight' from 'sgd' "
+                                              r"to 'adamw'\. .* Load it with the labels it was saved with\. To move params to "
+                                              r"another group, start the optimizer state afresh"):
+        fzero.checkpoint.load(path, like=step_with("adamw"))
+    same = step_with("sgd")
+    with pytest.raises(CheckpointError, match="'layers.0.weight' from 'sgd' to 'adamw'"):  # like= a state of that step
+        fzero.checkpoint.load(path, like=step_with("adamw").init(fzero.params_of(model)))
+    assert_trees_equal(fzero.checkpoint.load(path, like=same), state)  # the same groups load as before
+
+
+def test_a_second_run_saving_into_the_same_keep_directory_is_refused_by_pid(tmp_path):
+    """Two runs saving keep=2 into one directory used to prune and replace each other's checkpoints while every save
+    returned. The first run's process holds the directory; the second is refused, naming it; once the first is
+    dead (kill -9), its lock is gone with it and the directory is free."""
+    parent = str(tmp_path / "ckpts")
+    with open(tmp_path / "log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, WORKER, "crash", "--save", parent, "--keep"], env=ENV, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while fzero.checkpoint.latest(parent) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.01)
+        _, small = trained(1)
+        with pytest.raises(CheckpointError, match=rf"^fzero\.checkpoint\.save: another process saves checkpoints into {parent} "
+                                                  rf"\(pid {proc.pid} on .+ holds its lock\): two runs saving keep=K .* Give this "
+                                                  r"run a directory of its own, or end the other run first"):
+            fzero.checkpoint.save(parent, small, keep=2)
+        assert proc.poll() is None  # the first run saves on
+    finally:
+        proc.kill()
+        proc.wait()
+    later = RankStates(tuple(dataclasses.replace(s, step=torch.tensor(10**6)) for s in small.states))
+    path = fzero.checkpoint.save(parent, later, keep=2)  # the dead run's lock does not block
+    assert fzero.checkpoint.latest(parent) == path and fzero.checkpoint.verify(path) == path
+
+
+@pytest.mark.parametrize("keep", [None, 2])
+def test_a_regular_file_as_the_save_path_is_named(tmp_path, keep):
+    _, state = trained(1)
+    file = tmp_path / "file"
+    file.write_text("precious")
+    role = "the directory that keep=2 saves step_\\* checkpoints into" if keep else None
+    message = (rf"^fzero\.checkpoint\.save: {file} is a regular file, but it is {role}\. Pass a path where directories can be "
+               r"made, or move the file away\." if keep else rf"^fzero\.checkpoint\.save: {file} exists and is not a directory; "
+               r"refusing to replace it")
+    with pytest.raises(CheckpointError, match=message):
+        fzero.checkpoint.save(file, state, keep=keep)
+    with pytest.raises(CheckpointError, match=rf"^fzero\.checkpoint\.save: {file} is a regular file, but it is (a folder above|the "
+                                              rf"directory to hold) {file}/sub"):
+        fzero.checkpoint.save(file / "sub", state, keep=keep)
+    assert file.read_text() == "precious" and sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def _sigint_in_a_data_write(monkeypatch):
+    """SIGINT delivered while torch.save (C++) writes a data file: Python runs its handler inside the write callback."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    class Interrupting(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 4096 and not getattr(Interrupting, "sent", False):
+                Interrupting.sent = True
+                signal.raise_signal(signal.SIGINT)
+            return self.f.write(b)
+
+        def tell(self):
+            return self.f.tell()
+
+        def fileno(self):
+            return self.f.fileno()
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as f:
+            yield Interrupting(f) if "w" in mode else f
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+
+
+def _keyboard_interrupt_inside_dcp(monkeypatch):
+    """A KeyboardInterrupt raised inside torch.distributed.checkpoint, which wraps it in its CheckpointException."""
+    from fzero.checkpoint._dcp import _SavePlanner
+
+    real, calls = _SavePlanner.lookup_object, []
+
+    def lookup_object(self, index):
+        calls.append(index)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, index)
+
+    monkeypatch.setattr(_SavePlanner, "lookup_object", lookup_object)
+
+
+def _sigint_while_completing(monkeypatch):
+    """SIGINT while rank 0 writes fzero.json and the marker (after the data files)."""
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("fzero.json"):
+            signal.raise_signal(signal.SIGINT)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("when", [_sigint_in_a_data_write, _keyboard_interrupt_inside_dcp, _sigint_while_completing])
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_the_previous_checkpoint_survives(tmp_path, monkeypatch, when):
+    """Before, Ctrl-C during a save became a CheckpointError (an Exception a training loop's ``except Exception``
+    swallows) about half the time, and a C++ abort now and then."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    step, state = trained(1)
+    path = fzero.checkpoint.save(tmp_path / "ck", state)
+    params = {k: v.clone() for k, v in step.gather(state).items()}
+    later, _ = step(state, mlp_problem(steps=2).batches[1])
+    when(monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as e:
+        try:
+            fzero.checkpoint.save(path, later)
+        except Exception as swallowed:  # what a training loop does: it must not see the interrupt
+            pytest.fail(f"Ctrl-C arrived as an Exception: {type(swallowed).__name__}: {swallowed}")
+    assert type(e.value) is KeyboardInterrupt
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert_survives(path, step, params)
+
+
+# -- disk offload's directories -----------------------------------------------------------------------------------
+
+
+def test_disk_offload_leaves_no_directories_after_a_failed_init_and_sweeps_those_of_dead_runs(tmp_path, monkeypatch):
+    """Before, a failed init left its fzero-rank* directory until the process ended, and a killed job left one per rank
+    for good. Now a failed init removes it at once, and the next init in the directory removes dead runs' ones:
+    never a live run's (it holds a lock), nor a directory fzero did not make."""
+    from fzero.models import MLP
+
+    model = MLP([64, 64, 64])
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), optimizer=fzero.optim.adamw(1e-3), stages=1,
+                         mesh=fzero.local_mesh(2), offload=fzero.DiskOffload(str(tmp_path)))
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=10))
+    with pytest.raises(OSError, match=r"fzero.offload\('disk'\): rank 0 needs .* but only 10 bytes are free there"):
+        step.init(fzero.params_of(model))
+    assert os.listdir(tmp_path) == []  # at once, not at exit
+    monkeypatch.undo()
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"fzero-rank0-p{gone.pid}-0123abcd-x1"  # what a killed run leaves (no process holds its lock)
+    dead.mkdir()
+    (dead / "opt__0__mu__layers.0.bin").write_bytes(b"\0" * 64)
+    old_style = tmp_path / "fzero-rank1-0123abcd-x2"  # named before pids were: never swept
+    old_style.mkdir()
+    mine = tmp_path / f"fzero-rank0-p{gone.pid}-0123abcd-x3"  # holds a file fzero never writes
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    live = step.init(fzero.params_of(model))  # this run's: held while it lives
+    held = sorted(d for d in os.listdir(tmp_path) if d.startswith(f"fzero-rank") and f"-p{os.getpid()}-" in d)
+    assert len(held) == 2 and not dead.exists() and old_style.exists() and (mine / "notes.txt").exists()
+    from fzero.zero import _offload_dir
+
+    assert _offload_dir.sweep(str(tmp_path)) == []  # the live run's directories are held (its lock), not swept
+    del live
+    import gc
+
+    gc.collect()
+    assert sorted(os.listdir(tmp_path)) == sorted([old_style.name, mine.name])
+
+
+# -- checkpoint calls the ranks of a torchrun job do not make together (2 processes, gloo) -------------------------
+
+
+def dist_fault(tmp_path, kind: str, *extra: str) -> tuple[subprocess.CompletedProcess, float, dict]:
+    """Launch checkpoint_worker.py dist-fault; (process, seconds, what each rank wrote). A hang fails the test."""
+    from launch import torchrun_failing
+
+    proc, seconds = torchrun_failing([WORKER, "dist-fault", "--kind", kind, "--stages", "3", "--out", str(tmp_path), *extra], timeout=120)
+    files = {}
+    for name in ("rank0", "rank1", "pid0", "pid1", "fault"):
+        path = tmp_path / f"{name}.json"
+        files[name] = json.loads(path.read_text()) if path.exists() else None
+    return proc, seconds, files
+
+
+def _error(files: dict, rank: int, proc) -> str:
+    assert files[f"rank{rank}"] is not None and files[f"rank{rank}"]["error"], f"rank {rank} wrote no error:\n{proc.stderr[-5000:]}"
+    return files[f"rank{rank}"]["error"]
+
+
+def _no_orphans(files: dict) -> None:
+    from fzero.dist._faults import process_alive
+
+    deadline = time.monotonic() + 10
+    while any(process_alive(files[f"pid{r}"]["pid"]) for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(process_alive(files[f"pid{r}"]["pid"]) for r in (0, 1)), "a worker outlived its job"
+
+
+@pytest.mark.torchrun
+def test_ranks_that_load_different_checkpoints_are_refused_naming_both(tmp_path):
+    """Rank 0 resumes from step 4, rank 1 from step 2: before, both trained on; now each checkpoint's fingerprint
+    (step, CRC-32 of its marker) is compared across ranks at load."""
+    proc, seconds, files = dist_fault(tmp_path, "loads")
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
+    for rank in (0, 1):
+        error = _error(files, rank, proc)
+        assert re.match(rf"CheckpointError: fzero\.checkpoint\.load: the ranks load different checkpoints: rank 0 loads step 4 from "
+                        rf"{tmp_path}/ck/step_00000004 \(COMPLETE CRC-32 [0-9a-f]{{8}}\), rank 1 loads step 2 from "
+                        rf"{tmp_path}/ck/step_00000002 \(COMPLETE CRC-32 [0-9a-f]{{8}}\)\. Every rank must resume from the same "
+                        r"checkpoint", error), error
+
+
+@pytest.mark.torchrun
+def test_a_save_on_rank_0_alone_is_named_while_the_other_rank_makes_another_call(tmp_path):
+    """Before: no progress until the job was killed, and the workers outlived torchrun's SIGKILL."""
+    proc, seconds, files = dist_fault(tmp_path, "save0")
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
+    error = _error(files, 0, proc)
+    assert error.startswith("RanksDisagree: fzero.checkpoint.save: not every rank called it. fzero.dist_mesh: ranks start "
+                            "different calls: rank 0 starts its call #1 of fzero.checkpoint.save, rank 1 its call #1 of "
+                            "fzero.Step.gather."), error
+    assert error.endswith("fzero.checkpoint.save is a collective under torchrun: call it on every rank, each with its own state "
+                          "(not under `if rank == 0`), at the same point of the program."), error
+    assert _error(files, 1, proc).startswith("RanksDisagree: fzero.dist_mesh: ranks start different calls")
+    assert files["rank0"]["time"] - files["fault"]["time"] < 10
+    _no_orphans(files)
+
+
+@pytest.mark.torchrun
+def test_a_save_on_rank_0_alone_is_named_at_the_mesh_timeout_when_the_other_rank_is_busy(tmp_path):
+    """Before, with dist_mesh(timeout=20): gloo's raw 'Timed out waiting 20000ms for send operation'."""
+    proc, seconds, files = dist_fault(tmp_path, "save0-stall", "--timeout", "5")
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
+    error = _error(files, 0, proc)
+    assert re.match(r"MeshTimeout: fzero\.checkpoint\.save: not every rank called it\. fzero\.dist_mesh: rank 1 did not arrive at "
+                    r"collective #\d+ \(check that every rank starts the same call\) in call #1 of fzero\.checkpoint\.save within "
+                    r"the mesh timeout of 5 s\..* fzero\.checkpoint\.save is a collective under torchrun: call it on every rank",
+                    error), error
+    assert 4.0 <= files["rank0"]["time"] - files["fault"]["time"] < 20
+    _no_orphans(files)
