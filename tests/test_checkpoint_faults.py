@@ -198,14 +198,13 @@ def test_the_verify_command_prints_one_line_per_file_and_exits_1_on_a_bad_one(sa
 # -- full disk ----------------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def writes_fail_after(monkeypatch, limit: int, error: BaseException):
-    """Every file DCP opens for writing fails with ``error`` once ``limit`` bytes went into it (a disk filling up)."""
+def _on_data_writes(monkeypatch, on_write):
+    """Every file DCP opens for writing calls ``on_write(bytes written so far)`` before each write."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     real = FileSystem.create_stream
 
-    class Filling(io.RawIOBase):
+    class Watched(io.RawIOBase):
         def __init__(self, f):
             self.f, self.n = f, 0
 
@@ -214,8 +213,7 @@ def writes_fail_after(monkeypatch, limit: int, error: BaseException):
 
         def write(self, b):
             self.n += len(b)
-            if self.n > limit:
-                raise error
+            on_write(self.n)
             return self.f.write(b)
 
         def tell(self):
@@ -227,9 +225,20 @@ def writes_fail_after(monkeypatch, limit: int, error: BaseException):
     @contextmanager
     def create_stream(self, path, mode):
         with real(self, path, mode) as f:
-            yield Filling(f) if "w" in mode else f
+            yield Watched(f) if "w" in mode else f
 
     monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+
+
+@contextmanager
+def writes_fail_after(monkeypatch, limit: int, error: BaseException):
+    """Every file DCP opens for writing fails with ``error`` once ``limit`` bytes went into it (a disk filling up)."""
+
+    def fail(n):
+        if n > limit:
+            raise error
+
+    _on_data_writes(monkeypatch, fail)
     yield
     monkeypatch.undo()
 
@@ -597,36 +606,14 @@ def test_a_regular_file_as_the_save_path_is_named(tmp_path, keep):
 
 def _sigint_in_a_data_write(monkeypatch):
     """SIGINT delivered while torch.save (C++) writes a data file: Python runs its handler inside the write callback."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    sent = []
 
-    real = FileSystem.create_stream
+    def interrupt(n):
+        if n > 4096 and not sent:
+            sent.append(1)
+            signal.raise_signal(signal.SIGINT)
 
-    class Interrupting(io.RawIOBase):
-        def __init__(self, f):
-            self.f, self.n = f, 0
-
-        def writable(self):
-            return True
-
-        def write(self, b):
-            self.n += len(b)
-            if self.n > 4096 and not getattr(Interrupting, "sent", False):
-                Interrupting.sent = True
-                signal.raise_signal(signal.SIGINT)
-            return self.f.write(b)
-
-        def tell(self):
-            return self.f.tell()
-
-        def fileno(self):
-            return self.f.fileno()
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        with real(self, path, mode) as f:
-            yield Interrupting(f) if "w" in mode else f
-
-    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    _on_data_writes(monkeypatch, interrupt)
 
 
 def _keyboard_interrupt_inside_dcp(monkeypatch):
