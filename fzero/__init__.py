@@ -19,6 +19,7 @@ from fzero.dist._comm import MeshTimeout
 from fzero.dist._faults import RankFailed, RankStopped
 from fzero.dist._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero.estimate._estimate import MemoryEstimate, estimate_memory
+from fzero.layout._empty import empty_params
 from fzero.layout._units import units_of
 from fzero.step._buffers import buffers_of
 from fzero.step._module import apply, params_of
@@ -66,6 +67,7 @@ __all__ = [
     "count_collectives",
     "data",
     "dist_mesh",
+    "empty_params",
     "estimate",
     "estimate_memory",
     "local_mesh",

@@ -7,6 +7,8 @@ k = fzero.checkpoint.read_extra("ckpt")["batch"]
 fzero.checkpoint.consolidate("ckpt", "model.pt", model=model)     # one fp32 state dict for model.load_state_dict
 fzero.checkpoint.consolidate("ckpt", "hf", model=model, format="safetensors", dtype="bf16")  # for from_pretrained("hf")
 fzero.checkpoint.save_weights(step, state, "hf", model=model)      # the same from a live state, unit by unit
+state = step.init(fzero.params_of(meta_model, copy=False),         # weights in: a Hugging Face checkpoint,
+                  materialize=fzero.checkpoint.pretrained("hf", model=meta_model))  # read one unit at a time
 ```
 or ``python -m fzero.checkpoint consolidate ckpt model.pt`` (``info ckpt`` prints what a checkpoint holds,
 ``verify ckpt`` checks every file, one line each, exit status 1 if any is wrong).
@@ -45,6 +47,10 @@ directory must be on a filesystem every rank sees. Each starts by checking that 
 rank that does not is named, within seconds or at the mesh timeout), and ``load`` checks that every rank opened the
 same checkpoint (its step and the checksum of its marker).
 
+**Weights in.** ``pretrained(dir, model=model)`` reads ``save_pretrained``'s files (one or sharded) into ``step.init``
+for a model built under ``fzero.empty_params()``, tensor by tensor as each unit is packed; keys, ties and shapes
+are checked against the model from the headers before anything is read.
+
 **Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or
 ``model-0000k-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` past ``max_shard_size``), tied
 weights once as ``save_pretrained`` does, streaming: a group of parameters (a checkpoint) or a unit (a live
@@ -53,7 +59,7 @@ stage-3 state) at a time, never the whole model twice.
 Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
 failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
-``_safetensors`` (the streaming writer), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
+``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
 exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """
@@ -64,11 +70,12 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import latest, read_extra, step_dir, verify
 from fzero.checkpoint._load import load
 from fzero.checkpoint._oserrors import CheckpointWriteError
+from fzero.checkpoint._pretrained import pretrained
 from fzero.checkpoint._save import save
 from fzero.checkpoint._verify import CheckpointCorrupted
 from fzero.checkpoint._weights import save_weights
 
 __all__ = [
-    "CheckpointCorrupted", "CheckpointError", "CheckpointWriteError", "consolidate", "latest", "load", "main", "read_extra",
-    "save", "save_weights", "step_dir", "verify",
+    "CheckpointCorrupted", "CheckpointError", "CheckpointWriteError", "consolidate", "latest", "load", "main", "pretrained",
+    "read_extra", "save", "save_weights", "step_dir", "verify",
 ]

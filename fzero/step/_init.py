@@ -4,6 +4,12 @@ Each unit is packed once (its meta leaves made by ``materialize`` first), broadc
 ``dist_mesh`` (as DDP does), and each rank keeps what its ``params`` part holds of it (the whole buffer,
 or its shard) and what its ``opt_state`` part holds of the fp32 master; then the packed buffer is
 dropped, so at stage 3 the params are never whole all at once (only shards and one unit).
+
+``materialize`` is any ``(path, meta) -> tensor``: a model's own initializer, or
+``fzero.checkpoint.pretrained(dir, model=model)``, which reads each param from a Hugging Face checkpoint when its
+unit is packed. A ``materialize`` object with an ``init_buffers()`` method (that reader) also gives the state's
+persistent buffers when ``buffers=`` is not passed. The model comes from ``fzero.empty_params()`` (parameters
+on meta, buffers real); a meta tensor left in the module is named by ``fzero.apply`` before the first forward.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ API = "fzero.Step.init"
 def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | None,
                materialize: Callable[[str, torch.Tensor], torch.Tensor] | None) -> TrainState | RankStates:
     """See ``Step.init``."""
-    buffers = _checked_buffers(buffers)
     if materialize is not None and not callable(materialize):
         raise TypeError(f"{API}: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
+    if buffers is None and hasattr(materialize, "init_buffers"):  # a checkpoint reader: its persistent buffers too
+        buffers = materialize.init_buffers()
+    buffers = _checked_buffers(buffers)
     n = step.world_size
     prec = step.precision
     low = None if prec.compute == torch.float32 else prec.compute

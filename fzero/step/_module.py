@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from fzero.layout._empty import check_no_meta
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 from fzero.step._state import check_params_fit_module
 
@@ -40,6 +42,10 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
+    bank = current_buffers()
+    # before the forward: a meta tensor it would read from the module is named here, not deep inside the model
+    if isinstance(params, Mapping):  # else: the TypeError below
+        check_no_meta(module, params, state_buffers=bank is not None, api="fzero.apply")
     run_module = getattr(type(params), "run_module", None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         return run_module(params, module, args, kwargs)  # builds its own per-rank skeleton
@@ -47,7 +53,6 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
     check_params_fit_module(target, params, api="fzero.apply")  # a state of another model width must not run
-    bank = current_buffers()
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._buffers)
         params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype

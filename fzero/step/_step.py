@@ -87,11 +87,12 @@ class Step:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased).
 
         ``materialize(path, meta_tensor) -> tensor``: params may be meta tensors (a model built under
-        ``torch.device("meta")``), each made by this function when its unit is packed, so that a model
+        ``fzero.empty_params()``), each made by this function when its unit is packed, so that a model
         too large for memory is never whole: only one unit and each rank's share exist at a time (as
         FSDP's ``param_init_fn`` or DeepSpeed's ``zero.Init``). ``path`` is the leaf's path, the
         ``named_parameters`` name for a dict from ``params_of``. Under ``dist_mesh`` ranks other than 0
         may pass meta params without it: rank 0's values are broadcast to them.
+        ``materialize=fzero.checkpoint.pretrained(dir, model=model)`` reads them from a Hugging Face checkpoint.
 
         ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
         from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._buffers``).

@@ -1,0 +1,260 @@
+"""Weights in: ``step.init`` reads a Hugging Face checkpoint directory one unit at a time.
+
+```python
+with fzero.empty_params():                        # parameters on meta, buffers real
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("ckpt_dir"))
+state = step.init(fzero.params_of(model, copy=False), materialize=fzero.checkpoint.pretrained("ckpt_dir", model=model))
+```
+
+Why: ``from_pretrained`` builds the whole model on one process before a ZeRO step could shard it, which is
+what ``deepspeed.zero.Init`` exists to avoid. ``step.init`` packs one unit at a time and calls ``materialize``
+for each of its meta params, so a reader that opens the file holding that one tensor (``safe_open`` maps the
+file; ``get_tensor`` reads only that tensor's bytes) keeps a rank's memory at its state plus about one unit.
+Under ``fzero.dist_mesh()`` rank 0 reads and broadcasts each unit (``step.init``'s rule for made params).
+
+Everything that can be wrong is found when ``pretrained`` is called, from the files' headers alone, before a
+byte of weights is read; each is an error naming the key:
+
+- keys the model has that the checkpoint lacks, and keys the checkpoint has that the model lacks, except the
+  ones ``from_pretrained`` ignores too: a tied weight stored once (``save_pretrained`` writes one name of a
+  tied group; any one of its names is taken), and the model class's ``_keys_to_ignore_on_load_unexpected`` /
+  ``_keys_to_ignore_on_load_missing`` patterns (the latter for buffers only: a param needs a value);
+- a shape that differs from the model's (both shapes named);
+- the ``base_model_prefix`` as ``from_pretrained`` handles it: a base model's checkpoint (``h.0...``) loads
+  into a model with a head (``transformer.h.0...``), and the reverse;
+- a model whose params are real (``step.init`` makes only meta params: the checkpoint would not be read) or
+  whose non-persistent buffers are meta (built under ``torch.device("meta")``; no checkpoint holds them).
+
+A stored dtype other than the param's (bf16 files, an fp32 model) is cast to the param's dtype, as
+``from_pretrained`` casts to the model's; ``Pretrained.casts`` lists each key cast. Persistent buffers the
+checkpoint holds are given to ``step.init`` as the state's buffers (``init_buffers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from fzero.checkpoint._safetensors import INDEX, WEIGHTS
+from fzero.layout._empty import META_BUFFER_FIX
+
+API = "fzero.checkpoint.pretrained"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safe_open() -> Any:
+    """``safetensors.safe_open``, imported on first use: fzero needs it only to read weights in."""
+    try:
+        return importlib.import_module("safetensors").safe_open
+    except ImportError:
+        raise ImportError(f"{API} reads safetensors files with the safetensors package: pip install safetensors") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A ``materialize=`` for ``step.init``: ``pretrained(path, meta)`` is that param's value read from its file.
+
+    ``files``: checkpoint key -> file; ``keys``: model name -> checkpoint key (params, under the name
+    ``fzero.params_of`` gives them, and persistent buffers); ``casts``: checkpoint key -> (stored dtype, dtype it is
+    cast to); ``device``: where values are made."""
+
+    directory: str
+    files: dict[str, str]
+    keys: dict[str, str]
+    buffer_names: tuple[str, ...]
+    casts: dict[str, tuple[torch.dtype, torch.dtype]]
+    device: torch.device
+
+    def __call__(self, path: str, meta: torch.Tensor) -> torch.Tensor:
+        key = self.keys.get(path)
+        if key is None or path in self.buffer_names:
+            raise ValueError(
+                f"{API}: step.init asked for params[{path!r}], which the model given to pretrained(..., model=) does not "
+                f"have as a parameter. Pass that model's params: step.init(fzero.params_of(model, copy=False), ...)."
+            )
+        return self._read(key, meta.dtype)
+
+    def init_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers the checkpoint holds, for the state (``step.init`` takes them when not given
+        ``buffers=``); each in the dtype of the model's buffer."""
+        return {name: self._read(self.keys[name], self.casts.get(self.keys[name], (None, None))[1]) for name in self.buffer_names}
+
+    def _read(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
+            stored = f.get_tensor(key)
+        # a copy made by torch (counted by fzero.memory.LiveBytes), in the param's dtype; safetensors' own read
+        # (one tensor) is let go here
+        return stored.to(device=self.device, dtype=dtype or stored.dtype, copy=True)
+
+
+def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu") -> Pretrained:
+    """Stream a Hugging Face checkpoint directory (``model.safetensors``, or shards and
+    ``model.safetensors.index.json``, as ``save_pretrained`` writes them) into ``step.init``, one tensor at a time.
+
+    ``model``: the model built under ``fzero.empty_params()`` whose params go to ``step.init``; the checkpoint's
+    keys, shapes and ties are checked against it here. ``device``: where the values are made (the device the
+    state will live on). See the module docstring for what is checked and how dtypes are handled.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{API}: model must be the nn.Module (built under fzero.empty_params()) whose params step.init makes, got {type(model).__name__}.")
+    directory = os.fspath(path)
+    files = _files(directory)
+    shapes = _headers(directory, files)
+    groups, buffers = _model_names(model)
+    ckpt_to_model = _prefix_map(model, shapes, {n for g in groups for n in g} | set(buffers))
+    have = {ckpt_to_model[k]: k for k in shapes}
+    keys: dict[str, str] = {}
+    missing: list[str] = []
+    for group in groups:  # a tied group is loaded from whichever of its names the checkpoint holds
+        key = next((have[n] for n in group if n in have), None)
+        if key is None:
+            missing.append(group[0])
+        else:
+            keys[group[0]] = key
+    ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
+    for name in buffers:
+        if name in have:
+            keys[name] = have[name]
+        elif buffers[name].is_meta or not any(p.search(name) for p in ignore_missing):
+            missing.append(name)  # from_pretrained keeps a buffer's initial value only where the class says so
+    known = {n for g in groups for n in g} | set(buffers)
+    ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    unexpected = [k for k in shapes if ckpt_to_model[k] not in known and not any(p.search(k) for p in ignore_unexpected)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{API}: the checkpoint in {directory!r} does not fit {type(model).__name__}: "
+            + (f"the model has {len(missing)} key(s) the checkpoint lacks: {_few(missing)}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"the checkpoint has {len(unexpected)} key(s) the model lacks: {_few(unexpected)}" if unexpected else "")
+            + ". It was saved from another model or configuration: build the model from the checkpoint's own config "
+              "(AutoConfig.from_pretrained(dir)), or rename the keys."
+        )
+    tensors = dict(model.state_dict(keep_vars=True))
+    casts = {}
+    for name, key in keys.items():
+        shape, dtype = shapes[key]
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{API}: {key!r} has shape {shape} in the checkpoint in {directory!r} but {tuple(t.shape)} in "
+                f"{type(model).__name__} ({name!r}): the checkpoint was saved from another configuration. Build the model "
+                f"from the checkpoint's config (AutoConfig.from_pretrained(dir))."
+            )
+        if dtype != t.dtype:
+            casts[key] = (dtype, t.dtype)
+    _check_model(model, groups)
+    return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
+                      casts=casts, device=torch.device(device))
+
+
+def _files(directory: str) -> dict[str, str]:
+    """checkpoint key -> file name: from the index of a sharded checkpoint, else from the one file's header."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{API}: {directory!r} is not a directory; pass the directory save_pretrained wrote.")
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{API}: {index!r} has no weight_map (checkpoint key -> file); it is not an index save_pretrained wrote.")
+        absent = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(directory, v))})
+        if absent:
+            raise FileNotFoundError(f"{API}: {index!r} names files that are not in {directory!r}: {_few(absent)}; copy the whole directory.")
+        return dict(weight_map)
+    if os.path.exists(os.path.join(directory, WEIGHTS)):
+        with _safe_open()(os.path.join(directory, WEIGHTS), framework="pt") as f:
+            return {k: WEIGHTS for k in f.keys()}
+    raise FileNotFoundError(
+        f"{API}: {directory!r} holds neither {WEIGHTS} nor {INDEX} (it holds {_few(sorted(os.listdir(directory)))}). "
+        f"Only safetensors checkpoints are read; convert a pytorch_model.bin with save_pretrained(dir, safe_serialization=True)."
+    )
+
+
+def _headers(directory: str, files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """checkpoint key -> (shape, dtype), from the headers alone (no tensor is read)."""
+    out = {}
+    by_file: dict[str, list[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
+        with _safe_open()(os.path.join(directory, file), framework="pt") as f:
+            stored = set(f.keys())
+            for key in keys:
+                if key not in stored:
+                    raise ValueError(f"{API}: the index says {key!r} is in {file!r}, which does not hold it; the checkpoint is incomplete.")
+                s = f.get_slice(key)
+                out[key] = (tuple(s.get_shape()), _DTYPES.get(s.get_dtype(), s.get_dtype()))
+    return out
+
+
+def _model_names(model: nn.Module) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    """The trained params as tie groups (``fzero.params_of``'s name first, then its aliases, in ``state_dict``
+    order), and the persistent buffers by name."""
+    params = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    groups: dict[int, list[str]] = {}
+    buffers = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in params:
+            groups.setdefault(id(t), [params[id(t)]])
+            if name != params[id(t)]:
+                groups[id(t)].append(name)
+        elif not isinstance(t, nn.Parameter):
+            buffers[name] = t
+    return list(groups.values()), buffers
+
+
+def _prefix_map(model: nn.Module, shapes: dict[str, Any], known: set[str]) -> dict[str, str]:
+    """checkpoint key -> model name, with ``from_pretrained``'s handling of ``base_model_prefix``: a base model's
+    keys get the prefix when the model has a head, and a head model's keys lose it when the model is the base."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    p = prefix + "."
+    if prefix:
+        model_has = any(n.startswith(p) for n in known)
+        ckpt_has = any(k.startswith(p) for k in shapes)
+        if model_has and not ckpt_has:
+            return {k: p + k for k in shapes}
+        if ckpt_has and not model_has:
+            return {k: k[len(p):] if k.startswith(p) else k for k in shapes}
+    return {k: k for k in shapes}
+
+
+def _check_model(model: nn.Module, groups: list[list[str]]) -> None:
+    """What ``step.init`` cannot fix: params it would not make (real ones, frozen meta ones), meta constants."""
+    real = [g[0] for g, p in zip(groups, _first_params(model, groups)) if not p.is_meta]
+    if real:
+        raise ValueError(
+            f"{API}: {type(model).__name__}'s params {_few(real)} are real tensors, and step.init makes only meta params, "
+            f"so their values would not come from the checkpoint. Build the model under `with fzero.empty_params():`."
+        )
+    frozen = [n for n, p in model.named_parameters() if p.is_meta and not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"{API}: {type(model).__name__}'s frozen params {_few(frozen)} are meta tensors; step.init makes only the params "
+            f"it trains (fzero.params_of leaves frozen ones out). Set requires_grad=True so that step.init makes them, or "
+            f"load them into the module (load_state_dict(..., assign=True))."
+        )
+    meta = [f"{path}.{n}" if path else n for path, sub in model.named_modules() for n, b in sub._buffers.items()
+            if b is not None and b.is_meta and n in sub._non_persistent_buffers_set]
+    if meta:
+        raise ValueError(f"{API}: {type(model).__name__}'s non-persistent buffers {_few(meta)} are meta tensors, and no checkpoint holds them. {META_BUFFER_FIX}.")
+
+
+def _first_params(model: nn.Module, groups: list[list[str]]) -> list[torch.Tensor]:
+    own = dict(model.named_parameters())
+    return [own[g[0]] for g in groups]
+
+
+def _patterns(model: nn.Module, attribute: str) -> list[re.Pattern]:
+    return [re.compile(p) for p in (getattr(model, attribute, None) or ())]
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
