@@ -1,0 +1,224 @@
+"""Weights in: a Hugging Face model built under ``fzero.empty_params()`` trains from ``step.init`` streaming the
+checkpoint ``save_pretrained`` wrote (``fzero.checkpoint.pretrained``), exactly as the same training started from
+``from_pretrained``; what cannot load is named before anything is read; a meta buffer is named before the forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from zoo import gpt2, llama
+
+import fzero
+from fzero.memory import LiveBytes
+from fzero.testing import assert_trees_equal
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+STEPS = 3
+
+
+def _random(build):
+    torch.manual_seed(7)  # the pretrained weights: any values, but not the ones a fresh model would draw
+    return build()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (whole-file dir, sharded dir): save_pretrained of a same-config model with random weights."""
+    out = {}
+    for name, build in MODELS.items():
+        model = _random(build)
+        whole, sharded = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(name + "_sharded")
+        model.save_pretrained(whole)
+        model.save_pretrained(sharded, max_shard_size="20KB")
+        assert not os.path.exists(whole / "model.safetensors.index.json")
+        assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
+        out[name] = (str(whole), str(sharded))
+    return out
+
+
+def _empty(name):
+    with fzero.empty_params():
+        return MODELS[name]()
+
+
+def _loss(model):
+    return lambda p, b: fzero.apply(model, p, input_ids=b["x"], labels=b["x"]).loss
+
+
+def _train(model, stages, n, **init):
+    step = fzero.compile(_loss(model), optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(n))
+    state = step.init(fzero.params_of(model, copy=False), **init)
+    first = step.gather(state)
+    torch.manual_seed(0)  # dropout (GPT-2's defaults) draws the same masks in both runs
+    for k in range(STEPS):
+        state, _ = step(state, {"x": torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(k))})
+    return first, step.gather(state)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_streamed_init_trains_as_from_pretrained(saved, name, stages, n):
+    whole, _ = saved[name]
+    ref = type(_empty(name)).from_pretrained(whole).train()  # from_pretrained gives eval mode; fine-tuning trains
+    expected_init, expected = _train(ref, stages, n)
+    meta = _empty(name)
+    got_init, got = _train(meta, stages, n, materialize=fzero.checkpoint.pretrained(whole, model=meta))
+    assert_trees_equal(got_init, expected_init)  # the values from_pretrained loads, tied head included
+    assert_trees_equal(got, expected)
+    assert any(not torch.equal(got[k], got_init[k]) for k in got)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_sharded_checkpoint_streams_as_the_whole_file(saved, name):
+    whole, sharded = saved[name]
+    meta = _empty(name)
+    expected = _train(meta, 3, 2, materialize=fzero.checkpoint.pretrained(whole, model=meta))
+    got = _train(meta, 3, 2, materialize=fzero.checkpoint.pretrained(sharded, model=meta))
+    assert_trees_equal(got, expected)
+
+
+def test_init_holds_the_state_and_about_one_unit_never_the_model_twice(tmp_path):
+    """Peak live bytes during a stage-3 init from a checkpoint: the state (both ranks' shards: the model once)
+    plus one unit's values and its packed buffer, well under the model twice."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                      num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with fzero.empty_params():
+        meta = LlamaForCausalLM(cfg)
+    model_bytes = sum(p.numel() * 4 for p in meta.parameters())
+    unit_bytes = max(sum(p.numel() * 4 for p in layer.parameters()) for layer in meta.model.layers)
+    assert 2 * unit_bytes < model_bytes / 3  # the bound below is far from "the whole model again"
+    step = fzero.compile(lambda p, b: None, stages=3, mesh=fzero.local_mesh(2), optimizer=fzero.optim.sgd(0.1))
+    source = fzero.checkpoint.pretrained(tmp_path, model=meta)
+    with LiveBytes() as lb:
+        state = step.init(fzero.params_of(meta, copy=False), materialize=source)
+    shards = sum(t.numel() * 4 for s in state.states for t in s.params.values())
+    assert shards >= model_bytes
+    assert lb.peak <= shards + 2 * unit_bytes, (lb.peak, shards, unit_bytes)
+    assert lb.peak <= model_bytes + 2 * unit_bytes + 1024, (lb.peak, model_bytes, unit_bytes)
+
+
+# -- what from_pretrained handles -------------------------------------------------------------------------------
+
+
+def _rewrite(src_dir, dst, change):
+    """dst/model.safetensors: the tensors of src_dir's file, changed by ``change(dict)``."""
+    with safe_open(os.path.join(src_dir, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    os.makedirs(dst, exist_ok=True)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_a_tied_head_loads_from_either_name_and_ignored_keys_pass(saved, tmp_path):
+    whole, _ = saved["gpt2"]
+    meta = _empty("gpt2")
+    expected = fzero.checkpoint.pretrained(whole, model=meta)
+    assert expected.keys["transformer.wte.weight"] == "transformer.wte.weight" and "lm_head.weight" not in expected.keys
+
+    def head_name_and_old_masks(t):
+        t["lm_head.weight"] = t.pop("transformer.wte.weight")
+        t["transformer.h.0.attn.bias"] = torch.ones(1, 1, 32, 32)  # GPT2LMHeadModel._keys_to_ignore_on_load_unexpected
+    other = fzero.checkpoint.pretrained(_rewrite(whole, tmp_path, head_name_and_old_masks), model=meta)
+    meta_wte = meta.transformer.wte.weight
+    assert torch.equal(other("transformer.wte.weight", meta_wte), expected("transformer.wte.weight", meta_wte))
+
+
+def test_a_base_models_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    base = _random(gpt2).transformer  # GPT2Model: keys without the "transformer." prefix
+    base.save_pretrained(tmp_path)
+    meta = _empty("gpt2")
+    source = fzero.checkpoint.pretrained(tmp_path, model=meta)
+    assert source.keys["transformer.h.0.attn.c_attn.weight"] == "h.0.attn.c_attn.weight"
+    ref = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for path, t in fzero.params_of(meta, copy=False).items():
+        assert torch.equal(source(path, t), ref.state_dict()[path]), path
+
+
+def test_stored_dtype_is_cast_to_the_params(saved, tmp_path):
+    whole, _ = saved["llama"]
+    half = _rewrite(whole, tmp_path, lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    meta = _empty("llama")
+    source = fzero.checkpoint.pretrained(half, model=meta)
+    assert source.casts["model.norm.weight"] == (torch.bfloat16, torch.float32)
+    got = source("model.embed_tokens.weight", meta.model.embed_tokens.weight)
+    with safe_open(os.path.join(whole, "model.safetensors"), "pt") as f:
+        expected = f.get_tensor("model.embed_tokens.weight").bfloat16().float()
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+# -- what cannot load is named ----------------------------------------------------------------------------------
+
+
+def test_missing_and_unexpected_keys_are_named(saved, tmp_path):
+    whole, _ = saved["llama"]
+    meta = _empty("llama")
+    lacks = _rewrite(whole, tmp_path / "lacks", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"pretrained: .* the model has 1 key\(s\) the checkpoint lacks: \['model.layers.1.mlp.up_proj.weight'\]"):
+        fzero.checkpoint.pretrained(lacks, model=meta)
+    extra = _rewrite(whole, tmp_path / "extra", lambda t: t.update({"model.adapter.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"the checkpoint has 1 key\(s\) the model lacks: \['model.adapter.weight'\].*AutoConfig.from_pretrained"):
+        fzero.checkpoint.pretrained(extra, model=meta)
+
+
+def test_a_shape_mismatch_names_the_key_and_both_shapes(saved, tmp_path):
+    whole, _ = saved["llama"]
+    wrong = _rewrite(whole, tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(48)}))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(48,\) in the checkpoint .* but \(32,\) in LlamaForCausalLM"):
+        fzero.checkpoint.pretrained(wrong, model=_empty("llama"))
+
+
+def test_a_buffer_left_on_meta_is_named_before_the_forward(saved):
+    whole, _ = saved["llama"]
+    with torch.device("meta"):
+        meta = llama()
+    with pytest.raises(ValueError, match=r"pretrained: .*non-persistent buffers \['model.rotary_emb.inv_freq'.* are meta tensors.*fzero.empty_params"):
+        fzero.checkpoint.pretrained(whole, model=meta)
+    # made another way, the forward is refused before it runs, naming the buffer and the fix
+    step = fzero.compile(_loss(meta), stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(meta, copy=False), materialize=lambda path, t: torch.zeros(t.shape))
+    with pytest.raises(ValueError, match=r"fzero.apply: the non-persistent buffer 'model.rotary_emb.inv_freq' of LlamaForCausalLM is a meta tensor.*fzero.empty_params"):
+        step(state, {"x": torch.zeros(2, 8, dtype=torch.long)})
+
+
+def test_a_param_left_on_meta_is_named_before_the_forward():
+    meta = _empty("gpt2")
+    meta.transformer.wpe.weight.requires_grad_(False)  # frozen: params_of leaves it out, so nothing makes it
+    step = fzero.compile(_loss(meta), stages=0)
+    state = step.init(fzero.params_of(meta, copy=False), materialize=lambda path, t: torch.zeros(t.shape))
+    with pytest.raises(ValueError, match=r"fzero.apply: the parameter 'transformer.wpe.weight' of GPT2LMHeadModel is a meta tensor and it is frozen"):
+        step(state, {"x": torch.zeros(2, 8, dtype=torch.long)})
+
+
+def test_a_model_with_real_params_or_a_wrong_directory_is_refused(saved, tmp_path, monkeypatch):
+    whole, _ = saved["gpt2"]
+    with pytest.raises(ValueError, match=r"params \['transformer.wte.weight'.* are real tensors.*fzero.empty_params"):
+        fzero.checkpoint.pretrained(whole, model=gpt2())
+    with pytest.raises(FileNotFoundError, match=r"holds neither model.safetensors nor model.safetensors.index.json"):
+        fzero.checkpoint.pretrained(tmp_path, model=_empty("gpt2"))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ImportError, match=r"pip install safetensors"):
+        fzero.checkpoint.pretrained(whole, model=_empty("gpt2"))
+
+
+def test_empty_params_keeps_ties_and_buffers_and_ends_with_the_block():
+    meta = _empty("gpt2")
+    assert meta.lm_head.weight is meta.transformer.wte.weight and meta.lm_head.weight.is_meta
+    lm = _empty("llama")
+    assert all(p.is_meta for p in lm.parameters()) and all(not b.is_meta for b in lm.buffers())
+    assert torch.equal(lm.model.rotary_emb.inv_freq, llama().model.rotary_emb.inv_freq)
+    assert not torch.nn.Linear(2, 2).weight.is_meta
