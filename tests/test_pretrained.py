@@ -221,3 +221,27 @@ def test_empty_params_keeps_ties_and_buffers_and_ends_with_the_block():
     assert all(p.is_meta for p in lm.parameters()) and all(not b.is_meta for b in lm.buffers())
     assert torch.equal(lm.model.rotary_emb.inv_freq, llama().model.rotary_emb.inv_freq)
     assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_persistent_buffers_come_from_the_checkpoint_into_the_state(tmp_path):
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+    torch.manual_seed(0)
+    trained = build()
+    trained(torch.randn(16, 4))  # running statistics that differ from a fresh module's
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with fzero.empty_params():
+        meta = build()
+    step = fzero.compile(lambda p, b: fzero.apply(meta, p, b["x"]).sum(), stages=0)
+    state = step.init(fzero.params_of(meta, copy=False), materialize=fzero.checkpoint.pretrained(tmp_path, model=meta))
+    assert_trees_equal(state.buffers, fzero.buffers_of(trained))
+    assert_trees_equal(step.gather(state), fzero.params_of(trained))
+
+
+def test_a_frozen_param_is_named_not_taken_for_an_unexpected_key(saved):
+    whole, _ = saved["gpt2"]
+    meta = _empty("gpt2")
+    meta.transformer.wpe.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen params \['transformer.wpe.weight'\] are meta tensors; step.init makes only the params it trains"):
+        fzero.checkpoint.pretrained(whole, model=meta)

@@ -105,6 +105,7 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{API}: model must be the nn.Module (built under fzero.empty_params()) whose params step.init makes, got {type(model).__name__}.")
+    _check_model(model)
     directory = os.fspath(path)
     files = _files(directory)
     shapes = _headers(directory, files)
@@ -125,7 +126,7 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
             keys[name] = have[name]
         elif buffers[name].is_meta or not any(p.search(name) for p in ignore_missing):
             missing.append(name)  # from_pretrained keeps a buffer's initial value only where the class says so
-    known = {n for g in groups for n in g} | set(buffers)
+    known = set(model.state_dict(keep_vars=True))  # frozen params too: _check_model names them
     ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
     unexpected = [k for k in shapes if ckpt_to_model[k] not in known and not any(p.search(k) for p in ignore_unexpected)]
     if missing or unexpected:
@@ -150,7 +151,6 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
             )
         if dtype != t.dtype:
             casts[key] = (dtype, t.dtype)
-    _check_model(model, groups)
     return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
                       casts=casts, device=torch.device(device))
 
@@ -226,9 +226,9 @@ def _prefix_map(model: nn.Module, shapes: dict[str, Any], known: set[str]) -> di
     return {k: k for k in shapes}
 
 
-def _check_model(model: nn.Module, groups: list[list[str]]) -> None:
+def _check_model(model: nn.Module) -> None:
     """What ``step.init`` cannot fix: params it would not make (real ones, frozen meta ones), meta constants."""
-    real = [g[0] for g, p in zip(groups, _first_params(model, groups)) if not p.is_meta]
+    real = [n for n, p in model.named_parameters() if not p.is_meta]
     if real:
         raise ValueError(
             f"{API}: {type(model).__name__}'s params {_few(real)} are real tensors, and step.init makes only meta params, "
@@ -245,11 +245,6 @@ def _check_model(model: nn.Module, groups: list[list[str]]) -> None:
             if b is not None and b.is_meta and n in sub._non_persistent_buffers_set]
     if meta:
         raise ValueError(f"{API}: {type(model).__name__}'s non-persistent buffers {_few(meta)} are meta tensors, and no checkpoint holds them. {META_BUFFER_FIX}.")
-
-
-def _first_params(model: nn.Module, groups: list[list[str]]) -> list[torch.Tensor]:
-    own = dict(model.named_parameters())
-    return [own[g[0]] for g in groups]
 
 
 def _patterns(model: nn.Module, attribute: str) -> list[re.Pattern]:
