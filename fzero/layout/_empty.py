@@ -19,7 +19,6 @@ import contextlib
 import threading
 from typing import Any, Iterable, Iterator
 
-import torch
 from torch import nn
 
 _lock = threading.Lock()
