@@ -205,7 +205,9 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
     """One optimizer step over the files, sub-group by sub-group, in place through their mappings.
 
     While a sub-group is updated the kernel reads the next one ahead (``MADV_WILLNEED``); once updated,
-    its pages are released, so only about one sub-group of the state is resident at a time.
+    its pages are released, so only about one sub-group of the state is resident at a time. ``grads`` and
+    ``params`` may be on a device: each sub-group's gradient (and, without masters, its params) comes to the host
+    alone and the updated params go back, so the host holds sub-groups, never a whole gradient or param copy.
     """
     from fzero.optim import apply_inplace
     from fzero.optim._segments import use_segments
@@ -228,17 +230,21 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
             lambda p, x: next(opt_leaves) if _is_param_leaf(p) else (x.clone() if isinstance(x, torch.Tensor) else x),
             small, none_is_leaf=True,
         )
-        target = views[-1] if state.master else params[unit][a:b]
+        param = params[unit][a:b]
+        # the sub-group's params (without masters) and gradient on the host: a sub-group at a time, never whole
+        target = views[-1] if state.master else param.to("cpu")
+        grad = grads[unit][a:b].to("cpu", target.dtype)
         # a layout's Segments narrowed to this sub-group (which params it holds, which skip the step)
         guard = segments_guard.sub_group(unit, a, b) if hasattr(segments_guard, "sub_group") else segments_guard
         with use_segments(guard):
-            group_state = apply_inplace(optimizer, {"g": grads[unit][a:b].to(target.dtype)}, group_state, {"g": target})
+            group_state = apply_inplace(optimizer, {"g": grad}, group_state, {"g": target})
+        del grad
         g_paths, g_leaves, _ = optree.tree_flatten_with_path(group_state, none_is_leaf=True)
         for view, new in zip(views, [x for p, x in zip(g_paths, g_leaves) if _is_param_leaf(p)]):
             if new.data_ptr() != view.data_ptr():  # an optimizer that returned new tensors rather than updating in place
                 view.copy_(new)
-        if state.master:
-            params[unit][a:b].copy_(target)  # the low-precision params follow the fp32 master
+        if target is not param:
+            param.copy_(target)  # the low-precision params follow the fp32 master; a device's, its host copy
         new_small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, group_state, none_is_leaf=True)
         for k in keys:
             store.release(store.tensor(k), a, b)

@@ -20,33 +20,67 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
+import weakref
 from typing import Any, Callable, ClassVar, Union
 
 import torch
 
 from fzero.layout._layout import SHARD_ALIGN
 from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk
+from fzero.zero._pinned import pinned_empty
 
 DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)
 KINDS = {"cpu": "cpu", "disk": "disk", "nvme": "disk"}
 
 
-def to_host(t: torch.Tensor, *, pin: bool = True) -> torch.Tensor:
+def host_empty(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor like ``t``: page-locked where CUDA is and ``pin``, in memory of exact size
+    (``fzero.zero._pinned``: not torch's pinned allocator, which rounds each block up to a power of two)."""
+    if pin and torch.cuda.is_available():
+        return pinned_empty(t.numel(), t.dtype).view(t.shape)
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def to_host(t: torch.Tensor, *, pin: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """A host copy of ``t`` (pinned where CUDA is, so the copy is asynchronous: wait on the stream before the host
-    reads it); ``t`` itself when it is on the host."""
+    reads it), into ``out`` when given; ``t`` itself when it is on the host."""
     if t.device.type == "cpu":
         return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and torch.cuda.is_available())
-    return out.copy_(t, non_blocking=True)
+    return (host_empty(t, pin=pin) if out is None else out).copy_(t, non_blocking=True)
 
 
-def _host_params(params: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
-    """Host copies of every tensor, issued together and waited for once: the host reads them next."""
-    out = {k: to_host(p, pin=pin) for k, p in params.items()}
+def _host_params(params: dict[str, torch.Tensor], pin: bool, *, into: dict | None = None) -> dict[str, torch.Tensor]:
+    """Host copies of every tensor, issued together and waited for once: the host reads them next. ``into``: the
+    host buffers to copy into, by key (``_kept``); fresh ones without."""
+    out = {k: to_host(p, pin=pin, out=None if into is None else into[k]) for k, p in params.items()}
     for k, p in params.items():
         if out[k] is not p:  # some copy came from CUDA: it is asynchronous into pinned memory until waited for
             torch.cuda.current_stream(p.device).synchronize()
             break
+    return out
+
+
+# Host buffers a CPU-offloaded state copies into at every step (the gradient; without masters, the params), one per
+# unit, made at the first step and kept for as long as the tensor they belong to (the unit's master or param shard)
+# lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again.
+_KEPT: "weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_KEPT_LOCK = threading.Lock()  # the ranks of a local_mesh are threads
+
+
+def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: str, pin: bool) -> dict[str, torch.Tensor] | None:
+    """For each key, the host buffer of ``role`` kept for ``owners[key]``, shaped like ``like[key]``; None when
+    nothing is on a device (host and device are one memory: no copies are made)."""
+    if all(t.device.type == "cpu" for t in like.values()):
+        return None
+    out = {}
+    with _KEPT_LOCK:
+        for k, t in like.items():
+            kept = _KEPT.setdefault(owners[k], {})
+            buf = kept.get(role)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = kept[role] = host_empty(t, pin=pin)
+            out[k] = buf
     return out
 
 
@@ -99,8 +133,13 @@ class CPUOffload:
     def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
         from fzero.step._update import apply_update
 
-        grads = _host_params(grads, self.pin_memory)
-        host = params if opt_state_has_masters(opt_state) else _host_params(params, self.pin_memory)
+        # each unit's gradient into the host buffer kept for it: one gradient on the host, not one more per step
+        owners = opt_state.master if opt_state_has_masters(opt_state) else params
+        grads = _host_params(grads, self.pin_memory, into=_kept(owners, grads, "grad", self.pin_memory))
+        if opt_state_has_masters(opt_state):
+            host = params
+        else:
+            host = _host_params(params, self.pin_memory, into=_kept(params, params, "param", self.pin_memory))
         opt_state = apply_update(optimizer, grads, opt_state, host, segments)
         _copy_back(params, host)
         return opt_state
@@ -156,10 +195,8 @@ class DiskOffload:
         return opt_state, flats
 
     def apply(self, optimizer: Any, grads: dict, opt_state: DiskOptState, params: dict, segments: Any) -> DiskOptState:
-        host = _host_params(params, False)
-        opt_state = disk_update(optimizer, opt_state, _host_params(grads, False), host, self, segments)
-        _copy_back(params, host)
-        return opt_state
+        # sub-group by sub-group to and from the device (``disk_update``): RAM holds sub-groups, whatever the model
+        return disk_update(optimizer, opt_state, grads, params, self, segments)
 
     def release(self, opt_state: DiskOptState) -> Callable[[torch.Tensor], None]:
         return opt_state.store.release
