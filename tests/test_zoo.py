@@ -76,6 +76,7 @@ def _known(name: str, stages: int, ranks: int) -> list[str]:
         "vit": [],
         "whisper_encoder": [],
         "user_hooks": [],
+        "side_channel": [],
     }
     return causes[name]
 

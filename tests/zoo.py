@@ -371,6 +371,35 @@ def _user_hooks_loss(call, b):
     return main + 0.1 * _SEEN.h.pow(2).mean()
 
 
+class SideBlock(nn.Module):
+    """A block that keeps a second result on itself (``self.side``) besides returning its output, as a model that
+    stores an auxiliary tensor on a submodule does: at stage 3 that gradient reaches the unit without passing
+    through its return value."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.main, self.aux = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, h):
+        self.side = self.aux(h)
+        return torch.tanh(self.main(h))
+
+
+class SideBody(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SideBlock(d) for _ in range(3)])
+
+    def forward(self, h):
+        for b in self.blocks:
+            h = h + b(h)
+        return h + 0.1 * sum(b.side.pow(2).mean() for b in self.blocks)
+
+
+def side_channel():
+    return TokenModel(SideBody())
+
+
 @dataclasses.dataclass
 class BlockOut:
     h: torch.Tensor
@@ -491,6 +520,7 @@ ZOO: dict[str, Entry] = {
     "lstm_gru": Entry(_seeded(lstm_gru), _tokens(64, seed=9), _lm_loss),
     "hook_aux": Entry(_seeded(hooked), _tokens(64, seed=10), _hooked_loss),
     "user_hooks": Entry(_seeded(user_hooks), _tokens(64, seed=20), _user_hooks_loss),
+    "side_channel": Entry(_seeded(side_channel), _tokens(64, seed=21), _lm_loss),
     "dataclass_out": Entry(_seeded(dataclass_out), _tokens(64, seed=11), _lm_loss),
     "inplace_add": Entry(_seeded(inplace_add), _tokens(64, seed=12), _lm_loss),
     "inplace_input": Entry(_seeded(inplace_input), _tokens(64, seed=15), _lm_loss),
