@@ -43,6 +43,22 @@ def state_bytes(state: Any) -> dict[str, int]:
     return {"params": _storage_bytes(state.params), "optimizer": _storage_bytes(state.opt_state)}
 
 
+def state_categories(state: Any) -> dict[str, int]:
+    """Bytes one rank's ``TrainState`` holds in memory by what they are: ``params`` (the shards the step computes
+    with), ``masters`` (fp32 master weights), ``moments`` (the optimizer's param-shaped state: Adam's m and v) and
+    ``other`` (step counts, schedules). Under offload the last three are what ZeRO-Offload puts on the host; a
+    test that checks each names the one that grew. Files of disk offload are not memory and are not counted."""
+    opt = state.opt_state
+    masters = getattr(opt, "master", None) if type(opt).__name__ == "MasterState" else None
+    inner = opt.inner if masters is not None else opt
+    sizes = {t.numel() for t in _tree.tree_leaves(state.params) if isinstance(t, torch.Tensor)}
+    leaves = [t for t in _tree.tree_leaves(inner) if isinstance(t, torch.Tensor)]
+    moments = [t for t in leaves if t.numel() in sizes and t.numel() > 1]
+    other = [t for t in leaves if not any(t is m for m in moments)]
+    return {"params": _storage_bytes(state.params), "masters": _storage_bytes(masters) if masters is not None else 0,
+            "moments": _storage_bytes(moments), "other": _storage_bytes(other)}
+
+
 class _Tally:
     """Live and peak bytes over storages, each counted at the size it holds now: stage 3 frees a gathered
     unit's storage (``resize_(0)``) and refills it while the tensor lives on, so a storage's bytes change."""
@@ -51,17 +67,30 @@ class _Tally:
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}  # storage (its StorageImpl address) -> bytes it holds now
+        self._dtypes: dict[int, torch.dtype] = {}  # storage -> the dtype of the tensor that made it
+        self._live_by: dict[torch.dtype, int] = {}
+        self.peak_by_dtype: dict[torch.dtype, int] = {}  # live bytes by dtype at the moment of ``peak``
         self._lock = threading.RLock()  # re-entrant: a finalizer may run (on GC) while the lock is held
 
-    def _set(self, key: int, nbytes: int) -> None:
+    def _set(self, key: int, nbytes: int, dtype: torch.dtype | None = None) -> None:
         with self._lock:
-            self.live += nbytes - self._sizes.get(key, 0)
+            if dtype is not None:
+                self._dtypes.setdefault(key, dtype)
+            d = self._dtypes.get(key)
+            delta = nbytes - self._sizes.get(key, 0)
+            self.live += delta
+            self._live_by[d] = self._live_by.get(d, 0) + delta
             self._sizes[key] = nbytes
-            self.peak = max(self.peak, self.live)
+            if self.live > self.peak or not self.peak_by_dtype:
+                self.peak = self.live
+                self.peak_by_dtype = {k: v for k, v in self._live_by.items() if v}
 
     def _drop(self, key: int) -> None:
         with self._lock:
-            self.live -= self._sizes.pop(key, 0)
+            nbytes = self._sizes.pop(key, 0)
+            self.live -= nbytes
+            d = self._dtypes.pop(key, None)
+            self._live_by[d] = self._live_by.get(d, 0) - nbytes
 
     def on_returned(self, buffer: torch.Tensor) -> None:
         """A buffer was given back to a step's pool (``fzero.step._pool``): no longer in use, as if freed."""
@@ -78,7 +107,9 @@ class _Tally:
 class LiveBytes(TorchDispatchMode, _Tally):
     """Counts live tensor bytes created under it (this thread only), and their peak.
 
-    ``with LiveBytes() as lb: ...`` then ``lb.peak`` and ``lb.live``. Storages that existed before are not
+    ``with LiveBytes() as lb: ...`` then ``lb.peak`` and ``lb.live``; ``lb.peak_by_dtype``: the live bytes at the
+    peak by the dtype of the tensor that allocated them (a mixed-precision step's fp32 gradient against its bf16
+    buffers). Storages that existed before are not
     counted, nor are views and in-place results of any storage; ``lb.reset_peak()`` starts a new peak from
     the current live count.
     """
@@ -89,6 +120,7 @@ class LiveBytes(TorchDispatchMode, _Tally):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_by_dtype = {k: v for k, v in self._live_by.items() if v}
 
     def __enter__(self) -> "LiveBytes":
         self._watch = _events.watching(self)  # stage 3's storage resizes are no dispatched op: it reports them
@@ -106,9 +138,8 @@ class LiveBytes(TorchDispatchMode, _Tally):
         """A step's pool lends a buffer it held (``fzero.step._pool``): in use, as a new one would be."""
         storage = buffer.untyped_storage()
         if storage._cdata not in self._sizes:
-            self._set(storage._cdata, storage.nbytes())
+            self._set(storage._cdata, storage.nbytes(), buffer.dtype)
             weakref.finalize(storage, self._drop, storage._cdata)
-
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -121,7 +152,7 @@ class LiveBytes(TorchDispatchMode, _Tally):
             key, nbytes = storage._cdata, storage.nbytes()
             if nbytes == 0 or key in inputs or key in self._sizes:
                 continue
-            self._set(key, nbytes)
+            self._set(key, nbytes, t.dtype)
             weakref.finalize(storage, self._drop, key)
         return out
 
@@ -144,5 +175,5 @@ class GatheredBytes(_Tally):
 
     def on_gathered(self, buffer: torch.Tensor) -> None:
         storage = buffer.untyped_storage()
-        self._set(storage._cdata, storage.nbytes())
+        self._set(storage._cdata, storage.nbytes(), buffer.dtype)
         weakref.finalize(storage, self._drop, storage._cdata)
