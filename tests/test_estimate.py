@@ -36,19 +36,29 @@ def test_zero_paper_figure_1():
     assert fp32 == [16.0, 8 + 1.0, 4 + 1.5, 2.0]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stages", [0, 1, 2, 3])
-def test_estimate_agrees_with_live_bytes(stages, precision):
-    ranks = 2
-    prob = mlp_problem(steps=2, sizes=[WIDTH] * (LAYERS + 1), batch=ranks)
+def _measured_run(stages, precision, width, **offload):
+    """(estimate, per-rank states, per-rank LiveBytes of the steps) of 2 steps on 2 ranks."""
+    ranks, unit = 2, width * width + width  # one Linear per unit, and per size bucket at stages 0-1
+    prob = mlp_problem(steps=2, sizes=[width] * (LAYERS + 1), batch=ranks)
     counters = {}
     mesh = dataclasses.replace(fzero.local_mesh(ranks), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
-    buckets = {"unit_elements": UNIT} if stages <= 1 else {}  # at stages 2-3 units are modules (one layer here)
-    step = fzero.compile(prob.loss_fn, stages=stages, mesh=mesh, precision=precision, **buckets)
+    buckets = {"unit_elements": unit} if stages <= 1 else {}  # at stages 2-3 units are modules (one layer here)
+    step = fzero.compile(prob.loss_fn, stages=stages, mesh=mesh, precision=precision, **buckets, **offload)
     state = step.init(fzero.params_of(prob.model))
     for b in prob.batches:  # the second step sees Adam's state already allocated
         state, _ = step(state, b)
-    est = fzero.estimate_memory(prob.model, stages=stages, world_size=ranks, precision=precision, unit_elements=UNIT)
+    est = fzero.estimate_memory(prob.model, stages=stages, world_size=ranks, precision=precision, unit_elements=unit,
+                                **{k: v for k, v in offload.items() if k != "offload_dir"})
+    return est, state, counters
+
+
+@pytest.mark.parametrize("width", [WIDTH, 2 * WIDTH])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_estimate_agrees_with_live_bytes(stages, precision, width):
+    ranks = 2
+    est, state, counters = _measured_run(stages, precision, width)
+    assert est.one_memory == est.device  # nothing on the host
     for rank in range(ranks):
         held = state_bytes(state[rank])
         # + Adam's step counts: one scalar, and one float32 per param (the steps it sat out without a gradient)
@@ -57,6 +67,24 @@ def test_estimate_agrees_with_live_bytes(stages, precision):
         measured = held["params"] + held["optimizer"] + counters[rank].peak
         assert measured == pytest.approx(est.device.total, rel=0.025), (rank, measured, est.device)
         assert measured >= est.device.total  # what is not estimated (activations) only adds
+
+
+@pytest.mark.parametrize("width", [WIDTH, 2 * WIDTH])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_estimate_of_offload_agrees_with_live_bytes_in_one_memory(tmp_path, stages, precision, offload, width):
+    """On a CPU-only machine device and host are one memory: what a rank holds (its state, the files of disk offload
+    excepted) plus its steps' peak is the estimate's ``one_memory.total`` within 5 %, at two model sizes."""
+    kw = {"offload": offload}
+    if offload == "disk":  # small sub-groups: the two mapped ones the estimate counts are pages, not tensors
+        kw.update(offload_dir=str(tmp_path), sub_group_size=16 * width)
+    est, state, counters = _measured_run(stages, precision, width, **kw)
+    assert est.one_memory.optimizer == (est.host.optimizer if offload == "cpu" else 0)
+    for rank in range(2):
+        held = state_bytes(state[rank])
+        measured = held["params"] + held["optimizer"] + counters[rank].peak
+        assert measured == pytest.approx(est.one_memory.total, rel=0.05), (rank, measured, est.one_memory)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -89,7 +117,14 @@ def test_offload_moves_state_off_the_device():
     assert cpu.device.optimizer == disk.device.optimizer == 0 and cpu.host.optimizer == none.device.optimizer
     assert disk.disk.optimizer == none.device.optimizer and disk.host.optimizer == 0
     assert cpu.host.transient == 4 * 1e8 / 4  # the fp32 gradient the host optimizer reads
-    assert disk.host.transient == 4 * 1e8 / 4 + 2 * 12 * (1 << 20)  # ... and two sub-groups of state
+    # disk: one sub-group's fp32 gradient on the host at a time, and two sub-groups of state (updated, read ahead)
+    assert disk.host.transient == 4 * (1 << 20) + 2 * 12 * (1 << 20)
+    fp32 = fzero.estimate_memory(1e8, stages=2, world_size=4, offload="cpu")  # no master: the host updates a param copy
+    assert fp32.host.transient == (4 + 4) * 1e8 / 4
+    # on one memory (a CPU-only machine) the host's copies are the device's tensors: only the state is added
+    assert cpu.one_memory.total == cpu.device.total + cpu.host.optimizer
+    assert fp32.one_memory.total == fp32.device.total + fp32.host.optimizer
+    assert disk.one_memory.total == disk.device.total + 2 * 12 * (1 << 20)  # the mapped sub-groups
     assert none.model_states == cpu.model_states == disk.model_states
     params = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="cpu", offload_params=True)
     assert params.device.params == 0 and params.host.params == 4 * 1e8 / 4

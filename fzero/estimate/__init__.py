@@ -38,13 +38,16 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def table(estimates: list[MemoryEstimate], *, unit: str = "GB") -> str:
-    """One row per estimate: model states (the paper's column), then device categories, host and disk totals."""
+    """One row per estimate: model states (the paper's column), then device categories, host and disk totals, and
+    the total where device and host are one memory (a CPU-only machine: the host's copies are the tensors)."""
     size = UNITS[unit]
-    cols = ("stage", "offload", "model states", *(f"dev {c}" for c in CATEGORIES), "dev total", "host total", "disk total")
+    cols = ("stage", "offload", "model states", *(f"dev {c}" for c in CATEGORIES), "dev total", "host total", "disk total",
+            "one-memory total")
     rows = []
     for e in estimates:
         where = "none" if e.offload is None else e.offload + ("+params" if e.offload_params else "")
-        values = [e.model_states, *(getattr(e.device, c) for c in CATEGORIES), e.device.total, e.host.total, e.disk.total]
+        values = [e.model_states, *(getattr(e.device, c) for c in CATEGORIES), e.device.total, e.host.total, e.disk.total,
+                  e.one_memory.total]
         rows.append([str(e.stages), where, *(f"{v / size:.2f}" for v in values)])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]

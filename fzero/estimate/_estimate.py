@@ -18,10 +18,16 @@ Given a model or a params pytree (not just a count) the estimate uses fzero's ow
   master-weight policy outgrows the 2-byte gradients it replaces (the paper counts 2).
   The peak is the larger of the two phases; activations are not counted (they depend on the batch).
 
-Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads;
+Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads
+(one copy, kept from step to step) and, without fp32 masters, a copy of the param shards it updates;
 ``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in files
-and two sub-groups of it in host memory; with ``offload_params=True`` the param shards are files too (mapped:
+and two sub-groups of it in host memory, beside one sub-group's gradient (and params, without masters); with ``offload_params=True`` the param shards are files too (mapped:
 their pages are resident only while a gather or the update uses them, which this estimate does not count).
+
+``one_memory``: the same run where device and host are one memory (a CPU-only machine, where fzero's tests and
+benchmarks measure): each category summed over device and host, less the host's copies of device tensors (the
+gradient the host optimizer reads is the device's own there). Its ``total`` is the peak of one rank's live tensor
+bytes (``fzero.memory``: state plus a step's peak), and with activations about the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class MemoryEstimate:
     host: Bytes
     disk: Bytes
     units: int | None  # units of the layout, when a model or params were given
+    one_memory: Bytes | None = None  # device and host as one memory (a CPU-only machine); see estimate_memory
 
     @property
     def model_states(self) -> float:
@@ -90,7 +97,7 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("num_params", "stages", "world_size", "precision", "optimizer", "offload",
                                              "offload_params", "units")}
-        for place in ("device", "host", "disk"):
+        for place in ("device", "host", "disk", "one_memory"):
             b = getattr(self, place)
             out[place] = {**{c: getattr(b, c) for c in CATEGORIES}, "model_states": b.model_states, "total": b.total}
         return out
@@ -173,25 +180,33 @@ def estimate_memory(
 
     params, grads, opt = p_bytes * params_e, p_bytes * grads_e, k_bytes * owned_e
     device, host, disk = {"params": params, "grads": grads, "optimizer": opt}, {}, {}
+    copies = 0.0  # host bytes that copy a device tensor (none of them where host and device are one memory)
     if offload is not None:
         (disk if KINDS[offload] == "disk" else host)["optimizer"] = device.pop("optimizer")
         if offload_params:
             (disk if KINDS[offload] == "disk" else host)["params"] = device.pop("params")
-        host_work = opt_grad  # the fp32 gradient, copied to the host for the optimizer
-        if KINDS[offload] == "disk":  # two sub-groups of the state in RAM: the one updated and the one read ahead
+        no_master = 0 if prec.has_master else p_bytes  # without masters the host updates a copy of the params
+        if KINDS[offload] == "disk":
             owned_unit = largest / n if largest else owned_e  # the largest unit's shard; all of it for a count
-            host_work += 2 * k_bytes * min(sub_group_size, owned_unit)
-        host["transient"] = host_work
+            group = min(sub_group_size, owned_unit)
+            copies = (4 + no_master) * group  # one sub-group's fp32 gradient (and params) on the host at a time
+            host["transient"] = 2 * k_bytes * group + copies  # + two sub-groups of the state: updated, read ahead
+        else:
+            copies = (4 + no_master) * owned_e  # the fp32 gradient (and params), kept on the host for the optimizer
+            host["transient"] = copies
     held = device.get("params", 0.0) + device.get("optimizer", 0.0)
     backward_peak = held + grads + gathered + backward_extra
     bucket = p_bytes * largest if stages == 0 else 0.0  # the all-reduce's output next to its input
     update_peak = held + max(grads, opt_grad if prec.has_master else grads) + bucket
     device["gathered"] = gathered
     device["transient"] = max(backward_peak, update_peak) - held - grads - gathered
+    # One memory (a CPU-only machine): the host's copies of device tensors are those tensors themselves
+    one = {c: device.get(c, 0.0) + host.get(c, 0.0) for c in CATEGORIES}
+    one["transient"] -= copies
     return MemoryEstimate(
         num_params=psi, stages=stages, world_size=n, precision=_precision_name(prec), optimizer=opt_name,
         offload=offload, offload_params=offload_params, device=Bytes(**device), host=Bytes(**host), disk=Bytes(**disk),
-        units=n_units,
+        units=n_units, one_memory=Bytes(**one),
     )
 
 
