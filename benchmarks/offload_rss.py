@@ -8,6 +8,16 @@ The module is moved to the meta device after its params are copied out: at stage
 needs its structure, not its weights. The init peak is several full copies of the params (the module,
 ``params_of``'s copy), because this script passes whole params to ``Step.init``, as its first table
 did; ``benchmarks/largest_gpt.py`` measures the streaming init (``materialize=``) through the main job.
+
+One process, no torchrun (issue 27: host bytes per parameter of ``offload="cpu"``, stage 3, bf16, remat)::
+
+    python benchmarks/offload_rss.py --one-process --layers 12 --width 960 --offload cpu --precision bf16 --remat
+
+``--one-process`` runs ``local_mesh(1)`` with a meta-device model and the streaming init, so the numbers are
+the state's and the step's alone (on a CPU machine device and host are one memory): resident bytes per
+parameter after ``Step.init`` and at its peak, and the peak over the steps (VmHWM reset after init). Set
+``MALLOC_MMAP_THRESHOLD_=131072`` to take glibc's heap out of the peak (its dynamic mmap threshold keeps freed
+unit-sized buffers resident on the heap).
 """
 
 from __future__ import annotations
@@ -47,8 +57,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--offload", choices=("none", "cpu", "disk"), default="disk")
     ap.add_argument("--dir", default="/tmp/fzero-offload")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--one-process", action="store_true", help="local_mesh(1), meta model, streaming init; no torchrun")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if args.one_process:
+        return one_process(args)
     mesh = fzero.dist_mesh()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=args.layers, d_model=args.width, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab))
@@ -91,6 +106,53 @@ def main() -> None:
             with open(args.json_out, "w") as f:
                 json.dump(out, f, indent=1)
     dist.destroy_process_group()
+
+
+def vm_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def one_process(args: argparse.Namespace) -> dict:
+    """Bytes per parameter on one rank of ``local_mesh(1)``: resident after init, and peak over the steps."""
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.width, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    psi = num_params(model)
+
+    def loss_fn(p, b):
+        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
+
+    kw = {} if args.offload == "none" else {"offload": args.offload}
+    if args.offload == "disk":
+        os.makedirs(args.dir, exist_ok=True)
+        kw["offload_dir"] = args.dir
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-4), stages=3, mesh=fzero.local_mesh(1),
+                         precision=args.precision, remat=args.remat, **kw)
+    g = torch.Generator().manual_seed(0)
+    base = vm_rss()  # the interpreter, torch and the meta model
+    reset_hwm()
+    state = step.init(fzero.params_of(model), materialize=lambda path, m: torch.randn(m.shape, generator=g) * 0.02)
+    init_rss, init_peak = vm_rss() - base, vm_hwm() - base
+    reset_hwm()
+    peaks = []
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g)
+        state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
+        peaks.append(vm_hwm() - base)
+    out = {"params": psi, "offload": args.offload, "precision": args.precision, "remat": args.remat,
+           "largest_unit": max(u.numel for u in state[0].meta.layout.units),
+           "init_bytes_per_param": init_rss / psi, "init_peak_bytes_per_param": init_peak / psi,
+           "train_peak_bytes_per_param": max(peaks) / psi,
+           "peak_per_step": [p / psi for p in peaks], "loss": m["loss"]}
+    print(json.dumps(out, indent=1))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import tempfile
 import weakref
 from typing import Any, NamedTuple
 
@@ -126,6 +127,48 @@ def _bytes(t: torch.Tensor) -> memoryview:
 _FILE_BACKED: set[int] = set()  # storage addresses of mapped param shards, for fzero.memory.state_bytes
 
 
+# -- masters before the store exists ---------------------------------------------------------------------------------
+
+_SPILLED: dict[int, mmap.mmap] = {}  # storage address -> the mapping of a spilled tensor's unlinked file
+
+
+def spill(t: torch.Tensor, root: str) -> torch.Tensor:
+    """A copy of ``t`` whose memory is an unlinked temporary file under ``root``, mapped, with nothing resident.
+
+    Why: ``Step.init`` makes the fp32 masters unit by unit and hands them all to ``init_disk`` at the end, before
+    which the rank's store does not exist; held in RAM meanwhile they would cost 4 bytes per owned parameter, the
+    size of the model, where disk offload is used because RAM is short. The file is freed with the last tensor
+    using it (``init_disk`` reads each unit once, into the store's file, and gives its pages back: ``unspill``)."""
+    src = t.detach().contiguous().cpu()
+    if src.numel() == 0:
+        return src.clone()
+    try:
+        with tempfile.TemporaryFile(dir=root, prefix="fzero-master-") as f:
+            f.write(_bytes(src))
+            f.flush()
+            mapping = mmap.mmap(f.fileno(), 0)  # the mapping keeps the unlinked file; its descriptor can close
+    except OSError as e:
+        raise OSError(
+            f"fzero.offload('disk'): writing an fp32 master ({_mib(src.numel() * src.element_size())}) to a temporary "
+            f"file under offload_dir={root!r} at init failed ({e}). Free space there (init needs about 16 bytes per "
+            f"parameter a rank owns: masters, Adam's m and v, and the masters' temporary copy), or point offload_dir "
+            f"at a larger disk."
+        ) from e
+    mapping.madvise(mmap.MADV_DONTNEED)  # written through the page cache; nothing resident in this process
+    out = torch.frombuffer(mapping, dtype=src.dtype).view(src.shape)
+    address = out.untyped_storage().data_ptr()
+    _SPILLED[address] = mapping
+    weakref.finalize(out.untyped_storage(), _SPILLED.pop, address, None)
+    return out
+
+
+def unspill(t: torch.Tensor) -> None:
+    """Give back the resident pages of a spilled tensor (read since); no-op for any other tensor."""
+    mapping = _SPILLED.get(t.untyped_storage().data_ptr())
+    if mapping is not None:
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
 def is_file_backed(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory is a param shard's file (disk offload with params=True), not RAM."""
     return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _FILE_BACKED
@@ -173,6 +216,7 @@ def _fill(store: DiskStore, optimizer: Any, policy: Any, owned: dict[str, torch.
         small = optree.tree_map(lambda x: x, state)  # structure + the small leaves; param leaves are dropped on use
         if masters is not None:
             store.create(f"master/{name}", source)
+            unspill(source)  # DiskOffload.hold's temporary file: its pages, read just now, go back
     small = optree.tree_map_with_path(lambda p, x: None if _is_param_leaf(p) else x, small, none_is_leaf=True)
     return DiskOptState(store, small, masters is not None)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 
 from fzero.layout._layout import SHARD_ALIGN
-from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk
+from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk, spill
 from fzero.zero._pinned import pinned_empty
 
 DEFAULT_SUB_GROUP = 1 << 24  # elements per sub-group (DeepSpeed's sub_group_size default is 1e9; RAM here is small)
@@ -186,7 +186,9 @@ class DiskOffload:
         object.__setattr__(self, "dir", path)
 
     def hold(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if t.device.type == "cpu" else t.cpu()
+        """A master copy of ``t`` in a temporary file under ``dir`` (``spill``): no RAM until ``init`` moves it into
+        the rank's store, whatever the model's size."""
+        return spill(t, self.dir)
 
     def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
         opt_state = init_disk(optimizer, self, _host_params(owned, False), master, rank)
