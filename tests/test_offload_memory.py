@@ -62,8 +62,18 @@ def test_pinned_empty_registers_exactly_its_pages_and_unregisters_before_unmappi
 
 
 def test_host_buffers_are_kept_per_unit_only_where_a_device_is():
-    owner = torch.zeros(8)
+    owner, other = torch.zeros(8), torch.zeros(8)
     assert _kept({"u": owner}, {"u": torch.zeros(8)}, "grad", True) is None  # host and device are one memory: no copy
+    on_device = {"u": torch.empty(8, device="meta")}  # stands for a CUDA gradient: only its shape and dtype are read
+    first = _kept({"u": owner}, on_device, "grad", True)["u"]
+    assert first.device.type == "cpu" and first.shape == (8,)
+    assert _kept({"u": owner}, on_device, "grad", True)["u"] is first  # made once, reused by every step
+    assert _kept({"u": other}, on_device, "grad", True)["u"] is not first  # per owner (unit master or shard)
+    assert _kept({"u": owner}, on_device, "param", True)["u"] is not first  # per role
+    key = id(owner)
+    del owner
+    gc.collect()
+    assert key not in _KEPT  # dropped with its owner (the state's master)
 
 
 @pytest.mark.gpu
@@ -83,9 +93,9 @@ def test_cpu_offload_on_cuda_holds_exact_page_locked_masters_and_one_kept_gradie
     assert all(m.device.type == "cpu" and m.is_pinned() for m in masters.values())
     for b in prob.batches:
         state, _ = step(state, {k: v.cuda() for k, v in b.items()})
-    kept = [_KEPT[m]["grad"] for m in masters.values()]  # one host gradient per unit, reused by every step
+    kept = [_KEPT[id(m)]["grad"] for m in masters.values()]  # one host gradient per unit, reused by every step
     state, _ = step(state, {k: v.cuda() for k, v in prob.batches[0].items()})
-    assert [_KEPT[m]["grad"].data_ptr() for m in masters.values()] == [k.data_ptr() for k in kept]
+    assert [_KEPT[id(m)]["grad"].data_ptr() for m in masters.values()] == [k.data_ptr() for k in kept]
     assert all(k.is_pinned() and k.dtype == torch.float32 for k in kept)
 
 

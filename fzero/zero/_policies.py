@@ -64,8 +64,14 @@ def _host_params(params: dict[str, torch.Tensor], pin: bool, *, into: dict | Non
 # Host buffers a CPU-offloaded state copies into at every step (the gradient; without masters, the params), one per
 # unit, made at the first step and kept for as long as the tensor they belong to (the unit's master or param shard)
 # lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again.
-_KEPT: "weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+# Keyed by the owner's id, dropped when it dies (a WeakKeyDictionary would compare tensors with ``==``).
+_KEPT: dict[int, dict[str, torch.Tensor]] = {}
 _KEPT_LOCK = threading.Lock()  # the ranks of a local_mesh are threads
+
+
+def _forget(key: int) -> None:
+    with _KEPT_LOCK:
+        _KEPT.pop(key, None)
 
 
 def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: str, pin: bool) -> dict[str, torch.Tensor] | None:
@@ -76,7 +82,11 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
     out = {}
     with _KEPT_LOCK:
         for k, t in like.items():
-            kept = _KEPT.setdefault(owners[k], {})
+            owner = owners[k]
+            kept = _KEPT.get(id(owner))
+            if kept is None:
+                kept = _KEPT[id(owner)] = {}
+                weakref.finalize(owner, _forget, id(owner))
             buf = kept.get(role)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = kept[role] = host_empty(t, pin=pin)
