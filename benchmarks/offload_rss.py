@@ -17,7 +17,8 @@ One process, no torchrun (issue 27: host bytes per parameter of ``offload="cpu"`
 the state's and the step's alone (on a CPU machine device and host are one memory): resident bytes per
 parameter after ``Step.init`` and at its peak, and the peak over the steps (VmHWM reset after init). Set
 ``MALLOC_MMAP_THRESHOLD_=131072`` to take glibc's heap out of the peak (its dynamic mmap threshold keeps freed
-unit-sized buffers resident on the heap).
+unit-sized buffers resident on the heap). ``--device cuda`` puts the params on the GPU; the numbers are then the
+host's alone (ZeRO-Offload's arithmetic: 16 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--one-process", action="store_true", help="local_mesh(1), meta model, streaming init; no torchrun")
+    ap.add_argument("--device", default="cpu", help="--one-process: where the params live (cpu, cuda); RSS is the host's")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.one_process:
@@ -135,15 +137,16 @@ def one_process(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     base = vm_rss()  # the interpreter, torch and the meta model
     reset_hwm()
-    state = step.init(fzero.params_of(model), materialize=lambda path, m: torch.randn(m.shape, generator=g) * 0.02)
+    state = step.init(fzero.params_of(model),
+                      materialize=lambda path, m: (torch.randn(m.shape, generator=g) * 0.02).to(args.device))
     init_rss, init_peak = vm_rss() - base, vm_hwm() - base
     reset_hwm()
     peaks = []
     for _ in range(args.steps):
-        x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g)
+        x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
         state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
         peaks.append(vm_hwm() - base)
-    out = {"params": psi, "offload": args.offload, "precision": args.precision, "remat": args.remat,
+    out = {"params": psi, "device": args.device, "offload": args.offload, "precision": args.precision, "remat": args.remat,
            "largest_unit": max(u.numel for u in state[0].meta.layout.units),
            "init_bytes_per_param": init_rss / psi, "init_peak_bytes_per_param": init_peak / psi,
            "train_peak_bytes_per_param": max(peaks) / psi,
