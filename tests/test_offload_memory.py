@@ -70,6 +70,8 @@ def test_host_buffers_are_kept_per_unit_only_where_a_device_is():
     assert _kept({"u": owner}, on_device, "grad", True)["u"] is first  # made once, reused by every step
     assert _kept({"u": other}, on_device, "grad", True)["u"] is not first  # per owner (unit master or shard)
     assert _kept({"u": owner}, on_device, "param", True)["u"] is not first  # per role
+    flat = torch.zeros(16)  # stages 1-2: a fresh view of the unit's buffer at every step, one kept buffer
+    assert _kept({"u": flat[8:]}, on_device, "grad", True)["u"] is _kept({"u": flat[8:]}, on_device, "grad", True)["u"]
     key = id(owner)
     del owner
     gc.collect()

@@ -75,14 +75,15 @@ def _forget(key: int) -> None:
 
 
 def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: str, pin: bool) -> dict[str, torch.Tensor] | None:
-    """For each key, the host buffer of ``role`` kept for ``owners[key]``, shaped like ``like[key]``; None when
-    nothing is on a device (host and device are one memory: no copies are made)."""
+    """For each key, the host buffer of ``role`` kept for ``owners[key]`` (for a view, for the tensor it views:
+    stages 1-2 hand the optimizer fresh views of the units' buffers at every step), shaped like ``like[key]``;
+    None when nothing is on a device (host and device are one memory: no copies are made)."""
     if all(t.device.type == "cpu" for t in like.values()):
         return None
     out = {}
     with _KEPT_LOCK:
         for k, t in like.items():
-            owner = owners[k]
+            owner = owners[k] if owners[k]._base is None else owners[k]._base  # a shard's view: its unit's buffer
             kept = _KEPT.get(id(owner))
             if kept is None:
                 kept = _KEPT[id(owner)] = {}
@@ -134,8 +135,8 @@ class CPUOffload:
 
         if master is not None:  # already on the host (``hold``)
             opt_state = MasterState(master, optimizer.init(master))
-        else:  # the state is made over host copies, so it lives on the host
-            opt_state = optimizer.init(_host_params(owned, self.pin_memory))
+        else:  # the state is made over host copies, so it lives on the host: the buffers the steps will use
+            opt_state = optimizer.init(_host_params(owned, self.pin_memory, into=_kept(owned, owned, "param", self.pin_memory)))
         if self.params:
             flats = _host_params(flats, self.pin_memory)
         return opt_state, flats
