@@ -20,7 +20,7 @@ import torch
 import fzero
 from fzero.memory import LiveBytes, state_categories
 from fzero.zero import _pinned
-from fzero.zero._policies import CPUOffload, _KEPT, _kept
+from fzero.zero._policies import _KEPT, _kept
 from problems import gpt_problem
 from fzero.models import GPT, GPTConfig
 
@@ -95,9 +95,12 @@ def test_cpu_offload_on_cuda_holds_exact_page_locked_masters_and_one_kept_gradie
     assert all(m.device.type == "cpu" and m.is_pinned() for m in masters.values())
     for b in prob.batches:
         state, _ = step(state, {k: v.cuda() for k, v in b.items()})
-    kept = [_KEPT[id(m)]["grad"] for m in masters.values()]  # one host gradient per unit, reused by every step
+    def kept_grads():  # one host gradient per unit, kept for its master (by the buffer the master views)
+        return [_KEPT[id(m if m._base is None else m._base)][("grad", u)] for u, m in masters.items()]
+
+    kept = kept_grads()
     state, _ = step(state, {k: v.cuda() for k, v in prob.batches[0].items()})
-    assert [_KEPT[id(m)]["grad"].data_ptr() for m in masters.values()] == [k.data_ptr() for k in kept]
+    assert [k.data_ptr() for k in kept_grads()] == [k.data_ptr() for k in kept]  # reused by every step
     assert all(k.is_pinned() and k.dtype == torch.float32 for k in kept)
 
 

@@ -65,7 +65,7 @@ def _host_params(params: dict[str, torch.Tensor], pin: bool, *, into: dict | Non
 # unit, made at the first step and kept for as long as the tensor they belong to (the unit's master or param shard)
 # lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again.
 # Keyed by the owner's id, dropped when it dies (a WeakKeyDictionary would compare tensors with ``==``).
-_KEPT: dict[int, dict[str, torch.Tensor]] = {}
+_KEPT: dict[int, dict[tuple[str, str], torch.Tensor]] = {}
 _KEPT_LOCK = threading.Lock()  # the ranks of a local_mesh are threads
 
 
@@ -88,9 +88,9 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
             if kept is None:
                 kept = _KEPT[id(owner)] = {}
                 weakref.finalize(owner, _forget, id(owner))
-            buf = kept.get(role)
+            buf = kept.get((role, k))  # by unit too: units could view one buffer
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = kept[role] = host_empty(t, pin=pin)
+                buf = kept[(role, k)] = host_empty(t, pin=pin)
             out[k] = buf
     return out
 
