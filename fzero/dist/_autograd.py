@@ -42,13 +42,15 @@ class ReduceScatter(torch.autograd.Function):
 class AllGather(torch.autograd.Function):
     """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient (summed in
     ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype). ``pool`` (plain autograd):
-    the gathered buffer and the reduced shard are a step's buffers (``fzero.step._pool``)."""
+    the gathered buffer and the reduced shard are a step's buffers (``fzero.step._pool``). ``values``: what this rank
+    sends in place of ``shard``'s own values (stage 3 casting the root unit's master: ``shard``'s memory is freed)."""
 
     @staticmethod
-    def forward(shard, comm, tag, back_tag, reduce_dtype=None, pool=None):
+    def forward(shard, comm, tag, back_tag, reduce_dtype=None, pool=None, values=None):
+        sent = shard if values is None else values
         n = shard.numel() * comm.size
         out = torch.empty(n, dtype=shard.dtype, device=shard.device) if pool is None else pool.take(n, dtype=shard.dtype, device=shard.device)
-        return comm.all_gather(_events.gathered(out), shard.contiguous(), tag=tag)
+        return comm.all_gather(_events.gathered(out), sent.contiguous(), tag=tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -58,7 +60,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag, ctx.pool), None, None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag, ctx.pool), None, None, None, None, None, None
 
 
 class ReplicatedShardGrad(torch.autograd.Function):

@@ -70,6 +70,13 @@ class View:
     def begin_micro(self, *, last: bool) -> None:
         """A micro-batch's gradient is about to be taken (``last``: the step's last)."""
 
+    def for_update(self, state: Any) -> Any:
+        """The state the update is to see (stage 3 hands it the masters in place of the shards it freed)."""
+        return state
+
+    def restore(self) -> None:
+        """After the update, or on an error: the state's params whole again (stage 3: the shards the view freed)."""
+
 
 class ParamView(View):
     """Stages 0-1: the gradient is taken with respect to each param, a view of its unit's buffer.
@@ -210,7 +217,9 @@ class ParamsReplicated:
         """What a rank keeps of a packed unit at init (``copy``: the packed buffer is shared by another rank)."""
         return flat.clone() if copy else flat
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Pool | None = None) -> View:
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Pool | None = None,
+             masters: dict[str, torch.Tensor] | None = None) -> View:
+        """``masters`` (fp32 masters beside the params) is for stage 3, which gathers from them; whole params need none."""
         return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool)
 
     def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:

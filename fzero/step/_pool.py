@@ -38,7 +38,10 @@ class Pool:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self._lent: set[int] = set()  # data pointers of the buffers out on loan: only those come back
+        # data pointer -> (elements, dtype) of each buffer out on loan: only those come back. A buffer dropped without
+        # ``give`` leaves its pointer here; another tensor later allocated at that address, of another size or dtype,
+        # is refused (adopted, it would be held forever: nothing takes its size)
+        self._lent: dict[int, tuple[int, torch.dtype]] = {}
         self._lock = threading.Lock()
 
     def take(self, numel: int, *, dtype: torch.dtype, device: torch.device, report: bool = True) -> torch.Tensor:
@@ -60,7 +63,7 @@ class Pool:
         if buffer is None:
             buffer = torch.empty(numel, dtype=dtype)
         with self._lock:
-            self._lent.add(buffer.data_ptr())
+            self._lent[buffer.data_ptr()] = (numel, dtype)
         if report:
             _events.lent(buffer)
         return buffer
@@ -71,9 +74,9 @@ class Pool:
         if buffer is None or buffer.device.type != "cpu" or buffer._base is not None:
             return
         with self._lock:
-            if buffer.data_ptr() not in self._lent:
+            if self._lent.get(buffer.data_ptr()) != (buffer.numel(), buffer.dtype):
                 return
-            self._lent.discard(buffer.data_ptr())
+            del self._lent[buffer.data_ptr()]
             self._free[(buffer.numel(), buffer.dtype)].append(buffer.detach())  # its own alias, not the taker's tensor
         _events.returned(buffer)
 

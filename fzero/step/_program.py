@@ -28,7 +28,24 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     release = step.opt_state.release(state.opt_state)
     # under torch.func the backward's buffers are the transform's: a pool lends only to plain autograd's
     pool = step.pool if step.autodiff == "autograd" else None
-    view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool)
+    view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool,
+                            masters=_masters_beside_params(step, state))
+    try:
+        new_state, metrics = _step(step, comm, state, batch, view, release)
+    finally:  # after the update (whose gradients are gone by now), or on an error: the params whole again
+        view.restore()
+    return dataclasses.replace(new_state, params=dict(state.params)), metrics
+
+
+def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tensor] | None:
+    """This rank's fp32 masters where they live beside its params (no offload), for a stage-3 view to gather from."""
+    if step.opt_state.offload is not None or not step.opt_state.has_masters(state.opt_state):
+        return None
+    return step.opt_state.masters(state.opt_state, state.meta.layout)
+
+
+def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, release: Any) -> tuple[TrainState, dict[str, Any]]:
+    prec = step.precision
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     acc: list[torch.Tensor] | None = None
     losses, aux = [], None
@@ -49,10 +66,10 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-    new_state, metrics = finish(step, comm, state, acc, loss, scale, meta, aux, usage, pool=step.pool)
+    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool)
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
-        for t in new_state.params.values():
+        for t in state.params.values():
             release(t)
     return new_state, metrics
 

@@ -21,6 +21,7 @@ from fzero.dist._comm import profiled
 from fzero.layout import _tree
 from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage
+from fzero.step._pool import give
 from fzero.zero._schedule import UnitCall
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
@@ -123,6 +124,9 @@ def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any =
         raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
     params = call.params
     grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
+    if grad is not grad_full:  # the compute-dtype gradient (a pool buffer, ``_usage.join``) is done with: back to the pool
+        give(params.pool, grad_full)
+        del grad_full
     shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
     if sink is not None:  # the sink starts its reduction (alone or in a bucket with the next units')
         grad_shard = None

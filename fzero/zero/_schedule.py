@@ -110,8 +110,11 @@ class Schedule:
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
                  release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu"),
-                 pool: Pool | None = None, bucket_elements: int = 0) -> None:
+                 pool: Pool | None = None, bucket_elements: int = 0, cast: Callable[[str], torch.Tensor | None] | None = None) -> None:
         self.comm = comm
+        # stage 3 with fp32 masters beside the shards: what a unit's gather sends, its master cast to the compute dtype
+        # (``fzero.zero._shard_params.CastFromMasters``; None for a unit whose shard is kept)
+        self.cast = cast
         self.bucket_elements = bucket_elements
         self.pool = pool  # where gathered buffers' memory comes from and goes back to (fzero.step._pool)
         self.device = device  # where units are gathered; a shard held elsewhere (on the host) is copied here first
@@ -123,7 +126,9 @@ class Schedule:
         self.waiting: dict[str, list[UnitCall]] = {}  # calls whose buffer is freed until their backward, by unit
         self.calls: list[UnitCall] = []  # every call that keeps its graph this step: each is let go at finish
         self.pending: dict[int, tuple[str, Any, UnitCall | None]] = {}
-        self.following = prefetch and bool(order)
+        # one rank: a gather is a copy (or a cast) of the shard, with nothing to overlap; prefetched, it would only
+        # hold a second unit beside the one that runs
+        self.following = prefetch and bool(order) and comm.size > 1
         if self.following:
             self._issue(0)
 
@@ -145,10 +150,10 @@ class Schedule:
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
-                handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
+                handle = self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
         else:
             out = self._fresh(unit)
-            handle = self.comm.all_gather_async(out, self._here(self.shards[name]), tag="params", label=name)
+            handle = self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
         self.pending[pos] = (name, handle, target)
 
     def _target(self, name: str) -> "UnitCall | None":
@@ -185,7 +190,7 @@ class Schedule:
         """One all-gather for the units at positions ``span`` (``GatherBucket``); each unit's buffer is filled from it
         when the unit's gather is waited for."""
         names = [self.order[p] for p in span]
-        bucket = GatherBucket(self.comm, [self._here(self.shards[n]) for n in names], pool=self.pool, label="+".join(names),
+        bucket = GatherBucket(self.comm, [self.input_of(n) for n in names], pool=self.pool, label="+".join(names),
                               mark=_events.gathered)
         for p, name, at in zip(span, names, bucket.offsets):
             unit, target = self.units[name], self._target(name)
@@ -197,6 +202,11 @@ class Schedule:
     def _fresh(self, unit: Unit) -> torch.Tensor:
         """A fresh buffer to gather ``unit`` into, from the step's pool (counted as gathered memory)."""
         return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
+
+    def input_of(self, name: str) -> torch.Tensor:
+        """What this rank sends to a gather of unit ``name``: its shard on the gather's device, or its master cast."""
+        cast = self.cast(name) if self.cast is not None else None
+        return cast if cast is not None else self._here(self.shards[name])
 
     def _here(self, shard: torch.Tensor) -> torch.Tensor:
         """The shard on the gather's device: itself, or (params offloaded to the host) an asynchronous copy up."""
@@ -236,7 +246,7 @@ class Schedule:
             if self.following:
                 self._stop_following(ahead)
             full = _events.gathered(take(self.pool, call.unit.padded, dtype=shard.dtype, device=self.device))
-            self.comm.all_gather(full, self._here(shard), tag="params", label=name)
+            self.comm.all_gather(full, self.input_of(name), tag="params", label=name)
         self._after(name, pos, call)
         if call.keeps_graph:
             self.waiting.setdefault(name, []).append(call)
@@ -268,7 +278,7 @@ class Schedule:
                 self._stop_following(ahead)
             out = call.alloc()
             with _same_version(out):
-                self.comm.all_gather(out, self._here(self.shards[name]), tag="params", label=name)
+                self.comm.all_gather(out, self.input_of(name), tag="params", label=name)
         self._after(name, pos)
 
     def _after(self, name: str, pos: int, current: UnitCall | None = None) -> None:

@@ -60,7 +60,7 @@ class ShardGradView(View):
     unit's chunk 1, ...) so that one reduce-scatter gives each rank its shard of every unit, summed in the same
     rank order as one reduce-scatter per unit (FSDP2 lays out its reduce-scatter input the same way), and a
     model of many small units pays one collective's latency per bucket rather than per unit. At most
-    ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shards added to the units'
+    ``IN_FLIGHT`` reductions are in flight (none on one rank, where there is nothing to overlap): the oldest is waited for (and its shards added to the units'
     accumulated gradients) when another starts, the rest at the end of each micro-batch (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
     of ``dist_mesh`` on gloo, or NCCL's stream, move one unit while the next is differentiated. The cost: one unit's
     whole gradient more alive at a time. The shards are the same numbers the synchronous path gives (the same
@@ -122,16 +122,23 @@ class ShardGradView(View):
             name = "+".join(name for name, _, _ in bucket)
         pending = reduce_scatter(self.comm, full, pool=self.pool, tag="grads", label=name)
         self._pending.append(([(name, like) for name, _, like in bucket], pending))
-        while len(self._pending) > self.IN_FLIGHT:
+        # one rank: the reduction is the gradient itself, with nothing to overlap; held in flight, a unit's whole
+        # gradient would only be alive beside the next unit's backward
+        while len(self._pending) > (self.IN_FLIGHT if self.comm.size > 1 else 0):
             self._settle()
 
     def _settle(self) -> None:
         units, pending = self._pending.pop(0)
         shards, at = pending.wait(), 0
+        copied = True
         for name, like in units:
             shard = shards if len(units) == 1 else shards[at:at + like.numel()]
             at += like.numel()
-            _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda))
+            mine = shard.to(like.device, like.dtype, non_blocking=like.is_cuda)
+            copied = copied and mine is not shard
+            _add(self._micro, name, mine)
+        if copied and not like.is_cuda:  # every shard was cast (reduced in fp32 for bf16 shards): the reduced buffer goes
+            give(self.pool, shards)      # back to the pool (on CUDA the pool keeps nothing, and the copy may be in flight)
 
     def release(self) -> None:
         """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called

@@ -20,16 +20,85 @@ from fzero.zero._sharded import ShardedParams
 from fzero.zero._shard_grads import GradsInBackward, ShardGradView, check_units
 
 
+class CastFromMasters:
+    """Stage 3 with fp32 masters beside the params (no offload): for the length of a step, each unit's gathers read
+    its master cast to the compute dtype (as FSDP2 casts its fp32 shards at the all-gather), and the state's
+    compute-dtype shard gives its memory back: 2 bytes per owned parameter under bf16/fp16, the one full-size
+    buffer stage 3 held beyond FSDP2's fp32 params + grads + Adam state.
+
+    ``free`` (at the start of a step) frees only shards that are exactly their master cast (what every update leaves,
+    ``p.copy_(master)``), so the forward reads the same numbers as before; a shard that differs (a state whose params
+    were replaced between steps, or fp64 values cast once) stays and is gathered from. ``for_update`` gives the update
+    the masters in place of the freed shards, so that it writes no shard while the step's gradients are alive; ``restore``
+    (once the update is over, or on an error) gives each freed shard its memory back, filled from its master.
+    """
+
+    def __init__(self, shards: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> None:
+        self.shards, self.masters = shards, masters
+        self.freed: dict[str, int] = {}  # unit -> bytes its shard held
+
+    def free(self) -> None:
+        for name, shard in self.shards.items():
+            master = self.masters.get(name)
+            if master is None or not _owns_storage(shard) or master.device != shard.device or master.shape != shard.shape:
+                continue
+            if not torch.equal(master.to(shard.dtype), shard):
+                continue
+            self.freed[name] = shard.untyped_storage().nbytes()
+            shard.untyped_storage().resize_(0)
+
+    def cast(self, name: str) -> torch.Tensor | None:
+        """What a gather of unit ``name`` sends: its master in the compute dtype (a new tensor); None: the shard."""
+        if name not in self.freed:
+            return None
+        return self.masters[name].to(self.shards[name].dtype)
+
+    def for_update(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: self.masters[k] if k in self.freed else v for k, v in params.items()}
+
+    def restore(self) -> None:
+        freed, self.freed = self.freed, {}
+        with torch.no_grad():
+            for name, nbytes in freed.items():
+                shard = self.shards[name]
+                shard.untyped_storage().resize_(nbytes)
+                shard.copy_(self.masters[name])
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of a storage that can be freed and given memory again (not a view, not a mapped file)."""
+    storage = t.untyped_storage()
+    return (t._base is None and t.storage_offset() == 0 and t.is_contiguous() and storage.resizable()
+            and storage.nbytes() == t.numel() * t.element_size() and storage.nbytes() > 0)
+
+
 class _GatheredView(ShardGradView):
     """A step's view at stage 3: its ``Schedule`` records the order of the gathers, for the next step's prefetch;
-    under plain autograd it takes the units' reductions while they are in flight (``ShardGradView``)."""
+    under plain autograd it takes the units' reductions while they are in flight (``ShardGradView``). ``casts``
+    (``CastFromMasters``): the compute-dtype shards freed for the step, gathered from their masters."""
 
-    def __init__(self, inputs, build, schedule: Schedule, names: list[str] | None = None, **kw: Any) -> None:
+    def __init__(self, inputs, build, schedule: Schedule, names: list[str] | None = None, *, casts: CastFromMasters | None = None,
+                 **kw: Any) -> None:
         super().__init__(inputs, build, names or [], **kw)
         self.schedule = schedule
+        self.casts = casts
 
     def finish(self, meta: Any) -> Any:
         return dataclasses.replace(meta, gather_order=self.schedule.finish())
+
+    def for_update(self, state: Any) -> Any:
+        """The backward is over. With masters the update makes an fp32 copy of the gradient beside them, so it is a peak
+        of the step: the pool's idle buffers (the units gathered in backward) go back to the allocator first, and the
+        next step's first units take new ones (a few unit-sized allocations per step, against holding them here)."""
+        if self.casts is None:
+            return state
+        if self.pool is not None:
+            self.pool.clear()
+        return dataclasses.replace(state, params=self.casts.for_update(state.params))
+
+    def restore(self) -> None:
+        if self.casts is not None:
+            self.casts.restore()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +116,32 @@ class ParamsSharded:
     def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return dict(flats)  # the shards themselves
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None) -> View:
+    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None,
+             masters: dict[str, torch.Tensor] | None = None) -> View:
+        """``masters``: this rank's fp32 masters where they live beside the shards (no offload): the step then gathers
+        from them and frees the compute-dtype shards while it runs (``CastFromMasters``)."""
+        casts = None
+        if masters is not None:
+            casts = CastFromMasters(state.params, masters)
+            casts.free()
+        try:
+            return self._view(grads, comm, state, reduce_dtype, release, pool, casts)
+        except BaseException:
+            if casts is not None:  # the state stays whole when the step cannot start
+                casts.restore()
+            raise
+
+    def _view(self, grads: Any, comm: Any, state: Any, reduce_dtype: torch.dtype | None, release: Any, pool: Any,
+              casts: CastFromMasters | None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
-                            pool=pool, bucket_elements=grads.bucket_elements)
+                            pool=pool, bucket_elements=grads.bucket_elements, cast=casts.cast if casts is not None else None)
         view = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
                                      jit=grads.jit, sink=view if view.active else None, pool=pool),
-            schedule, names, comm=comm, pool=pool, bucket_elements=grads.bucket_elements,
+            schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=grads.bucket_elements,
         )
         return view
 

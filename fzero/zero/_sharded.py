@@ -170,7 +170,8 @@ class ShardedParams(UnitParams):
         if unit.name != ROOT:
             raise RuntimeError(f"fzero (stage 3): unit {unit.name!r} is gathered only inside its own forward.")
         # The root unit is gathered once and stays gathered until backward is done with it (as FSDP2 keeps its root).
-        self._root = AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype, self.pool)
+        cast = self.schedule.cast(ROOT) if self.schedule.cast is not None else None  # its master, where its shard is freed
+        self._root = AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
         return self._root
 
     def run_unit(self, inner, unit, args, kwargs):
