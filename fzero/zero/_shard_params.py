@@ -38,14 +38,15 @@ class CastFromMasters:
         self.freed: dict[str, int] = {}  # unit -> bytes its shard held
 
     def free(self) -> None:
-        for name, shard in self.shards.items():
-            master = self.masters.get(name)
-            if master is None or not _owns_storage(shard) or master.device != shard.device or master.shape != shard.shape:
-                continue
-            if not torch.equal(master.to(shard.dtype), shard):
-                continue
-            self.freed[name] = shard.untyped_storage().nbytes()
-            shard.untyped_storage().resize_(0)
+        names = [n for n, shard in self.shards.items() if _castable(shard, self.masters.get(n))]
+        if not names:
+            return
+        # one flag per unit, read together: on a GPU one wait for the device per step, not one per unit
+        same = torch.stack([_bits(self.masters[n].to(self.shards[n].dtype)).eq(_bits(self.shards[n])).all() for n in names]).tolist()
+        for name, ok in zip(names, same):
+            if ok:
+                self.freed[name] = self.shards[name].untyped_storage().nbytes()
+                self.shards[name].untyped_storage().resize_(0)
 
     def cast(self, name: str) -> torch.Tensor | None:
         """What a gather of unit ``name`` sends: its master in the compute dtype (a new tensor); None: the shard."""
@@ -65,11 +66,19 @@ class CastFromMasters:
                 shard.copy_(self.masters[name])
 
 
-def _owns_storage(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the whole of a storage that can be freed and given memory again (not a view, not a mapped file)."""
-    storage = t.untyped_storage()
-    return (t._base is None and t.storage_offset() == 0 and t.is_contiguous() and storage.resizable()
-            and storage.nbytes() == t.numel() * t.element_size() and storage.nbytes() > 0)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits, to compare bit for bit (-0.0 is not 0.0, a NaN equals the same NaN); bf16/fp16 are 2 bytes."""
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def _castable(shard: torch.Tensor, master: torch.Tensor | None) -> bool:
+    """Whether ``shard`` can be gathered from ``master`` and freed meanwhile: a master of its shape on its device, and a
+    shard that is the whole of a storage that can be freed and given memory again (not a view, not a mapped file)."""
+    if master is None or master.device != shard.device or master.shape != shard.shape or shard.numel() == 0:
+        return False
+    storage = shard.untyped_storage()
+    return (shard._base is None and shard.storage_offset() == 0 and shard.is_contiguous() and storage.resizable()
+            and storage.nbytes() == shard.numel() * shard.element_size())
 
 
 class _GatheredView(ShardGradView):
