@@ -60,7 +60,7 @@ class ShardGradView(View):
     unit's chunk 1, ...) so that one reduce-scatter gives each rank its shard of every unit, summed in the same
     rank order as one reduce-scatter per unit (FSDP2 lays out its reduce-scatter input the same way), and a
     model of many small units pays one collective's latency per bucket rather than per unit. At most
-    ``IN_FLIGHT`` reductions are in flight (none on one rank, where there is nothing to overlap): the oldest is waited for (and its shards added to the units'
+    ``IN_FLIGHT`` reductions are in flight: the oldest is waited for (and its shards added to the units'
     accumulated gradients) when another starts, the rest at the end of each micro-batch (``release``). So a rank waits for its peers once per micro-batch rather than once per unit, and the exchanges
     of ``dist_mesh`` on gloo, or NCCL's stream, move one unit while the next is differentiated. The cost: one unit's
     whole gradient more alive at a time. The shards are the same numbers the synchronous path gives (the same
@@ -122,9 +122,7 @@ class ShardGradView(View):
             name = "+".join(name for name, _, _ in bucket)
         pending = reduce_scatter(self.comm, full, pool=self.pool, tag="grads", label=name)
         self._pending.append(([(name, like) for name, _, like in bucket], pending))
-        # one rank: the reduction is the gradient itself, with nothing to overlap; held in flight, a unit's whole
-        # gradient would only be alive beside the next unit's backward
-        while len(self._pending) > (self.IN_FLIGHT if self.comm.size > 1 else 0):
+        while len(self._pending) > self.IN_FLIGHT:
             self._settle()
 
     def _settle(self) -> None:
