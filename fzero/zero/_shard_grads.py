@@ -128,15 +128,10 @@ class ShardGradView(View):
     def _settle(self) -> None:
         units, pending = self._pending.pop(0)
         shards, at = pending.wait(), 0
-        copied = True
         for name, like in units:
             shard = shards if len(units) == 1 else shards[at:at + like.numel()]
             at += like.numel()
-            mine = shard.to(like.device, like.dtype, non_blocking=like.is_cuda)
-            copied = copied and mine is not shard
-            _add(self._micro, name, mine)
-        if copied and not like.is_cuda:  # every shard was cast (reduced in fp32 for bf16 shards): the reduced buffer goes
-            give(self.pool, shards)      # back to the pool (on CUDA the pool keeps nothing, and the copy may be in flight)
+            _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda))
 
     def release(self) -> None:
         """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called
