@@ -80,8 +80,10 @@ def test_a_killed_rank_is_named_as_vanished(tmp_path):
     proc, seconds, files = run(tmp_path, "kill", 3)
     assert proc.returncode != 0 and seconds < BOUND, (proc.returncode, seconds, proc.stderr[-5000:])
     error = error_of(files, 0, proc)
-    assert re.match(r"RankFailed: fzero\.dist_mesh: rank 1 vanished: its process \(pid \d+ on .+\) ended without "
-                    r"reporting an error \(killed by a signal such as SIGKILL", error), error
+    # Two outcomes race, both right: rank 0's wait finds rank 1 gone (RankFailed), or torchrun, which saw rank 1 die,
+    # SIGTERMs rank 0 first, and its handler raises the same finding as RankStopped (seen once in a full CI run)
+    assert re.match(r"(RankFailed|RankStopped): fzero\.dist_mesh: rank 1 vanished: its process \(pid \d+ on .+\) ended "
+                    r"without reporting an error \(killed by a signal such as SIGKILL", error), error
     assert "This rank (0) stopped waiting at collective #" in error and "in step call #3 (fzero.Step.__call__)" in error
     assert files["rank1"] is None  # it had no chance to write anything
     assert files["rank0"]["time"] - files["fault"]["time"] < SOON
