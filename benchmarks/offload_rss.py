@@ -73,14 +73,7 @@ def main() -> None:
     params = fzero.params_of(model)
     model.to("meta")  # stage 3 needs the module's structure only
 
-    def loss_fn(p, b):
-        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
-
-    kw = {} if args.offload == "none" else {"offload": args.offload}
-    if args.offload == "disk":
-        os.makedirs(args.dir, exist_ok=True)
-        kw["offload_dir"] = args.dir
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-4), stages=3, mesh=mesh, **kw)
+    step = stage3_step(model, args, mesh=mesh)
     state = step.init(params)
     del params
     init_peak = vm_hwm()
@@ -110,6 +103,20 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def stage3_step(model, args: argparse.Namespace, **settings):
+    """The measured step: stage 3 of a GPT LM loss, AdamW, with ``--offload`` (and ``--dir`` for disk)."""
+
+    def loss_fn(p, b):
+        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
+
+    if args.offload == "disk":
+        os.makedirs(args.dir, exist_ok=True)
+        settings.update(offload="disk", offload_dir=args.dir)
+    elif args.offload != "none":
+        settings["offload"] = args.offload
+    return fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-4), stages=3, **settings)
+
+
 def vm_rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -125,15 +132,7 @@ def one_process(args: argparse.Namespace) -> dict:
         model = GPT(cfg)
     psi = num_params(model)
 
-    def loss_fn(p, b):
-        return gpt_loss(fzero.apply(model, p, b["x"]), b["y"])
-
-    kw = {} if args.offload == "none" else {"offload": args.offload}
-    if args.offload == "disk":
-        os.makedirs(args.dir, exist_ok=True)
-        kw["offload_dir"] = args.dir
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-4), stages=3, mesh=fzero.local_mesh(1),
-                         precision=args.precision, remat=args.remat, **kw)
+    step = stage3_step(model, args, mesh=fzero.local_mesh(1), precision=args.precision, remat=args.remat)
     g = torch.Generator().manual_seed(0)
     base = vm_rss()  # the interpreter, torch and the meta model
     reset_hwm()

@@ -177,3 +177,17 @@ class GatheredBytes(_Tally):
         storage = buffer.untyped_storage()
         self._set(storage._cdata, storage.nbytes(), buffer.dtype)
         weakref.finalize(storage, self._drop, storage._cdata)
+
+
+def resident_bytes_of_files_under(path: Any) -> int:
+    """Resident bytes of this process's mappings of files under ``path`` (unlinked ones too), from
+    ``/proc/self/smaps`` (Linux): what disk offload's mapped files hold in RAM at this moment."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5].startswith(str(path))
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total

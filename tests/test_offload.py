@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fzero
+from fzero.memory import resident_bytes_of_files_under
 from fzero.zero._offload import DiskOptState
 from fzero.memory import LiveBytes, state_bytes
 from fzero.testing import assert_trees_equal
@@ -74,19 +75,6 @@ def test_disk_offload_of_params_equals_no_offload_bitwise(tmp_path, precision, r
     assert state_bytes(state[0])["optimizer"] < 100  # step counts only
 
 
-def _resident_bytes_of_files_under(path) -> int:
-    """Rss of this process's mappings of files under ``path`` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                inside = len(fields) >= 6 and fields[5].startswith(str(path))
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
-
-
 def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path):
     prob = PROBLEMS["gpt"]()
     step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_params=True,
@@ -99,17 +87,17 @@ def test_disk_offload_of_params_keeps_the_shards_in_files_between_uses(tmp_path)
     shard = state[0].params[units[1]]
     assert os.path.getsize(tmp_path / rank_dir / f"param__{units[1]}.bin") == shard.numel() * 4
     mapped = sum(t.numel() * 4 for s in state.states for t in s.params.values())
-    assert _resident_bytes_of_files_under(tmp_path) == 0  # written, then given back
+    assert resident_bytes_of_files_under(tmp_path) == 0  # written, then given back
     shard.sum()  # reading a shard brings its pages in
-    assert _resident_bytes_of_files_under(tmp_path) > 0
+    assert resident_bytes_of_files_under(tmp_path) > 0
     for b in prob.batches:
         state, _ = step(state, b)
         # every gather and every update gives its pages back: nothing of the shards stays resident
-        assert _resident_bytes_of_files_under(tmp_path) == 0, mapped
+        assert resident_bytes_of_files_under(tmp_path) == 0, mapped
     step.evaluate(state, prob.batches[0])  # an evaluation gathers unit by unit and gives the pages back too
-    assert _resident_bytes_of_files_under(tmp_path) == 0
+    assert resident_bytes_of_files_under(tmp_path) == 0
     after = step.gather(state)
-    assert _resident_bytes_of_files_under(tmp_path) == 0
+    assert resident_bytes_of_files_under(tmp_path) == 0
     with open(tmp_path / rank_dir / f"param__{units[1]}.bin", "rb") as f:  # the file holds the updated values
         on_disk = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
     assert torch.equal(on_disk, state[0].params[units[1]])

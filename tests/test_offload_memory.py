@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fzero
+from fzero.memory import resident_bytes_of_files_under
 from fzero.memory import LiveBytes, state_categories
 from fzero.zero import _pinned
 from fzero.zero._policies import _KEPT, _kept
@@ -179,19 +180,6 @@ def test_peak_rss_of_an_offloaded_step_is_the_state_plus_units(tmp_path):
 # -- disk offload: RAM bounded by its buffers --------------------------------------------------------------------------
 
 
-def _resident_of_mappings_under(path) -> int:
-    """Rss of this process's mappings of files under ``path`` (unlinked ones too), from /proc/self/smaps."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                inside = len(fields) >= 6 and fields[5].startswith(str(path))
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
-
-
 def test_disk_offload_holds_masters_in_files_from_the_start(tmp_path):
     """``Step.init`` makes the fp32 masters unit by unit before the rank's store exists: ``DiskOffload.hold`` puts
     each in an unlinked file at once (held in RAM until then, they were the model's size: init peaked at 7.4 B/param
@@ -204,9 +192,9 @@ def test_disk_offload_holds_masters_in_files_from_the_start(tmp_path):
     t = torch.randn(1 << 18)
     held = policy.hold(t)
     assert held.untyped_storage().data_ptr() in _SPILLED and held.data_ptr() != t.data_ptr()
-    assert _resident_of_mappings_under(tmp_path) == 0  # written through the page cache, nothing resident
+    assert resident_bytes_of_files_under(tmp_path) == 0  # written through the page cache, nothing resident
     assert torch.equal(held, t)
-    assert _resident_of_mappings_under(tmp_path) == 4 * t.numel()  # read: resident until given back
+    assert resident_bytes_of_files_under(tmp_path) == 4 * t.numel()  # read: resident until given back
     unspill(held)
-    assert _resident_of_mappings_under(tmp_path) == 0
+    assert resident_bytes_of_files_under(tmp_path) == 0
     assert os.listdir(tmp_path) == []  # the file is unlinked: it goes with the last tensor using it
