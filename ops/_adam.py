@@ -27,7 +27,8 @@ against torch would need a loose tolerance. Why not ``lerp`` (torch's CPU kernel
 CUDA kernel does not, and on CUDA this kernel replaces the CUDA one.
 
 Bitwise facts: the torch reference (``adam_reference``) and the Triton kernel, compiled or interpreted,
-compute the very same IEEE operations, unfused (compiled with ``enable_fp_fusion=False``), so they agree bit
+compute the very same IEEE operations (the reference divides by a device tensor, never by a Python number,
+which torch's CUDA kernels turn into a multiplication by the reciprocal), unfused (compiled with ``enable_fp_fusion=False``), so they agree bit
 for bit. torch's CUDA kernel is compiled by nvcc, which contracts the double mul-adds of steps 2-3 into FMAs,
 and computes ``b**step`` with CUDA's pow: both can change a double's last bit, which changes the fp32 result
 only when that bit decides the rounding (an estimate: once in 2**29 per operation), so rare elements end 1 ulp
@@ -151,6 +152,9 @@ def adam_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     if found_inf is not None and float(found_inf.reshape(())) != 0:  # a device sync for a CUDA flag
         return
     flats = [t.view(-1) for t in (master, grad, exp_avg, exp_avg_sq)]
+    # A tensor on the master's device, not a Python number: torch's CUDA division by a host scalar multiplies
+    # by its reciprocal (one rounding more), which moves the last bit of ~0.1% of the elements.
+    bc2_sqrt = torch.full((), s.bc2_sqrt, dtype=torch.float32, device=master.device)
     out = param_out.view(-1) if param_out is not None else None
     for lo in range(0, flats[0].numel(), _CHUNK):
         p, grad_c, m, v = (t[lo : lo + _CHUNK] for t in flats)
@@ -167,7 +171,7 @@ def adam_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         g64 = g.double()
         new_m = (s.b1 * m.double() + s.omb1 * g64).float()
         new_v = (s.b2 * v.double() + s.omb2 * g64 * g64).float()
-        denom = ((new_v.double().sqrt().float() / s.bc2_sqrt).double() + s.eps).float()
+        denom = ((new_v.double().sqrt().float() / bc2_sqrt).double() + s.eps).float()
         new_p = new_p - (s.step_size * new_m) / denom
         p.copy_(new_p)
         m.copy_(new_m)
