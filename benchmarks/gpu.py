@@ -384,7 +384,9 @@ def process_group(device: torch.device) -> None:
         return
     _PG["dir"] = tempfile.mkdtemp(prefix="fzero-gpu-pg-")
     store = dist.FileStore(os.path.join(_PG["dir"], "store"), 1)
-    kw = {"device_id": device} if device.type == "cuda" else {}
+    # torch 2.11 wants the device with its index ("Please use a device_id with index")
+    kw = {"device_id": torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())} \
+        if device.type == "cuda" else {}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1, **kw)
 
 
