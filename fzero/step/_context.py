@@ -84,16 +84,16 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     The module is restored when the step's scope closes; the user's module is never left changed.
     ``call``: what to call instead of ``module`` while it holds ``tensors`` (its compiled forward, ``jit=True``).
     """
-    from torch.nn.utils.stateless import _reparametrize_module
+    from fzero.layout._bind import bound
 
     scope = getattr(_local, "scope", None)
     run = module if call is None else call
+    args = args if isinstance(args, tuple) else (args,)  # as functional_call takes a single argument
+    kwargs = kwargs or {}
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
-        if call is None:
-            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
-        with _reparametrize_module(module, tensors, tie_weights=True, strict=False):
+        with bound(module, tensors if type(tensors) is dict else dict(tensors)):
             return run(*args, **kwargs)
-    scope.enter_context(_reparametrize_module(module, tensors, tie_weights=True, strict=False))
+    scope.enter_context(bound(module, tensors if type(tensors) is dict else dict(tensors)))
     return run(*args, **kwargs)
 
 

@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 
+from fzero.layout._bind import Binding, bound
 from fzero.layout._layout import Layout, Unit
 from fzero.dist import _events
 from fzero.dist._comm import Pending
@@ -33,6 +33,7 @@ class UnitCall:
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
         self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
         self._bound: Any = None
+        self._binding: Binding | None = None  # where the unit's module keeps each tensor: found once per call
 
     @property
     def schedule(self) -> "Schedule":
@@ -64,7 +65,9 @@ class UnitCall:
         checkpointing) calls it once more. Otherwise it holds meta tensors, so that a read outside the unit
         gets the error of ``_UnitSkin.__getattr__`` (``fzero.zero._sharded``), never a view of a freed buffer."""
         if self._bound is None and self.tensors:
-            self._bound = _reparametrize_module(self.inner, self.tensors, tie_weights=True, strict=False)
+            if self._binding is None or not self._binding.current():
+                self._binding = Binding.of(self.inner)
+            self._bound = bound(self.inner, self.tensors, self._binding)
             self._bound.__enter__()
 
     def unbind(self) -> None:
