@@ -43,26 +43,32 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
     def mapped(t, fn):
         if t is None or fn is None:
             return t
-        if id(t) not in tensors:
-            tensors[id(t)] = fn(t)
-        return tensors[id(t)]
+        out = tensors.get(id(t))
+        if out is None:
+            out = tensors[id(t)] = fn(t)
+        return out
 
-    def own(value: Any) -> Any:
-        if type(value) not in _CONTAINERS:
-            return value
-        if id(value) not in containers:
-            containers[id(value)] = value.copy()
-        return containers[id(value)]
+    containers_get = containers.get
 
     def visit(m: nn.Module) -> nn.Module:
-        if id(m) in modules:
-            return modules[id(m)]
-        new = m.__class__.__new__(m.__class__)
+        new = modules.get(id(m))
+        if new is not None:
+            return new
+        cls = m.__class__
+        new = cls.__new__(cls)
         modules[id(m)] = new
-        new.__dict__.update({k: v if k in _TREE else own(v) for k, v in m.__dict__.items()})
-        new._parameters = {k: mapped(p, param) for k, p in m._parameters.items()}
-        new._buffers = {k: mapped(b, buffer) for k, b in m._buffers.items()}
-        new._modules = {k: None if c is None else visit(c) for k, c in m._modules.items()}
+        d = new.__dict__
+        for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
+            if type(v) in _CONTAINERS and k not in _TREE:
+                c = containers_get(id(v))
+                if c is None:
+                    c = containers[id(v)] = v.copy()
+                d[k] = c
+            else:
+                d[k] = v
+        d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
+        d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
+        d["_modules"] = {k: None if c is None else visit(c) for k, c in m._modules.items()}
         return new
 
     return visit(module)
