@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
+from fzero._function import Function
 from fzero.layout import _tree
 from fzero.step._context import (Snapshots, as_in_forward, current_buffers, current_compute_dtype, outside_step_scope,
                                  recording, replaying)
@@ -305,7 +306,7 @@ def _check_unchanged(call: "_Call", before: list[tuple[str, Any, Any]]) -> None:
                                                         fix=_FIX_CACHE if cache else _FIX_OTHER))
 
 
-class _RematForward(torch.autograd.Function):
+class _RematForward(Function):
     @staticmethod
     def forward(call, *inputs):
         call.devices = [x.device for x in inputs]
@@ -353,7 +354,7 @@ class _RematForward(torch.autograd.Function):
         return tuple(out)
 
 
-class _RematBackward(torch.autograd.Function):
+class _RematBackward(Function):
     @staticmethod
     def forward(call, n_in, *rest):
         saved, grad_outs = rest[:n_in], rest[n_in:]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from fzero._function import Function
+
 from fzero.dist import _events
 
 
-class ReduceScatter(torch.autograd.Function):
+class ReduceScatter(Function):
     """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient.
     ``pool`` (plain autograd, a step's ``fzero.step._pool``): the shard is made in one of its buffers, and ``full``
     goes back to it."""
@@ -39,7 +41,7 @@ class ReduceScatter(torch.autograd.Function):
         return AllGather.apply(grad_shard, ctx.comm, ctx.back_tag, ctx.tag), None, None, None, None
 
 
-class AllGather(torch.autograd.Function):
+class AllGather(Function):
     """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient (summed in
     ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype). ``pool`` (plain autograd):
     the gathered buffer and the reduced shard are a step's buffers (``fzero.step._pool``). ``values``: what this rank
@@ -63,7 +65,7 @@ class AllGather(torch.autograd.Function):
         return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag, ctx.pool), None, None, None, None, None, None
 
 
-class ReplicatedShardGrad(torch.autograd.Function):
+class ReplicatedShardGrad(Function):
     """ZeRO-2's gradient path: forward returns the unit's whole (replicated) buffer unchanged; the
     gradient with respect to this rank's *shard* is the reduce-scattered unit gradient.
 

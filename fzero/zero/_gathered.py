@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from fzero._function import Function
 from fzero.autodiff._remat import remat
 from fzero.dist._comm import profiled
 from fzero.layout import _tree
@@ -83,7 +84,7 @@ def _before_backward(out: Any, call: UnitCall) -> Any:
     return rebuild(found)
 
 
-class _UnitGather(torch.autograd.Function):
+class _UnitGather(Function):
     """Forward: gather the unit into a buffer (kept as ``call.full`` when ``free_after``) and return its params,
     shaped views of that buffer in slot order. Backward: the params' gradients in one flat gradient
     (``fzero.step._usage.join``, noting which params got one in ``usage``), reduce-scattered by ``_UnitReduce``.
@@ -141,7 +142,7 @@ def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any =
     return grad_shard
 
 
-class _UnitReduce(torch.autograd.Function):
+class _UnitReduce(Function):
     """Forward: reduce-scatter the unit's gradient into the shard's, and free the gathered buffer again."""
 
     @staticmethod
@@ -158,7 +159,7 @@ class _UnitReduce(torch.autograd.Function):
         raise RuntimeError("fzero (stage 3): double backward through a unit's gradient reduction is not supported.")
 
 
-class _RefillBeforeBackward(torch.autograd.Function):
+class _RefillBeforeBackward(Function):
     """Forward: the unit's outputs. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
 
     ``copy``: under plain autograd the outputs are copies, not views: a view made by a custom Function cannot
@@ -179,7 +180,7 @@ class _RefillBeforeBackward(torch.autograd.Function):
         return (None, None, *_Refill.apply(ctx.call, *grads))
 
 
-class _Refill(torch.autograd.Function):
+class _Refill(Function):
     """Forward: gather the unit into its own (freed) buffer again; returns the gradients unchanged.
 
     The refill is a collective, so it runs in a Function's forward (DESIGN.md §4). It writes the same
