@@ -36,6 +36,8 @@ from typing import Any, Iterator
 
 import torch
 
+from fzero._function import Function
+
 from fzero.layout._layout import Layout, Unit, split_sizes
 
 _local = threading.local()  # a local mesh runs its ranks as threads: one record per rank thread
@@ -96,6 +98,7 @@ def join(grads: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], used: l
         dtype, device = (present.dtype, present.device) if present is not None else like
         flat = pool.take(sum(sizes), dtype=dtype, device=device)
         offset = 0
+        dests, srcs = [], []
         for i, n in enumerate(sizes):
             g = grads[i] if i < len(grads) else None
             piece = flat.narrow(0, offset, n)
@@ -104,8 +107,11 @@ def join(grads: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], used: l
             else:
                 if used is not None and i < len(used):
                     used[i] = True
-                piece.view(g.shape).copy_(g)  # a transposed gradient is copied once, not made contiguous first
+                dests.append(piece.view(g.shape))  # a transposed gradient is copied once, not made contiguous first
+                srcs.append(g)
             offset += n
+        if dests:  # one multi-tensor kernel on a GPU for the unit's pieces, not a launch per parameter
+            torch._foreach_copy_(dests, srcs)
         return flat
     parts = []
     for i, n in enumerate(sizes):
@@ -139,7 +145,7 @@ def noting(usage: Usage, unit: str, i: int):
     return hook
 
 
-class _Recorded(torch.autograd.Function):
+class _Recorded(Function):
     """The identity on a unit's params, whose backward notes which of them got a gradient (``usage.used[unit][i]``).
     Where the gradient is taken with respect to each param (stages 0-1), the record cannot come from a split's
     backward; this Function passes the gradients through untouched, so it adds no copy."""
@@ -162,7 +168,7 @@ class _Recorded(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class _RecordedSplit(torch.autograd.Function):
+class _RecordedSplit(Function):
     """``torch.split`` whose backward notes which outputs got a gradient (``usage.used[unit][i] = True``)."""
 
     @staticmethod
