@@ -67,7 +67,11 @@ class LocalMesh:
             try:
                 if device is not None:  # the current CUDA device is per thread: the ranks run on the caller's
                     torch.cuda.set_device(device)
-                with self._context(rank), own_stream(stream):
+                # Each rank's backward on its own thread. Otherwise autograd runs the backward of CUDA tensors on
+                # its one worker thread per device, shared by every rank thread: a rank's collective inside its
+                # backward (a stage-3 refill) blocks that thread, and the other ranks' backwards, which must reach
+                # the same collective, wait behind it forever (seen on an H100: a 120 s MeshTimeout every step).
+                with self._context(rank), own_stream(stream), torch.autograd.set_multithreading_enabled(False):
                     comm = ThreadComm(rank, rv, self.counter)
                     results[rank] = fn(comm, *args[rank])
                     comm.finish()
