@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import optree
 import pytest
 import torch
 
@@ -78,6 +79,39 @@ def test_a_shard_that_is_not_its_master_cast_is_kept_and_gathered():
     expected = step.evaluate(state, prob.batches[1])["loss"]  # evaluate gathers the shards themselves
     _, metrics = step(state, prob.batches[1])
     assert metrics["loss"] == expected
+
+
+@pytest.mark.parametrize("written", ["shard", "master"])
+def test_a_shard_or_master_written_in_place_between_steps_is_compared_again(written):
+    # the step after an update frees the shards it left without comparing them (a wait for the device); a write in place
+    # to either tensor since then (its version counter moves) brings the comparison back, and the forward reads the shard
+    prob = PROBLEMS["gpt"]()
+    step = _bf16_step(prob, fzero.local_mesh(1))
+    state, _ = step(step.init(fzero.params_of(prob.model)), prob.batches[0])
+    name = next(n for n in state[0].params if n != "<root>")
+    with torch.no_grad():
+        (state[0].params[name] if written == "shard" else state[0].opt_state.master[name]).mul_(1.5)
+    # the same state as new tensors, which carry no record of any update: every shard compared
+    fresh = optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state, namespace="fzero")
+    after_fresh, expected = step(fresh, prob.batches[1])
+    after, metrics = step(state, prob.batches[1])
+    assert (metrics["loss"], metrics["grad_norm"]) == (expected["loss"], expected["grad_norm"])
+    fzero.testing.assert_trees_equal(after, after_fresh)
+
+
+def test_the_shards_an_update_left_are_freed_without_a_comparison(monkeypatch):
+    from fzero.zero import _shard_params
+
+    prob = PROBLEMS["gpt"]()
+    step = _bf16_step(prob, fzero.local_mesh(1))
+    compared = []
+    real = _shard_params._bits
+    monkeypatch.setattr(_shard_params, "_bits", lambda t: compared.append(t) or real(t))
+    state = step.init(fzero.params_of(prob.model))
+    state, _ = step(state, prob.batches[0])
+    first = len(compared)
+    state, _ = step(state, prob.batches[1])
+    assert first == 2 * len(state[0].params) and len(compared) == first  # the first step compares; the second needs not
 
 
 def test_an_error_in_the_step_leaves_the_shards_whole():

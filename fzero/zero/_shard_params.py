@@ -8,6 +8,7 @@ param's gradient can only be reduced unit by unit) and a sharded optimizer state
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -39,11 +40,13 @@ class CastFromMasters:
 
     def free(self) -> None:
         names = [n for n, shard in self.shards.items() if _castable(shard, self.masters.get(n))]
-        if not names:
-            return
-        # one flag per unit, read together: on a GPU one wait for the device per step, not one per unit
-        same = torch.stack([_bits(self.masters[n].to(self.shards[n].dtype)).eq(_bits(self.shards[n])).all() for n in names]).tolist()
-        for name, ok in zip(names, same):
+        known = [n for n in names if _still_cast(self.shards[n], self.masters[n])]
+        compare = [n for n in names if n not in set(known)]
+        same = []
+        if compare:  # one flag per unit, read together: on a GPU one wait for the device per step, not one per unit
+            same = torch.stack([_bits(self.masters[n].to(self.shards[n].dtype)).eq(_bits(self.shards[n])).all()
+                                for n in compare]).tolist()
+        for name, ok in [*zip(compare, same), *((n, True) for n in known)]:
             if ok:
                 self.freed[name] = self.shards[name].untyped_storage().nbytes()
                 self.shards[name].untyped_storage().resize_(0)
@@ -61,9 +64,28 @@ class CastFromMasters:
         freed, self.freed = self.freed, {}
         with torch.no_grad():
             for name, nbytes in freed.items():
-                shard = self.shards[name]
+                shard, master = self.shards[name], self.masters[name]
                 shard.untyped_storage().resize_(nbytes)
-                shard.copy_(self.masters[name])
+                shard.copy_(master)
+                _mark_cast(shard, master)
+
+
+# What ``restore`` leaves on a shard: its master and both tensors' version counters right after the shard was filled
+# from it. While neither tensor has been written since (in place, through the tensor: autograd's version counter
+# counts each such write) and the shard still belongs to that master, the shard is known to be its master cast, and
+# the next step frees it without comparing them: a comparison is a cast and a read of every element, and reading its
+# answer is a wait for the device before the step can start (seen on an H100: the host's start of each step, with
+# the GPU idle meanwhile). A state made or changed any other way is compared, as before.
+_CAST_MARK = "_fzero_cast_of"
+
+
+def _mark_cast(shard: torch.Tensor, master: torch.Tensor) -> None:
+    setattr(shard, _CAST_MARK, (weakref.ref(master), shard._version, master._version))
+
+
+def _still_cast(shard: torch.Tensor, master: torch.Tensor) -> bool:
+    mark = getattr(shard, _CAST_MARK, None)
+    return mark is not None and mark[0]() is master and mark[1] == shard._version and mark[2] == master._version
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
