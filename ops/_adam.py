@@ -17,7 +17,9 @@ double and round once to fp32; each step below says which. ``step`` is torch's f
 2. AdamW: ``p = fp32(p - (lr*wd) * p)`` in double; Adam: ``g = fp32(g + p * wd)`` in double;
 3. ``m = fp32(b1*m + (1-b1)*g)`` and ``v = fp32(b2*v + ((1-b2)*g)*g)`` in double;
 4. on the host, once per call: ``bc1 = fp32(1 - b1**step)``, ``step_size = fp32(lr / bc1)``,
-   ``bc2_sqrt = fp32(sqrt(1 - b2**step))`` (double, then rounded, as torch's kernel does per block);
+   ``bc2_sqrt = sqrt(fp32(1 - b2**step))`` with the sqrt in fp32 (torch's kernel keeps ``1 - b2**step`` in an
+   fp32 ``opmath_t`` and takes ``std::sqrt`` of that; a double sqrt rounded once differs in the last bit at
+   some steps, e.g. step 3 with b2 = 0.999, which then moved ~1% of the elements by an ulp on an H100);
 5. ``denom = fp32(fp32(sqrt(v) / bc2_sqrt) + eps)``: sqrt and division in fp32, the eps add in double;
 6. ``p = p - (step_size * m) / denom`` in fp32.
 
@@ -71,7 +73,7 @@ class AdamScalars(NamedTuple):
     eps: float  # fp64
     wd: float  # fp64: lr * weight_decay (AdamW) or weight_decay (Adam)
     step_size: float  # fp32 value: lr / bc1
-    bc2_sqrt: float  # fp32 value: sqrt(1 - b2**step)
+    bc2_sqrt: float  # fp32 value: sqrt(fp32(1 - b2**step)), the sqrt in fp32
     inv_scale: float  # fp32 value
 
 
@@ -83,7 +85,7 @@ def adam_scalars(*, step: float, lr: float, beta1: float, beta2: float, eps: flo
     return AdamScalars(
         b1=float(beta1), omb1=1.0 - beta1, b2=float(beta2), omb2=1.0 - beta2, eps=float(eps),
         wd=lr * weight_decay if decoupled else float(weight_decay),
-        step_size=f32(lr / bc1), bc2_sqrt=f32(math.sqrt(1.0 - beta2**t)), inv_scale=f32(inv_scale),
+        step_size=f32(lr / bc1), bc2_sqrt=f32(math.sqrt(f32(1.0 - beta2**t))), inv_scale=f32(inv_scale),
     )
 
 
