@@ -171,7 +171,11 @@ class ShardedParams(UnitParams):
             raise RuntimeError(f"fzero (stage 3): unit {unit.name!r} is gathered only inside its own forward.")
         # The root unit is gathered once and stays gathered until backward is done with it (as FSDP2 keeps its root).
         cast = self.schedule.cast(ROOT) if self.schedule.cast is not None else None  # its master, where its shard is freed
-        self._root = AllGather.apply(self.inputs[ROOT], self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
+        shard, device = self.inputs[ROOT], self.schedule.device
+        if shard.device != device:  # params offloaded to the host: gathered on the device, as every unit is (the copy
+            shard = shard.to(device, non_blocking=True)  # is differentiable: the gradient goes back to the host shard)
+            cast = cast.to(device, non_blocking=True) if cast is not None else None
+        self._root = AllGather.apply(shard, self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
         return self._root
 
     def run_unit(self, inner, unit, args, kwargs):
