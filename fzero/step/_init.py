@@ -78,6 +78,14 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
                 device = next(values[j].device for j in layout.leaf_indices(unit))
         if not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
             # a rank that makes its params learns their device from the first unit it made
+            if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
+                # tensors on a machine with CUDA (the mesh's guess for a rank that only receives), and a job of more
+                # ranks than GPUs runs on the CPU
+                where = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
+                code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=where)
+                comm.broadcast(code, src=0, tag="init")
+                if receives and int(code[0]) == 0:
+                    device = torch.device("cpu")
             fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
                                     device_type=(device or torch.device("cpu")).type, collectives=getattr(comm, "collectives", None))
             comm.agree(fields, api=API, fix=AGREE_FIX)
