@@ -35,7 +35,9 @@ def _model(hidden=8):
 
 def _loss_of(model):
     def loss_fn(params, b):
-        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+        # .float(): the same arithmetic (mse_loss promotes a bf16 prediction against fp32 targets), but torch 2.11 has
+        # no backward for the mixed pair ("Found dtype Float but expected BFloat16", seen on the GPU machine)
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]).float(), b["y"])
 
     return loss_fn
 
