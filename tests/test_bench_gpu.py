@@ -83,3 +83,33 @@ def test_offload_rows(result):
         assert len(row["step_times_s"]) == res["settings"]["offload_steps"]
     ds = next(r for r in off["rows"] if r["system"] == "deepspeed")
     assert ds["status"] == "skipped" and ds["reason"] == "--smoke"
+
+
+@pytest.mark.slow
+def test_gpu_profile_runs_on_cpu_and_writes_its_tables(tmp_path):
+    """benchmarks/gpu_profile.py end to end on CPU (tiny GPT): a row per system with a step time and no error, its
+    tables and its cProfile, as .ci/gpu-quick reads them on a GPU machine."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_profile.py")
+    cmd = [sys.executable, script, "--device", "cpu", "--sizes", "tiny", "--seq", "32", "--batch", "2", "--systems",
+           "plain,fzero-s3", "--extra", "tiny:fzero-s3-m2", "--cprofile", "tiny:fzero-s3", "--warmup", "1", "--steps", "2",
+           "--prof-steps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["system"] for r in rows] == ["plain", "fzero-s3", "fzero-s3-m2"]
+    for r in rows:
+        assert "error" not in r, r.get("error")
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["top_self_cpu"]
+    assert "fzero.unit" in rows[1]["fzero_ranges"]  # fzero's own ranges are read from the trace
+    assert (tmp_path / "tables.txt").read_text().count("== tiny ") == 3
+    assert "fzero-s3" in (tmp_path / "cprofile.txt").read_text()
+
+
+def test_host_overhead_measures_each_system(one_thread):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import host_overhead
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    med = host_overhead.main(["--layers", "2", "--rounds", "2"])
+    assert set(med) == {"plain", "fzero-s0", "fzero-s3"} and all(v > 0 for v in med.values())
