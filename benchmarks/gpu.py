@@ -8,6 +8,9 @@ against ``torch._fused_adamw_``, and the largest GPT that trains with CPU and wi
     python benchmarks/gpu.py --only offload --time-limit 540 --json-out runs/gpu-offload.json
     python benchmarks/gpu.py --device cpu --smoke --json-out /tmp/gpu-smoke.json   # ~30 s on 2 cores (the CPU test)
 
+A short run for a lent GPU, with a Hugging Face Llama row and the ratios to plain PyTorch and FSDP2, is
+``benchmarks/gpu_profile.py`` (``bash .ci/gpu-quick`` runs it with the tests, in about 7 minutes).
+
 Every section stops at its time limit (``--time-limit S`` for every section or ``--time-limit offload=S``,
 repeatable; defaults models 240 s, adamw 60 s, offload 220 s: 520 s plus start-up for the default run) and
 records what it left out and why. The JSON is rewritten after every section.

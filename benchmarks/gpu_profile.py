@@ -12,6 +12,10 @@ step; the top operators by self CPU and by self CUDA time; and fzero's own range
 collective). Writes ``summary.json`` and ``tables.txt`` under ``--out`` and, with ``--trace SIZE:SYSTEM``, a
 gzipped Chrome trace of that one.
 
+At the end a markdown table gives each row's speed against plain PyTorch's and FSDP2's of its size (also at the
+top of ``tables.txt``). ``--jit``: fzero with ``jit=True``; plain PyTorch and FSDP2 under ``torch.compile`` on the
+Llama rows (on the GPT rows they run eager, as ``benchmarks/gpu.py`` builds them).
+
 ``llama941M`` is a Hugging Face ``LlamaForCausalLM`` (``LlamaConfig`` defaults but its size: 16 layers x 2048,
 heads of 64, intermediate 5440, vocab 32000, ``use_cache=False``): a model nobody here wrote. ``fzero-s3-m2``
 is stage 3 on ``local_mesh(2)`` (two simulated ranks, one GPU) with the same global batch: its time over
@@ -242,6 +246,24 @@ def host_profile(step, batches, args, path: str, title: str) -> None:
         f.write(f"==== {title}: {args.steps} steps\n" + out.getvalue())
 
 
+def ratio_table(results: list[dict]) -> str:
+    """Markdown: each row's step time, and its speed against plain PyTorch's and FSDP2's of the same size (> 1: faster)."""
+    ref = {(r["size"], r["system"]): r.get("step_ms") for r in results}
+    lines = ["| size | system | ms/step | tokens/s | vs plain | vs FSDP2 | GPU busy ms | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ms = r.get("step_ms")
+        cells = [r["size"], r["system"] + (" (jit)" if r.get("jit") else "")]
+        if ms is None:
+            lines.append("| " + " | ".join(cells + ["error"] + [""] * 5) + " |")
+            continue
+        ratio = lambda other: f"{ref[(r['size'], other)] / ms:.2f}x" if ref.get((r["size"], other)) else ""  # noqa: E731
+        busy, peak = r.get("device_busy_ms"), r.get("peak_gib")
+        cells += [f"{ms:.1f}", f"{r['tokens_per_s']:.0f}", ratio("plain"), ratio("fsdp2"),
+                  f"{busy:.1f}" if busy else "", f"{peak:.3f}" if peak is not None else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -302,10 +324,11 @@ def main(argv=None) -> None:
                 lines += [f"{ms:9.3f} {c:7.1f}  {k}" for k, (c, ms) in row["fzero_ranges"].items()]
             tables.append("\n".join(lines))
             with open(os.path.join(args.out, "tables.txt"), "w") as f:
-                f.write("\n\n".join(tables) + "\n")
+                f.write(ratio_table(results) + "\n\n" + "\n\n".join(tables) + "\n")
             with open(os.path.join(args.out, "summary.json"), "w") as f:
                 json.dump(results, f, indent=1, default=str)
             gpu.free_memory(device)
+    print(ratio_table(results), flush=True)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,9 @@ def test_gpu_profile_runs_on_cpu_and_writes_its_tables(tmp_path):
         assert "error" not in r, r.get("error")
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["top_self_cpu"]
     assert "fzero.unit" in rows[1]["fzero_ranges"]  # fzero's own ranges are read from the trace
-    assert (tmp_path / "tables.txt").read_text().count("== tiny ") == 3
+    tables = (tmp_path / "tables.txt").read_text()
+    assert tables.count("== tiny ") == 3
+    assert "| tiny | plain |" in tables and "| 1.00x |" in tables and "| tiny | fzero-s3 |" in tables  # the ratio table
     assert "fzero-s3" in (tmp_path / "cprofile.txt").read_text()
 
 
