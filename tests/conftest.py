@@ -14,12 +14,35 @@ def one_thread():
 
 
 def pytest_runtest_logreport(report):
-    """With ``FZERO_FAILURE_LOG=path``, each failure's traceback is appended to that file as it happens, not only
-    in the summary at the end: a run cut short by a time limit (a lent GPU machine's) still says what failed."""
+    """For runs that a time limit may cut short (a lent GPU machine's), written as they happen, not in the summary at
+    the end: with ``FZERO_FAILURE_LOG=path`` each failure's traceback is appended to that file, and with
+    ``FZERO_OUTCOME_LOG=path`` one line per finished test (``passed``/``failed``/``skipped`` and its id), which a
+    later run can pass as ``FZERO_SKIP_DONE=path`` to run only what is left."""
     import os
 
-    path = os.environ.get("FZERO_FAILURE_LOG")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not report.failed:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # under xdist the controller writes, from the reports its workers send
-    with open(path, "a") as f:
-        f.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext[-6000:]}\n\n")
+    path = os.environ.get("FZERO_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext[-6000:]}\n\n")
+    done = os.environ.get("FZERO_OUTCOME_LOG")
+    if done and (report.when == "call" or report.outcome != "passed"):  # one line per test: its call, or what stopped it
+        with open(done, "a") as f:
+            f.write(f"{report.outcome} {report.nodeid}\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``FZERO_SKIP_DONE=path`` (an outcome log, see above): deselect the tests that log says passed or were skipped."""
+    import os
+
+    path = os.environ.get("FZERO_SKIP_DONE")
+    if not path:
+        return
+    with open(path) as f:
+        lines = [line.strip().split(" ", 1) for line in f if " " in line]
+    failed = {nodeid for outcome, nodeid in lines if outcome == "failed"}  # a teardown failure after a passed call
+    done = {nodeid for outcome, nodeid in lines if outcome in ("passed", "skipped")} - failed
+    keep = [item for item in items if item.nodeid not in done]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = keep
