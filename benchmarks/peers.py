@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--untied", action="store_true", help="a separate LM head (DESIGN.md's 218M reference workload: "
+    p.add_argument("--untied", action="store_true", help="a separate LM head (the 218M reference workload of docs/benchmarks.md: "
                    "--layers 12 --width 1024 --heads 16 --vocab 32768 --batch 1 --untied)")
     p.add_argument("--head-unit", action="store_true",
                    help="with --untied: the LM head is a unit of its own, for FSDP2 (fully_shard(model.lm_head), as "

@@ -1,7 +1,7 @@
 """chex-style assertions for tensor pytrees, built on ``torch.testing.assert_close``.
 
 chex itself only half works on torch tensors (not bf16, not ``requires_grad``) and pulls in JAX
-(DESIGN.md §4), so fzero carries the few assertions its tests and its users' tests need. Every failure
+as a dependency, so fzero carries the few assertions its tests and its users' tests need. Every failure
 names the pytree path of the first leaf that differs.
 """
 

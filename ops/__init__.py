@@ -1,7 +1,7 @@
 """Kernels behind fzero, imported as ``fzero.ops``: Triton on CUDA, a torch reference everywhere.
 
 Each op has a Triton kernel and a torch reference that does the same arithmetic in plain torch ops (the
-CPU execution path: Triton runs on CPU only under its ~100x slower interpreter, DESIGN.md §4). Every op
+CPU execution path: Triton runs on CPU only under its interpreter, about 100x slower). Every op
 takes ``impl="auto" | "triton" | "torch"``; "auto" runs the kernel on CUDA tensors when ``import triton``
 works and the reference otherwise (``fzero.ops._dispatch``). fzero works without triton installed; the
 ``triton`` extra installs it (``pip install 'fzero[triton]'``).

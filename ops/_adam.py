@@ -24,7 +24,7 @@ double and round once to fp32; each step below says which. ``step`` is torch's f
 6. ``p = p - (step_size * m) / denom`` in fp32.
 
 Why not the plain fp32 formula: the Triton kernel would then differ from torch's in the last bits of most
-elements, and those differences grow through Adam's normalisation (DESIGN.md §4), so every parity test
+elements, and those differences grow through Adam's normalisation (it divides by the root of a small second moment), so every parity test
 against torch would need a loose tolerance. Why not ``lerp`` (torch's CPU kernel uses it for ``m``): the
 CUDA kernel does not, and on CUDA this kernel replaces the CUDA one.
 

@@ -5,7 +5,7 @@ Every op in ``fzero.ops`` takes ``impl="auto" | "triton" | "torch"``:
 - ``"auto"`` (the default): the Triton kernel for CUDA tensors when ``import triton`` works, else the torch
   reference. CPU tensors always get the reference: compiled Triton does not run on the CPU.
 - ``"triton"``: the Triton kernel. On CUDA tensors it is compiled; on CPU tensors it runs under Triton's
-  interpreter (numpy, about 100x slower, DESIGN.md §4), which is how CI tests the kernels on a CPU-only
+  interpreter (numpy, about 100x slower), which is how CI tests the kernels on a CPU-only
   machine. Without triton installed this raises an ImportError that says how to install it.
 - ``"torch"``: the reference, plain torch ops with the kernel's arithmetic, on any device.
 

@@ -6,7 +6,7 @@ import torch
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread, as torchrun gives each rank: bitwise comparisons with torchrun runs need it (DESIGN.md §4)."""
+    """One intra-op thread, as torchrun gives each rank: bitwise comparisons with torchrun runs need it (one thread sums in one order)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

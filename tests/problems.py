@@ -1,8 +1,8 @@
 """Small training problems shared by the parity, memory, communication and torchrun tests.
 
 Each problem is a model, a pure ``loss_fn(params, batch)`` and a deterministic list of global batches.
-Models have no parameter whose gradient is zero in exact arithmetic (no attention key bias; DESIGN.md
-§4), so Adam parity holds on every parameter.
+Models have no parameter whose gradient is zero in exact arithmetic (no attention key bias,
+whose gradient is rounding noise), so Adam parity holds on every parameter.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """fzero.checkpoint: bit-exact resume in a fresh process (local mesh and torchrun), resharding across stages and
 world sizes, mixed precision and offloaded state, consolidation, keep=K, crash safety under kill -9, and errors.
 
-Bit-exact comparisons pin torch to one intra-op thread, as the worker processes are (DESIGN.md §4).
+Bit-exact comparisons pin torch to one intra-op thread, as the worker processes are (one thread sums in one order).
 """
 
 import json

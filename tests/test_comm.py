@@ -1,4 +1,4 @@
-"""Communication volume per rank per step, from the counting wrapper (DESIGN.md §6).
+"""Communication volume per rank per step, from the counting wrapper (``fzero.count_collectives``).
 
 Stages 0-2 move 2Ψ·(N-1)/N elements per rank per step for params and gradients: an all-reduce at stage
 0, a reduce-scatter plus an all-gather at stages 1 and 2. Ψ here is the padded size of the flat units

@@ -1,4 +1,4 @@
-"""Per-rank bytes of params + grads + optimizer state follow the ZeRO formula (DESIGN.md §6), measured.
+"""Per-rank bytes of params + grads + optimizer state follow the ZeRO formula (``fzero/estimate/_formula.py``), measured.
 
 Measured = bytes of the storages a rank's state holds (params, Adam m and v) + the peak of live bytes
 the rank allocates during a step (gradients and temporaries), counted per rank thread by

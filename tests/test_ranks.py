@@ -1,4 +1,4 @@
-"""Simulated ranks are isolated, and ranks must agree (issue 12, DESIGN.md §2, §3b).
+"""Simulated ranks are isolated, and ranks must agree (issue 12).
 
 * Each rank thread of ``local_mesh(n)`` draws from its own RNG stream, a copy of the global generator
   at the start of each step; afterwards the global generator holds rank 0's final state. So a dropout

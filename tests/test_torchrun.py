@@ -1,7 +1,7 @@
 """The same program under torchrun (2 processes, gloo) equals local_mesh(2) bitwise.
 
 Bitwise needs one intra-op thread on both sides (torchrun sets OMP_NUM_THREADS=1), so the in-process
-run pins torch to one thread too (DESIGN.md §4). Select with ``-m torchrun``; CI runs them.
+run pins torch to one thread too (one intra-op thread sums in one order: the same bits as a rank's). Select with ``-m torchrun``; CI runs them.
 """
 
 import os

@@ -38,7 +38,7 @@ STEPS = 4
 GLOBAL_BATCH = 4  # 2 per rank on local_mesh(2)
 SEQ = 8
 SEED = 1234  # the process generator is seeded with this before the first step (dropout, LayerDrop)
-NOISE = 1e-6  # reference gradients below this in every step are rounding noise (DESIGN.md §4)
+NOISE = 1e-6  # reference gradients below this in every step are rounding noise
 RTOL = ATOL = 1e-5
 
 
@@ -635,7 +635,7 @@ def fzero_run(entry: Entry, *, stages: int, ranks: int) -> Run:
 def compared(name: str, ref: Reference) -> torch.Tensor | None:
     """Which elements of param ``name`` are compared: those whose reference gradient reached NOISE in some
     step. Elements below it in every step are rounding noise (e.g. attention key biases, also the key third
-    of GPT-2's fused c_attn bias), which Adam turns into O(lr) steps (DESIGN.md §4), or exact zeros (rows of
+    of GPT-2's fused c_attn bias), which Adam turns into O(lr) steps, or exact zeros (rows of
     an embedding never looked up): skipped. None for a param that never got a gradient (grad is None in
     every step): it must be bitwise what torch.optim left, its initial value."""
     if not any(name in used for used in ref.used):

@@ -1,7 +1,7 @@
 """``fzero.remat``: rematerialisation (activation checkpointing) that works under ``torch.func``.
 
 ``torch.utils.checkpoint`` and ``torch.autograd.graph.save_on_cpu`` are built on saved-tensor hooks,
-which ``torch.func.grad``/``vjp`` disable, so both raise there (DESIGN.md §4). ``remat`` is the recompute
+which ``torch.func.grad``/``vjp`` disable, so both raise there. ``remat`` is the recompute
 pattern of stage 3's units (``fzero.zero._sharded``) on its own, for any function:
 
 * ``_RematForward`` runs ``fn`` under ``no_grad``; what backward keeps is ``fn``'s tensor inputs (or, with

@@ -1,7 +1,7 @@
 """Collectives as autograd Functions that work under ``torch.func``.
 
 ``torch.func.grad`` rejects a ``torch.distributed`` call made inside a Function's ``backward`` ("mutate a
-captured Tensor") and silently zeroes the gradient of a raw collective in a forward (DESIGN.md §4). The
+captured Tensor") and silently zeroes the gradient of a raw collective in a forward. The
 pattern that works: each collective runs in the *forward* of its own new-style Function, and the
 Functions name each other as their backward: all-gather <-> reduce-scatter. Each takes the counter tag
 of its own collective and of its backward's ("params" forward, "grads" backward).

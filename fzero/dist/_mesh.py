@@ -1,6 +1,6 @@
 """Meshes: where the ranks of one SPMD program live.
 
-- ``local_mesh(n)``: n ranks simulated in this process, one thread per rank (DESIGN.md §2). For
+- ``local_mesh(n)``: n ranks simulated in this process, one thread per rank. For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
   stream, a copy of the process's generator at the start of the call (``fzero.dist._rng``), and every

@@ -5,7 +5,7 @@ seeded program start a step with equal generator states and each draws its own d
 LayerDrop decisions and ``torch.rand`` values from its own copy. The rank threads of a ``local_mesh``
 share one process, hence one global CPU generator: they would draw from one stream in whatever order
 the threads happen to run (masks race, and two runs of one program differ). This module gives each
-rank thread its own stream (DESIGN.md §3b):
+rank thread its own stream:
 
 * ``rank_streams(n)`` (entered by ``LocalMesh.run`` in the main thread): every rank's stream starts as a
   copy of the global generator's state; when the ranks are done, the global generator is set to rank

@@ -1,6 +1,6 @@
 """``fzero.estimate_memory``: per-rank bytes of a ZeRO run, by category and by place, before running it.
 
-Model states follow the ZeRO paper (DESIGN.md §6; computed by ``_formula.per_rank``), with Ψ parameters, N ranks,
+Model states follow the ZeRO paper (computed by ``_formula.per_rank``), with Ψ parameters, N ranks,
 P bytes per param and gradient (4 in fp32, 2 in bf16/fp16) and K optimizer bytes per parameter (the fp32 master,
 when the policy keeps one, plus the optimizer's state: 8 for Adam's m and v in fp32)::
 

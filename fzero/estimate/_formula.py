@@ -1,4 +1,5 @@
-"""The ZeRO paper's per-rank model states (DESIGN.md §6), written once for the estimator and ``fzero.memory``.
+"""The ZeRO paper's per-rank model states, written once for the estimator and ``fzero.memory`` (Rajbhandari et al.,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020).
 
 With Ψ parameters, N ranks, P bytes per parameter, G per gradient and K optimizer bytes per parameter::
 

@@ -1,7 +1,7 @@
 """Pytree plumbing shared by the rest of fzero.
 
 ``torch.func`` flattens with ``torch.utils._pytree`` while users and fzero itself use optree, so every
-container type fzero defines is registered with both (DESIGN.md §4). optree requires a namespace for
+container type fzero defines is registered with both. optree requires a namespace for
 custom nodes: ours is ``"fzero"``; pass ``namespace="fzero"`` to optree calls that must see inside a
 ``TrainState``.
 """

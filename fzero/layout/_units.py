@@ -1,6 +1,6 @@
 """Which parameters form a stage-3 *unit*: gathered together, just before the unit's forward.
 
-A unit is a submodule whose params are gathered as one flat buffer when its forward runs (DESIGN.md §3); every
+A unit is a submodule whose params are gathered as one flat buffer when its forward runs; every
 parameter outside all units belongs to the root unit, gathered once at the top of ``fzero.apply``.
 
 Units are named by module path, and a parameter belongs to the unit whose path prefixes its name.

@@ -8,7 +8,7 @@ It is an ordinary ``nn.Module``: fzero never mutates it. Three things matter to 
   weight once, under ``tok_emb.weight``. (``tie_embeddings=False`` gives a separate ``lm_head``.)
 * There is no dropout and no bias by default. Dropout would make two runs differ; an attention *key*
   bias cannot change the loss (softmax is invariant to a constant per query), so it gets rounding noise
-  as gradient, which Adam amplifies into O(lr) steps and breaks parity tests (DESIGN.md section 4).
+  as gradient, which Adam amplifies into O(lr) steps and breaks parity tests.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class GPTConfig:
 
     @classmethod
     def ref218m(cls, **overrides) -> GPTConfig:
-        """DESIGN.md's reference workload: 12 layers x 1024 wide, vocab 32768, seq 128.
+        """The 218M reference workload of docs/benchmarks.md: 12 layers x 1024 wide, vocab 32768, seq 128.
 
         218M parameters counts the LM head separately from the token embedding (151M in the blocks,
         33.6M in each of the two 32768 x 1024 matrices), so this config unties them; tied, the same

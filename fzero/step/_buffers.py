@@ -8,7 +8,7 @@ A buffer the state does not hold yet (the first step of a state made from ``para
 from the module, copied. Non-persistent buffers (rotary tables, causal masks: constants) stay the module's.
 
 Under ``torch.func.grad`` a forward may write in place only into tensors of the transform's own level: a
-captured tensor is refused ("mutate a captured Tensor", DESIGN.md §4). ``lift`` makes the bank's tensors
+captured tensor is refused ("mutate a captured Tensor"). ``lift`` makes the bank's tensors
 such: ``anchor.new_empty(...).copy_(value)``, where ``anchor`` is a detached input of the transformed
 function, gives a tensor of that level with the value's exact bits and no gradient bookkeeping (passing
 buffers as differentiated inputs instead would cost a zero gradient per buffer and cannot carry integer

@@ -18,7 +18,7 @@ and ORed over micro-batches; ``_update.finish`` ORs it over ranks in the step's 
 ``grad=None``) and the optimizer skips what is left unused (``fzero.optim`` and ``fzero.layout._segments``).
 
 The Function is new-style (``forward`` without ctx, ``setup_context``), so it works under ``torch.func.grad``
-and plain autograd alike (DESIGN.md §4). Its outputs are views of its input, as ``split``'s are: at stage 3
+and plain autograd alike. Its outputs are views of its input, as ``split``'s are: at stage 3
 the graph keeps views of the gathered buffer, whose storage is freed and refilled around the backward.
 
 Cost, where every param is used (measured, torch 2.13 CPU): the same forward views and the same one ``cat``

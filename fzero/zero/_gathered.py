@@ -5,7 +5,9 @@
 of the gathered buffer; after the forward the buffer's storage is freed while the graph keeps the views.
 ``_RefillBeforeBackward`` on the unit's outputs refills the storage in place (``_Refill``) when the gradient
 reaches them, and ``_UnitGather``'s backward (``_UnitReduce``) reduce-scatters the unit's gradient and frees
-the storage again. Collectives run only in Function forwards (DESIGN.md §4).
+the storage again. Under ``torch.func.grad`` every collective runs in a Function's forward (the transform refuses
+one in a backward); under plain autograd (the default) the unit's reduction is started from its backward, and
+travels while the next unit's backward runs (``sink``, ``fzero.zero._shard_grads.ShardGradView``).
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class _RefillBeforeBackward(Function):
 class _Refill(Function):
     """Forward: gather the unit into its own (freed) buffer again; returns the gradients unchanged.
 
-    The refill is a collective, so it runs in a Function's forward (DESIGN.md §4). It writes the same
+    The refill is a collective, so it runs in a Function's forward (``torch.func.grad`` refuses a collective in a
+    backward). It writes the same
     values the forward read, under ``_unsafe_preserve_version_counter``: autograd's check of the views it
     saved must not see a modification.
     """

@@ -2,7 +2,7 @@
 
 ``loss_fn`` receives a ``ReplicatedParams`` at stage 2 and a ``ShardedParams`` at stage 3, and
 ``fzero.apply(model, params, ...)`` runs the model as follows, without a hook on the user's module
-(DESIGN.md §3). At stage 2 a unit's call only attaches the reduce-scatter of its gradient
+(docs/architecture.md, "The user's module, hooks and recompute"). At stage 2 a unit's call only attaches the reduce-scatter of its gradient
 (``ReplicatedParams``); at stage 3:
 
 * A *skeleton* of the module is built for the step: a clone of the module tree (``fzero.layout._clone``), its
