@@ -31,3 +31,21 @@ def test_import_fzero_does_not_load_checkpoint_or_config():
     code = "import sys, fzero; print('fzero.checkpoint' in sys.modules, 'fzero.config' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_comments_and_docs_point_at_nothing_outside_this_repository():
+    """Code and docs speak of this repository only: a design document the users do not have is no reference."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pattern = re.compile(r"DESIGN\.md|DESIGN §|DESIGN's|\.\./shared")
+    found = []
+    for folder in ("fzero", "ops", "tests", "benchmarks", "docs", "examples", "notebooks"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".md", ".ipynb", ".toml") and path.name != "test_public.py":
+                found += [f"{path.relative_to(root)}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                          if pattern.search(line)]
+    for path in (root / "README.md", root / "pyproject.toml", root / "Makefile"):
+        found += [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
