@@ -137,6 +137,9 @@ class Recording:
     """Mixin: report each call to the counter before doing it."""
 
     counter: Counter | None
+    # Whether an all-gather on a one-rank mesh is a ``copy_`` of the shard into the output, which converts dtypes
+    # (the thread mesh's); a process group's collective needs both in one dtype.
+    gather_casts_at_one_rank = False
 
     def _note(self, op: str, tag: str, numel: int, tensor: torch.Tensor, label: str | None = None) -> None:
         if self.counter is not None:

@@ -8,6 +8,7 @@ param's gradient can only be reduced unit by unit) and a sharded optimizer state
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -51,11 +52,16 @@ class CastFromMasters:
                 self.freed[name] = self.shards[name].untyped_storage().nbytes()
                 self.shards[name].untyped_storage().resize_(0)
 
-    def cast(self, name: str) -> torch.Tensor | None:
-        """What a gather of unit ``name`` sends: its master in the compute dtype (a new tensor); None: the shard."""
+    def cast(self, name: str, comm: Any = None) -> torch.Tensor | None:
+        """What a gather of unit ``name`` sends: its master in the compute dtype (a new tensor); None: the shard. On a
+        one-rank mesh whose gather is a copy (``gather_casts_at_one_rank``), the master itself: the copy rounds it to
+        the compute dtype as ``.to`` would, in one kernel and without a unit-sized temporary."""
         if name not in self.freed:
             return None
-        return self.masters[name].to(self.shards[name].dtype)
+        master = self.masters[name]
+        if comm is not None and comm.size == 1 and comm.gather_casts_at_one_rank:
+            return master
+        return master.to(self.shards[name].dtype)
 
     def for_update(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: self.masters[k] if k in self.freed else v for k, v in params.items()}
@@ -167,7 +173,8 @@ class ParamsSharded:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
-                            pool=pool, bucket_elements=grads.bucket_elements, cast=casts.cast if casts is not None else None)
+                            pool=pool, bucket_elements=grads.bucket_elements,
+                            cast=functools.partial(casts.cast, comm=comm) if casts is not None else None)
         view = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
