@@ -206,7 +206,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
-    shapes = {n: tuple(p.shape) for n, p in skel.named_parameters(remove_duplicate=False) if p.requires_grad}
+    every = _parameter_paths(skel)  # one walk for every check below (torch's named_parameters walks are a step's cost)
+    shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
     trainable = set(shapes)
     layout = params.layout
     for unit in layout.units:
@@ -230,7 +231,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             sub = skel.get_submodule(unit.name)
         except AttributeError:
             raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
-        own = {f"{unit.name}.{n}" for n, p in sub.named_parameters() if p.requires_grad}
+        own = _own_trainable(every, unit.name + ".")
         missing = sorted(own - {s.path for s in unit.slots})
         if missing:
             raise ValueError(
@@ -241,6 +242,33 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         sub.__class__ = _skin(type(sub))  # sub is the skeleton's own clone: the user's module keeps its class
         sub.__dict__["_fz"] = (unit, params)
     return skel
+
+
+def _parameter_paths(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters(remove_duplicate=False)``, in its order (pre-order, each module's own first), by one
+    walk with a stack instead of torch's nested generators."""
+    out: list[tuple[str, torch.Tensor]] = []
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        for name, p in m._parameters.items():
+            if p is not None:
+                out.append((prefix + name, p))
+        stack.extend((f"{prefix}{name}.", c) for name, c in reversed(m._modules.items()) if c is not None)
+    return out
+
+
+def _own_trainable(every: list[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
+    """The trainable parameter paths under ``prefix`` as ``submodule.named_parameters()`` names them: each tensor at
+    the first path the walk reaches it by (a tied weight inside the unit is one parameter)."""
+    seen: set[int] = set()
+    own = set()
+    for path, p in every:
+        if path.startswith(prefix) and id(p) not in seen:
+            seen.add(id(p))
+            if p.requires_grad:
+                own.add(path)
+    return own
 
 
 class _UnitSkin(nn.Module):
