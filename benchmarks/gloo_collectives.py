@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     warnings.simplefilter("ignore", FutureWarning)
-    comms = {form: fzero.dist_mesh(collectives=form).comm() for form in ("native", "p2p")}
+    comms = {form: fzero.dist_mesh(collectives=form).comm(api="benchmarks/gloo_collectives.py") for form in ("native", "p2p")}
     rank, n = dist.get_rank(), dist.get_world_size()
     rows, result = [], {}
     for numel in [int(x) for x in args.sizes.split(",")]:

@@ -316,12 +316,6 @@ def test_the_limit_named_is_the_one_that_ran_out():
 
 
 def test_collectives_are_described_in_the_call_that_made_them():
-    from fzero.dist._mesh import _calling_api
-
-    def save_weights():
-        return _calling_api(sys._getframe())
-
-    assert save_weights() == "test_dist_faults.test_collectives_are_described_in_the_call_that_made_them.<locals>.save_weights"
     b0 = boards()[0]
     b0.enter("fzero.Step.__call__")
     b0.enter("fzero.Step.__call__")

@@ -174,7 +174,7 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
     rename, extras = names(held, model, api=api)
     items = items_for(held, rename, extras, dt)
     directory = os.path.abspath(os.fspath(out_dir))
-    comm = step.mesh.comm() if distributed and sharded else None
+    comm = step.mesh.comm(api="fzero.checkpoint.save_weights") if distributed and sharded else None
 
     def unit_flat(u: Any) -> torch.Tensor:
         if not sharded:

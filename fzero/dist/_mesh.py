@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import sys
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -128,34 +127,19 @@ class DistMesh:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def comm(self):
-        """This rank's comm for one call of the step (or of init, evaluate, gather), whose collectives it numbers
-        and describes for the errors of a failed job (``fzero.dist._faults``)."""
+    def comm(self, *, api: str):
+        """This rank's comm for one call of ``api`` (the step, its init, evaluate or gather, a checkpoint writer), whose
+        collectives it numbers and describes, under that name, for the errors of a failed job (``fzero.dist._faults``)."""
         import torch.distributed as dist
 
         from fzero.dist._dist_comm import DistComm
 
         board = fault_board(self.timeout)
         if board is not None:
-            board.enter(_calling_api(sys._getframe(1)))
+            board.enter(api)
         comm = DistComm(self.rank, self.size, dist.group.WORLD, self.counter, board, collectives=self.collectives)
         comm.begin()
         return comm
-
-
-# Which fzero call asked for a comm, named as users know it (the step does not say; the caller's frame does).
-_APIS = {"Step.__call__": "fzero.Step.__call__", "Step.evaluate": "fzero.Step.evaluate",
-         "Step.gather": "fzero.Step.gather", "init_state": "fzero.Step.init"}
-
-
-def _calling_api(frame: Any) -> str:
-    code = frame.f_code
-    name = getattr(code, "co_qualname", code.co_name)
-    if name in _APIS:
-        return _APIS[name]
-    module = frame.f_globals.get("__name__", "")  # e.g. fzero.checkpoint._weights -> fzero.checkpoint.save_weights
-    public = ".".join(part for part in module.split(".") if not part.startswith("_"))
-    return f"{public}.{name}" if public else name
 
 
 def fault_board(timeout: float) -> Any:

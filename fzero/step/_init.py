@@ -63,7 +63,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     make = None if receives else materialize
     if device is None and receives:
         device = step.mesh.device
-    comm = step.mesh.comm() if dist else None
+    comm = step.mesh.comm(api="fzero.Step.init") if dist else None
     agreed = comm is None
     flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None

@@ -114,7 +114,7 @@ class Step:
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
         else:
-            comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
+            comm = self.mesh.comm(api="fzero.Step.__call__") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             new_state, metrics = self._rank_step(comm, state, batch)
         mark_donated(state)
         mark_verified(new_state, self)
@@ -176,7 +176,7 @@ class Step:
             batches = split_batch(batch, self.mesh.size)
             return self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b),
                                  [(s, b) for s, b in zip(state.states, batches)])[0]
-        comm = self.mesh.comm() if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
+        comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
         return self._as_rank(comm, eval_program, state, batch)
 
     # -- gather ------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class Step:
             if isinstance(state, RankStates):  # all the shards are in this process
                 flats = {u.name: torch.cat([source(s)[u.name] for s in state.states]) for u in layout.units}
             elif isinstance(self.mesh, DistMesh):  # a collective: under dist_mesh every rank must call gather
-                comm = self.mesh.comm()
+                comm = self.mesh.comm(api="fzero.Step.gather")
                 flats = {u.name: comm.all_gather(torch.empty(u.padded, dtype=flats[u.name].dtype, device=flats[u.name].device), flats[u.name], tag="gather") for u in layout.units}
         out = optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
         for s in state.states if isinstance(state, RankStates) else (state,):
