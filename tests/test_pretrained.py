@@ -85,6 +85,25 @@ def test_a_sharded_checkpoint_streams_as_the_whole_file(saved, name):
     assert_trees_equal(got, expected)
 
 
+@pytest.mark.torchrun
+@pytest.mark.parametrize("stages", [1, 3])
+def test_streamed_init_under_torchrun_trains_as_two_simulated_ranks(saved, stages, tmp_path, one_thread):
+    """Two processes under dist_mesh, each with the model on meta: rank 0 reads the checkpoint and the other rank
+    receives its share (Step.init's broadcast); the params after init and after training equal those of the same
+    run on local_mesh(2), bitwise (fp32, one thread per rank)."""
+    from launch import torchrun
+
+    whole, _ = saved["llama"]
+    out = tmp_path / "run.pt"
+    torchrun([os.path.join(os.path.dirname(__file__), "pretrained_worker.py"), "--dir", whole, "--stages", str(stages),
+              "--out", str(out)])
+    got = torch.load(out, weights_only=False)
+    meta = _empty("llama")
+    expected_init, expected = _train(meta, stages, 2, materialize=fzero.checkpoint.pretrained(whole, model=meta))
+    assert_trees_equal(got["first"], expected_init)
+    assert_trees_equal(got["last"], expected)
+
+
 def test_init_holds_the_state_and_about_one_unit_never_the_model_twice(tmp_path):
     """Peak live bytes during a stage-3 init from a checkpoint: the state (both ranks' shards: the model once)
     plus one unit's values and its packed buffer, well under the model twice."""
