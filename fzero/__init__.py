@@ -4,8 +4,8 @@ Training state is a pytree; ``shard_optimizer``/``shard_grads``/``shard_params``
 functions from a step to a step, lowered to the collectives of a mesh. ``compile`` composes them.
 
 The names below are the public API (the transforms, ``compile``, the step and its state, plus the policy and mesh
-types users pass around; docs/architecture.md). The subpackages users reach as attributes (``fzero.optim``, ``fzero.checkpoint``, ``fzero.config``,
-``fzero.estimate``, ``fzero.memory``, ``fzero.models``, ``fzero.data``, ``fzero.testing``) are imported on
+types users pass around; docs/architecture.md). The subpackages users reach as attributes (``fzero.optim``,
+``fzero.checkpoint``, ``fzero.config``, ``fzero.estimate``, ``fzero.memory``, ``fzero.models``, ``fzero.data``, ``fzero.testing``) are imported on
 first use, so ``import fzero`` does not pay for torch.distributed.checkpoint or the config reader.
 """
 

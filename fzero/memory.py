@@ -1,7 +1,7 @@
 """Memory of model states: what the ZeRO formula predicts, and what a rank really holds.
 
-The formula is the ZeRO paper's (``fzero/estimate/_formula.py``): with Ψ parameters, N ranks, P bytes per parameter,
-G per gradient and K optimizer bytes per parameter,
+The formula is the ZeRO paper's (``fzero/estimate/_formula.py``): with Ψ parameters, N ranks, P bytes per
+parameter, G per gradient and K optimizer bytes per parameter,
 
     stage 0: (P + G + K)Ψ      stage 1: (P + G)Ψ + KΨ/N      stage 2: PΨ + (G + K)Ψ/N      stage 3: (P + G + K)Ψ/N
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from fzero._function import Function
-
 from fzero.dist import _events
 
 

@@ -31,6 +31,16 @@ from torch import nn
 _KINDS = ("_parameters", "_buffers")
 
 
+def walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, submodule)`` in ``named_modules(remove_duplicate=False)``'s order (pre-order, every path to a shared
+    submodule), the prefix ending in "." (empty for ``module``): by a stack, without torch's nested generators."""
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        yield prefix, m
+        stack.extend((f"{prefix}{key}.", c) for key, c in reversed(m.__dict__["_modules"].items()) if c is not None)
+
+
 class Binding:
     """Where each parameter and buffer name of one module tree lives, and which names are tied; made by ``of``."""
 
@@ -47,9 +57,7 @@ class Binding:
         """One walk of ``module``'s tree (every path to a shared submodule, as ``remove_duplicate=False`` walks)."""
         slots: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
         by_tensor: dict[int, list[str]] = {}
-        stack = [("", module)]
-        while stack:
-            prefix, m = stack.pop()
+        for prefix, m in walk(module):
             for kind in _KINDS:
                 for key, t in m.__dict__[kind].items():
                     if t is None:
@@ -59,9 +67,6 @@ class Binding:
                         continue  # a parameter of that name wins, as named_parameters() comes first in torch
                     slots[name] = (m, kind, key, t)
                     by_tensor.setdefault(id(t), []).append(name)
-            for key, child in reversed(m.__dict__["_modules"].items()):
-                if child is not None:
-                    stack.append((f"{prefix}{key}.", child))
         ties = {n: tuple(names) for names in by_tensor.values() if len(names) > 1 for n in names}
         return cls(module, slots, ties)
 
@@ -101,8 +106,8 @@ class Binding:
 
 def bound(module: nn.Module, tensors: dict[str, torch.Tensor], binding: Binding | None = None):
     """``torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=True, strict=False)``, fast:
-    a context manager. ``binding``: one made earlier for this module (reused while ``current()``)."""
-    if binding is None or binding.module is not module or not binding.current():
+    a context manager. ``binding``: one made earlier for this module, still ``current()`` (the caller checks)."""
+    if binding is None:
         binding = Binding.of(module)
     if binding.covers(tensors):
         return binding.bound(tensors)

@@ -90,10 +90,11 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     run = module if call is None else call
     args = args if isinstance(args, tuple) else (args,)  # as functional_call takes a single argument
     kwargs = kwargs or {}
+    tensors = tensors if type(tensors) is dict else dict(tensors)  # a dict of the caller's gets torch's write-back
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
-        with bound(module, tensors if type(tensors) is dict else dict(tensors)):
+        with bound(module, tensors):
             return run(*args, **kwargs)
-    scope.enter_context(bound(module, tensors if type(tensors) is dict else dict(tensors)))
+    scope.enter_context(bound(module, tensors))
     return run(*args, **kwargs)
 
 

@@ -41,8 +41,8 @@ class CastFromMasters:
 
     def free(self) -> None:
         names = [n for n, shard in self.shards.items() if _castable(shard, self.masters.get(n))]
-        known = [n for n in names if _still_cast(self.shards[n], self.masters[n])]
-        compare = [n for n in names if n not in set(known)]
+        known = {n for n in names if _still_cast(self.shards[n], self.masters[n])}
+        compare = [n for n in names if n not in known]
         same = []
         if compare:  # one flag per unit, read together: on a GPU one wait for the device per step, not one per unit
             same = torch.stack([_bits(self.masters[n].to(self.shards[n].dtype)).eq(_bits(self.shards[n])).all()

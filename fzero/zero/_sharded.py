@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fzero.layout._bind import walk
 from fzero.layout._clone import clone_structure
 from fzero.step import _usage
 from fzero.step._pool import Pool
@@ -245,17 +246,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
 
 
 def _parameter_paths(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``module.named_parameters(remove_duplicate=False)``, in its order (pre-order, each module's own first), by one
-    walk with a stack instead of torch's nested generators."""
-    out: list[tuple[str, torch.Tensor]] = []
-    stack = [("", module)]
-    while stack:
-        prefix, m = stack.pop()
-        for name, p in m._parameters.items():
-            if p is not None:
-                out.append((prefix + name, p))
-        stack.extend((f"{prefix}{name}.", c) for name, c in reversed(m._modules.items()) if c is not None)
-    return out
+    """``module.named_parameters(remove_duplicate=False)``, in its order, from one ``walk``."""
+    return [(prefix + name, p) for prefix, m in walk(module) for name, p in m._parameters.items() if p is not None]
 
 
 def _own_trainable(every: list[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
