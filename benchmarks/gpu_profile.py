@@ -10,7 +10,8 @@ For each size and system (built alone, as ``benchmarks/gpu.py`` builds them: sam
 host, synchronisations) shows as the gap; the number of kernel launches, copies and host synchronisations per
 step; the top operators by self CPU and by self CUDA time; and fzero's own ranges (``fzero.unit:*``, each
 collective). Writes ``summary.json`` and ``tables.txt`` under ``--out`` and, with ``--trace SIZE:SYSTEM``, a
-gzipped Chrome trace of that one.
+gzipped Chrome trace of that one; ``--syncs SIZE:SYSTEM`` lists where that one's host waits for the GPU
+(``syncs.txt``).
 
 At the end a markdown table gives each row's speed against plain PyTorch's and FSDP2's of its size (also at the
 top of ``tables.txt``). ``--jit``: fzero with ``jit=True``; plain PyTorch and FSDP2 under ``torch.compile`` on the
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--extra", action="append", default=[], help="SIZE:SYSTEM to run as well (after its size's systems)")
     p.add_argument("--cprofile", action="append", default=[],
                    help="SIZE:SYSTEM whose host side to profile with cProfile as well (cprofile.txt: top functions)")
+    p.add_argument("--syncs", action="append", default=[],
+                   help="SIZE:SYSTEM whose waits for the GPU to list by Python stack (syncs.txt; CUDA only)")
     p.add_argument("--mesh-timeout", type=float, default=60.0, help="local_mesh timeout of fzero-s3-m2, seconds")
     p.add_argument("--trace", action="append", default=[], help="SIZE:SYSTEM whose Chrome trace to keep (gzipped)")
     p.add_argument("--out", default="runs/profile")
@@ -246,6 +249,39 @@ def host_profile(step, batches, args, path: str, title: str) -> None:
         f.write(f"==== {title}: {args.steps} steps\n" + out.getvalue())
 
 
+def sync_points(step, batches, args, path: str, title: str) -> None:
+    """Where the host waits for the GPU: two steps under ``torch.cuda.set_sync_debug_mode("warn")``, which warns at
+    each synchronising call (``.item()``, ``.cpu()``, ``.tolist()``, a blocking copy, ...); each distinct Python
+    stack is counted and appended to ``path``. A wait lets the GPU run dry while the host then launches the next
+    kernels, so this lists the step's bubbles by cause."""
+    import collections
+    import traceback
+    import warnings
+
+    found: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        ours = [f"{os.path.relpath(f.filename, os.path.dirname(HERE))}:{f.lineno} {f.name}" for f in frames
+                if "site-packages" not in f.filename and "/lib/python" not in f.filename][-6:]
+        found[(str(message).split(".")[0][:80], " <- ".join(reversed(ours)))] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for k in range(2):
+                step(batches[k % len(batches)])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    with open(path, "a") as f:
+        f.write(f"==== {title}: waits for the GPU in 2 steps (count, what, where: innermost first)\n")
+        for (what, where), n in found.most_common():
+            f.write(f"{n:5d}  {what}\n       {where}\n")
+
+
 def ratio_table(results: list[dict]) -> str:
     """Markdown: each row's step time, and its speed against plain PyTorch's and FSDP2's of the same size (> 1: faster)."""
     ref = {(r["size"], r["system"]): r.get("step_ms") for r in results}
@@ -302,6 +338,8 @@ def main(argv=None) -> None:
                 row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
                 trace = os.path.join(args.out, f"trace-{size}-{name}.json.gz") if f"{size}:{name}" in args.trace else None
                 row.update(profile_one(step, batches, args, trace))
+                if f"{size}:{name}" in args.syncs and cuda:
+                    sync_points(step, batches, args, os.path.join(args.out, "syncs.txt"), f"{size} {name}")
                 if f"{size}:{name}" in args.cprofile:
                     host_profile(step, batches, args, os.path.join(args.out, "cprofile.txt"), f"{size} {name}")
                 del step

@@ -368,6 +368,7 @@ def test_fused_step_runs_the_triton_kernel_on_its_leaves(monkeypatch):
     # CUDA float32 leaves go to fzero.ops' kernel; here CPU leaves are made eligible so that the kernel runs under
     # the interpreter. It must equal fzero.ops' reference bit for bit, and torch's kernel must not run for them.
     monkeypatch.setattr(_fused, "triton_leaf", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(_fused, "TRITON_MIN_ELEMENTS", 0)
     calls = []
     real = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
@@ -391,6 +392,7 @@ def test_fused_step_adapter_splits_leaves_and_counts(monkeypatch):
     # The adapter behind _kernel: eligible leaves through fzero.ops with their own step counts (as _per_param_counts
     # passes them), the others (fp64 here) through torch's kernel in one call.
     monkeypatch.setattr(_fused, "triton_leaf", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(_fused, "TRITON_MIN_ELEMENTS", 0)
     calls = []
     torch_kernel = lambda *a, **k: calls.append([t.dtype for t in a[0]]) or torch._fused_adam_(*a, **k)  # noqa: E731
     leaves = [adam_state(N, seed=0), adam_state(50, seed=1), [t.double() for t in adam_state(9, seed=2)]]
@@ -403,6 +405,30 @@ def test_fused_step_adapter_splits_leaves_and_counts(monkeypatch):
     for (p, m, v), g, step in zip(expected, grads, steps):
         ops.adam_(p, g, m, v, step=float(step), lr=1e-3, weight_decay=0.1, impl="torch")
     for got, want in zip(leaves, expected):
+        for a, b in zip(got, want):
+            assert_bitwise(a, b)
+
+
+@needs_triton
+def test_fused_step_sends_leaves_below_the_size_threshold_to_torchs_kernel(monkeypatch):
+    # Below TRITON_MIN_ELEMENTS torch's one multi-tensor call is faster than a Triton call per leaf (measured on an
+    # H100): the small leaf goes to torch's kernel, the large one to fzero.ops', each with its own arithmetic.
+    monkeypatch.setattr(_fused, "triton_leaf", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(_fused, "TRITON_MIN_ELEMENTS", 100)
+    calls = []
+    torch_kernel = lambda *a, **k: calls.append([t.numel() for t in a[0]]) or torch._fused_adam_(*a, **k)  # noqa: E731
+    leaves = [adam_state(N, seed=0), adam_state(50, seed=1)]
+    grads = [torch.randn(N), torch.randn(50)]
+    steps = [torch.tensor(2.0), torch.tensor(2.0)]
+    big = [t.clone() for t in leaves[0]]
+    small = [t.clone() for t in leaves[1]]
+    _fused._triton_adam(torch_kernel, False, [x[0] for x in leaves], grads, [x[1] for x in leaves], [x[2] for x in leaves],
+                        [], steps, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    assert calls == [[50]]
+    ops.adam_(*big[:1], grads[0], *big[1:], step=2.0, lr=1e-3, weight_decay=0.1, impl="torch")
+    torch._fused_adam_([small[0]], [grads[1]], [small[1]], [small[2]], [], [torch.tensor(2.0)], lr=1e-3, beta1=0.9,
+                       beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    for got, want in zip(leaves, [big, small]):
         for a, b in zip(got, want):
             assert_bitwise(a, b)
 
@@ -481,9 +507,13 @@ def test_gpu_sumsq_and_scale_cast():
 @needs_triton
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_fused_step_uses_triton_and_agrees_with_torch():
-    # fzero.optim.apply_inplace on CUDA fp32 leaves: fzero.ops' kernel by default, within a few ulps of torch's
-    # fused CUDA kernel after 5 steps (1 ulp per step at most in rare elements, which Adam's normalisation can grow).
+@pytest.mark.parametrize("triton_from", [0, None])
+def test_gpu_fused_step_uses_triton_and_agrees_with_torch(monkeypatch, triton_from):
+    # fzero.optim.apply_inplace on CUDA fp32 leaves. From TRITON_MIN_ELEMENTS (here 0): fzero.ops' kernel, within a
+    # few ulps of torch's fused CUDA kernel after 5 steps (1 ulp per step at most in rare elements, which Adam's
+    # normalisation can grow). Below it (the default for this size): torch's kernel itself, so bit for bit.
+    if triton_from is not None:
+        monkeypatch.setattr(_fused, "TRITON_MIN_ELEMENTS", triton_from)
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(N, generator=gen).cuda()}
     theirs = [params["w"].clone(), torch.zeros_like(params["w"]), torch.zeros_like(params["w"])]
@@ -494,7 +524,10 @@ def test_gpu_fused_step_uses_triton_and_agrees_with_torch():
         state = fzero.optim.apply_inplace(opt, grads, state, params)
         torch._fused_adamw_([theirs[0]], [grads["w"]], [theirs[1]], [theirs[2]], [], [torch.tensor(float(step), device="cuda")],
                             lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    torch.testing.assert_close(params["w"], theirs[0], rtol=0, atol=1e-6 * theirs[0].abs().max().item())
+    if triton_from is None:
+        assert_bitwise(params["w"], theirs[0])
+    else:
+        torch.testing.assert_close(params["w"], theirs[0], rtol=0, atol=1e-6 * theirs[0].abs().max().item())
 
 
 @pytest.mark.gpu

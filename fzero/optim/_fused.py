@@ -9,7 +9,8 @@ its param. Anything else (meta tensors, non-contiguous views, grads of another d
 ``update`` followed by ``p.add_(u)``, which agrees with the kernel to rounding. Non-contiguous params must
 not reach the CPU kernel: it walks ``data_ptr`` densely and would write the wrong elements.
 
-On CUDA, float32 leaves go to fzero.ops' Triton Adam kernel instead when triton is installed (``_kernel``):
+On CUDA, float32 leaves of ``TRITON_MIN_ELEMENTS`` or more go to fzero.ops' Triton Adam kernel instead when
+triton is installed (``_kernel``); smaller ones stay with torch's kernel, which is faster there:
 it agrees with torch's CUDA kernel to fp32 rounding and is elementwise, with no scalar tail, so the bitwise
 facts below about shards and windows hold for it without conditions. CPU leaves always take torch's kernel.
 
@@ -126,6 +127,13 @@ def _undecayed(decay_groups: Any, params: Any, segments: Any) -> list[bool] | No
     return flags if any(flags) else None
 
 
+# From this many elements a leaf goes to fzero.ops' Triton Adam; smaller CUDA leaves share one call of torch's
+# multi-tensor kernel. Measured on an H100 (benchmarks/gpu.py, AdamW bandwidth, one leaf): Triton was 0.62x torch's
+# kernel at 2^24 elements, 1.05x at 2^26 and 1.11x at 2^28, and each Triton call costs about 60 us of host time
+# (its Python launcher) where torch's one call takes every small leaf. A module attribute so that tests can lower it.
+TRITON_MIN_ELEMENTS = 2 ** 25
+
+
 def triton_leaf(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether fzero.ops' Triton Adam takes leaves of this device and dtype instead of torch's kernel: CUDA
     float32 (the kernel's master and moments are fp32). A function of its own so that tests can widen it to
@@ -156,7 +164,8 @@ def _triton_adam(torch_kernel: Callable, decoupled: bool, params: list, grads: l
                  max_exp_avg_sqs: list, state_steps: list, *, lr: float, beta1: float, beta2: float, weight_decay: float,
                  eps: float, amsgrad: bool, maximize: bool) -> None:
     """torch's ``_fused_adam(w)_`` signature, run by ``fzero.ops.adam_`` (one call per leaf: ZeRO leaves are a few
-    flat buffers) for Triton's leaves and by torch's kernel (one call) for the others.
+    flat buffers) for Triton's leaves of at least ``TRITON_MIN_ELEMENTS`` and by torch's kernel (one call) for the
+    others.
 
     Step counts: ``fzero.ops.adam_`` takes the count as a host number, so each distinct step tensor is read once
     (a device sync when the count lives on the GPU; ``per_param_steps`` has already synced this step). The
@@ -171,7 +180,7 @@ def _triton_adam(torch_kernel: Callable, decoupled: bool, params: list, grads: l
     counts: dict[int, float] = {}
     for quad_step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
         p, g, m, v, step = quad_step
-        if not triton_leaf(p.device, p.dtype):
+        if not triton_leaf(p.device, p.dtype) or p.numel() < TRITON_MIN_ELEMENTS:
             for lst, t in zip(rest, quad_step):
                 lst.append(t)
             continue

@@ -172,7 +172,10 @@ def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
     differentiates nor updates. An L2 term summed over ``model.parameters()`` after ``fzero.apply`` returned would
     count in the loss but add nothing to the gradient (measured: grad norm 0.955 instead of 40.3), silently. One walk
     of the first step's graph finds such leaves; the step's own leaves are plain tensors, never ``nn.Parameter``."""
-    found: dict[int, nn.Parameter] = {}
+    # A leaf is matched to the modules' parameters by the tensor it wraps (``_cdata``), as well as by its type: the
+    # graph's AccumulateGrad hands back its leaf, and a wrapper other than the Parameter object would not be one.
+    own = {p._cdata: p for m in modules for p in m.parameters()}
+    found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     todo = [loss.grad_fn]
     functorch = torch._C._functorch
@@ -185,7 +188,8 @@ def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
             continue
         seen.add(id(node))
         leaf = getattr(node, "variable", None)  # AccumulateGrad: the graph reaches this leaf
-        if isinstance(leaf, nn.Parameter):
+        if isinstance(leaf, torch.Tensor) and (isinstance(leaf, nn.Parameter) or leaf._cdata in own):
+            leaf = own.get(leaf._cdata, leaf)
             found[id(leaf)] = leaf
         todo.extend(fn for fn, _ in node.next_functions)
     if not found:
