@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    help="SIZE:SYSTEM whose host side to profile with cProfile as well (cprofile.txt: top functions)")
     p.add_argument("--syncs", action="append", default=[],
                    help="SIZE:SYSTEM whose waits for the GPU to list by Python stack (syncs.txt; CUDA only)")
+    p.add_argument("--triton-min-elements", type=int, default=None,
+                   help="fzero's Adam: leaves from this size take the Triton kernel (default: fzero.optim._fused's)")
     p.add_argument("--mesh-timeout", type=float, default=60.0, help="local_mesh timeout of fzero-s3-m2, seconds")
     p.add_argument("--trace", action="append", default=[], help="SIZE:SYSTEM whose Chrome trace to keep (gzipped)")
     p.add_argument("--out", default="runs/profile")
@@ -303,6 +305,10 @@ def ratio_table(results: list[dict]) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.triton_min_elements is not None:
+        from fzero.optim import _fused
+
+        _fused.TRITON_MIN_ELEMENTS = args.triton_min_elements
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -136,20 +137,26 @@ def one_process(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     base = vm_rss()  # the interpreter, torch and the meta model
     reset_hwm()
+    t_init = time.perf_counter()
     state = step.init(fzero.params_of(model),
                       materialize=lambda path, m: (torch.randn(m.shape, generator=g) * 0.02).to(args.device))
     init_rss, init_peak = vm_rss() - base, vm_hwm() - base
     reset_hwm()
-    peaks = []
+    peaks, times = [], []
+    init_s = time.perf_counter() - t_init
+    print(f"init: {init_s:.1f} s, {init_rss / psi:.2f} B/param resident (peak {init_peak / psi:.2f})", file=sys.stderr, flush=True)
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
+        t0 = time.perf_counter()
         state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
+        times.append(time.perf_counter() - t0)  # the metrics are host numbers: the step has finished on the device
         peaks.append(vm_hwm() - base)
+        print(f"step: {times[-1]:.1f} s, peak {peaks[-1] / psi:.2f} B/param", file=sys.stderr, flush=True)
     out = {"params": psi, "device": args.device, "offload": args.offload, "precision": args.precision, "remat": args.remat,
            "largest_unit": max(u.numel for u in state[0].meta.layout.units),
            "init_bytes_per_param": init_rss / psi, "init_peak_bytes_per_param": init_peak / psi,
            "train_peak_bytes_per_param": max(peaks) / psi,
-           "peak_per_step": [p / psi for p in peaks], "loss": m["loss"]}
+           "peak_per_step": [p / psi for p in peaks], "init_s": init_s, "step_s": times, "loss": m["loss"]}
     print(json.dumps(out, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:

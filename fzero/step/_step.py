@@ -181,7 +181,9 @@ class Step:
 
     # -- gather ------------------------------------------------------------------------------------
     def gather(self, state: TrainState | RankStates) -> Any:
-        """Full params as a fresh pytree with the structure ``init`` was given (e.g. a dict like ``params_of``)."""
+        """Full params as a fresh pytree with the structure ``init`` was given (e.g. a dict like ``params_of``), on
+        the device the state keeps them: the host where the params or their fp32 masters are offloaded (as
+        DeepSpeed consolidates offloaded weights; a full copy on the GPU may be what does not fit)."""
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
         layout = rank_state.meta.layout
