@@ -172,11 +172,11 @@ def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
     differentiates nor updates. An L2 term summed over ``model.parameters()`` after ``fzero.apply`` returned would
     count in the loss but add nothing to the gradient (measured: grad norm 0.955 instead of 40.3), silently. One walk
     of the first step's graph finds such leaves; the step's own leaves are plain tensors, never ``nn.Parameter``."""
-    # A leaf is matched to the modules' parameters by the tensor it wraps (``_cdata``), as well as by its type: the
-    # graph's AccumulateGrad hands back its leaf, and a wrapper other than the Parameter object would not be one.
-    own = {p._cdata: p for m in modules for p in m.parameters()}
-    found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    found: dict[int, nn.Parameter] = {}
+    # Visited nodes by id, each kept alive: a node's Python object can be made on demand and freed once the walk
+    # moves on (torch 2.11 does), and a new one could then take its address, so a set of ids alone would skip
+    # nodes never visited (on the H100 machine with torch 2.11 the walk saw 3 nodes of this check's own test).
+    seen: dict[int, Any] = {}
     todo = [loss.grad_fn]
     functorch = torch._C._functorch
     while functorch.is_gradtrackingtensor(loss):  # under torch.func.grad the module's leaves are in the level below
@@ -186,10 +186,9 @@ def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         leaf = getattr(node, "variable", None)  # AccumulateGrad: the graph reaches this leaf
-        if isinstance(leaf, torch.Tensor) and (isinstance(leaf, nn.Parameter) or leaf._cdata in own):
-            leaf = own.get(leaf._cdata, leaf)
+        if isinstance(leaf, nn.Parameter):
             found[id(leaf)] = leaf
         todo.extend(fn for fn, _ in node.next_functions)
     if not found:
