@@ -528,8 +528,12 @@ def _adam_rounding_bounds(p, m, v, g, *, step, lr, wd, decoupled, b1=0.9, b2=0.9
     g_eff, g_mag = (g, g.abs()) if decoupled else (g + wd * p, g.abs() + wd * p.abs())
     m1 = b1 * m + (1 - b1) * g_eff
     v1 = b2 * v + (1 - b2) * g_eff * g_eff
-    e_m = u * (b1 * m.abs() + (1 - b1) * g_mag)
-    e_v = u * (b2 * v.abs() + 3 * (1 - b2) * g_mag * g_mag)  # squaring doubles g_eff's relative error
+    # A kernel may also hold b1 and b2 in fp32 (torch 2.11's CUDA kernel does, judging by the size of its difference
+    # in v: 1.3e-5 of the (1-b2)*g*g term, the error of fp32(0.999) over 1 - 0.999): 1 - b then carries b's
+    # rounding, b/(1-b) ulps of it (999 for 0.999), the e_beta terms below.
+    e_beta1, e_beta2 = 2.0 ** -24 * b1 * g_mag, 2.0 ** -24 * b2 * g_mag * g_mag
+    e_m = u * (b1 * m.abs() + (1 - b1) * g_mag) + e_beta1
+    e_v = u * (b2 * v.abs() + 3 * (1 - b2) * g_mag * g_mag) + e_beta2  # squaring doubles g_eff's relative error
     root = v1.sqrt() / (1 - b2 ** step) ** 0.5
     d = root + eps
     rel_d = (root * e_v / (2 * v1) + u * d) / d
