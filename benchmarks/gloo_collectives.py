@@ -1,6 +1,6 @@
 """What the ZeRO collectives cost on gloo here, in each form ``DistComm`` can run them: torch.distributed's own
 collectives (``dist_mesh(collectives="native")``) against direct point-to-point exchanges (``"p2p"``,
-``fzero.dist._p2p``), through fzero's comm with its fault board, as a step calls them.
+``fzero.mesh._p2p``), through fzero's comm with its fault board, as a step calls them.
 
 Run from the repository root (about a minute):
 

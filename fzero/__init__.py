@@ -15,9 +15,9 @@ from typing import Any
 
 from fzero._compile import compile
 from fzero.autodiff._remat import remat
-from fzero.dist._comm import MeshTimeout
-from fzero.dist._faults import RankFailed, RankStopped
-from fzero.dist._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
+from fzero.mesh._comm import MeshTimeout
+from fzero.mesh._faults import RankFailed, RankStopped
+from fzero.mesh._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
 from fzero.estimate._estimate import MemoryEstimate, estimate_memory
 from fzero.layout._empty import empty_params
 from fzero.layout._units import units_of
@@ -36,8 +36,8 @@ _SUBMODULES = ("checkpoint", "config", "data", "estimate", "memory", "models", "
 # Internals that fzero used to export: still reachable as fzero.<name>, with a DeprecationWarning that says
 # where the object lives and what users reach it through.
 _INTERNAL = {
-    "Call": ("fzero.dist._comm", "a collective as recorded in fzero.count_collectives(mesh).counter.calls"),
-    "Counter": ("fzero.dist._comm", "get a mesh's counter as fzero.count_collectives(mesh).counter"),
+    "Call": ("fzero.mesh._comm", "a collective as recorded in fzero.count_collectives(mesh).counter.calls"),
+    "Counter": ("fzero.mesh._comm", "get a mesh's counter as fzero.count_collectives(mesh).counter"),
     "RankStates": ("fzero.step._state", "the state of a step on fzero.local_mesh(n); state[r] is rank r's TrainState"),
     "ReplicatedParams": ("fzero.zero._sharded", "the params fzero.apply receives inside a step; step.gather(state) gives the full params"),
     "ShardedParams": ("fzero.zero._sharded", "the params fzero.apply receives inside a step; step.gather(state) gives the full params"),

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fzero.dist import _events
+from fzero.mesh import _events
 from fzero.estimate._formula import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
 from fzero.layout import _tree
 from fzero.zero._offload import is_file_backed
@@ -161,7 +161,7 @@ class GatheredBytes(_Tally):
     """Live and peak bytes of gathered stage-3 parameter buffers (whole units) in this thread.
 
     ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into
-    (``fzero.dist._events``); the count drops when the buffer is freed. On a ``local_mesh``, enter one per
+    (``fzero.mesh._events``); the count drops when the buffer is freed. On a ``local_mesh``, enter one per
     rank with ``rank_context``.
     """
 

@@ -19,7 +19,7 @@ import torch
 
 import fzero
 from fzero.config import from_deepspeed
-from fzero.dist._comm import RanksDisagree
+from fzero.mesh._comm import RanksDisagree
 from fzero.models import MLP
 from fzero.step._precision import MAX_LOSS_SCALE, LossScaleState, next_loss_scale
 from fzero.step._state import check_params_fit_module, tree_difference

@@ -727,7 +727,7 @@ def _error(files: dict, rank: int, proc) -> str:
 
 
 def _no_orphans(files: dict) -> None:
-    from fzero.dist._faults import process_alive
+    from fzero.mesh._faults import process_alive
 
     deadline = time.monotonic() + 10
     while any(process_alive(files[f"pid{r}"]["pid"]) for r in (0, 1)) and time.monotonic() < deadline:

@@ -209,7 +209,7 @@ def test_dist_mesh_sends_cpu_tensors_to_gloo_and_cuda_tensors_to_nccl(monkeypatc
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "get_backend", lambda: seen["backend"])
-    monkeypatch.setattr("fzero.dist._mesh.fault_board", lambda timeout: None)  # no store behind the stand-in group
+    monkeypatch.setattr("fzero.mesh._mesh.fault_board", lambda timeout: None)  # no store behind the stand-in group
     mesh = fzero.dist_mesh()
     assert seen["backend"] == expected and mesh.backend == expected
     assert seen.get("device") == (1 if cuda else None)  # torchrun's LOCAL_RANK picks this process's GPU

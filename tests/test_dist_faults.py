@@ -3,7 +3,7 @@ raises, is SIGKILLed, stalls, or was built unlike rank 0. The surviving rank's e
 cause, every job ends within 60 s (a bound, not a benchmark), and none can hang: each launch has a timeout that
 kills torchrun and its workers. Select with ``-m torchrun``.
 
-The fault board itself (``fzero.dist._faults``) and the sliced wait (``fzero.dist._waiting``) are also tested
+The fault board itself (``fzero.mesh._faults``) and the sliced wait (``fzero.mesh._waiting``) are also tested
 in this process, over an in-memory store and fake collectives: no subprocess, milliseconds.
 """
 
@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from fzero.dist._comm import MeshTimeout, RanksDisagree
-from fzero.dist._faults import Board, RankFailed, first_fault, process_alive
-from fzero.dist import _waiting
+from fzero.mesh._comm import MeshTimeout, RanksDisagree
+from fzero.mesh._faults import Board, RankFailed, first_fault, process_alive
+from fzero.mesh import _waiting
 from launch import torchrun, torchrun_failing
 
 HERE = os.path.dirname(__file__)

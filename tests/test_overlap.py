@@ -186,7 +186,7 @@ def test_bucketed_gathers_equal_one_per_unit_bitwise_with_fewer_calls(problem, f
     # buffer filled from it; the same values, fewer calls, the same elements. "any" calls a shared block twice (a
     # unit twice in the order ends a bucket). fresh: the path of dist_mesh's comm, whose refills gather into fresh
     # buffers that are then moved into the freed ones, rather than straight into the freed buffers (local_mesh).
-    from fzero.dist._thread_comm import ThreadComm
+    from fzero.mesh._thread_comm import ThreadComm
 
     if fresh:
         monkeypatch.setattr(ThreadComm, "async_writes_keep_version", False)

@@ -19,7 +19,7 @@ def test_every_exported_name_resolves_and_dir_lists_them():
         fzero.shard_everything  # noqa: B018
 
 
-@pytest.mark.parametrize("name, module", [("Counter", "fzero.dist._comm"), ("RankStates", "fzero.step._state"),
+@pytest.mark.parametrize("name, module", [("Counter", "fzero.mesh._comm"), ("RankStates", "fzero.step._state"),
                                           ("ShardedParams", "fzero.zero._sharded")])
 def test_a_former_export_warns_and_names_its_module(name, module):
     with pytest.warns(DeprecationWarning, match=rf"fzero.{name} is internal .*from {module} import {name}"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
-from fzero.dist._comm import MeshTimeout, RanksDisagree
+from fzero.mesh._comm import MeshTimeout, RanksDisagree
 from fzero.step._state import RankStates
 from fzero.testing import assert_trees_equal
 from problems import PROBLEMS, Problem, fzero_run, reference_run
@@ -295,7 +295,7 @@ def test_torchrun_ranks_with_different_models_raise_at_init(tmp_path, stages):
 
 
 def test_ranks_agree_lists_the_first_difference_in_order():
-    from fzero.dist._comm import first_difference
+    from fzero.mesh._comm import first_difference
 
     a = [("the ZeRO stage", 3), ("unit #0", "'a'"), ("the shape of 'a.w'", (2,))]
     assert first_difference([a, list(a)]) is None

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
-from fzero.dist._comm import Counter
+from fzero.mesh._comm import Counter
 from fzero.memory import LiveBytes
 from fzero.testing import assert_trees_equal
 

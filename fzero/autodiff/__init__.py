@@ -1,1 +1,1 @@
-"""Differentiation: the gradient of one micro-batch and rematerialisation."""
+"""Rematerialisation: ``fzero.remat`` recomputes a block in backward instead of keeping its activations."""

@@ -161,13 +161,13 @@ class _RngState:
     """The CPU RNG state this thread draws from, and that of each CUDA device among the inputs, replayed by
     the recompute.
 
-    Both are read and replayed through ``fzero.dist._rng``: in a rank thread of a ``local_mesh`` that is
+    Both are read and replayed through ``fzero.mesh._rng``: in a rank thread of a ``local_mesh`` that is
     the rank's own stream (as in a torchrun process), never the global generator the rank threads share,
     so the recompute draws the mask this rank's forward drew, and no other rank's draws move it.
     """
 
     def __init__(self, tensors) -> None:
-        from fzero.dist import _rng
+        from fzero.mesh import _rng
 
         self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                             for t in tensors if t.device.type == "cuda"})
@@ -176,7 +176,7 @@ class _RngState:
 
     @contextlib.contextmanager
     def replay(self):
-        from fzero.dist import _rng
+        from fzero.mesh import _rng
 
         # As fork_rng: every generator is put back afterwards, so the recompute does not advance them.
         cuda_now = [_rng.cuda_get_state(d) for d in self.cuda]

@@ -4,7 +4,7 @@ Why: ``save`` and ``load`` are collectives (every rank calls them with its own s
 0 alone used to wait in a raw gloo all-reduce for a rank that never came: no progress until torchrun killed the
 job (or gloo's "Timed out waiting 20000ms for send operation" with ``dist_mesh(timeout=20)``). So each call
 starts, as a step does, with the check that every rank starts the same call (``DistComm.begin``: one all-reduce of
-two integers), waited for in slices on the fault board (``fzero.dist._faults``): a rank that is in another fzero
+two integers), waited for in slices on the fault board (``fzero.mesh._faults``): a rank that is in another fzero
 call is named at once (``RanksDisagree``), one that ended its program or died within seconds (``RankFailed``),
 one that stays in its own code at the mesh timeout (``MeshTimeout``); each message then says that the call is a
 collective and to make it on every rank. The small exchanges that follow (rank 0's verdict, the checksums, the
@@ -51,11 +51,11 @@ def _enter(api: str) -> Any:
     """A ``DistComm`` for this call, after checking that every rank makes it (see the module docstring)."""
     import torch.distributed as dist
 
-    from fzero.dist import _hooks
-    from fzero.dist._comm import MeshTimeout, RanksDisagree
-    from fzero.dist._dist_comm import DistComm
-    from fzero.dist._faults import RankFailed
-    from fzero.dist._mesh import fault_board
+    from fzero.mesh import _hooks
+    from fzero.mesh._comm import MeshTimeout, RanksDisagree
+    from fzero.mesh._dist_comm import DistComm
+    from fzero.mesh._faults import RankFailed
+    from fzero.mesh._mesh import fault_board
 
     current = _hooks.current()
     board = fault_board(current.timeout if current is not None else 300.0)  # dist_mesh made it, with the mesh's timeout

@@ -148,7 +148,7 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
     second copy of the model is held. Under torchrun every rank calls it (the gathers are collectives) and rank
     0 writes; ``out_dir`` need only be visible to rank 0.
     """
-    from fzero.dist._mesh import DistMesh
+    from fzero.mesh._mesh import DistMesh
     from fzero.step._state import RankStates
     from fzero.step._step import Step
 

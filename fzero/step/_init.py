@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
+from fzero.mesh._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
 from fzero.layout import _tree
 from fzero.layout._layout import DEVICE_TYPES, Layout, Slot, build_layout, device_of
 from fzero.layout._segments import LayoutSegments

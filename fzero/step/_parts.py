@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.dist._comm import Pending
+from fzero.mesh._comm import Pending
 from fzero.layout._layout import Layout
 from fzero.step import _usage
 from fzero.step._pool import GatherBucket, Pool, take

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.dist import _events
-from fzero.dist._comm import Pending
+from fzero.mesh import _events
+from fzero.mesh._comm import Pending
 
 
 class Pool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fzero.autodiff._gradient import gradient, split_loss
+from fzero.step._gradient import gradient, split_loss
 from fzero.step._batch import split_micro
 from fzero.step._buffers import Buffers, broadcast_buffers
 from fzero.step._context import compute_dtype, step_buffers

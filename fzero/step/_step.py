@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.dist._comm import Rendezvous, ThreadComm
+from fzero.mesh._comm import Rendezvous, ThreadComm
 from fzero.layout import _tree
-from fzero.dist._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.mesh._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
 from fzero.step._context import module_clones
 from fzero.step._init import init_state

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fzero.dist._comm import Pending
+from fzero.mesh._comm import Pending
 
 from fzero.layout._layout import Layout
 from fzero.step._precision import StaticLossScale, next_loss_scale

@@ -20,7 +20,7 @@ from torch import nn
 
 from fzero._function import Function
 from fzero.autodiff._remat import remat
-from fzero.dist._comm import profiled
+from fzero.mesh._comm import profiled
 from fzero.layout import _tree
 from fzero.layout._layout import Unit, split_sizes
 from fzero.step import _usage

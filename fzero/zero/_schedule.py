@@ -11,8 +11,8 @@ from torch import nn
 
 from fzero.layout._bind import Binding, bound
 from fzero.layout._layout import Layout, Unit
-from fzero.dist import _events
-from fzero.dist._comm import Pending
+from fzero.mesh import _events
+from fzero.mesh._comm import Pending
 from fzero.step._pool import GatherBucket, Pool, alloc_memory, can_move, free_memory, move_into, take
 
 class UnitCall:

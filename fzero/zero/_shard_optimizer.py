@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.dist._comm import Pending
+from fzero.mesh._comm import Pending
 
-from fzero.dist._mesh import DistMesh, LocalMesh, Mesh
+from fzero.mesh._mesh import DistMesh, LocalMesh, Mesh
 from fzero.layout._layout import Layout
 from fzero.step._parts import GradsAllReduce, OptStateReplicated
 from fzero.step._pool import Pool, reduce_scatter

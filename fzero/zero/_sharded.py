@@ -30,7 +30,7 @@ from fzero.layout._bind import walk
 from fzero.layout._clone import clone_structure
 from fzero.step import _usage
 from fzero.step._pool import Pool
-from fzero.dist._autograd import AllGather, ReplicatedShardGrad
+from fzero.mesh._autograd import AllGather, ReplicatedShardGrad
 from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.layout._layout import ROOT, Layout, Unit
 from fzero.zero._gathered import run_unit

@@ -2,7 +2,7 @@
 
 A gloo collective's ``work.wait(timeout)`` gives up after ``timeout`` with "Operation timed out!" and can be
 waited on again, so a rank waits in slices (0.1 s, doubling up to 1 s) and between two slices reads the fault
-board (``fzero.dist._faults``): another rank's error ends the wait at once as a ``RankFailed``; a neighbour
+board (``fzero.mesh._faults``): another rank's error ends the wait at once as a ``RankFailed``; a neighbour
 waiting at the same collective number for a different collective is a ``RanksDisagree``; past the mesh
 timeout, a ``MeshTimeout`` names the rank that did not arrive. A collective that fails (gloo's "Connection
 closed by peer") is explained from the board: the rank that reported an error, or the one whose process is gone.
@@ -13,7 +13,7 @@ gloo's reduce-scatter is the exception: its collective runs inside ``wait``, whi
 closed by peer", explained from the board) or at the process group's timeout (``dist_mesh``'s, when it made the
 group), which is explained like the mesh timeout.
 
-The point-to-point exchanges that stand for gloo's all-gather and reduce-scatter (``fzero.dist._p2p``) are waited
+The point-to-point exchanges that stand for gloo's all-gather and reduce-scatter (``fzero.mesh._p2p``) are waited
 for by a helper thread (``Together``): a send or receive waited on in a slice that runs out closes its connection.
 
 NCCL's ``wait`` only orders CUDA streams (the CPU does not wait), and a wait with a timeout would make the CPU
@@ -30,8 +30,8 @@ import threading
 import time
 from typing import Any
 
-from fzero.dist._comm import MeshTimeout, RanksDisagree
-from fzero.dist._faults import (FIX_TIMEOUT, Board, Call, RankFailed, disagree_text, failed, first_fault, not_arrived,
+from fzero.mesh._comm import MeshTimeout, RanksDisagree
+from fzero.mesh._faults import (FIX_TIMEOUT, Board, Call, RankFailed, disagree_text, failed, first_fault, not_arrived,
                                 vanished)
 
 FIRST_SLICE = 0.1  # seconds; a collective that completes sooner never reads the store
@@ -40,7 +40,7 @@ _SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises w
 
 
 class Together:
-    """Several point-to-point works (``fzero.dist._p2p``) waited for as one collective.
+    """Several point-to-point works (``fzero.mesh._p2p``) waited for as one collective.
 
     A gloo send or receive must not be waited on in slices: a ``wait(timeout)`` that runs out closes the connection
     to that peer ("Application timeout caused pair closure"), and its ``is_completed`` stays false until ``wait``.

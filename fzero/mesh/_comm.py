@@ -18,9 +18,9 @@ the same sums by the same N and stays bitwise comparable):
   must share. Not a counted collective: it moves a description, not training data.
 
 ``tag`` is the kind of traffic ("params", "grads", "metrics", "init"), for the counter; ``label`` is what
-exactly is moved (e.g. a unit's name). Two implementations: ``ThreadComm`` (``fzero.dist._thread_comm``) runs
+exactly is moved (e.g. a unit's name). Two implementations: ``ThreadComm`` (``fzero.mesh._thread_comm``) runs
 the ranks of a ``local_mesh`` as threads that meet at a barrier and reduce over shared buffers in rank order
-0, 1, ..., N-1 (deterministic); ``DistComm`` (``fzero.dist._dist_comm``) calls ``torch.distributed``. Both
+0, 1, ..., N-1 (deterministic); ``DistComm`` (``fzero.mesh._dist_comm``) calls ``torch.distributed``. Both
 are importable from this module too.
 
 Every call is reported to the mesh's ``Counter`` (when it has one) with the number of elements each
@@ -183,7 +183,7 @@ def disagreement(described: list[list[tuple[str, Any]]], *, api: str, fix: str) 
 
 # -- the implementations, importable from here as well ---------------------------------------------------
 
-_IMPLEMENTATIONS = {"Rendezvous": "fzero.dist._thread_comm", "ThreadComm": "fzero.dist._thread_comm", "DistComm": "fzero.dist._dist_comm"}
+_IMPLEMENTATIONS = {"Rendezvous": "fzero.mesh._thread_comm", "ThreadComm": "fzero.mesh._thread_comm", "DistComm": "fzero.mesh._dist_comm"}
 
 
 def __getattr__(name: str) -> Any:

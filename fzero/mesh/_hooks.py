@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from fzero.dist._faults import Board, RankStopped, failed, first_fault, vanished
+from fzero.mesh._faults import Board, RankStopped, failed, first_fault, vanished
 
 LINGER = 3.0  # seconds, at most, that a failing rank stays for the others to report
 

@@ -1,12 +1,12 @@
 """The comm of ``dist_mesh``: one rank per process, every collective a ``torch.distributed`` call.
 
 No per-call matching across ranks here (it would cost a round trip per collective): ``Step.init`` checks
-once, with ``agree``, that every rank runs the same layout and settings (see ``fzero.dist._comm``).
+once, with ``agree``, that every rank runs the same layout and settings (see ``fzero.mesh._comm``).
 
-Every collective is issued asynchronously and waited for through ``fzero.dist._waiting``, which ends the
+Every collective is issued asynchronously and waited for through ``fzero.mesh._waiting``, which ends the
 wait when another rank fails, vanishes or does not arrive within the mesh timeout, with an error that names
 that rank and this collective (its number on the mesh, op, tag, unit, and the step call it belongs to), read
-from the job's fault board (``fzero.dist._faults``). ``agree`` moves its descriptions the same way (two
+from the job's fault board (``fzero.mesh._faults``). ``agree`` moves its descriptions the same way (two
 all-gathers of bytes) rather than with ``all_gather_object``, which would wait without a bound.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero.dist import _p2p
-from fzero.dist._comm import Counter, Pending, RanksDisagree, Recording, disagreement, ranged
-from fzero.dist._faults import Board, Call
-from fzero.dist._waiting import Together, wait
+from fzero.mesh import _p2p
+from fzero.mesh._comm import Counter, Pending, RanksDisagree, Recording, disagreement, ranged
+from fzero.mesh._faults import Board, Call
+from fzero.mesh._waiting import Together, wait
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,14 +47,14 @@ class DistComm(Recording):
         self.group = group
         self.counter = counter
         self.board = board  # None: plain waits, raw backend errors
-        # "auto": the exchanges of fzero.dist._p2p for the all-gathers and reduce-scatters of CPU tensors on gloo,
+        # "auto": the exchanges of fzero.mesh._p2p for the all-gathers and reduce-scatters of CPU tensors on gloo,
         # torch.distributed's collectives elsewhere; "native": torch.distributed's everywhere; "p2p": every collective
         # of CPU tensors on gloo as exchanges (sums in rank order, as local_mesh takes them)
         self.collectives = collectives
         self._gloo = size > 1 and "gloo" in str(dist.get_backend(group))
 
     def _exchanges(self, op: str, tensor: torch.Tensor) -> bool:
-        """Whether collective ``op`` of ``tensor`` runs as direct exchanges (``fzero.dist._p2p``) rather than torch.distributed's."""
+        """Whether collective ``op`` of ``tensor`` runs as direct exchanges (``fzero.mesh._p2p``) rather than torch.distributed's."""
         if self.collectives == "native" or not self._gloo or tensor.device.type != "cpu":
             return False
         return self.collectives == "p2p" or op in AUTO_EXCHANGES
@@ -70,7 +70,7 @@ class DistComm(Recording):
         return self.board.issue(f"{op} {tag}{unit}{source}, {numel} x {str(tensor.dtype).removeprefix('torch.')}")
 
     def _wait(self, work, call: Call | None, tensor: torch.Tensor) -> None:
-        # gloo (CPU tensors) is waited for in slices; a CUDA wait only orders streams (see fzero.dist._waiting)
+        # gloo (CPU tensors) is waited for in slices; a CUDA wait only orders streams (see fzero.mesh._waiting)
         wait(work, call, self.board, bounded=tensor.device.type == "cpu")
 
     def begin(self) -> None:

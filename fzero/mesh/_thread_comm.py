@@ -3,7 +3,7 @@
 The ranks meet at a barrier for every collective, read each other's tensors from shared slots and reduce
 them in rank order 0, 1, ..., N-1, so results are deterministic. Every collective is matched across ranks
 first (``_Sig``: op, tag, label, size, dtype, source) and ``finish`` meets the others once more when a
-rank's program ends, so ranks that disagree raise ``RanksDisagree`` at once (see ``fzero.dist._comm``).
+rank's program ends, so ranks that disagree raise ``RanksDisagree`` at once (see ``fzero.mesh._comm``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fzero.dist._comm import Counter, MeshTimeout, Pending, RanksDisagree, Recording, disagreement, ranged
+from fzero.mesh._comm import Counter, MeshTimeout, Pending, RanksDisagree, Recording, disagreement, ranged
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@
 - ``local_mesh(n)``: n ranks simulated in this process, one thread per rank. For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
-  stream, a copy of the process's generator at the start of the call (``fzero.dist._rng``), and every
-  collective is matched across ranks (``fzero.dist._thread_comm``), so a simulated mesh equals n ``torchrun``
+  stream, a copy of the process's generator at the start of the call (``fzero.mesh._rng``), and every
+  collective is matched across ranks (``fzero.mesh._thread_comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
   (gloo for CPU tensors, NCCL for CUDA ones). Each process passes its own batch.
@@ -25,9 +25,9 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from fzero.dist._comm import Counter, MeshTimeout, RanksDisagree
-from fzero.dist._thread_comm import Rendezvous, ThreadComm
-from fzero.dist._rng import own_stream, rank_streams
+from fzero.mesh._comm import Counter, MeshTimeout, RanksDisagree
+from fzero.mesh._thread_comm import Rendezvous, ThreadComm
+from fzero.mesh._rng import own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,7 +45,7 @@ class LocalMesh:
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global
         CPU generator; afterwards the global generator holds rank 0's final state, as if this process
-        were rank 0 of a torchrun job (``fzero.dist._rng``). A single rank runs in the caller's thread on the
+        were rank 0 of a torchrun job (``fzero.mesh._rng``). A single rank runs in the caller's thread on the
         global generator itself, as plain PyTorch does.
 
         If a rank raises, the others are released from the barrier and the first real error is re-raised
@@ -129,10 +129,10 @@ class DistMesh:
 
     def comm(self, *, api: str):
         """This rank's comm for one call of ``api`` (the step, its init, evaluate or gather, a checkpoint writer), whose
-        collectives it numbers and describes, under that name, for the errors of a failed job (``fzero.dist._faults``)."""
+        collectives it numbers and describes, under that name, for the errors of a failed job (``fzero.mesh._faults``)."""
         import torch.distributed as dist
 
-        from fzero.dist._dist_comm import DistComm
+        from fzero.mesh._dist_comm import DistComm
 
         board = fault_board(self.timeout)
         if board is not None:
@@ -147,8 +147,8 @@ def fault_board(timeout: float) -> Any:
     None where torch.distributed has no default store to keep it on."""
     import torch.distributed as dist
 
-    from fzero.dist import _hooks
-    from fzero.dist._faults import Board
+    from fzero.mesh import _hooks
+    from fzero.mesh._faults import Board
 
     board = _hooks.current()
     world = dist.group.WORLD
@@ -185,7 +185,7 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives
     params live on the CPU works on a GPU machine too). With CUDA, a process that has not chosen its
     device is put on ``LOCAL_RANK``'s, as torchrun numbers them.
 
-    Faults end the job fast and say why (``fzero.dist._faults``): when a rank raises, the others stop
+    Faults end the job fast and say why (``fzero.mesh._faults``): when a rank raises, the others stop
     within about a second with a ``RankFailed`` naming that rank, its exception and the collective they
     were waiting at; a rank whose process vanishes (SIGKILL, the out-of-memory killer) is named the same
     way. ``timeout`` (seconds, default 300) is how long a rank waits at one collective for the others: a
@@ -197,7 +197,7 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives
     keeps its own, and the shorter of the two applies. CUDA collectives rely on NCCL's own timeout.
 
     ``collectives``: how the collectives of CPU tensors run on gloo. ``"auto"`` (the default): all-gathers and
-    reduce-scatters as direct point-to-point exchanges (``fzero.dist._p2p``: measured 1.3-1.7x and 2-4x faster
+    reduce-scatters as direct point-to-point exchanges (``fzero.mesh._p2p``: measured 1.3-1.7x and 2-4x faster
     than gloo's own on the sizes a step moves, and they run while the rank computes), all-reduces as gloo's ring
     (faster than an exchange's two rounds); ``"native"``: torch.distributed's collectives throughout; ``"p2p"``:
     all-reduces as exchanges too, which sum in rank order as ``local_mesh`` does (the same bits on any number of

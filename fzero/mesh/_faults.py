@@ -8,14 +8,14 @@ which outlives any worker), under keys of its own:
 - ``pid/<r>``: rank r's host and process id, written when the board is made: a rank on the same host can tell
   at once whether rank r's process is gone (a SIGKILL, the out-of-memory killer, a crash in C++).
 - ``fault/<r>``: what went wrong with rank r, as JSON ``{"by": reporter, "text": ...}``: by rank r itself when
-  it raises (``fzero.dist._process_hooks`` writes it from ``sys.excepthook``, with the exception's type and
+  it raises (``fzero.mesh._process_hooks`` writes it from ``sys.excepthook``, with the exception's type and
   message), or by a rank that saw r vanish or not arrive. ``faults`` counts them, so that a waiting rank checks
   for any fault with one round trip.
 - ``waiting/<r>``: the collective rank r has been waiting at for more than a moment (its sequence number and
   description); two ranks waiting at the same number for different collectives disagree.
 - ``done/<r>``: rank r has reported its error, or ended; ``exited/<r>``: its interpreter is ending.
 
-A rank waits for a collective in slices (``fzero.dist._dist_comm``) and between slices reads the fault count,
+A rank waits for a collective in slices (``fzero.mesh._dist_comm``) and between slices reads the fault count,
 so it stops within a second of another rank's failure, with a ``RankFailed`` naming that rank, its exception
 and what this rank was doing (which collective, what it moved, in which call of the step). The board costs
 nothing while collectives complete: the store is touched only by a wait that lasts longer than a slice, and
