@@ -15,9 +15,9 @@ from typing import Any
 
 from fzero._compile import compile
 from fzero.autodiff._remat import remat
-from fzero.mesh._comm import MeshTimeout
+from fzero.mesh._comm import Comm, CommWrapper, MeshTimeout
 from fzero.mesh._faults import RankFailed, RankStopped
-from fzero.mesh._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh
+from fzero.mesh._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh, wrap_comm
 from fzero.estimate._estimate import MemoryEstimate, estimate_memory
 from fzero.layout._empty import empty_params
 from fzero.layout._units import units_of
@@ -46,6 +46,8 @@ _INTERNAL = {
 
 __all__ = [
     "CPUOffload",
+    "Comm",
+    "CommWrapper",
     "DiskOffload",
     "DistMesh",
     "DynamicLossScale",
@@ -83,6 +85,7 @@ __all__ = [
     "testing",
     "train_step",
     "units_of",
+    "wrap_comm",
 ]
 
 

@@ -17,6 +17,9 @@ the same sums by the same N and stays bitwise comparable):
   value differs on some rank. ``fields`` are small picklable (name, value) pairs describing what every rank
   must share. Not a counted collective: it moves a description, not training data.
 
+``Comm`` is this protocol as a type; ``CommWrapper`` is the base of a comm around another, which
+``fzero.wrap_comm(mesh, wrapper)`` puts around every comm a mesh makes.
+
 ``tag`` is the kind of traffic ("params", "grads", "metrics", "init"), for the counter; ``label`` is what
 exactly is moved (e.g. a unit's name). Two implementations: ``ThreadComm`` (``fzero.mesh._thread_comm``) runs
 the ranks of a ``local_mesh`` as threads that meet at a barrier and reduce over shared buffers in rank order
@@ -39,6 +42,7 @@ a per-call check would cost a round trip per collective; there ``Step.init`` che
 from __future__ import annotations
 
 import contextlib
+import typing
 import dataclasses
 import functools
 import importlib
@@ -131,6 +135,46 @@ def ranged(method: Callable) -> Callable:
             return method(self, *args, tag=tag, label=label, **kwargs)
 
     return inner
+
+
+@typing.runtime_checkable
+class Comm(typing.Protocol):
+    """What a rank's program calls for every collective (the module docstring says what each one does). A mesh makes
+    one per rank and call (``ThreadComm``, ``DistComm``); ``fzero.wrap_comm(mesh, wrapper)`` puts a wrapper around
+    each, the seam where a transform of the traffic (compression, quantised gathers, a tracer) plugs in."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str, label: str | None = None) -> torch.Tensor: ...
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, *, tag: str, label: str | None = None) -> Pending: ...
+    def reduce_scatter(self, full: torch.Tensor, *, tag: str, label: str | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def reduce_scatter_async(self, full: torch.Tensor, *, tag: str, label: str | None = None,
+                             out: torch.Tensor | None = None) -> Pending: ...
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, label: str | None = None) -> torch.Tensor: ...
+    def all_reduce_async(self, tensor: torch.Tensor, *, tag: str, label: str | None = None) -> Pending: ...
+    def broadcast(self, tensor: torch.Tensor, *, src: int, tag: str, label: str | None = None) -> torch.Tensor: ...
+    def agree(self, fields: list[tuple[str, Any]], *, api: str, fix: str) -> None: ...
+
+
+class CommWrapper:
+    """A ``Comm`` around another: every attribute and collective is the inner comm's unless a subclass overrides it
+    (``inner`` is the wrapped comm). The base of what ``fzero.wrap_comm`` puts around a mesh's comms.
+
+    A subclass that changes what a collective returns overrides both forms of it (``reduce_scatter`` and
+    ``reduce_scatter_async``, ...): the step calls either, depending on the stage and on what overlaps."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # only for what this class and its subclass do not define
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def then(pending: "Pending", fn: Callable[[torch.Tensor], torch.Tensor]) -> "Pending":
+        """A started collective whose result passes through ``fn`` when it is waited for (for the ``*_async`` forms)."""
+        return Pending(lambda: fn(pending.wait()))
 
 
 class Recording:

@@ -39,6 +39,7 @@ class LocalMesh:
     counter: Counter | None = dataclasses.field(default=None, compare=False)
     # Entered around each rank's program in its own thread: per-rank profilers and memory counters.
     rank_context: Callable[[int], ContextManager[Any]] | None = dataclasses.field(default=None, compare=False)
+    wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
 
     def run(self, fn: Callable[[Any], Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
@@ -56,7 +57,7 @@ class LocalMesh:
         rv = Rendezvous(self.size, self.timeout)
         if self.size == 1:  # no thread to start: one rank meets nobody
             with self._context(0):
-                return [fn(ThreadComm(0, rv, self.counter), *args[0])]
+                return [fn(_wrapped(self.wrap, ThreadComm(0, rv, self.counter)), *args[0])]
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
 
@@ -71,7 +72,7 @@ class LocalMesh:
                 # backward (a stage-3 refill) blocks that thread, and the other ranks' backwards, which must reach
                 # the same collective, wait behind it forever (seen on an H100: a 120 s MeshTimeout every step).
                 with self._context(rank), own_stream(stream), torch.autograd.set_multithreading_enabled(False):
-                    comm = ThreadComm(rank, rv, self.counter)
+                    comm = _wrapped(self.wrap, ThreadComm(rank, rv, self.counter))
                     results[rank] = fn(comm, *args[rank])
                     comm.finish()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
@@ -118,6 +119,7 @@ class DistMesh:
     counter: Counter | None = dataclasses.field(default=None, compare=False)
     timeout: float = 300.0  # seconds a rank waits at a collective for the others (see dist_mesh)
     collectives: str = "auto"  # how gloo collectives run: see dist_mesh
+    wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +141,7 @@ class DistMesh:
             board.enter(api)
         comm = DistComm(self.rank, self.size, dist.group.WORLD, self.counter, board, collectives=self.collectives)
         comm.begin()
-        return comm
+        return _wrapped(self.wrap, comm)
 
 
 def fault_board(timeout: float) -> Any:
@@ -224,6 +226,27 @@ def dist_mesh(*, backend: str | None = None, timeout: float = 300.0, collectives
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     fault_board(float(timeout))  # every rank's process id and hooks are on the board before its first collective
     return DistMesh(dist.get_world_size(), dist.get_rank(), dist.get_backend(), timeout=float(timeout), collectives=collectives)
+
+
+def wrap_comm(mesh: Mesh, wrapper: Callable[[Any], Any]) -> Mesh:
+    """The same mesh, with ``wrapper(comm)`` in place of each comm it hands a rank's program: the step, its init,
+    evaluate and gather then issue every collective through it. ``wrapper`` takes a comm (``fzero.mesh._comm.Comm``)
+    and returns one, usually a ``CommWrapper`` subclass that overrides the collectives it changes. Applied to a
+    mesh that has a wrapper already, the new one goes around the old.
+
+    Why a mesh transform: the comm is made per rank and per call inside the step, so this is where a change of the
+    traffic (compressed gradients, quantised gathers, tracing) can reach every collective without a change to the
+    step."""
+    if not isinstance(mesh, (LocalMesh, DistMesh)):
+        raise TypeError(f"fzero.wrap_comm: expected a mesh from fzero.local_mesh or fzero.dist_mesh, got {mesh!r}.")
+    if not callable(wrapper):
+        raise TypeError(f"fzero.wrap_comm: wrapper must be a function comm -> comm (e.g. a CommWrapper subclass), got {wrapper!r}.")
+    inner = mesh.wrap
+    return dataclasses.replace(mesh, wrap=wrapper if inner is None else (lambda comm: wrapper(inner(comm))))
+
+
+def _wrapped(wrap: Callable[[Any], Any] | None, comm: Any) -> Any:
+    return comm if wrap is None else wrap(comm)
 
 
 def count_collectives(mesh: Mesh) -> Mesh:
