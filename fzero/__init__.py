@@ -14,19 +14,34 @@ import warnings
 from typing import Any
 
 from fzero._compile import compile
-from fzero.autodiff._remat import remat
-from fzero.mesh._comm import Comm, CommWrapper, MeshTimeout
-from fzero.mesh._faults import RankFailed, RankStopped
-from fzero.mesh._mesh import DistMesh, LocalMesh, count_collectives, dist_mesh, local_mesh, wrap_comm
-from fzero.estimate._estimate import MemoryEstimate, estimate_memory
-from fzero.layout._empty import empty_params
-from fzero.layout._units import units_of
-from fzero.step._buffers import buffers_of
-from fzero.step._module import apply, params_of
-from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
-from fzero.step._state import TrainState
-from fzero.step._step import Step, train_step
-from fzero.step._update import ZeroGradientWarning
+from fzero.autodiff import remat
+from fzero.mesh import (
+    Comm,
+    CommWrapper,
+    MeshTimeout,
+    RankFailed,
+    RankStopped,
+    DistMesh,
+    LocalMesh,
+    count_collectives,
+    dist_mesh,
+    local_mesh,
+    wrap_comm,
+)
+from fzero.estimate import MemoryEstimate, estimate_memory
+from fzero.layout import empty_params, units_of
+from fzero.step import (
+    buffers_of,
+    apply,
+    params_of,
+    DynamicLossScale,
+    Precision,
+    StaticLossScale,
+    TrainState,
+    Step,
+    train_step,
+    ZeroGradientWarning,
+)
 from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"

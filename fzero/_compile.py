@@ -6,11 +6,16 @@ import inspect
 from typing import Any, Callable
 
 from fzero import _rules
-from fzero.zero._policies import DEFAULT_SUB_GROUP, CPUOffload, DiskOffload
-from fzero.step._precision import Precision
-from fzero.step._step import Step, check_details, train_step
-from fzero.zero import offload as _offload
-from fzero.zero import shard_grads, shard_optimizer, shard_params
+from fzero.zero import (
+    DEFAULT_SUB_GROUP,
+    CPUOffload,
+    DiskOffload,
+    offload as _offload,
+    shard_grads,
+    shard_optimizer,
+    shard_params,
+)
+from fzero.step import Precision, Step, check_details, train_step
 
 
 class Default:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fzero.mesh import _events
-from fzero.estimate._formula import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
-from fzero.layout import _tree
-from fzero.zero._offload import is_file_backed
+from fzero.mesh import events as _events
+from fzero.estimate import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
+from fzero.layout import pytrees as _tree
+from fzero.zero import is_file_backed
 
 
 def _storage_bytes(tensors: Any) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 
 
 def _pairs(actual: Any, expected: Any, api: str):

@@ -34,3 +34,43 @@ def test_an_import_against_the_layers_is_reported(tmp_path):
     proc = _lint(str(tmp_path))
     assert proc.returncode != 0
     assert "fzero.mesh is not allowed to import fzero.step" in proc.stdout, proc.stdout[-3000:]
+
+
+def _private_imports(root: str) -> list[tuple[str, int, str]]:
+    """Imports, in the package under ``root``, of another fzero subpackage's private module or private name
+    (``from fzero.step._pool import Pool``, ``from fzero.step import _usage``): (file, line, what)."""
+    import ast
+
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, root).split(os.sep)
+            own = parts[0] if len(parts) > 1 else None
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("fzero."):
+                    continue
+                pkg, *rest = node.module.split(".")[1:]
+                if pkg == own or not os.path.isdir(os.path.join(root, pkg)):
+                    continue
+                private = [m for m in rest if m.startswith("_")] + [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    found.append((os.path.relpath(path, root), node.lineno, f"from {node.module} import {private}"))
+    return found
+
+
+def test_a_package_uses_another_only_through_what_its_init_names():
+    # each subpackage's __init__.py names what the others may use; its modules are its own
+    assert _private_imports(os.path.join(ROOT, "fzero")) == []
+
+
+def test_an_import_of_another_packages_private_module_is_found(tmp_path):
+    shutil.copytree(os.path.join(ROOT, "fzero"), tmp_path / "fzero", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "fzero" / "zero" / "_jit.py", "a") as f:
+        f.write("\nfrom fzero.step._pool import Pool  # past the step package's __init__\n")
+    found = _private_imports(str(tmp_path / "fzero"))
+    assert [(path, what) for path, _, what in found] == [(os.path.join("zero", "_jit.py"), "from fzero.step._pool import ['_pool']")]

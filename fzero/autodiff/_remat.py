@@ -29,9 +29,16 @@ import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
 from fzero._function import Function
-from fzero.layout import _tree
-from fzero.step._context import (Snapshots, as_in_forward, current_buffers, current_compute_dtype, outside_step_scope,
-                                 recording, replaying)
+from fzero.layout import pytrees as _tree
+from fzero.step import (
+    Snapshots,
+    as_in_forward,
+    current_buffers,
+    current_compute_dtype,
+    outside_step_scope,
+    recording,
+    replaying,
+)
 
 __all__ = ["remat"]
 
@@ -167,7 +174,7 @@ class _RngState:
     """
 
     def __init__(self, tensors) -> None:
-        from fzero.mesh import _rng
+        from fzero.mesh import rng as _rng
 
         self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                             for t in tensors if t.device.type == "cuda"})
@@ -176,7 +183,7 @@ class _RngState:
 
     @contextlib.contextmanager
     def replay(self):
-        from fzero.mesh import _rng
+        from fzero.mesh import rng as _rng
 
         # As fork_rng: every generator is put back afterwards, so the recompute does not advance them.
         cuda_now = [_rng.cuda_get_state(d) for d in self.cuda]

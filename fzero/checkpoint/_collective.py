@@ -51,11 +51,11 @@ def _enter(api: str) -> Any:
     """A ``DistComm`` for this call, after checking that every rank makes it (see the module docstring)."""
     import torch.distributed as dist
 
-    from fzero.mesh import _hooks
-    from fzero.mesh._comm import MeshTimeout, RanksDisagree
-    from fzero.mesh._dist_comm import DistComm
-    from fzero.mesh._faults import RankFailed
-    from fzero.mesh._mesh import fault_board
+    from fzero.mesh import hooks as _hooks
+    from fzero.mesh import MeshTimeout, RanksDisagree
+    from fzero.mesh import DistComm
+    from fzero.mesh import RankFailed
+    from fzero.mesh import fault_board
 
     current = _hooks.current()
     board = fault_board(current.timeout if current is not None else 300.0)  # dist_mesh made it, with the mesh's timeout

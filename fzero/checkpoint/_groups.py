@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.step._state import TrainState
+from fzero.step import TrainState
 
 MOVED_FIX = (
     "Load it with the labels it was saved with. To move params to another group, start the optimizer state afresh "
@@ -32,9 +32,9 @@ MOVED_FIX = (
 
 def step_of(state: TrainState) -> Any:
     """The step that made ``state`` (by ``Step.init`` or a step call), or None."""
-    from fzero.step._state import _verified
+    from fzero.step import made_by
 
-    return _verified.get(state)
+    return made_by(state)
 
 
 def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
@@ -42,9 +42,9 @@ def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     order (see the module docstring); None when ``step`` is None (unknown)."""
     if step is None:
         return None
-    from fzero.layout._segments import LayoutSegments
-    from fzero.optim._groups import recording_groups
-    from fzero.optim._segments import use_segments
+    from fzero.layout import LayoutSegments
+    from fzero.optim import recording_groups
+    from fzero.optim import use_segments
 
     meta = state.meta
     metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}

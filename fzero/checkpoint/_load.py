@@ -14,11 +14,10 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
 from fzero.checkpoint._groups import check_labels, labels, step_of
 from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 from fzero.checkpoint._verify import MARKER, crc32_file
-from fzero.step._state import RankStates, TrainState
-from fzero.step._step import Step
-from fzero.zero._offload import DiskOptState
+from fzero.step import RankStates, TrainState, Step
+from fzero.zero import DiskOptState
 
 
 def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify: bool = True) -> TrainState | RankStates:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from fzero.checkpoint._safetensors import INDEX, WEIGHTS
-from fzero.layout._empty import META_BUFFER_FIX
+from fzero.layout import META_BUFFER_FIX
 
 API = "fzero.checkpoint.pretrained"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,

@@ -19,7 +19,7 @@ from fzero.checkpoint._groups import labels, step_of
 from fzero.checkpoint._oserrors import check_space
 from fzero.checkpoint._state import describe, entries, held, pieces, size_lower_bound, which_process
 from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
-from fzero.step._state import RankStates, TrainState
+from fzero.step import RankStates, TrainState
 
 
 def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any = None, keep: int | None = None) -> str:

@@ -24,12 +24,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree, Unit
 from fzero.checkpoint._dcp import CheckpointError, Dest, Piece
-from fzero.layout._layout import Unit
-from fzero.zero._offload import DiskOptState
-from fzero.step._state import RankStates, TrainState, is_donated
-from fzero.step._update import MasterState
+from fzero.zero import DiskOptState
+from fzero.step import RankStates, TrainState, is_donated, MasterState
 
 PARAM = "param"  # an optimizer-state entry shaped like the params (one tensor per unit)
 TENSOR = "tensor"  # any other optimizer-state tensor

@@ -22,7 +22,7 @@ from fzero.checkpoint import _oserrors
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
 from fzero.checkpoint._safetensors import Item, Writer, out_dtype, parse_size
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 
 DEFAULT_SHARD = "5GB"  # save_pretrained's default until transformers 5 (now 50GB): files any loader and hub take
 
@@ -148,9 +148,9 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
     second copy of the model is held. Under torchrun every rank calls it (the gathers are collectives) and rank
     0 writes; ``out_dir`` need only be visible to rank 0.
     """
-    from fzero.mesh._mesh import DistMesh
-    from fzero.step._state import RankStates
-    from fzero.step._step import Step
+    from fzero.mesh import DistMesh
+    from fzero.step import RankStates
+    from fzero.step import Step
 
     api = "fzero.checkpoint.save_weights"
     if not isinstance(step, Step):

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from fzero.config._schema import TOP, M, NoEffect, Unsupported
 from fzero.config._values import API, UNSET, Ctx, dtype_name
-from fzero.step._precision import policy
+from fzero.step import policy
 
 
 def _lr(v: Any) -> float:

@@ -12,7 +12,7 @@ import torch
 from fzero.config._optimizer import build_optimizer
 from fzero.config._settings import Settings
 from fzero.config._values import API, UNSET, Ctx, as_bool, as_float, as_int, dtype_name
-from fzero.step._precision import MAX_LOSS_SCALE, DynamicLossScale, Precision, StaticLossScale
+from fzero.step import MAX_LOSS_SCALE, DynamicLossScale, Precision, StaticLossScale
 from fzero import _rules
 
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 
 from fzero.config._values import dtype_name
-from fzero.step._precision import DynamicLossScale, Precision, StaticLossScale
+from fzero.step import DynamicLossScale, Precision, StaticLossScale
 from fzero import _rules
 
 

@@ -82,3 +82,7 @@ def main(argv: list[str] | None = None) -> list[MemoryEstimate]:
     if args.model is None:
         print("(a count has no units: the stage-3 gathered units and the step's transients need --model)")
     return estimates
+
+# What other packages use of this one (they import it from here, never from a private module):
+from fzero.estimate._estimate import estimate_memory, MemoryEstimate
+from fzero.estimate._formula import zero_model_state_bytes

@@ -39,13 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero.layout import _tree
-from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size, by_container_child, by_prefixes
 from fzero.estimate._formula import per_rank
 from fzero import _rules
-from fzero.zero._policies import DEFAULT_SUB_GROUP, KINDS
-from fzero.step._precision import policy
-from fzero.layout._units import by_container_child, by_prefixes
+from fzero.zero import DEFAULT_SUB_GROUP, KINDS
+from fzero.step import policy
 
 API = "fzero.estimate_memory"
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "transient")

@@ -1,1 +1,22 @@
 """Meshes, collectives and per-rank randomness."""
+
+# What other packages use of this one (they import it from here, never from a private module):
+from fzero.mesh._autograd import AllGather, ReplicatedShardGrad
+from fzero.mesh._comm import Comm, CommWrapper, MeshTimeout, Pending, profiled, RanksDisagree, Rendezvous, ThreadComm
+from fzero.mesh._dist_comm import DistComm
+from fzero.mesh._faults import process_alive, RankFailed, RankStopped
+from fzero.mesh._mesh import (
+    AGREE_FIX,
+    count_collectives,
+    dist_mesh,
+    DistMesh,
+    fault_board,
+    local_mesh,
+    LocalMesh,
+    Mesh,
+    program_fields,
+    wrap_comm,
+)
+from fzero.mesh import _events as events
+from fzero.mesh import _rng as rng
+from fzero.mesh import _hooks as hooks

@@ -102,3 +102,7 @@ __all__ = [
     "warmup_decay_lr",
     "warmup_lr",
 ]
+
+# What other packages use of this one (they import it from here, never from a private module):
+from fzero.optim._groups import recording_groups
+from fzero.optim._segments import use_segments

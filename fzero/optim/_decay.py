@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 
 # A module name that holds a normalisation layer: LayerNorm/RMSNorm/BatchNorm/GroupNorm by any common spelling.
 _NORM = re.compile(r"norm|^ln(_.*|\d*)$|^bn\d*$", re.IGNORECASE)

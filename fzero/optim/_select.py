@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 from fzero.optim._segments import active_params, param_count, param_ranges, param_tree
 
 NONE = -1  # "no group": masked's False, padding of a leaf that holds no parameter

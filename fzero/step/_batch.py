@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout import _tree
+from fzero.layout import pytrees as _tree
 
 _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
                 "where every rank and micro-batch sees it whole, not into the batch; a 0-d tensor in the batch is "

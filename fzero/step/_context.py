@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero.layout._clone import clone_structure
+from fzero.layout import clone_structure
 
 _local = threading.local()
 
@@ -84,7 +84,7 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     The module is restored when the step's scope closes; the user's module is never left changed.
     ``call``: what to call instead of ``module`` while it holds ``tensors`` (its compiled forward, ``jit=True``).
     """
-    from fzero.layout._bind import bound
+    from fzero.layout import bound
 
     scope = getattr(_local, "scope", None)
     run = module if call is None else call

@@ -20,12 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.mesh._mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
-from fzero.layout import _tree
-from fzero.layout._layout import DEVICE_TYPES, Layout, Slot, build_layout, device_of
-from fzero.layout._segments import LayoutSegments
-from fzero.layout._units import check_units_exist
-from fzero.optim._segments import use_segments
+from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, program_fields
+from fzero.layout import pytrees as _tree, DEVICE_TYPES, Layout, Slot, build_layout, device_of, LayoutSegments, check_units_exist
+from fzero.optim import use_segments
 from fzero.step._precision import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero.layout._empty import check_no_meta
+from fzero.layout import check_no_meta
 from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 from fzero.step._state import check_params_fit_module
 

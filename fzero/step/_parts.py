@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh._comm import Pending
-from fzero.layout._layout import Layout
+from fzero.mesh import Pending
+from fzero.layout import Layout
 from fzero.step import _usage
 from fzero.step._pool import GatherBucket, Pool, take
 

@@ -29,8 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh import _events
-from fzero.mesh._comm import Pending
+from fzero.mesh import events as _events, Pending
 
 
 class Pool:

@@ -19,8 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from fzero.layout import _tree
-from fzero.layout._layout import Layout
+from fzero.layout import pytrees as _tree, Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +132,8 @@ def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
         place = {True: "in files (offload='disk')", False: "in memory"}
         raise ValueError(f"{api}: the state keeps its optimizer state {place[in_files]}, but this step keeps it "
                          f"{place[disk]}. {STATE_FIX}")
-    from fzero.layout._segments import LayoutSegments
-    from fzero.optim._segments import use_segments
+    from fzero.layout import LayoutSegments
+    from fzero.optim import use_segments
 
     metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}
     owned = step.opt_state.owned(step.params, layout, metas, meta.rank)
@@ -313,3 +312,8 @@ def mark_verified(state: Any, step: Any) -> None:
 
 def is_verified(state: TrainState, step: Any) -> bool:
     return _verified.get(state) is step
+
+
+def made_by(state: TrainState) -> Any:
+    """The step that made ``state`` (by ``Step.init`` or a step call) or checked it, or None."""
+    return _verified.get(state)

@@ -22,10 +22,8 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.mesh._comm import Rendezvous, ThreadComm
-from fzero.layout import _tree
-from fzero.mesh._mesh import AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
+from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
 from fzero.step._context import module_clones
 from fzero.step._init import init_state
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated

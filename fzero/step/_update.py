@@ -27,11 +27,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fzero.mesh._comm import Pending
+from fzero.mesh import Pending
 
-from fzero.layout._layout import Layout
+from fzero.layout import Layout, LayoutSegments
 from fzero.step._precision import StaticLossScale, next_loss_scale
-from fzero.layout._segments import LayoutSegments
 from fzero.step._pool import Pool, give
 from fzero.step._usage import Usage
 
@@ -80,7 +79,7 @@ def apply_update(optimizer: Any, grads: dict, opt_state: Any, params: dict, segm
     """The optimizer's update of ``params`` in place; with fp32 masters (``MasterState``), of the masters, which
     the low-precision params then follow."""
     from fzero.optim import apply_inplace
-    from fzero.optim._segments import use_segments
+    from fzero.optim import use_segments
 
     if isinstance(opt_state, MasterState):
         with use_segments(segments):

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from fzero._function import Function
-from fzero.layout._layout import Layout, Unit, split_sizes
+from fzero.layout import Layout, Unit, split_sizes
 
 _local = threading.local()  # a local mesh runs its ranks as threads: one record per rank thread
 

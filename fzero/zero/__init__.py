@@ -19,3 +19,7 @@ from fzero.zero._shard_params import ParamsSharded, shard_params
 
 __all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
            "shard_optimizer", "shard_params"]
+
+# What other packages use of this one (they import it from here, never from a private module):
+from fzero.zero._offload import DiskOptState, is_file_backed
+from fzero.zero._policies import CPUOffload, DEFAULT_SUB_GROUP, DiskOffload, KINDS

@@ -19,12 +19,10 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from fzero._function import Function
-from fzero.autodiff._remat import remat
-from fzero.mesh._comm import profiled
-from fzero.layout import _tree
-from fzero.layout._layout import Unit, split_sizes
-from fzero.step import _usage
-from fzero.step._pool import give
+from fzero.autodiff import remat
+from fzero.mesh import profiled
+from fzero.layout import pytrees as _tree, Unit, split_sizes
+from fzero.step import usage as _usage, give
 from fzero.zero._schedule import UnitCall
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:

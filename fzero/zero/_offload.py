@@ -254,7 +254,7 @@ def disk_update(optimizer: Any, state: DiskOptState, grads: dict[str, torch.Tens
     alone and the updated params go back, so the host holds sub-groups, never a whole gradient or param copy.
     """
     from fzero.optim import apply_inplace
-    from fzero.optim._segments import use_segments
+    from fzero.optim import use_segments
 
     paths, _, _ = optree.tree_flatten_with_path(state.small, none_is_leaf=True)
     param_paths = [p for p in paths if _is_param_leaf(p)]

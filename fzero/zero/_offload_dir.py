@@ -52,7 +52,7 @@ def release(path: str, fd: int | None) -> None:
 
 def sweep(root: str) -> list[str]:
     """Remove the leftovers of dead runs in ``root`` (see the module docstring); returns what was removed."""
-    from fzero.mesh._faults import process_alive
+    from fzero.mesh import process_alive
 
     removed = []
     try:

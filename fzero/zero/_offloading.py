@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from fzero._rules import check_disk_donate
-from fzero.step._step import Step, as_step
+from fzero.step import Step, as_step
 from fzero.zero._policies import DEFAULT_SUB_GROUP, CPUOffload, DiskOffload, make_policy
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Union
 
 import torch
 
-from fzero.layout._layout import SHARD_ALIGN
+from fzero.layout import SHARD_ALIGN
 from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk, spill
 from fzero.zero._pinned import pinned_empty
 
@@ -131,7 +131,7 @@ class CPUOffload:
         return held.clone() if held is t else held
 
     def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict | None, flats: dict[str, torch.Tensor], rank: int):
-        from fzero.step._update import MasterState
+        from fzero.step import MasterState
 
         if master is not None:  # already on the host (``hold``)
             opt_state = MasterState(master, optimizer.init(master))
@@ -142,7 +142,7 @@ class CPUOffload:
         return opt_state, flats
 
     def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
-        from fzero.step._update import apply_update
+        from fzero.step import apply_update
 
         # each unit's gradient into the host buffer kept for it: one gradient on the host, not one more per step
         owners = opt_state.master if opt_state_has_masters(opt_state) else params
@@ -226,7 +226,7 @@ POLICIES = (CPUOffload, DiskOffload)
 
 
 def opt_state_has_masters(opt_state: Any) -> bool:
-    from fzero.step._update import MasterState
+    from fzero.step import MasterState
 
     return isinstance(opt_state, MasterState)
 

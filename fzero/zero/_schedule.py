@@ -9,11 +9,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout._bind import Binding, bound
-from fzero.layout._layout import Layout, Unit
-from fzero.mesh import _events
-from fzero.mesh._comm import Pending
-from fzero.step._pool import GatherBucket, Pool, alloc_memory, can_move, free_memory, move_into, take
+from fzero.layout import Binding, bound, Layout, Unit
+from fzero.mesh import events as _events, Pending
+from fzero.step import GatherBucket, Pool, alloc_memory, can_move, free_memory, move_into, take
 
 class UnitCall:
     """One invocation of one unit at stage 3, and its gathered buffer.

@@ -14,11 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.layout._layout import DEFAULT_UNIT_ELEMENTS
-from fzero.layout._units import by_container_child, by_prefixes
-from fzero.step._parts import View
-from fzero.step._pool import give, reduce_scatter, take
-from fzero.step._step import Step, as_step
+from fzero.layout import DEFAULT_UNIT_ELEMENTS, by_container_child, by_prefixes
+from fzero.step import View, give, reduce_scatter, take, Step, as_step
 from fzero.zero._sharded import ReplicatedParams
 from fzero.zero._shard_optimizer import GradsReduceScatter
 

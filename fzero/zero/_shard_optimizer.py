@@ -14,13 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh._comm import Pending
+from fzero.mesh import Pending, DistMesh, LocalMesh, Mesh
 
-from fzero.mesh._mesh import DistMesh, LocalMesh, Mesh
-from fzero.layout._layout import Layout
-from fzero.step._parts import GradsAllReduce, OptStateReplicated
-from fzero.step._pool import Pool, reduce_scatter
-from fzero.step._step import Step, as_step
+from fzero.layout import Layout
+from fzero.step import GradsAllReduce, OptStateReplicated, Pool, reduce_scatter, Step, as_step
 from fzero.zero._policies import OffloadPolicy
 
 

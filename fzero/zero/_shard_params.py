@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from fzero.layout._layout import Layout
-from fzero.step._parts import View
-from fzero.step._step import Step, as_step
+from fzero.layout import Layout
+from fzero.step import View, Step, as_step
 from fzero.zero._schedule import Schedule
 from fzero.zero._sharded import ShardedParams
 from fzero.zero._shard_grads import GradsInBackward, ShardGradView, check_units

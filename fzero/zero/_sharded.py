@@ -26,13 +26,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero.layout._bind import walk
-from fzero.layout._clone import clone_structure
-from fzero.step import _usage
-from fzero.step._pool import Pool
-from fzero.mesh._autograd import AllGather, ReplicatedShardGrad
-from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
-from fzero.layout._layout import ROOT, Layout, Unit
+from fzero.layout import walk, clone_structure, ROOT, Layout, Unit
+from fzero.step import usage as _usage, Pool, buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
+from fzero.mesh import AllGather, ReplicatedShardGrad
 from fzero.zero._gathered import run_unit
 from fzero.zero._jit import compiled
 
