@@ -23,13 +23,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fzero.mesh import events as _events
 from fzero.estimate import zero_model_state_bytes  # noqa: F401 - public here; one formula, with the estimator's
 from fzero.layout import pytrees as _tree
-from fzero.zero import is_file_backed
 
 
-def _storage_bytes(tensors: Any) -> int:
+def _storage_bytes(tensors: Any, files: Any = None) -> int:
+    """Bytes of the distinct storages of ``tensors``; ``files``: the state's disk-offload store, whose mapped files'
+    pages are not RAM the state holds."""
     seen, total = set(), 0
     for t in _tree.tree_leaves(tensors):
-        if isinstance(t, torch.Tensor) and not is_file_backed(t):  # a mapped file's pages are not RAM the state holds
+        if isinstance(t, torch.Tensor) and not (files is not None and files.holds(t)):
             s = t.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
@@ -40,7 +41,8 @@ def _storage_bytes(tensors: Any) -> int:
 def state_bytes(state: Any) -> dict[str, int]:
     """Bytes that one rank's ``TrainState`` holds in memory: params and optimizer state (distinct storages;
     the files of disk offload, mapped param shards included, are not counted)."""
-    return {"params": _storage_bytes(state.params), "optimizer": _storage_bytes(state.opt_state)}
+    files = getattr(state.opt_state, "store", None)
+    return {"params": _storage_bytes(state.params, files), "optimizer": _storage_bytes(state.opt_state, files)}
 
 
 def state_categories(state: Any) -> dict[str, int]:
@@ -55,8 +57,9 @@ def state_categories(state: Any) -> dict[str, int]:
     leaves = [t for t in _tree.tree_leaves(inner) if isinstance(t, torch.Tensor)]
     moments = [t for t in leaves if t.numel() in sizes and t.numel() > 1]
     other = [t for t in leaves if not any(t is m for m in moments)]
-    return {"params": _storage_bytes(state.params), "masters": _storage_bytes(masters) if masters is not None else 0,
-            "moments": _storage_bytes(moments), "other": _storage_bytes(other)}
+    files = getattr(opt, "store", None)
+    return {"params": _storage_bytes(state.params, files), "masters": _storage_bytes(masters, files) if masters is not None else 0,
+            "moments": _storage_bytes(moments, files), "other": _storage_bytes(other, files)}
 
 
 class _Tally:

@@ -13,7 +13,6 @@ per-rank states side by side, a pytree node too.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import optree
@@ -32,6 +31,19 @@ class StateMeta:
     rank: int
     gather_order: tuple[str, ...] = ()  # stage 3: the units the last step gathered, in order (for prefetch)
     device: torch.device = torch.device("cpu")  # where the params compute (param shards offloaded to the host come here to be gathered)
+
+
+class Marks:
+    """What the steps have recorded about one state object: whether a step has reused its buffers (``donated``:
+    see Step's ``donate``), and the step that made it or checked it against itself (``made_by``), so that a step
+    compares a state it did not make once. A field of the state, made fresh for every new state object (never
+    copied by ``dataclasses.replace`` or a tree map), in place of registries keyed by the state's identity."""
+
+    __slots__ = ("donated", "made_by")
+
+    def __init__(self) -> None:
+        self.donated = False
+        self.made_by: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +66,7 @@ class TrainState:
     loss_scale: Any = None
     meta: StateMeta | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
+    marks: Marks = dataclasses.field(init=False, default_factory=Marks, repr=False)  # not a leaf: see Marks
 
     @property
     def step_count(self) -> int:
@@ -68,6 +81,7 @@ class RankStates:
     """The states of the n ranks of a ``local_mesh(n)``, rank order. ``states[r]`` is rank r's."""
 
     states: tuple[TrainState, ...]
+    marks: Marks = dataclasses.field(init=False, default_factory=Marks, repr=False)  # not a leaf: see Marks
 
     def __getitem__(self, rank: int) -> TrainState:
         return self.states[rank]
@@ -82,20 +96,16 @@ class RankStates:
 
 _tree.register_dataclass(RankStates, leaves=("states",))
 
-# States whose buffers a step has reused in place (see Step's ``donate``). A weak set keyed by identity:
-# it holds no state alive and needs no field that tree_map would have to carry.
-_donated: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def mark_donated(state: Any) -> None:
-    _donated.add(state)
-    if isinstance(state, RankStates):
-        for s in state.states:
-            _donated.add(s)
+def mark_donated(state: TrainState | RankStates) -> None:
+    """A step has reused ``state``'s buffers (and, for a local mesh's states, each rank's)."""
+    state.marks.donated = True
+    for s in state.states if isinstance(state, RankStates) else ():
+        s.marks.donated = True
 
 
 def is_donated(state: Any) -> bool:
-    return state in _donated
+    marks = getattr(state, "marks", None)
+    return isinstance(marks, Marks) and marks.donated
 
 
 # -- a state against the step it enters ----------------------------------------------------------------------------
@@ -300,20 +310,17 @@ def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[s
         )
 
 
-# States whose optimizer state and buffers were checked against a step (``check_state_matches``), or made by it:
-# state -> that step. Weak keys, so no state is kept alive; a step's new states are marked by the step itself.
-_verified: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
-def mark_verified(state: Any, step: Any) -> None:
+# A state's optimizer state and buffers are checked against a step (``check_state_matches``) unless that step made
+# it or checked it already: ``Marks.made_by``. A step's new states are marked by the step itself.
+def mark_verified(state: TrainState | RankStates, step: Any) -> None:
     for s in state.states if isinstance(state, RankStates) else (state,):
-        _verified[s] = step
+        s.marks.made_by = step
 
 
 def is_verified(state: TrainState, step: Any) -> bool:
-    return _verified.get(state) is step
+    return state.marks.made_by is step
 
 
 def made_by(state: TrainState) -> Any:
     """The step that made ``state`` (by ``Step.init`` or a step call) or checked it, or None."""
-    return _verified.get(state)
+    return state.marks.made_by

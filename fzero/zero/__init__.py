@@ -21,5 +21,5 @@ __all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter",
            "shard_optimizer", "shard_params"]
 
 # What other packages use of this one (they import it from here, never from a private module):
-from fzero.zero._offload import DiskOptState, is_file_backed
+from fzero.zero._offload import DiskOptState
 from fzero.zero._policies import CPUOffload, DEFAULT_SUB_GROUP, DiskOffload, KINDS

@@ -61,6 +61,10 @@ class DiskStore:
         """Remove the files now (an ``init`` that failed half-way); otherwise the last state using them does."""
         self._finalizer()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is one of this store's files (mapped), not RAM."""
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.maps
+
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key.replace("/", "__") + ".bin")
 
@@ -73,7 +77,6 @@ class DiskStore:
             mapping = mmap.mmap(f.fileno(), 0)
         t = torch.frombuffer(mapping, dtype=source.dtype)  # keeps the mapping alive as long as the tensor lives
         self.maps[t.untyped_storage().data_ptr()] = mapping
-        _FILE_BACKED.add(t.untyped_storage().data_ptr())
         mapping.madvise(mmap.MADV_DONTNEED)  # written through the page cache; nothing resident in this process
         self.sizes[key] = t.numel()
         return t
@@ -124,9 +127,6 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
 
 
-_FILE_BACKED: set[int] = set()  # storage addresses of mapped param shards, for fzero.memory.state_bytes
-
-
 # -- masters before the store exists ---------------------------------------------------------------------------------
 
 _SPILLED: dict[int, mmap.mmap] = {}  # storage address -> the mapping of a spilled tensor's unlinked file
@@ -169,13 +169,7 @@ def unspill(t: torch.Tensor) -> None:
         mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def is_file_backed(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is a param shard's file (disk offload with params=True), not RAM."""
-    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _FILE_BACKED
-
-
 def _remove(path: str, maps: dict[int, mmap.mmap], lock: int | None) -> None:
-    _FILE_BACKED.difference_update(maps)
     maps.clear()  # the mappings themselves close when the tensors viewing them are gone
     _offload_dir.release(path, lock)
 
