@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -73,10 +74,11 @@ def test_host_buffers_are_kept_per_unit_only_where_a_device_is():
     assert _kept({"u": owner}, on_device, "param", True)["u"] is not first  # per role
     flat = torch.zeros(16)  # stages 1-2: a fresh view of the unit's buffer at every step, one kept buffer
     assert _kept({"u": flat[8:]}, on_device, "grad", True)["u"] is _kept({"u": flat[8:]}, on_device, "grad", True)["u"]
-    key = id(owner)
-    del owner
+    assert owner.__dict__[_KEPT][("grad", "u")] is first  # held by its owner (the state's master), nowhere else
+    gone = weakref.ref(first)
+    del owner, first
     gc.collect()
-    assert key not in _KEPT  # dropped with its owner (the state's master)
+    assert gone() is None  # dropped with its owner: no registry keeps it
 
 
 @pytest.mark.gpu
@@ -97,7 +99,7 @@ def test_cpu_offload_on_cuda_holds_exact_page_locked_masters_and_one_kept_gradie
     for b in prob.batches:
         state, _ = step(state, {k: v.cuda() for k, v in b.items()})
     def kept_grads():  # one host gradient per unit, kept for its master (by the buffer the master views)
-        return [_KEPT[id(m if m._base is None else m._base)][("grad", u)] for u, m in masters.items()]
+        return [(m if m._base is None else m._base).__dict__[_KEPT][("grad", u)] for u, m in masters.items()]
 
     kept = kept_grads()
     state, _ = step(state, {k: v.cuda() for k, v in prob.batches[0].items()})

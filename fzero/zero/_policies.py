@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
-import weakref
 from typing import Any, Callable, ClassVar, Union
 
 import torch
@@ -63,15 +61,9 @@ def _host_params(params: dict[str, torch.Tensor], pin: bool, *, into: dict | Non
 
 # Host buffers a CPU-offloaded state copies into at every step (the gradient; without masters, the params), one per
 # unit, made at the first step and kept for as long as the tensor they belong to (the unit's master or param shard)
-# lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again.
-# Keyed by the owner's id, dropped when it dies (a WeakKeyDictionary would compare tensors with ``==``).
-_KEPT: dict[int, dict[tuple[str, str], torch.Tensor]] = {}
-_KEPT_LOCK = threading.Lock()  # the ranks of a local_mesh are threads
-
-
-def _forget(key: int) -> None:
-    with _KEPT_LOCK:
-        _KEPT.pop(key, None)
+# lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again. They are
+# an attribute of that tensor (``_KEPT``), so they go with it: no registry outlives or outnumbers the state.
+_KEPT = "_fzero_kept"
 
 
 def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: str, pin: bool) -> dict[str, torch.Tensor] | None:
@@ -81,17 +73,13 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
     if all(t.device.type == "cpu" for t in like.values()):
         return None
     out = {}
-    with _KEPT_LOCK:
-        for k, t in like.items():
-            owner = owners[k] if owners[k]._base is None else owners[k]._base  # a shard's view: its unit's buffer
-            kept = _KEPT.get(id(owner))
-            if kept is None:
-                kept = _KEPT[id(owner)] = {}
-                weakref.finalize(owner, _forget, id(owner))
-            buf = kept.get((role, k))  # by unit too: units could view one buffer
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = kept[(role, k)] = host_empty(t, pin=pin)
-            out[k] = buf
+    for k, t in like.items():
+        owner = owners[k] if owners[k]._base is None else owners[k]._base  # a shard's view: its unit's buffer
+        kept = owner.__dict__.setdefault(_KEPT, {})  # one rank's tensors: no other thread reaches this one
+        buf = kept.get((role, k))  # by unit too: units could view one buffer
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = kept[(role, k)] = host_empty(t, pin=pin)
+        out[k] = buf
     return out
 
 
