@@ -43,7 +43,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import fzero
-from fzero.data import batch_at, load_corpus, train_val_split
+from fzero.data import Curriculum, batch_at, load_corpus, train_val_split
 from fzero.memory import state_bytes, zero_model_state_bytes
 from fzero.models import GPT, GPTConfig, gpt_loss, num_params
 
@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "compile(remat=True), which gathers each unit again for its recompute)")
     p.add_argument("--schedule", choices=("cosine", "warmup-decay", "constant"), default="cosine",
                    help="cosine: warm-up then cosine to lr/10; warmup-decay: DeepSpeed's WarmupDecayLR")
+    p.add_argument("--curriculum", default=None, metavar="MIN:STEPS",
+                   help="curriculum learning by sequence length: start at MIN tokens, grow linearly to --seq over "
+                        "STEPS steps (DeepSpeed's fixed_linear seqlen schedule, lengths in multiples of 8)")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
@@ -102,6 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.warmup < 0 or args.eval_batches < 0:
         p.error("--eval-every, --eval-batches and --warmup must be >= 0")
+    if args.curriculum is not None:
+        try:
+            low, span = (int(x) for x in args.curriculum.split(":"))
+            args.curriculum = Curriculum(min_difficulty=low, max_difficulty=args.seq, schedule_type="fixed_linear",
+                                         total_curriculum_step=span, difficulty_step=8 if low >= 8 else 1)
+        except ValueError as e:
+            p.error(f"--curriculum {args.curriculum!r}: expected MIN:STEPS with 1 <= MIN <= --seq ({e})")
     launched_by_torchrun = "RANK" in os.environ
     args.mesh = args.mesh or ("dist" if launched_by_torchrun else "local")
     if args.mesh == "local" and launched_by_torchrun:
@@ -242,6 +252,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     log(f"{estimate}\n(activations not included; measured model states at the end)")
 
     losses: list[float] = []
+    lengths: list[int] = []  # with --curriculum: each step's sequence length
     evals: list[dict] = []
     timed_s, timed_tokens = 0.0, 0  # step time after the first (warm-up) step, evaluation excluded
     window_s, window_tokens = 0.0, 0  # since the last log line, for the progress bar's tok/s
@@ -251,14 +262,19 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         batch = batch_at(train_data, k, batch_size=args.batch_size * world, seq_len=args.seq, seed=args.seed)
         if args.mesh == "dist":  # every process drew the same global batch; each keeps its own slice
             batch = {name: t[rank * args.batch_size:(rank + 1) * args.batch_size] for name, t in batch.items()}
+        step_tokens = tokens_per_step
+        if args.curriculum is not None:  # the sequences cut to this step's length: k steps taken so far
+            batch = args.curriculum.apply(batch, k)
+            lengths.append(batch["x"].shape[1])
+            step_tokens = tokens_per_step * lengths[-1] // args.seq
 
         t0 = time.perf_counter()
         state, metrics = step(state, batch)  # the old state is donated: only the returned one is valid
         dt = time.perf_counter() - t0
         losses.append(metrics["loss"])
         if k > 0:
-            timed_s, timed_tokens = timed_s + dt, timed_tokens + tokens_per_step
-        window_s, window_tokens = window_s + dt, window_tokens + tokens_per_step
+            timed_s, timed_tokens = timed_s + dt, timed_tokens + step_tokens
+        window_s, window_tokens = window_s + dt, window_tokens + step_tokens
 
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{window_tokens / window_s:,.0f}", refresh=False)
@@ -306,7 +322,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                                                  "precision", "grad_accum", "clip", "schedule", "offload",
                                                  "offload_params")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
-        "losses": losses, "evals": evals, "val_loss": val_loss, "plot": args.plot or None,
+        "losses": losses, "evals": evals, "val_loss": val_loss, "plot": args.plot or None, "seq_lengths": lengths,
         "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict(), "peak_rss": peak_rss},
     }
     if args.plot and is_main:

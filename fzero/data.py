@@ -10,15 +10,18 @@ therefore resume at any step, and every rank can draw the same global batch and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "load_corpus", "train_val_split", "batch_at", "batches"]
+__all__ = ["VOCAB_SIZE", "Curriculum", "load_corpus", "train_val_split", "batch_at", "batches"]
 
 VOCAB_SIZE = 256
 DEFAULT_MAX_BYTES = 8 * 2**20
@@ -141,3 +144,125 @@ def _batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int,
     while True:
         yield _batch_at(data, step, batch_size, seq_len, seed)
         step += 1
+
+
+# -- curriculum learning ---------------------------------------------------------------------------------------------
+
+SCHEDULES = ("fixed_linear", "fixed_root", "fixed_discrete")
+
+
+@dataclasses.dataclass(frozen=True)
+class Curriculum:
+    """DeepSpeed's curriculum learning by sequence length (its ``"curriculum_learning"`` config block): training
+    starts on short sequences and lengthens them on a schedule, a pure function of the step.
+
+    ``difficulty(step)`` is the sequence length for the step that follows ``step`` optimizer steps (``state.step``),
+    the value DeepSpeed's engine gives its model at that step; ``apply(batch, step)`` cuts every tensor of the batch
+    to it along ``dim`` (tokens and their targets alike). Schedules, as DeepSpeed defines them:
+
+    - ``fixed_linear`` / ``fixed_root``: ``min + (max - min) * (t / total_curriculum_step) ** (1 / root_degree)``
+      at step ``t`` (counted from 1), floored, then down to a multiple of ``difficulty_step`` (at least the first
+      multiple at or above ``min``), at most ``max``; linear is root degree 1;
+    - ``fixed_discrete``: ``difficulty[i]`` up to step ``max_step[i]``, the last difficulty after the last max step.
+
+    A frozen value: use it in a loop as ``step(state, curriculum.apply(batch, state.step_count))``, or read it from
+    a DeepSpeed config (``fzero.config.from_deepspeed(...).curriculum``)."""
+
+    min_difficulty: int
+    max_difficulty: int
+    schedule_type: str = "fixed_linear"
+    total_curriculum_step: int | None = None
+    difficulty_step: int = 1
+    root_degree: float = 1.0
+    difficulties: tuple[int, ...] = ()  # fixed_discrete: "difficulty"
+    max_steps: tuple[int, ...] = ()  # fixed_discrete: "max_step"
+    dim: int = 1  # the sequence dimension of the batch's tensors
+
+    def __post_init__(self) -> None:
+        api = "fzero.data.Curriculum"
+        if self.schedule_type not in SCHEDULES:
+            raise ValueError(f"{api}: schedule_type={self.schedule_type!r}; use one of {', '.join(map(repr, SCHEDULES))} "
+                             f"(DeepSpeed's 'custom' schedule is a function of the step: call it yourself in the loop).")
+        for name in ("min_difficulty", "max_difficulty", "difficulty_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{api}: {name}={value!r}; it must be a positive int (a sequence length, in tokens).")
+        if self.min_difficulty > self.max_difficulty:
+            raise ValueError(f"{api}: min_difficulty={self.min_difficulty} is above max_difficulty={self.max_difficulty}.")
+        if self.schedule_type == "fixed_discrete":
+            d, m = tuple(self.difficulties), tuple(self.max_steps)
+            if not d or len(d) != len(m) + 1:
+                raise ValueError(f"{api}: fixed_discrete needs difficulties (one more than max_steps) and max_steps; got "
+                                 f"{len(d)} difficulties and {len(m)} max_steps. The last difficulty holds after the last max step.")
+            if any(b < a for a, b in zip(d, d[1:])) or any(b <= a for a, b in zip(m, m[1:])):
+                raise ValueError(f"{api}: fixed_discrete needs non-decreasing difficulties {list(d)} and increasing max_steps "
+                                 f"{list(m)}: a curriculum grows (DeepSpeed stops updating once the max is reached).")
+            object.__setattr__(self, "difficulties", d)
+            object.__setattr__(self, "max_steps", m)
+        else:
+            if not isinstance(self.total_curriculum_step, int) or self.total_curriculum_step < 1:
+                raise ValueError(f"{api}: {self.schedule_type} needs total_curriculum_step, a positive int (the steps from "
+                                 f"min to max difficulty); got {self.total_curriculum_step!r}.")
+            if self.schedule_type == "fixed_root" and not (isinstance(self.root_degree, (int, float)) and self.root_degree > 0):
+                raise ValueError(f"{api}: root_degree={self.root_degree!r}; it must be a positive number (2: square root).")
+
+    def difficulty(self, step: int) -> int:
+        """The sequence length after ``step`` optimizer steps (DeepSpeed's ``update_difficulty(global_steps + 1)``)."""
+        t = int(step) + 1
+        if self.schedule_type == "fixed_discrete":
+            for limit, value in zip(self.max_steps, self.difficulties):
+                if t <= limit:
+                    return value
+            return self.difficulties[-1]
+        degree = 1.0 if self.schedule_type == "fixed_linear" else float(self.root_degree)
+        span = self.max_difficulty - self.min_difficulty
+        value = math.floor((float(t) / self.total_curriculum_step) ** (1.0 / degree) * span + self.min_difficulty)
+        value -= value % self.difficulty_step
+        first = -(-self.min_difficulty // self.difficulty_step) * self.difficulty_step
+        return min(max(value, first), self.max_difficulty)
+
+    def apply(self, batch: Any, step: int) -> Any:
+        """``batch`` with each tensor of at least ``dim + 1`` dimensions cut to ``difficulty(step)`` along ``dim`` (a
+        view); other leaves, and tensors already as short, are left as they are. Dicts, lists and tuples are walked."""
+        length = self.difficulty(step)
+
+        def cut(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.narrow(self.dim, 0, length) if x.dim() > self.dim and x.shape[self.dim] > length else x
+            if isinstance(x, dict):
+                return {k: cut(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(cut(v) for v in x)
+            return x
+
+        return cut(batch)
+
+    @classmethod
+    def from_deepspeed(cls, block: dict[str, Any]) -> "Curriculum":
+        """From DeepSpeed's ``"curriculum_learning"`` block (``curriculum_type`` "seqlen", ``min_difficulty``,
+        ``max_difficulty``, ``schedule_type`` and its ``schedule_config``)."""
+        api = "fzero.data.Curriculum.from_deepspeed"
+        kind = block.get("curriculum_type", "seqlen")
+        if kind != "seqlen":
+            raise NotImplementedError(f"{api}: curriculum_type={kind!r}: fzero's curriculum is by sequence length "
+                                      f"('seqlen'); another metric needs your own difficulty function in the loop.")
+        missing = [k for k in ("min_difficulty", "max_difficulty", "schedule_type") if k not in block]
+        if missing:
+            raise ValueError(f"{api}: the block lacks {missing}; DeepSpeed requires them too.")
+        sc = dict(block.get("schedule_config") or {})
+        kind = block["schedule_type"]
+        need = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
+                "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+                "fixed_discrete": ("difficulty", "max_step")}.get(kind, ())
+        lacking = [k for k in need if k not in sc]
+        if lacking:
+            raise ValueError(f"{api}: schedule_type {kind!r} needs schedule_config keys {lacking}.")
+        known = {"total_curriculum_step", "difficulty_step", "root_degree", "difficulty", "max_step"}
+        unknown = sorted(set(sc) - known)
+        if unknown:
+            raise ValueError(f"{api}: unknown schedule_config keys {unknown}; known: {sorted(known)}.")
+        return cls(min_difficulty=block["min_difficulty"], max_difficulty=block["max_difficulty"], schedule_type=kind,
+                   total_curriculum_step=sc.get("total_curriculum_step"), difficulty_step=sc.get("difficulty_step", 1),
+                   root_degree=sc.get("root_degree", 1.0), difficulties=tuple(sc.get("difficulty", ())),
+                   max_steps=tuple(sc.get("max_step", ())))
+

@@ -8,6 +8,7 @@ two ways of running it are (``--plot``); the other tests pass ``--plot ''``.
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -97,6 +98,10 @@ def test_example_options_remat_precision_accum_clip(corpus_file, tmp_path, capsy
     mixed = load_example().main([*base, "--precision", "bf16", "--grad-accum", "2", "--clip", "1.0",
                                  "--schedule", "warmup-decay", "--steps", "20"])
     assert sum(mixed["losses"][-3:]) / 3 < mixed["losses"][0] - 0.5
+    # --curriculum: each step's sequences cut to DeepSpeed's fixed_linear length, growing to --seq (32 here)
+    grown = load_example().main([*base, "--steps", "6", "--curriculum", "8:4"])
+    assert grown["seq_lengths"] == [8, 16, 24, 32, 32, 32]
+    assert all(math.isfinite(x) for x in grown["losses"])
     # at stage 3 --remat recomputes each unit (compile(remat=True)): the same numbers again
     s3 = [*TINY, "--mesh", "local", "--ranks", "2", "--stages", "3", "--data", corpus_file, "--steps", "4"]
     assert load_example().main([*s3, "--remat"])["losses"] == pytest.approx(load_example().main(s3)["losses"], rel=1e-5)

@@ -26,6 +26,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
     offload = _offload(zero, stages, ctx)
     unit_elements, prefetch = _hints(zero, stages, ctx)
     opt, description, lr = build_optimizer(cfg, ctx)
+    curriculum = _curriculum(cfg)
     steps_per_print = cfg.get("steps_per_print")
     if steps_per_print is not None:
         steps_per_print = as_int("steps_per_print", steps_per_print, low=1)
@@ -34,9 +35,22 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
         precision=precision, grad_accum=grad_accum, clip_grad_norm=clip, **offload, world_size=world_size,
         micro_batch_size=micro, train_batch_size=total, steps_per_print=steps_per_print,
         wall_clock_breakdown=as_bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False)),
-        unit_elements=unit_elements, prefetch=prefetch, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
+        unit_elements=unit_elements, prefetch=prefetch, curriculum=curriculum, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
         config=types.MappingProxyType(cfg),
     )
+
+
+def _curriculum(cfg: dict) -> Any:
+    """The "curriculum_learning" block as a ``fzero.data.Curriculum`` (None when absent or disabled)."""
+    from fzero.data import Curriculum
+
+    block = cfg.get("curriculum_learning")
+    if not block or not as_bool("curriculum_learning.enabled", block.get("enabled", False)):
+        return None
+    try:
+        return Curriculum.from_deepspeed({k: v for k, v in block.items() if k != "enabled"})
+    except (ValueError, NotImplementedError) as e:  # the reader's name, the config key, and the reason
+        raise type(e)(f"{API}: curriculum_learning: {str(e).split(': ', 1)[1]}") from e
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,

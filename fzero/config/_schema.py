@@ -114,6 +114,12 @@ _BF16 = {
     "bf16_optimizer_states": Unsupported("bf16 optimizer states", fix="Set it to false."),
 }
 _DATA_TYPES = {"grad_accum_dtype": M}
+# DeepSpeed's (legacy) curriculum learning block: fzero.data.Curriculum, in Settings.curriculum
+_CURRICULUM = {
+    "enabled": M, "curriculum_type": M, "min_difficulty": M, "max_difficulty": M, "schedule_type": M,
+    "schedule_config": Mapped({"total_curriculum_step": M, "difficulty_step": M, "root_degree": M, "difficulty": M,
+                               "max_step": M}),
+}
 TOP: dict[str, Spec] = {
     "train_batch_size": M, "train_micro_batch_size_per_gpu": M, "gradient_accumulation_steps": M, "gradient_clipping": M,
     "optimizer": M, "scheduler": M, "fp16": Mapped(_FP16), "bf16": Mapped(_BF16), "bfloat16": Mapped(_BF16),
@@ -151,7 +157,7 @@ TOP: dict[str, Spec] = {
     "amp": Unsupported("NVIDIA Apex AMP", fix="Use fp16 or bf16."),
     "elasticity": Unsupported("elastic training"),
     "sparse_attention": Unsupported("sparse attention"),
-    "curriculum_learning": Unsupported("curriculum learning"),
+    "curriculum_learning": Mapped(_CURRICULUM),
     "progressive_layer_drop": Unsupported("progressive layer dropping"),
     "eigenvalue": Unsupported("eigenvalue-based quantization (MoQ)"),
     "quantize_training": Unsupported("quantized training (MoQ)"),

@@ -1,0 +1,83 @@
+"""Curriculum learning by sequence length (DeepSpeed's "curriculum_learning" block): fzero.data.Curriculum."""
+
+import pytest
+import torch
+
+import fzero
+from fzero.data import Curriculum
+from fzero.testing import assert_trees_equal
+from problems import gpt_problem
+
+SCHEDULES = {
+    "fixed_linear": {"total_curriculum_step": 37, "difficulty_step": 8},
+    "fixed_root": {"total_curriculum_step": 37, "difficulty_step": 8, "root_degree": 2},
+    "fixed_discrete": {"difficulty": [8, 24, 40, 64], "max_step": [5, 9, 20]},
+}
+
+
+@pytest.mark.parametrize("min_difficulty", [8, 12])
+@pytest.mark.parametrize("schedule_type", list(SCHEDULES))
+def test_the_schedules_equal_deepspeeds_step_by_step(schedule_type, min_difficulty):
+    scheduler = pytest.importorskip("deepspeed.runtime.data_pipeline.curriculum_scheduler")
+    block = {"curriculum_type": "seqlen", "min_difficulty": min_difficulty, "max_difficulty": 64,
+             "schedule_type": schedule_type, "schedule_config": SCHEDULES[schedule_type]}
+    theirs = scheduler.CurriculumScheduler(block)
+    ours = Curriculum.from_deepspeed(block)
+    # DeepSpeed's engine asks for global_steps + 1 before each step's forward; ours takes the steps taken
+    got = [ours.difficulty(k) for k in range(60)]
+    want = [theirs.update_difficulty(k + 1) for k in range(60)]
+    assert got == want
+    assert got[0] < 64 and got[-1] == 64  # it grows, and ends at the max
+
+
+def test_apply_cuts_the_sequence_dimension_of_every_tensor():
+    c = Curriculum(min_difficulty=4, max_difficulty=16, schedule_type="fixed_linear", total_curriculum_step=4, difficulty_step=4)
+    batch = {"x": torch.arange(32).reshape(2, 16), "y": torch.arange(32).reshape(2, 16) + 1, "n": 3,
+             "mask": [torch.ones(2, 16)], "ids": torch.arange(2)}
+    first = c.apply(batch, 0)
+    assert first["x"].shape == (2, 4) and torch.equal(first["y"], batch["y"][:, :4]) and first["mask"][0].shape == (2, 4)
+    assert first["n"] == 3 and first["ids"] is batch["ids"]  # a 1-D tensor has no sequence dimension
+    assert c.apply(batch, 10)["x"] is batch["x"]  # at the max: as it was
+
+
+def test_a_gpt_trains_on_the_curriculum_at_every_stage_as_on_the_cut_batches():
+    # the loop applies the curriculum; each stage trains on it, and equals stage 0 (bitwise on one rank of a local mesh)
+    c = Curriculum(min_difficulty=4, max_difficulty=16, schedule_type="fixed_linear", total_curriculum_step=3, difficulty_step=4)
+    results = {}
+    for stages in (0, 1, 2, 3):
+        prob = gpt_problem(steps=3)
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(1))
+        state = step.init(fzero.params_of(prob.model))
+        lengths, losses = [], []
+        for b in prob.batches:
+            cut = c.apply(b, state.step_count)
+            lengths.append(cut["x"].shape[1])
+            state, m = step(state, cut)
+            losses.append(m["loss"])
+        results[stages] = (step.gather(state), losses)
+        assert lengths == [c.difficulty(k) for k in range(3)] and lengths[0] < lengths[-1]
+    for stages in (1, 2, 3):
+        assert_trees_equal(results[stages][0], results[0][0])
+        assert results[stages][1] == results[0][1]
+
+
+def test_the_config_block_is_read_and_bad_settings_are_named():
+    block = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,
+             "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}
+    settings = fzero.config.from_deepspeed({"curriculum_learning": block})
+    assert settings.curriculum == Curriculum.from_deepspeed({k: v for k, v in block.items() if k != "enabled"})
+    assert "curriculum" in str(settings)
+    assert fzero.config.from_deepspeed({"curriculum_learning": {**block, "enabled": False}}).curriculum is None
+    with pytest.raises(ValueError, match=r"unknown key 'curriculum_learning\.schedule_config\.total_step'"):
+        fzero.config.from_deepspeed({"curriculum_learning": {**block, "schedule_config": {"total_step": 10, "difficulty_step": 8}}})
+    with pytest.raises(ValueError, match=r"fzero\.config\.from_deepspeed: curriculum_learning: schedule_type 'fixed_root' needs "
+                                         r"schedule_config keys \['root_degree'\]"):
+        fzero.config.from_deepspeed({"curriculum_learning": {**block, "schedule_type": "fixed_root"}})
+    with pytest.raises(NotImplementedError, match=r"curriculum_type='vocabularyrarity'.*'seqlen'"):
+        fzero.config.from_deepspeed({"curriculum_learning": {**block, "curriculum_type": "vocabularyrarity"}})
+    with pytest.raises(ValueError, match=r"fzero\.data\.Curriculum: fixed_discrete needs non-decreasing difficulties \[8, 4\]"):
+        Curriculum(min_difficulty=4, max_difficulty=8, schedule_type="fixed_discrete", difficulties=(8, 4), max_steps=(3,))
+    with pytest.raises(ValueError, match=r"fzero\.data\.Curriculum: min_difficulty=0; it must be a positive int"):
+        Curriculum(min_difficulty=0, max_difficulty=8, total_curriculum_step=3)
+    with pytest.raises(ValueError, match=r"schedule_type='custom'; use one of"):
+        Curriculum(min_difficulty=1, max_difficulty=8, schedule_type="custom")
