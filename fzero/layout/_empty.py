@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator
 
 from torch import nn
 
+from fzero.layout._bind import walk
+
 _lock = threading.Lock()
 _depth = 0  # nested or concurrent empty_params() blocks share one patch of nn.Module.register_parameter
 _original = nn.Module.register_parameter
@@ -73,18 +75,27 @@ def check_no_meta(module: nn.Module, names: Iterable[str], *, state_buffers: boo
     ``state_buffers``: persistent buffers come from the train state (inside a step), which names its own meta
     ones; a non-persistent buffer always comes from the module."""
     given = None
-    for path, sub in module.named_modules():
+    seen: set[int] = set()  # a tied parameter is checked under its first path, as named_parameters names it
+    meta_params = []
+    for prefix, sub in walk(module):  # one walk for both checks: this runs at every fzero.apply
         for name, b in sub._buffers.items():
+            if b is None or not b.is_meta:
+                continue
             persistent = name not in sub._non_persistent_buffers_set
-            if b is None or not b.is_meta or (state_buffers and persistent):
+            if state_buffers and persistent:
                 continue
             why = ("outside a step, the forward reads buffers from the module" if persistent else
                    "it is non-persistent, so no train state or checkpoint holds it: the forward reads it from the module")
             raise ValueError(
-                f"{api}: the {'buffer' if persistent else 'non-persistent buffer'} {(f'{path}.' if path else '') + name!r} "
+                f"{api}: the {'buffer' if persistent else 'non-persistent buffer'} {prefix + name!r} "
                 f"of {type(module).__name__} is a meta tensor (a shape without a value), and {why}. {META_BUFFER_FIX}."
             )
-    for path, p in module.named_parameters():
+        for name, p in sub._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                if p.is_meta:
+                    meta_params.append((prefix + name, p))
+    for path, p in meta_params:  # after every buffer, as before: a meta buffer is named first
         if p.is_meta:
             given = set(names) if given is None else given
             if path not in given:
