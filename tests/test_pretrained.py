@@ -6,6 +6,7 @@ checkpoint ``save_pretrained`` wrote (``fzero.checkpoint.pretrained``), exactly 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -264,3 +265,38 @@ def test_a_frozen_param_is_named_not_taken_for_an_unexpected_key(saved):
     meta.transformer.wpe.weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"frozen params \['transformer.wpe.weight'\] are meta tensors; step.init makes only the params it trains"):
         fzero.checkpoint.pretrained(whole, model=meta)
+
+
+def test_a_new_head_on_a_pretrained_body_is_initialized_as_from_pretrained_does(tmp_path):
+    # AutoModelForSequenceClassification.from_pretrained(base): the body loads, the new head ("score") is drawn by
+    # the model's own _init_weights, N(0, initializer_range); without missing= that head is an error naming it
+    from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=32, num_labels=48, pad_token_id=0)
+    torch.manual_seed(7)
+    LlamaModel(cfg).save_pretrained(tmp_path)
+    with fzero.empty_params():
+        meta = LlamaForSequenceClassification(cfg)
+    with pytest.raises(ValueError, match=r"lacks: \['score.weight'\].*pass missing='init' to initialize them"):
+        fzero.checkpoint.pretrained(tmp_path, model=meta)
+    source = fzero.checkpoint.pretrained(tmp_path, model=meta, missing="init")
+    assert source.initialized == ("score.weight",)
+    step = fzero.compile(lambda p, b: fzero.apply(meta, p, input_ids=b["x"], labels=b["y"]).loss,
+                         optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(meta, copy=False), materialize=source)
+    got = step.gather(state)
+    ref = LlamaForSequenceClassification.from_pretrained(tmp_path, num_labels=48, pad_token_id=0)
+    for name, value in ref.state_dict().items():
+        if name in got and name != "score.weight":
+            assert torch.equal(got[name], value), name  # the body: the checkpoint's values
+    head = got["score.weight"]
+    assert head.shape == (48, 64) and abs(float(head.mean())) < 0.01
+    assert 0.015 < float(head.std()) < 0.025  # initializer_range 0.02, as from_pretrained draws it
+    batch = {"x": torch.randint(1, 128, (4, 16), generator=torch.Generator().manual_seed(0)), "y": torch.arange(4)}
+    state, metrics = step(state, batch)
+    assert math.isfinite(metrics["loss"])
+    with pytest.raises(ValueError, match=r"missing='zeros'; pass 'init'"):
+        fzero.checkpoint.pretrained(tmp_path, model=meta, missing="zeros")
+    made = fzero.checkpoint.pretrained(tmp_path, model=meta, missing=lambda path, m: torch.zeros(m.shape))
+    assert torch.equal(made("score.weight", meta.score.weight), torch.zeros(48, 64))

@@ -25,6 +25,10 @@ byte of weights is read; each is an error naming the key:
 - a model whose params are real (``step.init`` makes only meta params: the checkpoint would not be read) or
   whose non-persistent buffers are meta (built under ``torch.device("meta")``; no checkpoint holds them).
 
+Params the checkpoint lacks on purpose (a new head over a pretrained body) are made by ``missing="init"`` (the
+model's own initializer, as ``from_pretrained`` runs it) or a ``missing=`` function, and listed in
+``Pretrained.initialized``; without ``missing=`` they are an error.
+
 A stored dtype other than the param's (bf16 files, an fp32 model) is cast to the param's dtype, as
 ``from_pretrained`` casts to the model's; ``Pretrained.casts`` lists each key cast. Persistent buffers the
 checkpoint holds are given to ``step.init`` as the state's buffers (``init_buffers``).
@@ -32,6 +36,7 @@ checkpoint holds are given to ``step.init`` as the state's buffers (``init_buffe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -72,8 +77,16 @@ class Pretrained:
     buffer_names: tuple[str, ...]
     casts: dict[str, tuple[torch.dtype, torch.dtype]]
     device: torch.device
+    initialized: tuple[str, ...] = ()  # params the checkpoint lacks, made by ``missing`` (see ``pretrained``)
+    missing: Any = None
 
     def __call__(self, path: str, meta: torch.Tensor) -> torch.Tensor:
+        if path in self.initialized:
+            value = self.missing(path, meta)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(meta.shape):
+                raise ValueError(f"{API}: missing=... made {type(value).__name__} "
+                                 f"{tuple(getattr(value, 'shape', ()))} for {path!r}, whose shape is {tuple(meta.shape)}.")
+            return value.to(device=self.device, dtype=meta.dtype, copy=True)
         key = self.keys.get(path)
         if key is None or path in self.buffer_names:
             raise ValueError(
@@ -95,13 +108,19 @@ class Pretrained:
         return stored.to(device=self.device, dtype=dtype or stored.dtype, copy=True)
 
 
-def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu") -> Pretrained:
+def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu", missing: Any = None) -> Pretrained:
     """Stream a Hugging Face checkpoint directory (``model.safetensors``, or shards and
     ``model.safetensors.index.json``, as ``save_pretrained`` writes them) into ``step.init``, one tensor at a time.
 
     ``model``: the model built under ``fzero.empty_params()`` whose params go to ``step.init``; the checkpoint's
     keys, shapes and ties are checked against it here. ``device``: where the values are made (the device the
     state will live on). See the module docstring for what is checked and how dtypes are handled.
+
+    ``missing``: what makes the params the checkpoint lacks (a new head on a pretrained body, as
+    ``AutoModelForSequenceClassification.from_pretrained`` of a base model): ``"init"``, the model's own
+    initializer (``from_pretrained``'s: a Hugging Face model's ``_init_weights`` on that module, else the module's
+    ``reset_parameters``), or any ``(path, meta) -> tensor``. They are listed in ``Pretrained.initialized``. Without
+    it a missing param is an error that names it: nothing is made up silently.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{API}: model must be the nn.Module (built under fzero.empty_params()) whose params step.init makes, got {type(model).__name__}.")
@@ -113,11 +132,11 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
     ckpt_to_model = _prefix_map(model, shapes, {n for g in groups for n in g} | set(buffers))
     have = {ckpt_to_model[k]: k for k in shapes}
     keys: dict[str, str] = {}
-    missing: list[str] = []
+    missing_keys: list[str] = []
     for group in groups:  # a tied group is loaded from whichever of its names the checkpoint holds
         key = next((have[n] for n in group if n in have), None)
         if key is None:
-            missing.append(group[0])
+            missing_keys.append(group[0])
         else:
             keys[group[0]] = key
     ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
@@ -125,18 +144,23 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
         if name in have:
             keys[name] = have[name]
         elif buffers[name].is_meta or not any(p.search(name) for p in ignore_missing):
-            missing.append(name)  # from_pretrained keeps a buffer's initial value only where the class says so
+            missing_keys.append(name)  # from_pretrained keeps a buffer's initial value only where the class says so
     known = set(model.state_dict(keep_vars=True))  # frozen params too: _check_model names them
     ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
     unexpected = [k for k in shapes if ckpt_to_model[k] not in known and not any(p.search(k) for p in ignore_unexpected)]
-    if missing or unexpected:
+    make = _initializer(model, missing)
+    initialized = tuple(n for n in missing_keys if n not in buffers) if make is not None else ()
+    lacking = [n for n in missing_keys if n not in initialized]
+    if lacking or unexpected:
         raise ValueError(
             f"{API}: the checkpoint in {directory!r} does not fit {type(model).__name__}: "
-            + (f"the model has {len(missing)} key(s) the checkpoint lacks: {_few(missing)}" if missing else "")
-            + ("; " if missing and unexpected else "")
+            + (f"the model has {len(lacking)} key(s) the checkpoint lacks: {_few(lacking)}" if lacking else "")
+            + ("; " if lacking and unexpected else "")
             + (f"the checkpoint has {len(unexpected)} key(s) the model lacks: {_few(unexpected)}" if unexpected else "")
             + ". It was saved from another model or configuration: build the model from the checkpoint's own config "
-              "(AutoConfig.from_pretrained(dir)), or rename the keys."
+              "(AutoConfig.from_pretrained(dir)), or rename the keys"
+            + ("; for params that are new on purpose (a new head), pass missing='init' to initialize them as "
+               "from_pretrained does." if any(n not in buffers for n in lacking) else ".")
         )
     tensors = dict(model.state_dict(keep_vars=True))
     casts = {}
@@ -152,7 +176,34 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
         if dtype != t.dtype:
             casts[key] = (dtype, t.dtype)
     return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
-                      casts=casts, device=torch.device(device))
+                      casts=casts, device=torch.device(device), initialized=initialized, missing=make)
+
+
+def _initializer(model: nn.Module, missing: Any) -> Any:
+    """``pretrained``'s ``missing=`` as a ``(path, meta) -> tensor``, or None."""
+    if missing is None or callable(missing):
+        return missing
+    if missing != "init":
+        raise ValueError(f"{API}: missing={missing!r}; pass 'init' (the model's own initializer) or a function "
+                         f"(path, meta_tensor) -> tensor.")
+
+    def init(path: str, meta: torch.Tensor) -> torch.Tensor:
+        owner, _, name = path.rpartition(".")
+        module = model.get_submodule(owner)
+        real = copy.deepcopy(module).to_empty(device="cpu")  # the module alone, with memory: what its init writes
+        hf_init = getattr(model, "_init_weights", None)
+        if callable(hf_init):  # a Hugging Face model: the initializer from_pretrained runs for missing weights
+            for m in real.modules():
+                hf_init(m)
+        elif callable(getattr(real, "reset_parameters", None)):
+            real.reset_parameters()
+        else:
+            raise ValueError(
+                f"{API}: missing='init' cannot initialize {path!r}: {type(model).__name__} has no _init_weights and "
+                f"{type(module).__name__} no reset_parameters. Pass missing=fn(path, meta_tensor) -> its initial value.")
+        return getattr(real, name).detach()
+
+    return init
 
 
 def _files(directory: str) -> dict[str, str]:
