@@ -27,6 +27,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
     unit_elements, prefetch = _hints(zero, stages, ctx)
     opt, description, lr = build_optimizer(cfg, ctx)
     curriculum = _curriculum(cfg)
+    layer_drop = _layer_drop(cfg)
     steps_per_print = cfg.get("steps_per_print")
     if steps_per_print is not None:
         steps_per_print = as_int("steps_per_print", steps_per_print, low=1)
@@ -35,7 +36,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
         precision=precision, grad_accum=grad_accum, clip_grad_norm=clip, **offload, world_size=world_size,
         micro_batch_size=micro, train_batch_size=total, steps_per_print=steps_per_print,
         wall_clock_breakdown=as_bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False)),
-        unit_elements=unit_elements, prefetch=prefetch, curriculum=curriculum, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
+        unit_elements=unit_elements, prefetch=prefetch, curriculum=curriculum, progressive_layer_drop=layer_drop, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
         config=types.MappingProxyType(cfg),
     )
 
@@ -51,6 +52,21 @@ def _curriculum(cfg: dict) -> Any:
         return Curriculum.from_deepspeed({k: v for k, v in block.items() if k != "enabled"})
     except (ValueError, NotImplementedError) as e:  # the reader's name, the config key, and the reason
         raise type(e)(f"{API}: curriculum_learning: {str(e).split(': ', 1)[1]}") from e
+
+
+def _layer_drop(cfg: dict) -> Any:
+    """The "progressive_layer_drop" block as a ``fzero.models.ProgressiveLayerDrop`` (None when absent or disabled)."""
+    from fzero.models import ProgressiveLayerDrop
+
+    block = cfg.get("progressive_layer_drop")
+    if not block or not as_bool("progressive_layer_drop.enabled", block.get("enabled", False)):
+        return None
+    theta = as_float("progressive_layer_drop.theta", block.get("theta", 0.5))
+    gamma = as_float("progressive_layer_drop.gamma", block.get("gamma", 0.001))
+    try:
+        return ProgressiveLayerDrop(theta=theta, gamma=gamma)
+    except ValueError as e:
+        raise ValueError(f"{API}: progressive_layer_drop: {str(e).split(': ', 1)[1]}") from e
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,

@@ -158,7 +158,7 @@ TOP: dict[str, Spec] = {
     "elasticity": Unsupported("elastic training"),
     "sparse_attention": Unsupported("sparse attention"),
     "curriculum_learning": Mapped(_CURRICULUM),
-    "progressive_layer_drop": Unsupported("progressive layer dropping"),
+    "progressive_layer_drop": Mapped({"enabled": M, "theta": M, "gamma": M}),
     "eigenvalue": Unsupported("eigenvalue-based quantization (MoQ)"),
     "quantize_training": Unsupported("quantized training (MoQ)"),
     "compression_training": Unsupported("the compression library"),

@@ -41,6 +41,7 @@ class Settings:
     unit_elements: int | None = None  # hint for stages 0-1: elements per flat bucket (from the bucket sizes)
     prefetch: bool | None = None  # hint for stage 3: gather the next unit ahead (from prefetch size / overlap_comm)
     curriculum: Any = None  # fzero.data.Curriculum from "curriculum_learning", for the loop: curriculum.apply(batch, step)
+    progressive_layer_drop: Any = None  # fzero.models.ProgressiveLayerDrop from "progressive_layer_drop", for the model
     notes: tuple[str, ...] = ()  # keys accepted with no effect here, and why; DeepSpeed defaults applied
     resolved: tuple[tuple[str, Any, str], ...] = ()  # ("optimizer.params.lr", 3e-4, "learning_rate=") for each "auto"
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # the config, "auto" resolved
@@ -113,6 +114,10 @@ class Settings:
             c = self.curriculum
             rows.append(("curriculum", f"seqlen {c.min_difficulty}..{c.max_difficulty}, {c.schedule_type} (the loop's to "
                                        f"apply: settings.curriculum.apply(batch, state.step_count))"))
+        if self.progressive_layer_drop is not None:
+            d = self.progressive_layer_drop
+            rows.append(("progressive_layer_drop", f"theta {d.theta:g}, gamma {d.gamma:g} (the model's to take: "
+                                                   f"layers(state.step_count, n_layers) passed to its forward)"))
         rows.append(("steps_per_print", f"{self.steps_per_print} (the loop's to honour: a step returns its metrics)"))
         rows.append(("wall_clock_breakdown", f"{self.wall_clock_breakdown} (the loop's to time: fzero keeps no timers)"))
         lines = [f"fzero settings from the DeepSpeed config {self.source}"]

@@ -108,9 +108,13 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``scale``: the residual branches' weight (progressive layer drop: ``1 / keep_probability``)."""
+        if scale == 1.0:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        x = x + self.attn(self.ln1(x)) * scale
+        return x + self.mlp(self.ln2(x)) * scale
 
 
 class GPT(nn.Module):
@@ -158,7 +162,10 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
         return out.normal_(0.0, std, generator=gen)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, layers: list[tuple[bool, float]] | None = None) -> torch.Tensor:
+        """``layers``: progressive layer drop's draw for this step, ``(keep, p)`` per block
+        (``fzero.models.ProgressiveLayerDrop.layers(step, n_layer)``): a dropped block is skipped, a kept one's branches
+        are scaled by ``1 / p``. None: every block, unscaled (evaluation, or no layer drop)."""
         if idx.dim() != 2:
             raise ValueError(f"GPT.forward: idx must be (batch, time) token ids, got shape {tuple(idx.shape)}.")
         T = idx.shape[1]
@@ -167,8 +174,16 @@ class GPT(nn.Module):
                              "truncate the input or build the model with a larger seq_len.")
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
-            x = block(x)
+        if layers is None:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            if len(layers) != len(self.blocks):
+                raise ValueError(f"GPT.forward: layers has {len(layers)} entries for {len(self.blocks)} blocks; draw them "
+                                 f"with ProgressiveLayerDrop.layers(step, cfg.n_layer).")
+            for block, (keep, p) in zip(self.blocks, layers):
+                if keep:
+                    x = block(x, scale=1.0 / p)
         x = self.ln_f(x)
         if self.lm_head is None:
             return F.linear(x, self.tok_emb.weight)  # tied head: reads the embedding's own parameter
