@@ -45,7 +45,7 @@ from tqdm import tqdm
 import fzero
 from fzero.data import Curriculum, batch_at, load_corpus, train_val_split
 from fzero.memory import state_bytes, zero_model_state_bytes
-from fzero.models import GPT, GPTConfig, gpt_loss, num_params
+from fzero.models import GPT, GPTConfig, ProgressiveLayerDrop, gpt_loss, num_params
 
 MiB = 2**20
 
@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--curriculum", default=None, metavar="MIN:STEPS",
                    help="curriculum learning by sequence length: start at MIN tokens, grow linearly to --seq over "
                         "STEPS steps (DeepSpeed's fixed_linear seqlen schedule, lengths in multiples of 8)")
+    p.add_argument("--layer-drop", default=None, metavar="THETA:GAMMA",
+                   help="progressive layer drop (DeepSpeed's progressive_layer_drop theta and gamma, e.g. 0.5:0.001): "
+                        "blocks are skipped with a probability that grows over depth and steps; not with --remat at stages 0-2")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
@@ -112,6 +115,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                          total_curriculum_step=span, difficulty_step=8 if low >= 8 else 1)
         except ValueError as e:
             p.error(f"--curriculum {args.curriculum!r}: expected MIN:STEPS with 1 <= MIN <= --seq ({e})")
+    if args.layer_drop is not None:
+        try:
+            theta, gamma = (float(x) for x in args.layer_drop.split(":"))
+            args.layer_drop = ProgressiveLayerDrop(theta=theta, gamma=gamma, seed=args.seed)
+        except ValueError as e:
+            p.error(f"--layer-drop {args.layer_drop!r}: expected THETA:GAMMA with 0 < THETA <= 1 and GAMMA >= 0 ({e})")
+        if args.remat and args.stages < 3:
+            p.error("--layer-drop with --remat at stages 0-2: the rematerialised forward runs every block; use one of them")
     launched_by_torchrun = "RANK" in os.environ
     args.mesh = args.mesh or ("dist" if launched_by_torchrun else "local")
     if args.mesh == "local" and launched_by_torchrun:
@@ -216,9 +227,16 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         model = GPT(cfg)
     psi = num_params(model)
 
+    drop_at = {"step": 0}  # with --layer-drop: the step the blocks are drawn for (set by the loop)
+
     def loss_fn(params, batch):
         remat_here = args.remat and args.stages < 3  # stage 3 recomputes its units itself (remat= below)
-        logits = forward_remat(model, params, batch["x"]) if remat_here else fzero.apply(model, params, batch["x"])
+        if remat_here:
+            logits = forward_remat(model, params, batch["x"])
+        elif args.layer_drop is not None and torch.is_grad_enabled():  # evaluation runs every block
+            logits = fzero.apply(model, params, batch["x"], args.layer_drop.layers(drop_at["step"], args.layers))
+        else:
+            logits = fzero.apply(model, params, batch["x"])
         return gpt_loss(logits, batch["y"])
 
     warmup = min(args.warmup, args.steps - 1)
@@ -253,6 +271,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
 
     losses: list[float] = []
     lengths: list[int] = []  # with --curriculum: each step's sequence length
+    blocks_run = 0  # with --layer-drop: blocks run over the steps (of steps x layers)
     evals: list[dict] = []
     timed_s, timed_tokens = 0.0, 0  # step time after the first (warm-up) step, evaluation excluded
     window_s, window_tokens = 0.0, 0  # since the last log line, for the progress bar's tok/s
@@ -268,6 +287,9 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
             lengths.append(batch["x"].shape[1])
             step_tokens = tokens_per_step * lengths[-1] // args.seq
 
+        drop_at["step"] = k
+        if args.layer_drop is not None:
+            blocks_run += sum(keep for keep, _ in args.layer_drop.layers(k, args.layers))
         t0 = time.perf_counter()
         state, metrics = step(state, batch)  # the old state is donated: only the returned one is valid
         dt = time.perf_counter() - t0
@@ -323,6 +345,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
                                                  "offload_params")},
         "steps": steps_done, "elapsed_s": elapsed, "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
         "losses": losses, "evals": evals, "val_loss": val_loss, "plot": args.plot or None, "seq_lengths": lengths,
+        "blocks_run": blocks_run if args.layer_drop is not None else None,
         "memory": {"ranks": rows, "formula": formula, "estimate": estimate.as_dict(), "peak_rss": peak_rss},
     }
     if args.plot and is_main:
