@@ -11,6 +11,8 @@ works and the reference otherwise (``fzero.ops._dispatch``). fzero works without
   (``fzero.ops._adam``: the order of operations, and how it matches ``torch._fused_adamw_``).
 - ``grad_sumsq``: each unit's sum of squared gradients and a non-finite flag, in one pass (``_norm``).
 - ``scale_cast``: ``(grad * scale).to(dtype)`` in one pass (``_cast``).
+- ``sparse_attention``: block-sparse attention over DeepSpeed's layouts (``FixedLayout``, ``BigBirdLayout``, ...):
+  FlexAttention on CUDA, a block-sparse torch reference elsewhere (``_sparse``).
 - ``fzero.ops.bench.adamw_gbps``: GB/s of one fused AdamW step, this kernel or torch's.
 
 For an fp16 step that skips on overflow without a host sync::
@@ -25,5 +27,7 @@ from ._adam import adam_, adamw_
 from ._cast import scale_cast
 from ._dispatch import IMPLS, triton_available
 from ._norm import SumSq, grad_sumsq
+from ._sparse import BigBirdLayout, BSLongformerLayout, DenseLayout, FixedLayout, VariableLayout, sparse_attention, token_mask
 
-__all__ = ["IMPLS", "SumSq", "adam_", "adamw_", "grad_sumsq", "scale_cast", "triton_available"]
+__all__ = ["IMPLS", "BSLongformerLayout", "BigBirdLayout", "DenseLayout", "FixedLayout", "SumSq", "VariableLayout", "adam_",
+           "adamw_", "grad_sumsq", "scale_cast", "sparse_attention", "token_mask", "triton_available"]

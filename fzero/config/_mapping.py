@@ -28,6 +28,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
     opt, description, lr = build_optimizer(cfg, ctx)
     curriculum = _curriculum(cfg)
     layer_drop = _layer_drop(cfg)
+    sparse = _sparse_attention(cfg)
     steps_per_print = cfg.get("steps_per_print")
     if steps_per_print is not None:
         steps_per_print = as_int("steps_per_print", steps_per_print, low=1)
@@ -36,7 +37,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
         precision=precision, grad_accum=grad_accum, clip_grad_norm=clip, **offload, world_size=world_size,
         micro_batch_size=micro, train_batch_size=total, steps_per_print=steps_per_print,
         wall_clock_breakdown=as_bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False)),
-        unit_elements=unit_elements, prefetch=prefetch, curriculum=curriculum, progressive_layer_drop=layer_drop, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
+        unit_elements=unit_elements, prefetch=prefetch, curriculum=curriculum, progressive_layer_drop=layer_drop, sparse_attention=sparse, notes=tuple(ctx.notes), resolved=tuple(ctx.resolved),
         config=types.MappingProxyType(cfg),
     )
 
@@ -52,6 +53,21 @@ def _curriculum(cfg: dict) -> Any:
         return Curriculum.from_deepspeed({k: v for k, v in block.items() if k != "enabled"})
     except (ValueError, NotImplementedError) as e:  # the reader's name, the config key, and the reason
         raise type(e)(f"{API}: curriculum_learning: {str(e).split(': ', 1)[1]}") from e
+
+
+def _sparse_attention(cfg: dict) -> Any:
+    """The "sparse_attention" block as a layout of ``fzero.ops`` (``FixedLayout``, ``BigBirdLayout``, ...), or None."""
+    block = cfg.get("sparse_attention")
+    if not block:
+        return None
+    if not isinstance(block, dict):
+        raise ValueError(f"{API}: sparse_attention must be a JSON object with a \"mode\", got {json.dumps(block)}.")
+    from fzero.ops._sparse import from_deepspeed as layout_from_deepspeed
+
+    try:
+        return layout_from_deepspeed(block)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{API}: sparse_attention: {str(e).split(': ', 1)[-1]}") from e
 
 
 def _layer_drop(cfg: dict) -> Any:

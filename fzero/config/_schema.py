@@ -156,7 +156,7 @@ TOP: dict[str, Spec] = {
     # removed from DeepSpeed 0.19, still found in older configs: fine when disabled
     "amp": Unsupported("NVIDIA Apex AMP", fix="Use fp16 or bf16."),
     "elasticity": Unsupported("elastic training"),
-    "sparse_attention": Unsupported("sparse attention"),
+    "sparse_attention": Mapped(),  # a layout of fzero.ops in Settings.sparse_attention; its keys checked by mode
     "curriculum_learning": Mapped(_CURRICULUM),
     "progressive_layer_drop": Mapped({"enabled": M, "theta": M, "gamma": M}),
     "eigenvalue": Unsupported("eigenvalue-based quantization (MoQ)"),

@@ -42,6 +42,7 @@ class Settings:
     prefetch: bool | None = None  # hint for stage 3: gather the next unit ahead (from prefetch size / overlap_comm)
     curriculum: Any = None  # fzero.data.Curriculum from "curriculum_learning", for the loop: curriculum.apply(batch, step)
     progressive_layer_drop: Any = None  # fzero.models.ProgressiveLayerDrop from "progressive_layer_drop", for the model
+    sparse_attention: Any = None  # a layout of fzero.ops from "sparse_attention", for the model's attention
     notes: tuple[str, ...] = ()  # keys accepted with no effect here, and why; DeepSpeed defaults applied
     resolved: tuple[tuple[str, Any, str], ...] = ()  # ("optimizer.params.lr", 3e-4, "learning_rate=") for each "auto"
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # the config, "auto" resolved
@@ -118,6 +119,9 @@ class Settings:
             d = self.progressive_layer_drop
             rows.append(("progressive_layer_drop", f"theta {d.theta:g}, gamma {d.gamma:g} (the model's to take: "
                                                    f"layers(state.step_count, n_layers) passed to its forward)"))
+        if self.sparse_attention is not None:
+            rows.append(("sparse_attention", f"{self.sparse_attention!r} (the model's to take: e.g. "
+                                             f"GPTConfig(sparse_attention=...), or fzero.ops.sparse_attention in its attention)"))
         rows.append(("steps_per_print", f"{self.steps_per_print} (the loop's to honour: a step returns its metrics)"))
         rows.append(("wall_clock_breakdown", f"{self.wall_clock_breakdown} (the loop's to time: fzero keeps no timers)"))
         lines = [f"fzero settings from the DeepSpeed config {self.source}"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 import zlib
 
 import torch
@@ -36,6 +37,8 @@ class GPTConfig:
     mlp_ratio: int = 4
     bias: bool = False  # biases in every Linear and LayerNorm
     tie_embeddings: bool = True  # LM head shares the token embedding's weight
+    # block-sparse attention: a layout of fzero.ops (FixedLayout, BigBirdLayout, ...); None: dense causal attention
+    sparse_attention: Any = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -77,12 +80,18 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)  # fused: one GEMM
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.layout = cfg.sparse_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, 3C) -> 3 x (B, n_head, T, head_dim)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.layout is not None:  # causal within the layout's blocks (fzero.ops.sparse_attention)
+            from fzero.ops import sparse_attention
+
+            y = sparse_attention(q, k, v, self.layout, causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

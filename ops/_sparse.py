@@ -1,0 +1,343 @@
+"""Block-sparse attention with DeepSpeed's sparsity layouts (its retired ``deepspeed.ops.sparse_attention``).
+
+A layout is a frozen config that says, for a sequence cut into blocks of ``block`` tokens, which key blocks each query
+block attends to: ``layout.blocks(num_blocks)`` is a bool tensor ``(heads or 1, num_blocks, num_blocks)``. The five
+DeepSpeed users know, with DeepSpeed's rules and defaults:
+
+- ``DenseLayout``: every block (for comparison);
+- ``FixedLayout`` (Sparse Transformers, Child et al. 2019): local windows of ``num_local_blocks``, and in each window
+  its last ``num_global_blocks`` as global columns (``horizontal_global_attention``: rows too); with
+  ``different_layout_per_head``, head h takes the window's (h mod ``num_different_global_patterns``)-th group from
+  the end;
+- ``VariableLayout``: local windows of the sizes in ``local_window_blocks`` (the last size repeats), global blocks at
+  ``global_block_indices`` (or ranges to ``global_block_end_indices``), and ``num_random_blocks`` random ones a row;
+- ``BigBirdLayout`` (Zaheer et al. 2020): a sliding window of ``num_sliding_window_blocks``, the first
+  ``num_global_blocks`` as global rows and columns, ``num_random_blocks`` random ones a row;
+- ``BSLongformerLayout`` (block-sparse Longformer): a sliding window, and global rows and columns at the indices.
+
+``attention="unidirectional"`` keeps each layout's blocks at or below the diagonal (DeepSpeed's rules, in the order it
+applies them); the token-level causal mask inside a block is ``sparse_attention(..., causal=True)``'s. Random blocks
+come from a generator seeded by ``seed`` (DeepSpeed drew them from Python's global ``random``), so every rank builds
+the same layout. A sequence that is not a whole number of blocks is padded to one: the padding is masked out.
+
+``sparse_attention(q, k, v, layout, causal=False)`` runs PyTorch's FlexAttention on CUDA (a ``BlockMask`` built from
+the layout, compiled to Triton kernels) and, elsewhere, a torch reference that computes only the layout's blocks
+(FlexAttention has no backward on the CPU). Both equal dense attention with the same mask to rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_ATTENTION = ("bidirectional", "unidirectional")
+
+
+def _check(name: str, attention: str, block: int) -> None:
+    if attention not in _ATTENTION:
+        raise ValueError(f"fzero.ops.{name}: attention={attention!r}; use 'bidirectional' or 'unidirectional'.")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"fzero.ops.{name}: block={block!r}; it must be a positive int (tokens per block).")
+
+
+def _need(name: str, what: str, count: int, num_blocks: int) -> None:
+    if count > num_blocks:
+        raise ValueError(f"fzero.ops.{name}: {what}={count} is more than the {num_blocks} blocks of this sequence; use a "
+                         f"longer sequence or a smaller {what} (DeepSpeed refuses it too).")
+
+
+def _random_blocks(layout: torch.Tensor, count: int, seed: int, *, causal_rows: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = layout.shape[0]
+    for row in range(n):
+        width = row + 1 if causal_rows else n
+        cols = torch.randperm(width, generator=gen)[:count]
+        layout[row, cols] = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayout:
+    block: int = 16
+    num_heads: int = 1
+    different_layout_per_head: bool = False  # accepted as DeepSpeed does: every head's layout is the same
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
+        _check("DenseLayout", "bidirectional", self.block)
+        return torch.ones(1, num_blocks, num_blocks, dtype=torch.bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedLayout:
+    block: int = 16
+    num_heads: int = 1
+    num_local_blocks: int = 4
+    num_global_blocks: int = 1
+    attention: str = "bidirectional"
+    horizontal_global_attention: bool = False
+    num_different_global_patterns: int = 1
+    different_layout_per_head: bool = False
+
+    def __post_init__(self) -> None:
+        _check("FixedLayout", self.attention, self.block)
+        if self.num_local_blocks % self.num_global_blocks:
+            raise ValueError(f"fzero.ops.FixedLayout: num_local_blocks={self.num_local_blocks} is not a multiple of "
+                             f"num_global_blocks={self.num_global_blocks}.")
+        if self.horizontal_global_attention and self.attention != "bidirectional":
+            raise ValueError("fzero.ops.FixedLayout: horizontal_global_attention needs attention='bidirectional'.")
+        if self.num_different_global_patterns > 1 and not self.different_layout_per_head:
+            raise ValueError("fzero.ops.FixedLayout: num_different_global_patterns > 1 needs different_layout_per_head=True.")
+        if self.num_different_global_patterns > self.num_local_blocks // self.num_global_blocks:
+            raise ValueError(f"fzero.ops.FixedLayout: num_different_global_patterns={self.num_different_global_patterns} is "
+                             f"more than num_local_blocks / num_global_blocks = {self.num_local_blocks // self.num_global_blocks}.")
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
+        heads = self.num_heads if self.different_layout_per_head else 1
+        return torch.stack([self._head(h, num_blocks) for h in range(heads)])
+
+    def _head(self, h: int, n: int) -> torch.Tensor:
+        out = torch.zeros(n, n, dtype=torch.bool)
+        uni = self.attention == "unidirectional"
+        w, g = self.num_local_blocks, self.num_global_blocks
+        for start in range(0, n, w):  # local windows (the last one may be short)
+            end = min(start + w, n)
+            out[start:end, start:end] = True
+        if uni:
+            out &= torch.ones(n, n, dtype=torch.bool).tril()
+        first = w - (1 + h % self.num_different_global_patterns) * g  # the global group's place in its window
+
+        def global_cols(c0: int, c1: int) -> None:
+            out[0 if not uni else c0:, c0:c1] = True
+            if self.horizontal_global_attention:
+                out[c0:c1, :] = True
+
+        whole = n - n % w
+        for c in range(first, whole, w):
+            global_cols(c, c + g)
+        if whole < n:  # a short last window: its global group as near its place as fits
+            c = min(whole + first, n - g)
+            global_cols(c, c + g)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableLayout:
+    block: int = 16
+    num_heads: int = 1
+    num_random_blocks: int = 0
+    local_window_blocks: tuple[int, ...] = (4,)
+    global_block_indices: tuple[int, ...] = (0,)
+    global_block_end_indices: tuple[int, ...] | None = None
+    attention: str = "bidirectional"
+    horizontal_global_attention: bool = False
+    different_layout_per_head: bool = False  # each head its own random blocks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check("VariableLayout", self.attention, self.block)
+        object.__setattr__(self, "local_window_blocks", tuple(self.local_window_blocks))
+        object.__setattr__(self, "global_block_indices", tuple(self.global_block_indices))
+        if self.global_block_end_indices is not None:
+            ends = tuple(self.global_block_end_indices)
+            object.__setattr__(self, "global_block_end_indices", ends)
+            if len(ends) != len(self.global_block_indices) or any(e <= s for s, e in zip(self.global_block_indices, ends)):
+                raise ValueError("fzero.ops.VariableLayout: global_block_end_indices must pair with global_block_indices, "
+                                 "each end after its start.")
+        if self.horizontal_global_attention and self.attention != "bidirectional":
+            raise ValueError("fzero.ops.VariableLayout: horizontal_global_attention needs attention='bidirectional'.")
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
+        heads = self.num_heads if self.different_layout_per_head and self.num_random_blocks else 1
+        return torch.stack([self._head(h, num_blocks) for h in range(heads)])
+
+    def _head(self, h: int, num_blocks: int) -> torch.Tensor:
+        n, uni = num_blocks, self.attention == "unidirectional"
+        _need("VariableLayout", "num_random_blocks", self.num_random_blocks, n)
+        out = torch.zeros(n, n, dtype=torch.bool)
+        if self.num_random_blocks:
+            _random_blocks(out, self.num_random_blocks, self.seed + h, causal_rows=False)  # as DeepSpeed: any column
+        start, sizes = 0, list(self.local_window_blocks)
+        while start < n:  # the windows' sizes in turn, then the last size again
+            size = sizes.pop(0) if len(sizes) > 1 else sizes[0]
+            end = min(start + size, n)
+            local = torch.ones(end - start, end - start, dtype=torch.bool)
+            out[start:end, start:end] |= local.tril() if uni else local
+            start += size
+        ends = self.global_block_end_indices or tuple(i + 1 for i in self.global_block_indices)
+        for s, e in zip(self.global_block_indices, ends):
+            if s < n:
+                e = min(e, n)
+                if self.horizontal_global_attention:
+                    out[s:e, :] = True
+                out[0 if not uni else s:, s:e] = True
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BigBirdLayout:
+    block: int = 16
+    num_heads: int = 1
+    num_random_blocks: int = 1
+    num_sliding_window_blocks: int = 3
+    num_global_blocks: int = 1
+    attention: str = "bidirectional"
+    different_layout_per_head: bool = False  # each head its own random blocks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check("BigBirdLayout", self.attention, self.block)
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
+        heads = self.num_heads if self.different_layout_per_head and self.num_random_blocks else 1
+        return torch.cat([self._head(h, num_blocks) for h in range(heads)])
+
+    def _head(self, h: int, num_blocks: int) -> torch.Tensor:
+        n, uni = num_blocks, self.attention == "unidirectional"
+        for what in ("num_random_blocks", "num_sliding_window_blocks", "num_global_blocks"):
+            _need("BigBirdLayout", what, getattr(self, what), n)
+        out = torch.zeros(n, n, dtype=torch.bool)
+        _random_blocks(out, self.num_random_blocks, self.seed + h, causal_rows=uni)
+        _sliding(out, self.num_sliding_window_blocks)
+        out[: self.num_global_blocks, :] = True
+        out[:, : self.num_global_blocks] = True
+        return (out.tril() if uni else out)[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BSLongformerLayout:
+    block: int = 16
+    num_heads: int = 1
+    num_sliding_window_blocks: int = 3
+    global_block_indices: tuple[int, ...] = (0,)
+    global_block_end_indices: tuple[int, ...] | None = None
+    attention: str = "bidirectional"
+    different_layout_per_head: bool = False  # accepted as DeepSpeed does: every head's layout is the same
+
+    def __post_init__(self) -> None:
+        _check("BSLongformerLayout", self.attention, self.block)
+        object.__setattr__(self, "global_block_indices", tuple(self.global_block_indices))
+        if self.global_block_end_indices is not None:
+            object.__setattr__(self, "global_block_end_indices", tuple(self.global_block_end_indices))
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
+        n = num_blocks
+        _need("BSLongformerLayout", "num_sliding_window_blocks", self.num_sliding_window_blocks, n)
+        out = torch.zeros(n, n, dtype=torch.bool)
+        _sliding(out, self.num_sliding_window_blocks)
+        ends = self.global_block_end_indices or tuple(i + 1 for i in self.global_block_indices)
+        for s, e in zip(self.global_block_indices, ends):
+            if s < n:
+                out[s:min(e, n), :] = True
+                out[:, s:min(e, n)] = True
+        return (out.tril() if self.attention == "unidirectional" else out)[None]
+
+
+def _sliding(out: torch.Tensor, window: int) -> None:
+    n, half = out.shape[0], window // 2
+    for row in range(n):
+        out[row, max(0, row - half):min(row + half + 1, n)] = True
+
+
+LAYOUTS = {"dense": DenseLayout, "fixed": FixedLayout, "variable": VariableLayout, "bigbird": BigBirdLayout,
+           "bslongformer": BSLongformerLayout}
+
+
+def from_deepspeed(block: dict[str, Any], *, num_heads: int = 1) -> Any:
+    """A layout from DeepSpeed's ``"sparse_attention"`` config block (``mode`` and that mode's keys)."""
+    settings = dict(block)
+    mode = settings.pop("mode", "fixed")
+    if mode not in LAYOUTS:
+        raise ValueError(f"fzero.ops.sparse_attention: mode={mode!r}; DeepSpeed's modes are {', '.join(map(repr, LAYOUTS))}.")
+    cls = LAYOUTS[mode]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"fzero.ops.sparse_attention: unknown keys {unknown} for mode {mode!r}; known: {sorted(known)}.")
+    return cls(**{"num_heads": num_heads, **settings})
+
+
+def token_mask(layout: Any, seq_len: int, *, causal: bool = False, heads: int = 1) -> torch.Tensor:
+    """The layout at token level for ``seq_len`` tokens: bool ``(heads or 1, seq_len, seq_len)``, True where a query
+    attends a key (the dense mask the block-sparse computation equals)."""
+    nb = -(-seq_len // layout.block)
+    blocks = layout.blocks(nb)
+    mask = blocks.repeat_interleave(layout.block, 1).repeat_interleave(layout.block, 2)[:, :seq_len, :seq_len]
+    if causal:
+        mask = mask & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return mask
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, *, causal: bool = False,
+                     scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+    """Attention of ``q, k, v`` (batch, heads, seq, head_dim) over the blocks of ``layout`` (see the module docstring).
+    ``impl``: "flex" (CUDA: FlexAttention), "torch" (the block-sparse reference), or "auto" (flex on CUDA)."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"fzero.ops.sparse_attention: q, k, v must be (batch, heads, seq, head_dim) alike; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+    if impl not in ("auto", "flex", "torch"):
+        raise ValueError(f"fzero.ops.sparse_attention: impl={impl!r}; use 'auto', 'flex' or 'torch'.")
+    heads, seq = q.shape[1], q.shape[2]
+    nb = -(-seq // layout.block)
+    blocks = layout.blocks(nb).to(q.device)
+    if blocks.shape[0] not in (1, heads):
+        raise ValueError(f"fzero.ops.sparse_attention: the layout has {blocks.shape[0]} head layouts for {heads} heads.")
+    if not bool(blocks.diagonal(dim1=1, dim2=2).all()):
+        raise ValueError("fzero.ops.sparse_attention: the layout leaves out a diagonal block, so some query would attend "
+                         "nothing; every DeepSpeed layout keeps the diagonal.")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if impl == "flex" or (impl == "auto" and q.is_cuda):
+        return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+    return _reference(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+
+
+def _reference(q, k, v, blocks, bs, *, causal, scale):
+    """Only the layout's blocks: each query block against the key blocks of its row (padded to the longest row)."""
+    B, H, T, D = q.shape
+    nb = blocks.shape[1]
+    pad = nb * bs - T
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    width = int(blocks.sum(-1).max())
+    order = torch.sort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]  # (h, nb, width)
+    valid = torch.gather(blocks, -1, order)
+    order = order.expand(H, nb, width) if order.shape[0] == 1 else order
+    valid = valid.expand(H, nb, width) if valid.shape[0] == 1 else valid
+    heads = torch.arange(H, device=q.device)[:, None, None]
+    kb, vb = k.view(B, H, nb, bs, D)[:, heads, order], v.view(B, H, nb, bs, D)[:, heads, order]  # (B, H, nb, width, bs, D)
+    qb = q.view(B, H, nb, bs, D)
+    scores = torch.einsum("bhnsd,bhnwtd->bhnswt", qb, kb) * scale
+    key_pos = order[..., None] * bs + torch.arange(bs, device=q.device)  # (H, nb, width, bs)
+    query_pos = torch.arange(nb * bs, device=q.device).view(nb, bs)
+    allowed = valid[..., None] & (key_pos < T)  # (H, nb, width, bs)
+    allowed = allowed[:, :, None].expand(H, nb, bs, width, bs)
+    if causal:
+        allowed = allowed & (key_pos[:, :, None] <= query_pos[None, :, :, None, None])
+    scores = scores.masked_fill(~allowed, float("-inf")).flatten(-2)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, H, nb, bs, width, bs)
+    out = torch.einsum("bhnswt,bhnwtd->bhnsd", probs, vb)
+    return out.reshape(B, H, nb * bs, D)[:, :, :T]
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _flex(q, k, v, blocks, bs, *, causal, scale):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    layout_heads = blocks.shape[0]
+
+    def mask_mod(b, h, qi, ki):
+        keep = blocks[h if layout_heads > 1 else 0, qi // bs, ki // bs]
+        return keep & (ki <= qi) if causal else keep
+
+    mask = create_block_mask(mask_mod, B=None, H=layout_heads if layout_heads > 1 else None, Q_LEN=q.shape[2],
+                             KV_LEN=k.shape[2], device=q.device)
+    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)
