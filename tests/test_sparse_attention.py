@@ -161,3 +161,19 @@ def test_gpu_flex_attention_equals_the_block_sparse_reference(causal):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # two kernels' fp32 orders of summation
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_the_benchmark_runs_on_cpu(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "sparse_attention.py")
+    spec = importlib.util.spec_from_file_location("sparse_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    rows = bench.main(["--device", "cpu", "--lengths", "64,70", "--heads", "2", "--block", "16", "--repeats", "1",
+                       "--json-out", str(out)])
+    assert [r["tokens"] for r in rows] == [64, 70] and all(r["sparse"]["ms"] > 0 and r["dense"]["ms"] > 0 for r in rows)
+    assert json.loads(out.read_text())["device"] == "cpu"
