@@ -30,6 +30,7 @@ config is fp32 (``compile``'s defaults are ``Default`` objects, told apart from 
 
 from __future__ import annotations
 
+from fzero.config._accelerate import from_accelerate
 from fzero.config._auto import AUTO_RULES
 from fzero.config._merge import merge_with_keywords
 from fzero.config._read import from_deepspeed
@@ -37,4 +38,4 @@ from fzero.config._schema import M  # noqa: F401 - importable here as before
 from fzero.config._settings import Settings
 from fzero.config._values import API  # noqa: F401 - importable here as before
 
-__all__ = ["AUTO_RULES", "Settings", "from_deepspeed", "merge_with_keywords"]
+__all__ = ["AUTO_RULES", "Settings", "from_accelerate", "from_deepspeed", "merge_with_keywords"]

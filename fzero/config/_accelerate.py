@@ -1,0 +1,123 @@
+"""Accelerate's config file (``accelerate config`` writes it) as fzero settings: its DeepSpeed section.
+
+An Accelerate user runs ZeRO through ``distributed_type: DEEPSPEED`` and a ``deepspeed_config`` section: either the
+plugin's own fields (``zero_stage``, ``offload_optimizer_device``, ...) or ``deepspeed_config_file`` naming a
+DeepSpeed JSON. ``from_accelerate`` turns the fields into the DeepSpeed keys they stand for (as Accelerate's
+``DeepSpeedPlugin`` does) and reads them with ``from_deepspeed``; ``mixed_precision`` and the number of processes
+come from the file's top level. The launcher's own settings (machines, addresses, ``dynamo_config``, ...) are
+accepted and listed in ``Settings.notes``: ``accelerate launch`` is torchrun underneath, and ``fzero.dist_mesh()``
+runs under either.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from fzero.config._read import from_deepspeed
+from fzero.config._settings import Settings
+
+API = "fzero.config.from_accelerate"
+
+# the plugin's fields -> (the DeepSpeed key path they set, how the value maps)
+_FIELDS = {
+    "zero_stage": ("zero_optimization.stage", int),
+    "offload_optimizer_device": ("zero_optimization.offload_optimizer.device", str),
+    "offload_param_device": ("zero_optimization.offload_param.device", str),
+    "offload_optimizer_nvme_path": ("zero_optimization.offload_optimizer.nvme_path", str),
+    "offload_param_nvme_path": ("zero_optimization.offload_param.nvme_path", str),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", int),
+    "gradient_clipping": ("gradient_clipping", float),
+}
+_NOTED = {
+    "zero3_init_flag": "deepspeed.zero.Init's counterpart is a model built under fzero.empty_params() and "
+                       "step.init(params, materialize=...) (docs/migrating.md, section 1)",
+    "zero3_save_16bit_model": "fzero.checkpoint.consolidate / the safetensors export give the full weights",
+    "deepspeed_multinode_launcher": "torchrun launches fzero's processes, on one node or several",
+    "deepspeed_hostfile": "torchrun launches fzero's processes, on one node or several",
+    "deepspeed_exclusion_filter": "torchrun launches fzero's processes, on one node or several",
+    "deepspeed_inclusion_filter": "torchrun launches fzero's processes, on one node or several",
+}
+_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError(f"{API} reads Accelerate's YAML config with PyYAML: pip install pyyaml") from None
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{API}: no Accelerate config file at {path!r} (accelerate config writes "
+                                f"~/.cache/huggingface/accelerate/default_config.yaml).") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{API}: {path!r} is not an Accelerate config (a YAML mapping at the top).")
+    return data
+
+
+def _auto_precision(path: str) -> bool:
+    import json
+
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False  # from_deepspeed names what is wrong with the file
+    return any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == "auto" for k in ("fp16", "bf16"))
+
+
+def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: Any) -> Settings:
+    """Read an Accelerate config (a YAML path or a dict) with ``distributed_type: DEEPSPEED`` into fzero ``Settings``.
+    ``keywords``: as ``from_deepspeed``'s (``learning_rate=`` and the rest resolve the DeepSpeed file's ``"auto"``);
+    ``world_size`` defaults to the file's ``num_processes`` (x ``num_machines``)."""
+    source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "dict"
+    data = _load_yaml(source) if source != "dict" else dict(config)
+    kind = data.get("distributed_type")
+    if kind != "DEEPSPEED":
+        raise ValueError(f"{API}: distributed_type is {kind!r}, not 'DEEPSPEED': this Accelerate config does not run ZeRO "
+                         f"(for 'MULTI_GPU' / 'MULTI_CPU' DDP, fzero's stage 0 is the counterpart: compile(stages=0)).")
+    section = dict(data.get("deepspeed_config") or {})
+    notes = [f"{k}={v!r}: accepted, no effect here: {why}" for k, why in _NOTED.items() if k in section
+             for v in [section.pop(k)]]
+    precision = _PRECISION.get(str(data.get("mixed_precision", "no")))
+    if precision is None:
+        raise ValueError(f"{API}: mixed_precision={data.get('mixed_precision')!r}; fzero reads 'no', 'fp16' or 'bf16'.")
+    file = section.pop("deepspeed_config_file", None)
+    if file is not None:
+        if section:
+            raise ValueError(f"{API}: deepspeed_config_file is given beside {sorted(section)}; Accelerate refuses both "
+                             f"too. Put those settings in the JSON file.")
+        path = file if os.path.isabs(file) or source == "dict" else os.path.join(os.path.dirname(source), file)
+        ds: Any = path
+    else:
+        unknown = sorted(set(section) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"{API}: unknown deepspeed_config keys {unknown}; fzero reads {sorted({*_FIELDS, *_NOTED})} "
+                             f"and deepspeed_config_file.")
+        ds = {}
+        for key, value in section.items():
+            path, cast = _FIELDS[key]
+            node = ds
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value if value == "auto" or value is None else cast(value)
+        for which in ("offload_optimizer", "offload_param"):  # Accelerate writes "none" for no offload
+            block = ds.get("zero_optimization", {}).get(which)
+            if block is not None and block.get("device") == "none":
+                del ds["zero_optimization"][which]
+        if precision != "fp32":
+            ds[precision] = {"enabled": True}
+    world = int(data.get("num_processes", 1)) * int(data.get("num_machines", 1))
+    keywords.setdefault("world_size", world)
+    if file is not None and _auto_precision(ds):  # the JSON leaves its precision "auto": the launcher's fills it
+        keywords.setdefault("precision", precision)
+    settings = from_deepspeed(ds, **keywords)
+    mapped = {"distributed_type", "deepspeed_config", "mixed_precision", "num_processes", "num_machines"}
+    launcher = sorted(set(data) - mapped)
+    if launcher:
+        notes.append(f"{', '.join(launcher)}: accepted, no effect here: Accelerate's launcher and environment settings "
+                     f"(accelerate launch is torchrun underneath; fzero.dist_mesh() runs under either)")
+    return settings.replace(source=source, notes=settings.notes + tuple(notes))

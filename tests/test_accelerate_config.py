@@ -1,0 +1,108 @@
+"""fzero.config.from_accelerate: the DeepSpeed section of an Accelerate config file (what `accelerate config` writes)
+as fzero settings, equal to the DeepSpeed config it stands for."""
+
+import os
+import shutil
+
+import pytest
+
+import fzero
+from fzero.config import from_accelerate, from_deepspeed
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+HF_ARGS = dict(learning_rate=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, warmup_steps=10,
+               clip_grad_norm=1.0, batch_size=4, grad_accum=2, hidden_size=64)
+
+ZERO2 = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 4
+  gradient_clipping: 0.5
+  offload_optimizer_device: cpu
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+ZERO3 = """compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  gradient_accumulation_steps: 1
+  offload_optimizer_device: cpu
+  offload_param_device: cpu
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+"""
+
+WITH_FILE = """compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  deepspeed_config_file: hf_zero3_offload_auto.json
+  zero3_init_flag: true
+distributed_type: DEEPSPEED
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+"""
+
+
+def _write(tmp_path, text, name="default_config.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_plugins_fields_are_the_deepspeed_keys_they_stand_for(tmp_path):
+    got = from_accelerate(_write(tmp_path, ZERO2))
+    want = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                           "gradient_accumulation_steps": 4, "gradient_clipping": 0.5, "fp16": {"enabled": True}},
+                          world_size=2)
+    assert got.compile_kwargs() == want.compile_kwargs() and got.world_size == 2
+    assert (got.stages, got.offload, got.offload_params, got.grad_accum, got.clip_grad_norm) == (2, "cpu", False, 4, 0.5)
+    assert any("rdzv_backend" in n and "torchrun" in n for n in got.notes)  # the launcher's settings, listed
+    assert got.source.endswith("default_config.yaml")
+
+
+def test_zero3_with_cpu_offload_and_the_init_flag(tmp_path):
+    got = from_accelerate(_write(tmp_path, ZERO3))
+    assert (got.stages, got.offload, got.offload_params, got.world_size) == (3, "cpu", True, 4)
+    assert str(got.precision.compute) == "torch.bfloat16"
+    assert any(n.startswith("zero3_init_flag=True") and "fzero.empty_params()" in n for n in got.notes)
+    assert any(n.startswith("zero3_save_16bit_model=True") for n in got.notes)
+    step = fzero.compile(lambda p, b: p["w"].sum(), **got.compile_kwargs())  # what fzero.compile takes
+    assert (step.stage, step.grad_accum) == (3, 1)
+
+
+def test_a_deepspeed_config_file_is_read_with_the_launchers_precision(tmp_path):
+    shutil.copy(os.path.join(CONFIGS, "hf_zero3_offload_auto.json"), tmp_path / "hf_zero3_offload_auto.json")
+    got = from_accelerate(_write(tmp_path, WITH_FILE), **HF_ARGS)
+    want = from_deepspeed(os.path.join(CONFIGS, "hf_zero3_offload_auto.json"), **HF_ARGS, precision="bf16", world_size=2)
+    assert got.compile_kwargs().keys() == want.compile_kwargs().keys()
+    assert (got.stages, got.offload, got.precision) == (want.stages, want.offload, want.precision)
+
+
+def test_what_cannot_map_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"distributed_type is 'MULTI_GPU', not 'DEEPSPEED'.*compile\(stages=0\)"):
+        from_accelerate({"distributed_type": "MULTI_GPU"})
+    with pytest.raises(ValueError, match=r"unknown deepspeed_config keys \['zero_stag'\]"):
+        from_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stag": 3}})
+    with pytest.raises(ValueError, match=r"deepspeed_config_file is given beside \['zero_stage'\]"):
+        from_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "x.json",
+                                                                               "zero_stage": 3}})
+    with pytest.raises(ValueError, match=r"mixed_precision='fp8'"):
+        from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "fp8", "deepspeed_config": {"zero_stage": 1}})
+    with pytest.raises(FileNotFoundError, match=r"no Accelerate config file at"):
+        from_accelerate(str(tmp_path / "missing.yaml"))
