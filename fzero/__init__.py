@@ -46,7 +46,7 @@ from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_opti
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("checkpoint", "config", "data", "estimate", "memory", "models", "optim", "testing")
+_SUBMODULES = ("checkpoint", "config", "data", "estimate", "memory", "models", "ops", "optim", "testing")
 
 # Internals that fzero used to export: still reachable as fzero.<name>, with a DeprecationWarning that says
 # where the object lives and what users reach it through.
@@ -91,6 +91,7 @@ __all__ = [
     "memory",
     "models",
     "offload",
+    "ops",
     "optim",
     "params_of",
     "remat",
