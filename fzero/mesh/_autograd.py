@@ -13,6 +13,7 @@ import torch
 
 from fzero._function import Function
 from fzero.mesh import _events
+from fzero.mesh._comm import pooled_reduce_scatter
 
 
 class ReduceScatter(Function):
@@ -22,13 +23,10 @@ class ReduceScatter(Function):
 
     @staticmethod
     def forward(full, comm, tag, back_tag, pool=None):
-        full = full.contiguous()
-        if pool is not None and comm.size > 1:  # the shard in a pool buffer; ``full`` back to the pool once reduced
-            out = comm.reduce_scatter_async(full, tag=tag, out=pool.take(full.numel() // comm.size, dtype=full.dtype,
-                                                                           device=full.device)).wait()
-            pool.give(full)
-        else:  # one rank: the shard is ``full`` itself
-            out = comm.reduce_scatter(full, tag=tag)
+        if pool is not None:
+            out = pooled_reduce_scatter(comm, full.contiguous(), pool=pool, tag=tag).wait()
+        else:
+            out = comm.reduce_scatter(full.contiguous(), tag=tag)
         # One rank returns ``full`` itself; a Function must not hand back its input unaliased.
         return out.view_as(out) if out is full else out
 

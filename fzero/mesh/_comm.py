@@ -117,6 +117,30 @@ class Pending:
         return self._out
 
 
+def pooled_reduce_scatter(comm: Any, full: torch.Tensor, *, pool: Any, tag: str, label: str | None = None) -> Pending:
+    """Start the reduce-scatter of ``full`` into a buffer of ``pool`` (a step's buffer pool: ``take``/``give``, or
+    None for fresh memory); when it is waited for, ``full`` (if the pool lent it) goes back to the pool. The result is
+    the caller's to give back when its use is over."""
+    n = full.numel() // comm.size
+
+    def start() -> Pending:
+        out = None
+        if comm.size > 1:
+            out = torch.empty(n, dtype=full.dtype, device=full.device) if pool is None else pool.take(n, dtype=full.dtype, device=full.device)
+        return comm.reduce_scatter_async(full, tag=tag, label=label, out=out)
+
+    # a comm whose collectives run when waited for (the threads of a local mesh) gets its buffer then, not before
+    pending = None if getattr(comm, "runs_when_waited", False) else start()
+
+    def done() -> torch.Tensor:
+        shard = (pending or start()).wait()
+        if shard is not full and pool is not None:  # one rank: the shard is ``full`` itself, still in use
+            pool.give(full)
+        return shard
+
+    return Pending(done)
+
+
 def profiled(name: Callable[[], str]) -> Any:
     """``torch.profiler.record_function(name())`` while a profiler (torch.profiler, emit_nvtx) records, else
     nothing: a range costs about 6 us to open, paid per collective and per unit on the step's hot path, and the

@@ -24,7 +24,6 @@ from fzero.step._pool import (
     give,
     move_into,
     Pool,
-    reduce_scatter,
     take,
 )
 from fzero.step._precision import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale

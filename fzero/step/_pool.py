@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh import events as _events, Pending
+from fzero.mesh import events as _events
 
 
 class Pool:
@@ -89,27 +89,6 @@ class Pool:
         """Bytes of the free buffers it holds now."""
         with self._lock:
             return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
-
-
-def reduce_scatter(comm: Any, full: torch.Tensor, *, pool: Pool | None, tag: str, label: str | None = None) -> Pending:
-    """Start the reduce-scatter of ``full`` into a buffer of ``pool``; when it is waited for, ``full`` (if the pool
-    lent it) goes back to the pool. The result is the caller's to give back when its use is over."""
-    n = full.numel() // comm.size
-
-    def start() -> Pending:
-        out = take(pool, n, dtype=full.dtype, device=full.device) if comm.size > 1 else None
-        return comm.reduce_scatter_async(full, tag=tag, label=label, out=out)
-
-    # a comm whose collectives run when waited for (the threads of a local mesh) gets its buffer then, not before
-    pending = None if getattr(comm, "runs_when_waited", False) else start()
-
-    def done() -> torch.Tensor:
-        shard = (pending or start()).wait()
-        if shard is not full:  # one rank: the shard is ``full`` itself, still in use
-            give(pool, full)
-        return shard
-
-    return Pending(done)
 
 
 class GatherBucket:

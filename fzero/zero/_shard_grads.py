@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, by_container_child, by_prefixes
-from fzero.step import View, give, reduce_scatter, take, Step, as_step
+from fzero.mesh import pooled_reduce_scatter
+from fzero.step import View, give, take, Step, as_step
 from fzero.zero._sharded import ReplicatedParams
 from fzero.zero._shard_optimizer import GradsReduceScatter
 
@@ -117,7 +118,7 @@ class ShardGradView(View):
             for _, g, _ in bucket:
                 give(self.pool, g)
             name = "+".join(name for name, _, _ in bucket)
-        pending = reduce_scatter(self.comm, full, pool=self.pool, tag="grads", label=name)
+        pending = pooled_reduce_scatter(self.comm, full, pool=self.pool, tag="grads", label=name)
         self._pending.append(([(name, like) for name, _, like in bucket], pending))
         while len(self._pending) > self.IN_FLIGHT:
             self._settle()

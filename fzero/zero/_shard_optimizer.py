@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh import Pending, DistMesh, LocalMesh, Mesh
+from fzero.mesh import Pending, DistMesh, LocalMesh, Mesh, pooled_reduce_scatter
 
 from fzero.layout import Layout
-from fzero.step import GradsAllReduce, OptStateReplicated, Pool, reduce_scatter, Step, as_step
+from fzero.step import GradsAllReduce, OptStateReplicated, Pool, Step, as_step
 from fzero.zero._policies import OffloadPolicy
 
 
@@ -30,7 +30,7 @@ class GradsReduceScatter(GradsAllReduce):
 
     def start(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Pool | None = None) -> Any:
         # the shard in a buffer of ``pool``; the whole gradient goes back to it once reduced
-        pending = reduce_scatter(comm, grad.to(reduce_dtype), pool=pool, tag="grads")
+        pending = pooled_reduce_scatter(comm, grad.to(reduce_dtype), pool=pool, tag="grads")
         return Pending(lambda: pending.wait().to(compute))
 
 
