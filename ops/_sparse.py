@@ -66,8 +66,10 @@ class DenseLayout:
     num_heads: int = 1
     different_layout_per_head: bool = False  # accepted as DeepSpeed does: every head's layout is the same
 
-    def blocks(self, num_blocks: int) -> torch.Tensor:
+    def __post_init__(self) -> None:
         _check("DenseLayout", "bidirectional", self.block)
+
+    def blocks(self, num_blocks: int) -> torch.Tensor:
         return torch.ones(1, num_blocks, num_blocks, dtype=torch.bool)
 
 
@@ -88,9 +90,11 @@ class FixedLayout:
             raise ValueError(f"fzero.ops.FixedLayout: num_local_blocks={self.num_local_blocks} is not a multiple of "
                              f"num_global_blocks={self.num_global_blocks}.")
         if self.horizontal_global_attention and self.attention != "bidirectional":
-            raise ValueError("fzero.ops.FixedLayout: horizontal_global_attention needs attention='bidirectional'.")
+            raise ValueError(f"fzero.ops.FixedLayout: horizontal_global_attention needs attention='bidirectional', got "
+                             f"attention={self.attention!r}.")
         if self.num_different_global_patterns > 1 and not self.different_layout_per_head:
-            raise ValueError("fzero.ops.FixedLayout: num_different_global_patterns > 1 needs different_layout_per_head=True.")
+            raise ValueError(f"fzero.ops.FixedLayout: num_different_global_patterns={self.num_different_global_patterns} "
+                             f"needs different_layout_per_head=True (one layout for all heads has one global pattern).")
         if self.num_different_global_patterns > self.num_local_blocks // self.num_global_blocks:
             raise ValueError(f"fzero.ops.FixedLayout: num_different_global_patterns={self.num_different_global_patterns} is "
                              f"more than num_local_blocks / num_global_blocks = {self.num_local_blocks // self.num_global_blocks}.")
@@ -140,15 +144,12 @@ class VariableLayout:
     def __post_init__(self) -> None:
         _check("VariableLayout", self.attention, self.block)
         object.__setattr__(self, "local_window_blocks", tuple(self.local_window_blocks))
-        object.__setattr__(self, "global_block_indices", tuple(self.global_block_indices))
-        if self.global_block_end_indices is not None:
-            ends = tuple(self.global_block_end_indices)
-            object.__setattr__(self, "global_block_end_indices", ends)
-            if len(ends) != len(self.global_block_indices) or any(e <= s for s, e in zip(self.global_block_indices, ends)):
-                raise ValueError("fzero.ops.VariableLayout: global_block_end_indices must pair with global_block_indices, "
-                                 "each end after its start.")
+        starts, ends = _global_indices("VariableLayout", self.global_block_indices, self.global_block_end_indices)
+        object.__setattr__(self, "global_block_indices", starts)
+        object.__setattr__(self, "global_block_end_indices", ends)
         if self.horizontal_global_attention and self.attention != "bidirectional":
-            raise ValueError("fzero.ops.VariableLayout: horizontal_global_attention needs attention='bidirectional'.")
+            raise ValueError(f"fzero.ops.VariableLayout: horizontal_global_attention needs attention='bidirectional', "
+                             f"got attention={self.attention!r}.")
 
     def blocks(self, num_blocks: int) -> torch.Tensor:
         heads = self.num_heads if self.different_layout_per_head and self.num_random_blocks else 1
@@ -167,13 +168,10 @@ class VariableLayout:
             local = torch.ones(end - start, end - start, dtype=torch.bool)
             out[start:end, start:end] |= local.tril() if uni else local
             start += size
-        ends = self.global_block_end_indices or tuple(i + 1 for i in self.global_block_indices)
-        for s, e in zip(self.global_block_indices, ends):
-            if s < n:
-                e = min(e, n)
-                if self.horizontal_global_attention:
-                    out[s:e, :] = True
-                out[0 if not uni else s:, s:e] = True
+        for s, e in _global_ranges(self.global_block_indices, self.global_block_end_indices, n):
+            if self.horizontal_global_attention:
+                out[s:e, :] = True
+            out[0 if not uni else s:, s:e] = True
         return out
 
 
@@ -193,7 +191,7 @@ class BigBirdLayout:
 
     def blocks(self, num_blocks: int) -> torch.Tensor:
         heads = self.num_heads if self.different_layout_per_head and self.num_random_blocks else 1
-        return torch.cat([self._head(h, num_blocks) for h in range(heads)])
+        return torch.stack([self._head(h, num_blocks) for h in range(heads)])
 
     def _head(self, h: int, num_blocks: int) -> torch.Tensor:
         n, uni = num_blocks, self.attention == "unidirectional"
@@ -204,7 +202,7 @@ class BigBirdLayout:
         _sliding(out, self.num_sliding_window_blocks)
         out[: self.num_global_blocks, :] = True
         out[:, : self.num_global_blocks] = True
-        return (out.tril() if uni else out)[None]
+        return out.tril() if uni else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,21 +217,36 @@ class BSLongformerLayout:
 
     def __post_init__(self) -> None:
         _check("BSLongformerLayout", self.attention, self.block)
-        object.__setattr__(self, "global_block_indices", tuple(self.global_block_indices))
-        if self.global_block_end_indices is not None:
-            object.__setattr__(self, "global_block_end_indices", tuple(self.global_block_end_indices))
+        starts, ends = _global_indices("BSLongformerLayout", self.global_block_indices, self.global_block_end_indices)
+        object.__setattr__(self, "global_block_indices", starts)
+        object.__setattr__(self, "global_block_end_indices", ends)
 
     def blocks(self, num_blocks: int) -> torch.Tensor:
         n = num_blocks
         _need("BSLongformerLayout", "num_sliding_window_blocks", self.num_sliding_window_blocks, n)
         out = torch.zeros(n, n, dtype=torch.bool)
         _sliding(out, self.num_sliding_window_blocks)
-        ends = self.global_block_end_indices or tuple(i + 1 for i in self.global_block_indices)
-        for s, e in zip(self.global_block_indices, ends):
-            if s < n:
-                out[s:min(e, n), :] = True
-                out[:, s:min(e, n)] = True
+        for s, e in _global_ranges(self.global_block_indices, self.global_block_end_indices, n):
+            out[s:e, :] = True
+            out[:, s:e] = True
         return (out.tril() if self.attention == "unidirectional" else out)[None]
+
+
+def _global_ranges(starts: tuple[int, ...], ends: tuple[int, ...] | None, n: int) -> list[tuple[int, int]]:
+    """The global blocks' [start, end) ranges inside ``n`` blocks: single blocks at ``starts``, or up to ``ends``."""
+    ends = ends if ends is not None else tuple(i + 1 for i in starts)
+    return [(s, min(e, n)) for s, e in zip(starts, ends) if s < n]
+
+
+def _global_indices(name: str, starts: Any, ends: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    starts = tuple(starts)
+    if ends is None:
+        return starts, None
+    ends = tuple(ends)
+    if len(ends) != len(starts) or any(e <= s for s, e in zip(starts, ends)):
+        raise ValueError(f"fzero.ops.{name}: global_block_end_indices={list(ends)} must pair with global_block_indices="
+                         f"{list(starts)}, each end after its start.")
+    return starts, ends
 
 
 def _sliding(out: torch.Tensor, window: int) -> None:
@@ -286,8 +299,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if blocks.shape[0] not in (1, heads):
         raise ValueError(f"fzero.ops.sparse_attention: the layout has {blocks.shape[0]} head layouts for {heads} heads.")
     if not bool(blocks.diagonal(dim1=1, dim2=2).all()):
-        raise ValueError("fzero.ops.sparse_attention: the layout leaves out a diagonal block, so some query would attend "
-                         "nothing; every DeepSpeed layout keeps the diagonal.")
+        raise ValueError(f"fzero.ops.sparse_attention: {type(layout).__name__} leaves out a diagonal block at "
+                         f"{blocks.shape[1]} blocks, so some query would attend nothing. Use a layout that keeps the "
+                         f"diagonal (every DeepSpeed layout does: a local or sliding window of at least one block).")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "flex" or (impl == "auto" and q.is_cuda):
         return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale)
@@ -322,7 +336,7 @@ def _reference(q, k, v, blocks, bs, *, causal, scale):
     return out.reshape(B, H, nb * bs, D)[:, :, :T]
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache
 def _compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 

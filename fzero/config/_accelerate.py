@@ -79,8 +79,10 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
         raise ValueError(f"{API}: distributed_type is {kind!r}, not 'DEEPSPEED': this Accelerate config does not run ZeRO "
                          f"(for 'MULTI_GPU' / 'MULTI_CPU' DDP, fzero's stage 0 is the counterpart: compile(stages=0)).")
     section = dict(data.get("deepspeed_config") or {})
-    notes = [f"{k}={v!r}: accepted, no effect here: {why}" for k, why in _NOTED.items() if k in section
-             for v in [section.pop(k)]]
+    notes = []
+    for key, why in _NOTED.items():
+        if key in section:
+            notes.append(f"{key}={section.pop(key)!r}: accepted, no effect here: {why}")
     precision = _PRECISION.get(str(data.get("mixed_precision", "no")))
     if precision is None:
         raise ValueError(f"{API}: mixed_precision={data.get('mixed_precision')!r}; fzero reads 'no', 'fp16' or 'bf16'.")
