@@ -20,6 +20,8 @@ fp32 logits.
   precision=Precision(compute=bf16, reduce=fp32))``, ``fzero.optim.adamw``; after ``step.init`` the module's
   parameters are put on the meta device (fzero reads only its structure; buffers such as the rotary
   ``inv_freq`` stay).
+* ``fzero-s3-donate``: as ``fzero-s3``, but ``step.init(fzero.params_of(model, copy=False), donate=True)``: the
+  module's parameters are freed as their units are packed, instead of after the whole state exists.
 * ``fsdp2``: ``fully_shard`` on each decoder layer and on the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``, ``torch.optim.AdamW(fused=True)`` (torch 2.13's fused CPU kernel takes FSDP2's DTensors).
 * ``plain``: the module in fp32, forward under ``torch.autocast("cpu", bf16)``, ``AdamW(fused=True)``.
@@ -41,7 +43,7 @@ import tempfile
 
 import torch
 
-SYSTEMS = ("fzero-s3", "fzero-s2", "fsdp2", "plain")
+SYSTEMS = ("fzero-s3", "fzero-s3-donate", "fzero-s2", "fsdp2", "plain")
 LR, WEIGHT_DECAY = 3e-4, 0.01
 
 
@@ -104,7 +106,8 @@ def make_system(name: str, model, world: int):
     if name.startswith("fzero"):
         import fzero
 
-        stage = int(name[-1])
+        stage = int(name.split("-")[1][1:])
+        donate = name.endswith("-donate")
         mesh = fzero.dist_mesh() if world > 1 else fzero.local_mesh(1)
 
         def loss_fn(params, batch):
@@ -112,8 +115,11 @@ def make_system(name: str, model, world: int):
 
         step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, weight_decay=WEIGHT_DECAY), stages=stage, mesh=mesh,
                              precision=fzero.Precision(compute=torch.bfloat16, reduce=torch.float32))
-        box = {"state": step.init(fzero.params_of(model))}
-        params_to_meta(model)
+        if donate:  # the module's parameters are freed unit by unit as the state is made
+            box = {"state": step.init(fzero.params_of(model, copy=False), donate=True)}
+        else:
+            box = {"state": step.init(fzero.params_of(model))}
+            params_to_meta(model)
 
         def run(batch):
             box["state"], metrics = step(box["state"], batch)

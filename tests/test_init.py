@@ -61,3 +61,91 @@ def test_params_of_without_copy_gives_the_module_tensors():
     assert params["tok_emb.weight"].data_ptr() == real.tok_emb.weight.data_ptr()
     assert not params["tok_emb.weight"].requires_grad
     assert fzero.params_of(real)["tok_emb.weight"].data_ptr() != real.tok_emb.weight.data_ptr()
+
+
+# -- donate=True: the given params' memory goes as the state is made -------------------------------------------------
+
+
+def _train_two(model, step, state):
+    torch.manual_seed(1)
+    batches = [{"x": torch.randint(0, 64, (4, 16)), "y": torch.randint(0, 64, (4, 16))} for _ in range(2)]
+    for batch in batches:
+        state, _ = step(state, batch)
+    return step.gather(state)
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_donated_init_equals_init_and_trains_the_same(stages):
+    """The state made from donated params equals the one made from copies, and training from it (the module
+    running through fzero.apply after its own parameters lost their memory) is bitwise the same."""
+    cfg = GPTConfig.tiny()
+    runs = []
+    for donate in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        step = fzero.compile(lambda p, b, model=model: gpt_loss(fzero.apply(model, p, b["x"]), b["y"]), stages=stages,
+                             mesh=fzero.local_mesh(2), precision="bf16")
+        state = step.init(fzero.params_of(model, copy=False), donate=donate)
+        first = step.gather(state)
+        freed = [p.untyped_storage().nbytes() == 0 for p in model.parameters()]
+        assert all(freed) if donate else not any(freed)
+        runs.append((first, _train_two(model, step, state)))
+    assert_trees_equal(runs[1][0], runs[0][0])
+    assert_trees_equal(runs[1][1], runs[0][1])
+
+
+def test_donated_init_holds_the_module_and_about_one_unit_not_the_module_plus_the_state():
+    """Live bytes while a built model's state is made at stage 3 (fp32, SGD: the state is the params' shards, the
+    model once): with donation the module's memory goes unit by unit as the shards come, so the peak is the model
+    plus the unit being packed (its flat buffer and both ranks' shards of it, made before the module's copy of it is
+    freed: two units); without it, the model twice."""
+    cfg = GPTConfig(n_layer=8, n_head=2, d_model=64, seq_len=16)
+    step = fzero.compile(lambda p, b: None, stages=3, mesh=fzero.local_mesh(2), optimizer=fzero.optim.sgd(0.1))
+    peaks = {}
+    for donate in (False, True):
+        with LiveBytes() as lb:
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            model_bytes = lb.live
+            lb.reset_peak()
+            state = step.init(fzero.params_of(model, copy=False), donate=donate)
+        unit_bytes = max(u.padded for u in state.states[0].meta.layout.units) * 4
+        assert 2 * unit_bytes < model_bytes / 3  # the bounds below tell "about one unit" from "the model again"
+        peaks[donate] = lb.peak
+        del state, model
+    assert peaks[False] >= 1.9 * model_bytes, peaks  # the module and the state side by side
+    assert peaks[True] <= model_bytes + 2 * unit_bytes, (peaks, model_bytes, unit_bytes)
+
+
+def test_donated_views_of_one_buffer_are_freed_after_the_last_one_is_packed():
+    """Params that are views of one storage, in different units: the storage stays until every one of them is
+    packed (freeing it at the first unit would zero the others' values in the state)."""
+    cfg = GPTConfig.tiny()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = fzero.params_of(model)
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    views, at = {}, 0
+    for k, p in params.items():
+        views[k] = flat[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    step = fzero.compile(lambda p, b: None, stages=3, mesh=fzero.local_mesh(2))
+    assert len(step.init(params).states[0].meta.layout.units) > 2
+    expected = step.gather(step.init(params))
+    got = step.gather(step.init(views, donate=True))
+    assert flat.untyped_storage().nbytes() == 0
+    assert_trees_equal(got, expected)
+
+
+def test_donate_errors_name_the_setting_and_the_param():
+    real, _ = _models(GPTConfig.tiny())
+    step = fzero.compile(lambda p, b: None, stages=3)
+    params = fzero.params_of(real, copy=False)
+    with pytest.raises(TypeError, match=r"fzero.Step.init: donate must be True or False, got 'yes'"):
+        step.init(params, donate="yes")
+    import numpy as np
+
+    outside = dict(params, **{"tok_emb.weight": torch.from_numpy(np.zeros(tuple(params["tok_emb.weight"].shape), np.float32))})
+    with pytest.raises(ValueError, match=r"donate=True, but the memory of params\['tok_emb.weight'\] cannot be freed"):
+        step.init(outside, donate=True)
+    assert all(p.untyped_storage().nbytes() > 0 for p in real.parameters())  # refused before anything was freed

@@ -174,7 +174,7 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
     rename, extras = names(held, model, api=api)
     items = items_for(held, rename, extras, dt)
     directory = os.path.abspath(os.fspath(out_dir))
-    comm = step.mesh.comm(api="fzero.checkpoint.save_weights") if distributed and sharded else None
+    comm = step.mesh.comm(api="fzero.checkpoint.save_weights") if distributed else None
 
     def unit_flat(u: Any) -> torch.Tensor:
         if not sharded:
@@ -224,7 +224,7 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
         if writer is not None:
             writer.abort()
         error = translate(error, api=api, path=directory, needed=needed)
-    _agree(error, distributed, api)
+    _agree(error, comm, api)
     return directory
 
 
@@ -235,13 +235,11 @@ def translate(e: Exception, *, api: str, path: str, needed: int) -> Exception:
     return e
 
 
-def _agree(error: Exception | None, distributed: bool, api: str) -> None:
-    """Raise ``error``; under torchrun every rank learns whether rank 0's writing failed."""
-    if distributed:
-        import torch.distributed as dist
-
+def _agree(error: Exception | None, comm: Any, api: str) -> None:
+    """Raise ``error``; under torchrun (``comm``: the mesh's) every rank learns whether rank 0's writing failed."""
+    if comm is not None:
         flag = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(flag)
+        comm.all_reduce(flag, tag="save_weights")
         if error is None and int(flag):
             raise CheckpointError(f"{api}: writing failed on rank 0 (see its error).")
     if error is not None:

@@ -81,7 +81,7 @@ class Step:
 
     # -- init --------------------------------------------------------------------------------------
     def init(self, params: Any, *, buffers: dict[str, torch.Tensor] | None = None,
-             materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> TrainState | RankStates:
+             materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None, donate: bool = False) -> TrainState | RankStates:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased).
 
         ``materialize(path, meta_tensor) -> tensor``: params may be meta tensors (a model built under
@@ -94,8 +94,14 @@ class Step:
 
         ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
         from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._buffers``).
+
+        ``donate=True``: the memory of ``params`` is freed as each unit is packed (``resize_(0)``), so that a model
+        built whole is not held beside its state: with ``fzero.params_of(model, copy=False)`` the module's own
+        parameters go, and set-up peaks near the state instead of the module plus the state. The module's
+        parameters keep their shapes but lose their values; it runs through ``fzero.apply`` with the state's params
+        (``step.gather`` gives them back whole). Buffers are not donated.
         """
-        state = init_state(self, params, buffers=buffers, materialize=materialize)
+        state = init_state(self, params, buffers=buffers, materialize=materialize, donate=donate)
         mark_verified(state, self)  # made by this step: nothing to compare at its first call
         return state
 
