@@ -61,7 +61,7 @@ import time
 import torch
 
 import fzero
-from fzero.layout._segments import NoSegments
+from fzero.layout._layout import NoSegments
 from fzero.zero._offload import disk_update, init_disk
 from fzero.zero._policies import DiskOffload
 

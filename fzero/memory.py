@@ -164,7 +164,7 @@ class GatheredBytes(_Tally):
     """Live and peak bytes of gathered stage-3 parameter buffers (whole units) in this thread.
 
     ``with GatheredBytes() as g: ...`` then ``g.peak``. fzero reports each buffer it gathers a unit into
-    (``fzero.mesh._events``); the count drops when the buffer is freed. On a ``local_mesh``, enter one per
+    (``fzero.mesh._comm``); the count drops when the buffer is freed. On a ``local_mesh``, enter one per
     rank with ``rank_context``.
     """
 

@@ -21,7 +21,7 @@ import fzero
 from fzero.config import from_deepspeed
 from fzero.mesh._comm import RanksDisagree
 from fzero.models import MLP
-from fzero.step._precision import MAX_LOSS_SCALE, LossScaleState, next_loss_scale
+from fzero.step._update import MAX_LOSS_SCALE, LossScaleState, next_loss_scale
 from fzero.step._state import check_params_fit_module, tree_difference
 from fzero.step._update import ZeroGradientWarning, schedule_name
 

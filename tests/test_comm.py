@@ -30,7 +30,7 @@ def test_two_psi_elements_per_rank_per_step(stages, ranks):
         moved = mesh.counter.elements(rank=rank, tag="grads") + mesh.counter.elements(rank=rank, tag="params")
         assert moved / 3 == pytest.approx(2 * padded * (ranks - 1) / ranks, abs=1e-9)
         # metrics: one all-reduce per step of 2 elements (loss, squared grad norm) and one per param (whether some
-        # rank's gradient used it: torch's grad=None, see fzero.step._usage)
+        # rank's gradient used it: torch's grad=None, see fzero.step._context)
         assert mesh.counter.count(rank=rank, tag="metrics") == 3
         metrics = 2 + len(layout.paths)
         assert mesh.counter.elements(rank=rank, tag="metrics") == pytest.approx(3 * metrics * 2 * (ranks - 1) / ranks)

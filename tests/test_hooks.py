@@ -2,7 +2,7 @@
 
 The parity of hooked models (Hugging Face ``output_hidden_states``, MoE router logits, user-written forward,
 pre- and full backward hooks feeding the loss) against PyTorch is in the zoo (tests/zoo.py, tests/test_zoo.py).
-Here: the invariants around it. fzero runs clones of the user's module (``fzero.layout._clone``), so hooks that
+Here: the invariants around it. fzero runs clones of the user's module (``fzero.layout._modules``), so hooks that
 a forward installs (as transformers does, lazily) land in the clone, never in the user's module; hooks see the
 calls an eager forward makes, step after step, without piling up; a stage-3 skeleton shows the user's module
 tree; and ``remat`` neither repeats buffer writes nor silently recomputes with a changed Hugging Face cache.

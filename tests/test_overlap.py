@@ -12,7 +12,7 @@ import torch
 import fzero
 from fzero.models import GPTConfig
 from fzero.testing import assert_trees_equal
-from fzero.zero._shard_grads import ShardGradView
+from fzero.zero._stages import ShardGradView
 from problems import PROBLEMS, SkippyBlocks, fzero_run
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fzero
-from fzero.step._precision import DynamicLossScale, init_loss_scale, next_loss_scale
+from fzero.step._update import DynamicLossScale, init_loss_scale, next_loss_scale
 from fzero.memory import state_bytes, zero_model_state_bytes
 from fzero.testing import assert_trees_close, assert_trees_equal
 from problems import B1, B2, EPS, LR, WD, PROBLEMS, mlp_problem

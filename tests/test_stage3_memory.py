@@ -102,7 +102,7 @@ def test_a_shard_or_master_written_in_place_between_steps_is_compared_again(writ
 
 
 def test_the_shards_an_update_left_are_freed_without_a_comparison(monkeypatch):
-    from fzero.zero import _shard_params
+    from fzero.zero import _stages as _shard_params
 
     prob = PROBLEMS["gpt"]()
     step = _bf16_step(prob, fzero.local_mesh(1))

@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
-from fzero._function import Function
+from fzero.mesh import Function
 from fzero.layout import pytrees as _tree
 from fzero.step import (
     Snapshots,

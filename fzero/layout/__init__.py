@@ -1,15 +1,14 @@
 """How a params pytree maps to flat unit buffers, shards and per-parameter segments."""
 
 # What other packages use of this one (they import it from here, never from a private module):
-from fzero.layout._bind import Binding, bound, walk
-from fzero.layout._clone import clone_structure
-from fzero.layout._empty import check_no_meta, empty_params, META_BUFFER_FIX
+from fzero.layout._modules import Binding, bound, check_no_meta, clone_structure, empty_params, META_BUFFER_FIX, walk
 from fzero.layout._layout import (
     build_layout,
     DEFAULT_UNIT_ELEMENTS,
     device_of,
     DEVICE_TYPES,
     Layout,
+    LayoutSegments,
     ROOT,
     SHARD_ALIGN,
     Slot,
@@ -17,6 +16,5 @@ from fzero.layout._layout import (
     Unit,
     units_by_size,
 )
-from fzero.layout._segments import LayoutSegments
 from fzero.layout._units import by_container_child, by_prefixes, check_units_exist, units_of
 from fzero.layout import _tree as pytrees

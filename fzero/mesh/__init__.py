@@ -1,8 +1,7 @@
 """Meshes, collectives and per-rank randomness."""
 
 # What other packages use of this one (they import it from here, never from a private module):
-from fzero.mesh._autograd import AllGather, ReplicatedShardGrad
-from fzero.mesh._comm import Comm, CommWrapper, MeshTimeout, Pending, pooled_reduce_scatter, profiled, RanksDisagree, Rendezvous, ThreadComm
+from fzero.mesh._comm import AllGather, bucketed_reduce_scatter, GatherBucket, ReplicatedShardGrad, Comm, CommWrapper, events, Function, MeshTimeout, Pending, pooled_reduce_scatter, profiled, RanksDisagree, Rendezvous, ThreadComm
 from fzero.mesh._dist_comm import DistComm
 from fzero.mesh._faults import process_alive, RankFailed, RankStopped
 from fzero.mesh._mesh import (
@@ -17,6 +16,5 @@ from fzero.mesh._mesh import (
     program_fields,
     wrap_comm,
 )
-from fzero.mesh import _events as events
 from fzero.mesh import _rng as rng
 from fzero.mesh import _hooks as hooks

@@ -37,20 +37,141 @@ every rank, naming what each rank called, instead of silently pairing unrelated 
 rank-dependent model, LayerDrop decided per rank) or hanging until the timeout. On ``torch.distributed``
 a per-call check would cost a round trip per collective; there ``Step.init`` checks once, with
 ``agree``, that every rank runs the same layout and settings.
+
+Collectives as autograd Functions that work under ``torch.func`` (``AllGather``, ``ReduceScatter``,
+``ReplicatedShardGrad``, at the end of this module): ``torch.func.grad`` rejects a ``torch.distributed`` call
+made inside a Function's ``backward`` ("mutate a captured Tensor") and silently zeroes the gradient of a raw
+collective in a forward. The pattern that works: each collective runs in the *forward* of its own new-style
+Function, and the Functions name each other as their backward: all-gather <-> reduce-scatter. Each takes the
+counter tag of its own collective and of its backward's ("params" forward, "grads" backward).
+
+## Buffer events (``events``)
+
+Where fzero reports the parameter buffers it gathers, frees and refills, to whatever measures memory.
+
+The core calls ``gathered(buffer)`` when it allocates a buffer to gather a unit into, ``resized(buffer)``
+when stage 3 frees a buffer's storage between a unit's forward and its backward or gives it back its
+memory, and ``lent(buffer)`` / ``returned(buffer)`` when a step's pool (``fzero.step._pool``) lends a buffer it
+already held (no allocation a dispatch mode would see) or gets one back. Nothing in the core knows who listens: a measuring tool (``fzero.memory.GatheredBytes`` and
+``LiveBytes``) enters ``watching(observer)`` in the thread it measures (on a ``local_mesh``, through the
+mesh's ``rank_context``) and gets ``observer.on_gathered(buffer)`` and ``observer.on_resized(buffer)``.
+With no observer, both calls cost one attribute lookup.
+
+## ``Function``
+
+``Function``: ``torch.autograd.Function`` whose ``apply`` does not re-read its forward's signature each call.
+
+torch's ``Function.apply``, for a Function with a ``setup_context`` (the form ``torch.func`` needs), binds the call's
+arguments with ``inspect.signature(cls.forward).bind(...)`` and ``apply_defaults()`` on every call, to fill in the
+forward's default arguments: tens of microseconds of Python per call. fzero applies several Functions per unit per
+step (gather, refill, reduce, the recording of which params got a gradient), and on one GPU that host time showed
+up as idle GPU time between a step's kernels.
+
+A subclass of this one keeps a signature on its forward (``__signature__``, which ``inspect.signature`` returns as
+it is), made once with the class. Its ``bind`` answers at once when the call needs no binding (no keyword
+arguments, and every positional parameter given, so no default to fill in) and binds as ``inspect`` does otherwise,
+so ``apply`` gets the same arguments either way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import typing
 import dataclasses
 import functools
 import importlib
+import inspect
 import threading
+import types
+import typing
 from collections import Counter as _Tally
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _Bound:
+    """What torch reads of a ``BoundArguments``: ``apply_defaults()``, ``args`` and (torch 2.13) ``kwargs``."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple) -> None:
+        self.args = args
+        self.kwargs: dict = {}  # no keyword-only parameter (``_Signature``): nothing to put here
+
+    def apply_defaults(self) -> None:  # every positional parameter was given: no default to apply
+        pass
+
+
+class _Signature(inspect.Signature):
+    __slots__ = ("_positional", "_varargs", "_fast")
+
+    def __init__(self, sig: inspect.Signature) -> None:
+        super().__init__(list(sig.parameters.values()), return_annotation=sig.return_annotation)
+        kinds = [p.kind for p in sig.parameters.values()]
+        self._positional = sum(k in _POSITIONAL for k in kinds)
+        self._varargs = inspect.Parameter.VAR_POSITIONAL in kinds
+        # a keyword-only parameter would get its default in BoundArguments.kwargs: such a forward always binds
+        self._fast = not any(k in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD) for k in kinds)
+
+    def bind(self, *args, **kwargs):
+        if self._fast and not kwargs and (len(args) == self._positional or (self._varargs and len(args) >= self._positional)):
+            return _Bound(args)
+        return super().bind(*args, **kwargs)
+
+
+class Function(torch.autograd.Function):
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        func = getattr(forward, "__func__", forward)  # a staticmethod's function
+        if func is not None and not hasattr(func, "__signature__"):
+            func.__signature__ = _Signature(inspect.signature(func))
+
+
+_local = threading.local()  # observers per thread: the ranks of a local mesh are threads
+
+
+@contextlib.contextmanager
+def watching(observer: Any) -> Iterator[Any]:
+    """Send this thread's buffer events to ``observer`` (which has ``on_gathered`` and ``on_resized``) inside the block."""
+    observers = getattr(_local, "observers", ())
+    _local.observers = (*observers, observer)
+    try:
+        yield observer
+    finally:
+        _local.observers = observers
+
+
+def gathered(buffer: torch.Tensor) -> torch.Tensor:
+    """Report a freshly allocated buffer that a unit is gathered into; returns it."""
+    for observer in getattr(_local, "observers", ()):
+        observer.on_gathered(buffer)
+    return buffer
+
+
+def lent(buffer: torch.Tensor) -> None:
+    """Report a buffer a pool lends again: in use from now on, as a new allocation would be."""
+    for observer in getattr(_local, "observers", ()):
+        getattr(observer, "on_lent", _ignore)(buffer)
+
+
+def returned(buffer: torch.Tensor) -> None:
+    """Report a buffer given back to a pool: no longer in use, as if freed."""
+    for observer in getattr(_local, "observers", ()):
+        getattr(observer, "on_returned", _ignore)(buffer)
+
+
+def _ignore(buffer: torch.Tensor) -> None:
+    pass
+
+
+def resized(buffer: torch.Tensor) -> None:
+    """Report that a gathered buffer's storage was freed (``resize_(0)``) or given its memory back."""
+    for observer in getattr(_local, "observers", ()):
+        observer.on_resized(buffer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +260,75 @@ def pooled_reduce_scatter(comm: Any, full: torch.Tensor, *, pool: Any, tag: str,
         return shard
 
     return Pending(done)
+
+
+def _take(pool: Any, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer lent by ``pool`` (a step's buffer pool: ``take``/``give``), or a new one without a pool."""
+    return torch.empty(numel, dtype=dtype, device=device) if pool is None else pool.take(numel, dtype=dtype, device=device)
+
+
+def _give(pool: Any, buffer: torch.Tensor | None) -> None:
+    if pool is not None and buffer is not None:
+        pool.give(buffer)
+
+
+# -- bucketing: several units in one collective -----------------------------------------------------------------------
+
+
+def bucketed_reduce_scatter(comm: Any, grads: list[torch.Tensor], *, pool: Any, label: str) -> Pending:
+    """Start one reduce-scatter of several units' flat gradients (each a multiple of ``comm.size`` long), laid out rank
+    chunk by rank chunk (every unit's chunk r together, for r = 0 .. n-1), so that the reduced chunk of rank r is rank
+    r's shard of every unit, side by side; ``grads`` (lent by ``pool``) go back to it once packed. One gradient is
+    reduce-scattered as it is. Waited for, the ``Pending`` gives the concatenated shards (the caller's to give back)."""
+    n = comm.size
+    if len(grads) == 1:
+        return pooled_reduce_scatter(comm, grads[0], pool=pool, tag="grads", label=label)
+    full = _take(pool, sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+    at = 0
+    for r in range(n):
+        for g in grads:
+            c = g.numel() // n
+            full[at:at + c].copy_(g[r * c:(r + 1) * c])
+            at += c
+    for g in grads:
+        _give(pool, g)
+    return pooled_reduce_scatter(comm, full, pool=pool, tag="grads", label=label)
+
+
+class GatherBucket:
+    """One all-gather of several units' shards (``bucket_elements``): each rank's shards side by side, so the gathered
+    chunk of rank r holds rank r's shard of every unit. Waited for once; ``fill`` then puts one unit together in its
+    own buffer (the values its own all-gather would give), and the bucket's buffers go back to the pool after the
+    last unit is filled."""
+
+    def __init__(self, comm: Any, shards: list[torch.Tensor], *, pool: Any, label: str,
+                 mark: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        sizes = [s.numel() for s in shards]
+        dtype, device = shards[0].dtype, shards[0].device
+        self.mine = _take(pool, sum(sizes), dtype=dtype, device=device)
+        torch.cat(shards, out=self.mine)
+        # ``mark``: how the caller accounts for gathered memory (stage 3 reports it to fzero.memory.GatheredBytes)
+        self.out = mark(_take(pool, comm.size * sum(sizes), dtype=dtype, device=device))
+        self.handle = comm.all_gather_async(self.out, self.mine, tag="params", label=label)
+        self.sizes, self.ranks, self.pool = sizes, comm.size, pool
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # where each unit's shard lies in a rank's chunk
+        self.left = len(sizes)
+
+    def fill(self, at: int, dest: torch.Tensor) -> torch.Tensor:
+        """``dest`` (a unit's whole buffer) from the bucket: the unit's shard lies at ``at`` in every rank's chunk."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            _give(self.pool, self.mine)
+            self.mine = None
+        chunk, size = sum(self.sizes), dest.numel() // self.ranks
+        with torch.no_grad():
+            dest.view(self.ranks, size).copy_(self.out.view(self.ranks, chunk)[:, at:at + size])
+        self.left -= 1
+        if not self.left:
+            _give(self.pool, self.out)
+            self.out = None
+        return dest
 
 
 def profiled(name: Callable[[], str]) -> Any:
@@ -259,3 +449,92 @@ def __getattr__(name: str) -> Any:
     if name in _IMPLEMENTATIONS:
         return getattr(importlib.import_module(_IMPLEMENTATIONS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class ReduceScatter(Function):
+    """Forward: this rank's shard of the sum over ranks. Backward: all-gather of the shard gradient.
+    ``pool`` (plain autograd, a step's ``fzero.step._pool``): the shard is made in one of its buffers, and ``full``
+    goes back to it."""
+
+    @staticmethod
+    def forward(full, comm, tag, back_tag, pool=None):
+        if pool is not None:
+            out = pooled_reduce_scatter(comm, full.contiguous(), pool=pool, tag=tag).wait()
+        else:
+            out = comm.reduce_scatter(full.contiguous(), tag=tag)
+        # One rank returns ``full`` itself; a Function must not hand back its input unaliased.
+        return out.view_as(out) if out is full else out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:4]
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        return AllGather.apply(grad_shard, ctx.comm, ctx.back_tag, ctx.tag), None, None, None, None
+
+
+class AllGather(Function):
+    """Forward: every rank's shard, concatenated. Backward: reduce-scatter of the full gradient (summed in
+    ``reduce_dtype`` when given; autograd casts the result back to the shard's dtype). ``pool`` (plain autograd):
+    the gathered buffer and the reduced shard are a step's buffers (``fzero.step._pool``). ``values``: what this rank
+    sends in place of ``shard``'s own values (stage 3 casting the root unit's master: ``shard``'s memory is freed)."""
+
+    @staticmethod
+    def forward(shard, comm, tag, back_tag, reduce_dtype=None, pool=None, values=None):
+        sent = shard if values is None else values
+        n = shard.numel() * comm.size
+        out = torch.empty(n, dtype=shard.dtype, device=shard.device) if pool is None else pool.take(n, dtype=shard.dtype, device=shard.device)
+        return comm.all_gather(gathered(out), sent.contiguous(), tag=tag)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm, ctx.tag, ctx.back_tag = inputs[1:4]
+        ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
+        ctx.pool = inputs[5] if len(inputs) > 5 else None
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, ctx.back_tag, ctx.tag, ctx.pool), None, None, None, None, None, None
+
+
+class ReplicatedShardGrad(Function):
+    """ZeRO-2's gradient path: forward returns the unit's whole (replicated) buffer unchanged; the
+    gradient with respect to this rank's *shard* is the reduce-scattered unit gradient.
+
+    Autograd calls the backward once per unit, as soon as every use of the unit in the graph has
+    contributed, so the whole gradient of a unit lives only until its reduce-scatter: at most one
+    unit's full gradient at a time, plus the shards (ZeRO-2's 2Ψ + (2+K)Ψ/N).
+
+    Under plain autograd a ``sink`` (``fzero.zero._stages.ShardGradView``) may take the reduction instead:
+    the backward hands it the unit's gradient (``sink.ready(name, grad, shard)``), which starts its reduce-scatter
+    (alone, or in a bucket with the next units) and returns no gradient, so the next unit's backward runs while
+    it is in flight. (A collective started in a
+    backward is what ``torch.func`` refuses, so under it the reduction stays a Function of its own, as above.)
+    """
+
+    @staticmethod
+    def forward(shard, full, comm, reduce_dtype=None, sink=None, name=None):
+        return full.view_as(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[2]
+        ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
+        ctx.sink, ctx.name = inputs[4:6] if len(inputs) > 4 else (None, None)
+        ctx.shard = inputs[0].detach()  # where and in which dtype its gradient goes (a view: no memory)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        if ctx.sink is not None:
+            ctx.sink.ready(ctx.name, _as(grad_full, ctx.reduce_dtype).contiguous(), ctx.shard)
+            return None, None, None, None, None, None
+        return ReduceScatter.apply(_as(grad_full, ctx.reduce_dtype), ctx.comm, "grads", "params"), None, None, None, None, None
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+events = types.SimpleNamespace(watching=watching, gathered=gathered, lent=lent, returned=returned, resized=resized)
+"""The buffer events by name (``fzero.mesh.events.resized(buffer)``): see "Buffer events" above."""

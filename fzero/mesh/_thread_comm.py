@@ -75,7 +75,7 @@ class Rendezvous:
 
 class ThreadComm(Recording):
     # its "async" gathers copy under the caller's _same_version when waited for: a stage-3 prefetch may gather
-    # straight into a freed buffer the graph's views point at (fzero.zero._schedule)
+    # straight into a freed buffer the graph's views point at (fzero.zero._unit)
     async_writes_keep_version = True
     gather_casts_at_one_rank = True  # all_gather at one rank is ``out.copy_(shard)``
 

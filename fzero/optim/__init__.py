@@ -41,7 +41,7 @@ from fzero.optim._schedules import (
     warmup_decay_lr,
     warmup_lr,
 )
-from fzero.optim._segments import Segments, WholeLeaves, current_segments, use_segments
+from fzero.optim._base import Segments, WholeLeaves, current_segments, use_segments
 from fzero.optim._transforms import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -105,4 +105,4 @@ __all__ = [
 
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.optim._groups import recording_groups
-from fzero.optim._segments import use_segments
+from fzero.optim._base import use_segments

@@ -14,7 +14,7 @@ triton is installed (``_kernel``); smaller ones stay with torch's kernel, which 
 it agrees with torch's CUDA kernel to fp32 rounding and is elementwise, with no scalar tail, so the bitwise
 facts below about shards and windows hold for it without conditions. CPU leaves always take torch's kernel.
 
-Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._segments``) and
+Per-parameter step counts (a parameter that had no gradient in some step, see ``fzero.optim._base``) and
 per-parameter weight decay (``adamw(mask=...)``): the kernel takes one step count and one decay per call, and a
 ZeRO leaf holds many parameters; ``_per_param_counts`` runs each leaf once with its most common (count, decay)
 and redoes the others in aligned windows (its docstring says why that is the cheapest exact way). While no
@@ -36,8 +36,9 @@ import optree
 import torch
 
 from fzero.optim._base import LearningRate
-from fzero.optim._segments import active_params, current_segments, param_ranges, param_tree
-from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState, per_param_steps, skipped_after
+from fzero.optim._base import active_params, current_segments, param_ranges, param_tree
+from fzero.optim._base import per_param_steps, skipped_after
+from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState
 
 _KERNEL_DEVICES = ("cpu", "cuda")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -40,7 +40,7 @@ import torch
 
 from fzero.layout import pytrees as _tree
 from fzero.optim._base import GradientTransformation, _is_transform
-from fzero.optim._segments import WholeLeaves, current_segments, param_tree, use_segments
+from fzero.optim._base import WholeLeaves, current_segments, param_tree, use_segments
 from fzero.optim._select import NONE, GroupSegments, Resolver, Selections, assemble, views
 
 

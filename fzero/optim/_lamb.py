@@ -1,6 +1,6 @@
 """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning") with DeepSpeed ``FusedLamb``'s arithmetic.
 
-Per parameter (a whole tensor, however ZeRO cuts it: see ``fzero.optim._segments``), at step t::
+Per parameter (a whole tensor, however ZeRO cuts it: see ``fzero.optim._base``), at step t::
 
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
@@ -27,8 +27,9 @@ import optree
 import torch
 
 from fzero.optim._base import GradientTransformation, LearningRate, chain, check_float, check_learning_rate
-from fzero.optim._segments import active_params, current_segments, param_ranges, per_element
-from fzero.optim._transforms import common_device, init_skipped, per_param_steps, scale_by_learning_rate, skipped_after
+from fzero.optim._base import active_params, current_segments, param_ranges, per_element
+from fzero.optim._base import per_param_steps, skipped_after
+from fzero.optim._transforms import common_device, init_skipped, scale_by_learning_rate
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -4,7 +4,7 @@ A group rule (``fzero.optim.masked``'s ``mask``, ``multi_transform``'s ``labels`
 params pytree: a pytree of bool/str leaves, or a function of that pytree. Under a train step the optimizer
 sees none of it: it gets flat unit buffers (stage 0) or this rank's shards of them (stages 1-3), each a
 concatenation of many parameters plus padding, and a parameter may be cut between two ranks. The current
-``Segments`` bridges the two (``fzero.optim._segments``): ``param_tree`` is the user's pytree (what the rule is
+``Segments`` bridges the two (``fzero.optim._base``): ``param_tree`` is the user's pytree (what the rule is
 evaluated on) and ``param_ranges`` says which parameter each element range of a leaf belongs to.
 
 So a rule is resolved to one group per *parameter* (``resolve``, once per params structure), then to element
@@ -25,7 +25,7 @@ import optree
 import torch
 
 from fzero.layout import pytrees as _tree
-from fzero.optim._segments import active_params, param_count, param_ranges, param_tree
+from fzero.optim._base import active_params, param_count, param_ranges, param_tree
 
 NONE = -1  # "no group": masked's False, padding of a leaf that holds no parameter
 

@@ -13,7 +13,7 @@ import optree
 import torch
 
 from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, Schedule, check_float, check_learning_rate
-from fzero.optim._segments import active_params, param_count, param_ranges
+from fzero.optim._base import active_params, param_count, param_ranges, per_param_steps, skipped_after
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -52,41 +52,6 @@ class ScaleByScheduleState(NamedTuple):
 def init_skipped(params: Any) -> torch.Tensor:
     """Zero skip counts, one per parameter of ``params`` as the current ``Segments`` counts them."""
     return torch.zeros(param_count(params), dtype=torch.float32, device=common_device(params))
-
-
-def skipped_after(api: str, skipped: torch.Tensor | None, active: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-parameter skip counts after this step (``skipped + ~active``); ``skipped`` itself when every
-    parameter takes the step.
-
-    Why counts of *skips* next to one ``count``, and not one step count per parameter: ``count`` stays what a
-    learning-rate or momentum schedule reads (torch's schedulers are global too), the common case of no skip
-    is one comparison (``skipped.any()``) away from the single-count fast path, and a 1-D tensor over the
-    parameters, in the order of the user's params pytree, is the same at every stage and world size, so a
-    checkpoint saves it as one replicated tensor and reshards without knowing about it.
-    """
-    if active is None:
-        return skipped
-    if skipped is None:
-        raise ValueError(
-            f"{api}: parameters without a gradient must skip this step (as torch.optim skips p.grad is None), but the "
-            f"optimizer state has skipped=None: no per-parameter step counts. Make the state with the optimizer's "
-            f"init (opt.init(params), or step.init(params) in a train step), not by hand."
-        )
-    if skipped.numel() != active.numel():
-        raise ValueError(
-            f"{api}: the optimizer state counts steps for {skipped.numel()} parameters, but this step has "
-            f"{active.numel()}. The state was made for other params: make it with this step's init, "
-            f"step.init(params) (under a train step, opt.init sees one parameter per flat buffer otherwise)."
-        )
-    return skipped + (~active).to(skipped.device, skipped.dtype)
-
-
-def per_param_steps(count: torch.Tensor, skipped: torch.Tensor | None) -> torch.Tensor | None:
-    """Each parameter's own step count (``count - skipped``, at least 1), or None when no parameter ever
-    skipped a step: then ``count`` is everyone's and the single-count path runs, as before any skip."""
-    if skipped is None or skipped.device.type == "meta" or not bool(skipped.any()):
-        return None
-    return (count - skipped).clamp(min=1)
 
 
 def common_device(params: Any) -> torch.device:

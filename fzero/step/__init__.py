@@ -1,7 +1,6 @@
 """The pure train step: state, one rank's program, the gradient and the update."""
 
 # What other packages use of this one (they import it from here, never from a private module):
-from fzero.step._buffers import buffers_of
 from fzero.step._context import (
     as_in_forward,
     buffers_for_run,
@@ -14,20 +13,19 @@ from fzero.step._context import (
     replaying,
     Snapshots,
 )
-from fzero.step._module import apply, params_of
+from fzero.step._module import apply, buffers_of, params_of
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, View
 from fzero.step._pool import (
     alloc_memory,
     can_move,
     free_memory,
-    GatherBucket,
     give,
     move_into,
     Pool,
     take,
 )
-from fzero.step._precision import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
+from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
 from fzero.step._state import is_donated, made_by, RankStates, TrainState
 from fzero.step._step import as_step, check_details, Step, train_step
 from fzero.step._update import apply_update, MasterState, ZeroGradientWarning
-from fzero.step import _usage as usage
+from fzero.step import _context as usage  # the usage record (which params the gradients used), by namespace

@@ -1,11 +1,16 @@
 """What a step is given: the global batch split across the ranks of a local mesh, and a rank's batch
-split into micro-batches for gradient accumulation; and ``loss_fn`` run on it with the batch named when it fails.
+split into micro-batches for gradient accumulation; ``loss_fn`` run on it with the batch named when it fails; and
+the gradient of a micro-batch.
 
 How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every tensor leaf of dim >= 1 holds rows
 of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
 loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A tensor that is not
 per row, such as a per-class weight, cannot be told from rows by its shape: it belongs in ``loss_fn``'s closure,
 not in the batch, and a row count of its own is refused rather than split silently.
+
+``gradient`` (at the end of this module) is the gradient of one micro-batch: ``loss_fn`` differentiated with
+respect to the flat unit inputs, by ``torch.func.grad`` or plain autograd, with the loss and aux it returned and
+the buffers its forward left (see ``fzero.step._module``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ import re
 import threading
 from typing import Any, Callable
 
+import optree
 import torch
 from torch import nn
 
 from fzero.layout import pytrees as _tree
+from fzero.step._module import Buffers, lift_for
+from fzero.step._context import step_buffers, step_scope
+
 
 _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
                 "where every rank and micro-batch sees it whole, not into the batch; a 0-d tensor in the batch is "
@@ -264,3 +273,79 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
                                      else type(x).__name__) for p, x in zip(paths, leaves)]
     more = f", ... {len(parts) - limit} more" if len(parts) > limit else ""
     return "{" + ", ".join(parts[:limit]) + more + "}" if parts else f"a {type(batch).__name__} without tensors"
+
+
+def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
+             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None):
+    """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
+    and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
+    compute dtype floating buffers meet the params in; ``into``: under plain autograd, a function that gives the
+    leaves ``.grad`` buffers to accumulate into, in place, returning True if it did: see
+    ``fzero.step._parts.ParamView``).
+
+    By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
+    unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
+    """
+    box: dict[str, Any] = {}
+
+    def objective(xs):
+        bank = Buffers(buffers, lift=lift_for(autodiff, xs[0].detach() if xs else None), dtype=dtype)
+        with step_buffers(bank):
+            loss, aux = split_loss(loss_fn(as_params(xs), batch))
+        leaves, box["spec"] = optree.tree_flatten(aux)
+        box["leaves"] = leaves
+        scaled = loss if scale == 1.0 else loss.float() * scale  # fp16: the loss scale, in fp32
+        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)], bank.result())
+
+    if autodiff == "func":
+        try:
+            with step_scope():
+                grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
+        except RuntimeError as e:
+            if any(m in str(e) for m in _FUNC_REFUSALS):
+                raise RuntimeError(_FUNC_HINT.format(error=str(e).splitlines()[0])) from e
+            raise
+    else:
+        leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
+        in_place = into is not None and into(leaves)
+        with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
+            scaled, (loss, tensors, new_buffers) = objective(leaves)
+            if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
+                if scaled.requires_grad:
+                    torch.autograd.backward(scaled, inputs=leaves)
+                grads = [leaf.grad for leaf in leaves]
+            elif scaled.requires_grad:
+                grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
+            else:  # a loss that does not depend on the params: a zero gradient, as torch.func.grad gives
+                grads = [torch.zeros_like(x) for x in leaves]
+            del leaves
+        loss, tensors = loss.detach(), [t.detach() for t in tensors]
+        new_buffers = {k: v.detach() for k, v in new_buffers.items()}
+    it = iter(tensors)
+    aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
+    return grads, loss, aux, new_buffers
+
+
+# What torch.func.grad says when the model does what only plain autograd supports: torch.utils.checkpoint's
+# saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
+_FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support")
+_FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
+This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
+activation_checkpointing_enable(), or requires_grad_() on an activation). Build the step with plain autograd, which
+supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkpointing off and recompute with
+fzero's own (fzero.remat at stages 0-2, compile(..., stages=3, remat=True))."""
+
+
+def split_loss(out: Any) -> tuple[torch.Tensor, Any]:
+    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"fzero.train_step: loss_fn must return a scalar tensor or a (loss, aux) pair; got {type(out).__name__}. "
+            f"Return e.g. F.cross_entropy(logits, y), or (loss, {{'acc': acc}})."
+        )
+    if loss.dim() != 0 or not loss.is_floating_point():
+        raise ValueError(
+            f"fzero.train_step: loss_fn must return a 0-d floating-point loss; got a {loss.dtype} tensor of shape "
+            f"{tuple(loss.shape)}. Reduce it to a scalar, e.g. loss.mean()."
+        )
+    return loss, aux

@@ -23,7 +23,7 @@ from torch import nn
 from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, program_fields
 from fzero.layout import pytrees as _tree, DEVICE_TYPES, Layout, Slot, build_layout, device_of, LayoutSegments, check_units_exist
 from fzero.optim import use_segments
-from fzero.step._precision import init_loss_scale
+from fzero.step._update import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
 
 API = "fzero.Step.init"

@@ -1,15 +1,33 @@
-"""Functional use of an ordinary ``nn.Module``, which fzero never mutates."""
+"""Functional use of an ordinary ``nn.Module``, which fzero never mutates: its params (``params_of``), a run of it
+with other params (``apply``), and its buffers as state.
+
+Buffers are state: what a forward writes (BatchNorm running stats, ``num_batches_tracked``, spectral-norm
+vectors) is carried in ``TrainState.buffers`` and returned by the step; the user's module is never written.
+
+A step hands ``loss_fn``'s forward a ``Buffers`` bank: ``fzero.apply`` runs the module with the bank's
+tensors in place of the module's own persistent buffers (``module.state_dict()``'s buffers), so the
+forward's in-place writes land in the bank, and the bank's values after the step become the new state's.
+A buffer the state does not hold yet (the first step of a state made from ``params_of`` alone) is adopted
+from the module, copied. Non-persistent buffers (rotary tables, causal masks: constants) stay the module's.
+
+Under ``torch.func.grad`` a forward may write in place only into tensors of the transform's own level: a
+captured tensor is refused ("mutate a captured Tensor"). ``lift`` makes the bank's tensors
+such: ``anchor.new_empty(...).copy_(value)``, where ``anchor`` is a detached input of the transformed
+function, gives a tensor of that level with the value's exact bits and no gradient bookkeeping (passing
+buffers as differentiated inputs instead would cost a zero gradient per buffer and cannot carry integer
+ones). The values come out of the transform as auxiliary outputs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from fzero.layout import check_no_meta
-from fzero.step._context import call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
+from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 from fzero.step._state import check_params_fit_module
 
 
@@ -53,9 +71,90 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
     check_params_fit_module(target, params, api="fzero.apply")  # a state of another model width must not run
-    if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._buffers)
+    if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
         params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
         extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}
         params = {**cast_floating(extra, dtype), **params}
     return call_module(target, params, args, kwargs)
+
+
+def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``module`` (those in its ``state_dict``) as ``{name: copy}``, for
+    ``step.init(params, buffers=...)``. A step adopts them from the module on its first call anyway; pass
+    them to ``init`` when a state is saved or inspected before its first step."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.buffers_of: expected an nn.Module, got {type(module).__name__}.")
+    return {name: b.detach().clone() for name, b in persistent_buffers(module).items()}
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: buffer}`` of the buffers ``module.state_dict()`` holds (the module's own tensors)."""
+    out = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, b in sub._buffers.items():
+            if b is not None and name not in sub._non_persistent_buffers_set:
+                out.setdefault(f"{path}.{name}" if path else name, b)
+    return out
+
+
+class Buffers:
+    """One rank's buffers during one step: ``values`` maps buffer names (relative to the module given to
+    ``fzero.apply``) to the tensors the forward reads and writes.
+
+    ``lift(t)`` makes a tensor the forward may write (a copy; under ``torch.func`` one of the transform's
+    level). ``dtype``: the compute dtype of a bf16/fp16 policy, which floating buffers meet the params in;
+    ``result()`` gives them back in their own dtype.
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor], *, lift: Callable[[torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype | None = None) -> None:
+        self._lift, self._dtype = lift, dtype
+        self.dtypes = {k: v.dtype for k, v in values.items()}
+        self.values = {k: self._live(v) for k, v in values.items()}
+
+    def _live(self, t: torch.Tensor) -> torch.Tensor:
+        if self._dtype is not None and t.is_floating_point():
+            t = t.to(self._dtype)
+        return self._lift(t)
+
+    def for_module(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The bank's tensors for ``module``'s persistent buffers, adopting (copying) those it lacks."""
+        out = {}
+        for name, b in persistent_buffers(module).items():
+            if name not in self.values:
+                if b.is_meta:
+                    raise ValueError(
+                        f"fzero.apply: the buffer {name!r} of {type(module).__name__} is a meta tensor and the state holds "
+                        f"no value for it. Pass its initial value to init: step.init(params, buffers={{{name!r}: ...}}), "
+                        f"or fzero.buffers_of(model) of a materialized model."
+                    )
+                self.dtypes[name] = b.dtype
+                self.values[name] = self._live(b.detach())
+            out[name] = self.values[name]
+        return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The values after the forward, each in its own dtype."""
+        return {k: v.to(self.dtypes[k]) for k, v in self.values.items()}
+
+
+def lift_for(autodiff: str, anchor: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a step makes a bank tensor: under ``torch.func``, a copy at the level of ``anchor`` (a detached input
+    of the transformed function); otherwise a plain copy."""
+    if autodiff == "func" and anchor is not None:
+        return lambda t: anchor.new_empty(t.shape, dtype=t.dtype).copy_(t)
+    return lambda t: t.detach().clone()
+
+
+def broadcast_buffers(comm, buffers: dict[str, torch.Tensor], *, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Rank 0's buffers on every rank, as DDP starts each forward (its default ``broadcast_buffers=True``).
+
+    In place into the state's own tensors (a step owns the state it is given), or into copies with ``copy``.
+    One collective per buffer, in name order, so every rank issues the same ones.
+    """
+    out = {k: v.clone() for k, v in buffers.items()} if copy else dict(buffers)
+    if comm.size > 1:
+        for name in sorted(out):
+            comm.broadcast(out[name], src=0, tag="buffers", label=name)
+    return out

@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.mesh import Pending
+from fzero.mesh import GatherBucket, Pending
 from fzero.layout import Layout
-from fzero.step import _usage
-from fzero.step._pool import GatherBucket, Pool, take
+from fzero.step import _context as _usage
+from fzero.step._pool import Pool, take
 
 
 class View:

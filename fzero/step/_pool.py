@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Any, Callable
 
 import torch
 
@@ -89,42 +88,6 @@ class Pool:
         """Bytes of the free buffers it holds now."""
         with self._lock:
             return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
-
-
-class GatherBucket:
-    """One all-gather of several units' shards (``bucket_elements``): each rank's shards side by side, so the gathered
-    chunk of rank r holds rank r's shard of every unit. Waited for once; ``fill`` then puts one unit together in its
-    own buffer (the values its own all-gather would give), and the bucket's buffers go back to the pool after the
-    last unit is filled."""
-
-    def __init__(self, comm: Any, shards: list[torch.Tensor], *, pool: Pool | None, label: str,
-                 mark: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-        sizes = [s.numel() for s in shards]
-        dtype, device = shards[0].dtype, shards[0].device
-        self.mine = take(pool, sum(sizes), dtype=dtype, device=device)
-        torch.cat(shards, out=self.mine)
-        # ``mark``: how the caller accounts for gathered memory (stage 3 reports it to fzero.memory.GatheredBytes)
-        self.out = mark(take(pool, comm.size * sum(sizes), dtype=dtype, device=device))
-        self.handle = comm.all_gather_async(self.out, self.mine, tag="params", label=label)
-        self.sizes, self.ranks, self.pool = sizes, comm.size, pool
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # where each unit's shard lies in a rank's chunk
-        self.left = len(sizes)
-
-    def fill(self, at: int, dest: torch.Tensor) -> torch.Tensor:
-        """``dest`` (a unit's whole buffer) from the bucket: the unit's shard lies at ``at`` in every rank's chunk."""
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-            give(self.pool, self.mine)
-            self.mine = None
-        chunk, size = sum(self.sizes), dest.numel() // self.ranks
-        with torch.no_grad():
-            dest.view(self.ranks, size).copy_(self.out.view(self.ranks, chunk)[:, at:at + size])
-        self.left -= 1
-        if not self.left:
-            give(self.pool, self.out)
-            self.out = None
-        return dest
 
 
 # Stage 3 frees a gathered unit's memory between its forward and its backward while the graph keeps views of

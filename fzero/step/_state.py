@@ -57,7 +57,7 @@ class TrainState:
       loss_scale: the fp16 policy's dynamic loss scale (``LossScaleState``); None under fp32 and bf16.
       meta: static layout facts (not a leaf).
       buffers: dict buffer name -> tensor: the module's persistent buffers (BatchNorm statistics, ...), whole on
-        every rank, as the forward left them; adopted from the module at the first step (see ``fzero.step._buffers``).
+        every rank, as the forward left them; adopted from the module at the first step (see ``fzero.step._module``).
     """
 
     params: Any

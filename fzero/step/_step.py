@@ -1,6 +1,6 @@
 """The pure train step: ``Step.init(params) -> state`` and ``Step(state, batch) -> (state, metrics)``.
 
-One rank program (``fzero.step._program``) serves every stage and every mesh: the loss and the gradient
+One rank program (``fzero.step._step``) serves every stage and every mesh: the loss and the gradient
 with ``torch.func.grad`` over the flat unit buffers, then synchronise, update and bring the params back.
 What differs between the ZeRO stages is in the step's three typed parts, ``params``, ``grads`` and
 ``opt_state`` (``fzero.step._parts``), which the transforms of ``fzero.zero`` replace.
@@ -9,6 +9,14 @@ Donation: a step reuses the buffers of the state it is given (as ``jax.jit(..., 
 because ZeRO exists to save memory and a pure copy would double the optimizer state for a moment.
 The state passed in is marked spent, and passing it again raises an error instead of reading buffers
 that have moved on. ``donate=False`` copies the state first.
+
+## The rank program (``rank_program``, ``eval_program``, at the end of this module)
+
+One rank's program for a step and for an evaluation: the same for every stage.
+
+A step: the ``params`` part makes the view that the gradient is taken over (``fzero.step._parts``), the
+gradient is taken per micro-batch and accumulated (whole gradients, or shards where the ``grads`` part
+reduces them in backward), and ``fzero.step._update.finish`` synchronises, checks, clips and updates.
 """
 
 from __future__ import annotations
@@ -22,17 +30,16 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
-from fzero.step._context import module_clones
+from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.step._batch import LossFnInContext, check_rows, dist_checks, gradient, split_batch, split_loss, split_micro
+from fzero.step._context import compute_dtype, module_clones, recording_usage, step_buffers
 from fzero.step._init import init_state
+from fzero.step._module import Buffers, broadcast_buffers
 from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated
-from fzero.step._precision import Precision, policy
-from fzero.step._program import eval_program, rank_program
-from fzero.step._batch import LossFnInContext, check_rows, dist_checks, split_batch
 from fzero.step._pool import Pool
 from fzero.step._state import RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified
-
+from fzero.step._update import Precision, finish, policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +100,7 @@ class Step:
         ``materialize=fzero.checkpoint.pretrained(dir, model=model)`` reads them from a Hugging Face checkpoint.
 
         ``buffers``: the module's persistent buffers (``fzero.buffers_of(model)``; copied), part of the state
-        from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._buffers``).
+        from the start. Without it the first step adopts them from the module it runs (see ``fzero.step._module``).
 
         ``donate=True``: the memory of ``params`` is freed as each unit is packed (``resize_(0)``), so that a model
         built whole is not held beside its state: with ``fzero.params_of(model, copy=False)`` the module's own
@@ -352,3 +359,75 @@ def check_details(details: dict[str, Any], *, api: str, keywords: tuple[str, ...
         elif not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
             raise ValueError(f"{api}: {key} must be {'a positive int' if kind is int else 'True or False'}, got {value!r}.")
     return details
+
+
+def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    prec = step.precision
+    reduce_dtype = None if prec.reduce_dtype == prec.compute else prec.reduce_dtype
+    # disk offload of params: a mapped shard's pages go back to its file after each use
+    release = step.opt_state.release(state.opt_state)
+    # under torch.func the backward's buffers are the transform's: a pool lends only to plain autograd's
+    pool = step.pool if step.autodiff == "autograd" else None
+    view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool,
+                            masters=_masters_beside_params(step, state))
+    try:
+        new_state, metrics = _step(step, comm, state, batch, view, release)
+    finally:  # after the update (whose gradients are gone by now), or on an error: the params whole again
+        view.restore()
+    return dataclasses.replace(new_state, params=dict(state.params)), metrics
+
+
+def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tensor] | None:
+    """This rank's fp32 masters where they live beside its params (no offload), for a stage-3 view to gather from."""
+    if step.opt_state.offload is not None or not step.opt_state.has_masters(state.opt_state):
+        return None
+    return step.opt_state.masters(state.opt_state, state.meta.layout)
+
+
+def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, release: Any) -> tuple[TrainState, dict[str, Any]]:
+    prec = step.precision
+    scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+    acc: list[torch.Tensor] | None = None
+    losses, aux = [], None
+    low = None if prec.compute == torch.float32 else prec.compute
+    buffers = broadcast_buffers(comm, state.buffers)
+    with compute_dtype(low), recording_usage(state.meta.layout) as usage:  # which params the gradients use (torch's grad=None)
+        micros = split_micro(batch, step.grad_accum)
+        for k, micro in enumerate(micros):
+            view.begin_micro(last=k == len(micros) - 1)
+            grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
+                                                 into=getattr(view, "grad_into", None))
+            view.release()
+            # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
+            # (or nothing to do: the view accumulated them in place)
+            acc = grads if acc is None or getattr(view, "accumulates", False) else [a.add_(g) for a, g in zip(acc, grads)]
+            del grads
+            losses.append(loss)
+    acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
+    meta = view.finish(state.meta)
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool)
+    new_state = dataclasses.replace(new_state, buffers=buffers)
+    if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
+        for t in state.params.values():
+            release(t)
+    return new_state, metrics
+
+
+def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[str, Any]:
+    prec = step.precision
+    low = None if prec.compute == torch.float32 else prec.compute
+    release = step.opt_state.release(state.opt_state)
+    view = step.params.eval_view(comm, state, release=release)
+    # the state's buffers as the step would broadcast them; what the forward writes is dropped
+    bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low)
+    with torch.no_grad(), compute_dtype(low), step_buffers(bank):
+        loss, aux = split_loss(step.loss_fn(view.build([]), batch))
+    view.release()
+    view.finish(state.meta)  # the order a step records is not changed by an evaluation
+    for t in state.params.values() if release is not None else ():  # the root unit's shard too
+        release(t)
+    metrics: dict[str, Any] = {"loss": float(comm.all_reduce(loss.detach().float().reshape(1), tag="metrics")[0]) / comm.size}
+    if aux is not None:
+        metrics["aux"] = aux
+    return metrics

@@ -13,9 +13,8 @@ checked rather than a convention:
 
 from fzero.zero._offloading import offload
 from fzero.zero._policies import CPUOffload, DiskOffload
-from fzero.zero._shard_grads import GradsInBackward, shard_grads
-from fzero.zero._shard_optimizer import GradsReduceScatter, OptStateSharded, shard_optimizer
-from fzero.zero._shard_params import ParamsSharded, shard_params
+from fzero.zero._stages import (GradsInBackward, GradsReduceScatter, OptStateSharded, ParamsSharded, shard_grads, shard_optimizer,
+                                shard_params)
 
 __all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
            "shard_optimizer", "shard_params"]

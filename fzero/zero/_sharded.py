@@ -5,15 +5,15 @@
 (docs/architecture.md, "The user's module, hooks and recompute"). At stage 2 a unit's call only attaches the reduce-scatter of its gradient
 (``ReplicatedParams``); at stage 3:
 
-* A *skeleton* of the module is built for the step: a clone of the module tree (``fzero.layout._clone``), its
+* A *skeleton* of the module is built for the step: a clone of the module tree (``fzero.layout._modules``), its
   trainable parameters replaced by meta tensors (no memory), buffers and frozen parameters shared with the
   original. Each unit keeps its place, its class and its hooks in the skeleton, as a ``_UnitSkin`` whose
   call runs the unit through the step's params object.
 * The root unit (parameters outside every unit) is all-gathered once, through the ``AllGather``
   Function whose backward reduce-scatters, and passed to ``functional_call`` on the skeleton. Like
   FSDP2's root module, it stays gathered until backward is done with it.
-* A unit's call runs it once, with its graph, gathered just for it (``fzero.zero._gathered``), through
-  the step's ``Schedule`` of gathers with prefetch (``fzero.zero._schedule``). ``remat=True`` instead
+* A unit's call runs it once, with its graph, gathered just for it, through
+  the step's ``Schedule`` of gathers with prefetch (``fzero.zero._unit``). ``remat=True`` instead
   recomputes each unit in backward through ``fzero.remat``.
 """
 
@@ -29,7 +29,7 @@ from torch import nn
 from fzero.layout import walk, clone_structure, ROOT, Layout, Unit
 from fzero.step import usage as _usage, Pool, buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
 from fzero.mesh import AllGather, ReplicatedShardGrad
-from fzero.zero._gathered import run_unit
+from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
 
 
@@ -54,7 +54,7 @@ class UnitParams(Mapping):
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[str, dict[str, torch.Tensor]] = {}
         self._skeletons: dict[int, nn.Module] = {}
-        self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._buffers)
+        self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
 
     def run_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """What ``fzero.apply(module, self, ...)`` does: the model unit by unit (``apply_units``). ``fzero.apply``

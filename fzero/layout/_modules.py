@@ -1,0 +1,294 @@
+"""The user's module as fzero runs it: binding tensors into it for a call, structural clones of it, and
+parameters without values.
+
+## Binding
+
+Putting tensors into a module's parameter and buffer slots for a call, and taking them out again.
+
+This is what ``torch.func.functional_call(module, tensors, tie_weights=True, strict=False)`` does around a call,
+and what fzero does for every unit call of every step (twice at stage 3: for the forward and again for the
+backward). torch's version walks the whole module tree twice per call (``named_parameters`` and
+``named_buffers``, to find tied names) and resolves every name through ``get_submodule``: on one GPU that host
+time was a visible part of a stage-3 step of a 124M GPT, whose kernels then waited for it.
+
+``Binding`` does the walk once (``Binding.of``), and binding is then a dictionary write per name. Its
+semantics are torch's, point by point:
+
+- a given name that is a parameter slot is written in ``_parameters``, a buffer slot in ``_buffers``;
+- every other name that holds the *same tensor object* (a tied weight) gets the same tensor, and two given
+  names of one tie with different tensors are an error;
+- on restore, each slot gets its original tensor back, in reverse order, and where the call replaced a
+  given slot's tensor (a module that assigns ``self.buf = ...``), the new tensor is written back into the
+  given mapping, as torch writes it back into the dictionary it was given.
+
+A name that is not a parameter or buffer slot (a new attribute) is not handled here: ``bound`` falls back to
+torch's own context manager for such a call, so every case keeps torch's behaviour.
+
+## Clones
+
+Structural clones of a module: new module objects, tensors shared, no mutable container shared.
+
+fzero runs a module without writing into it: each step runs a clone of the user's module (at stages 2-3 a
+*skeleton*: trainable params replaced by meta tensors, units made to gather before they run), on every
+rank, because ``torch.func.functional_call`` swaps tensors into module attributes while it runs, and because
+a forward may write into its module: Hugging Face installs its output-capturing forward hooks lazily, from
+inside the first forward that asks for hidden states, attentions or router logits, and a module may append to
+a list it holds. ``copy.deepcopy`` does not serve: it copies every tensor it finds in an attribute, and
+refuses a non-leaf one ("Only Tensors created explicitly by the user support the deepcopy protocol"), which is
+what a forward hook that keeps an activation on a module leaves there.
+
+So the module tree gets new objects, each with its own ``__dict__``, and every container in a ``__dict__``
+(the hook dictionaries ``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks`` and the rest, and any
+dict, list or set a module keeps; built-in types only, not subclasses) is copied one level deep: the clone starts with the hooks and entries the
+module has, and what is added to it or removed from it stays in the clone. Hook functions, tensors, configs
+and other objects are shared. A container that two modules share stays shared between their clones (one copy
+per container), as tied parameters stay tied.
+
+## Empty params
+
+Models whose parameters have no values yet: built under ``fzero.empty_params()``, made by ``step.init``.
+
+Why not ``torch.device("meta")``: under it *every* tensor is meta, buffers too. A persistent buffer is part of
+the train state and gets its value there, but a non-persistent one (a Llama's rotary ``inv_freq``, a causal mask)
+is a constant the forward reads from the module itself, and nothing can compute it after the fact: it was made
+from an ``arange`` that was meta as well. ``empty_params()`` does what ``accelerate.init_empty_weights()`` does:
+each parameter goes to meta as the module registers it, and every buffer is computed for real. A parameter
+moves to meta once and keeps its identity, so weights a model ties while it is built (an LM head that *is* the
+embedding's parameter) stay tied.
+
+``check_no_meta`` is what ``fzero.apply`` runs before a forward: a meta tensor the forward would read from the
+module (a buffer nobody gave a value, a parameter outside ``params``) is named, with the fix, instead of failing
+deep in the model with torch's "Cannot copy out of meta tensor".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+
+_KINDS = ("_parameters", "_buffers")
+
+
+def walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, submodule)`` in ``named_modules(remove_duplicate=False)``'s order (pre-order, every path to a shared
+    submodule), the prefix ending in "." (empty for ``module``): by a stack, without torch's nested generators."""
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        yield prefix, m
+        stack.extend((f"{prefix}{key}.", c) for key, c in reversed(m.__dict__["_modules"].items()) if c is not None)
+
+
+class Binding:
+    """Where each parameter and buffer name of one module tree lives, and which names are tied; made by ``of``."""
+
+    __slots__ = ("module", "slots", "ties")
+
+    def __init__(self, module: nn.Module, slots: dict[str, tuple[nn.Module, str, str, torch.Tensor]],
+                 ties: dict[str, tuple[str, ...]]) -> None:
+        self.module = module
+        self.slots = slots  # dotted name -> (owning module, "_parameters" | "_buffers", key, tensor found there)
+        self.ties = ties  # dotted name -> every name holding the same tensor object (only names with a tie)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "Binding":
+        """One walk of ``module``'s tree (every path to a shared submodule, as ``remove_duplicate=False`` walks)."""
+        slots: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
+        by_tensor: dict[int, list[str]] = {}
+        for prefix, m in walk(module):
+            for kind in _KINDS:
+                for key, t in m.__dict__[kind].items():
+                    if t is None:
+                        continue
+                    name = prefix + key
+                    if kind == "_buffers" and name in slots:
+                        continue  # a parameter of that name wins, as named_parameters() comes first in torch
+                    slots[name] = (m, kind, key, t)
+                    by_tensor.setdefault(id(t), []).append(name)
+        ties = {n: tuple(names) for names in by_tensor.values() if len(names) > 1 for n in names}
+        return cls(module, slots, ties)
+
+    def current(self) -> bool:
+        """Whether every slot still holds the tensor it held when the binding was made (nothing re-tied since)."""
+        return all(m.__dict__[kind].get(key) is t for m, kind, key, t in self.slots.values())
+
+    def covers(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return all(name in self.slots for name in tensors)
+
+    @contextlib.contextmanager
+    def bound(self, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+        """``tensors`` in their slots (and in their tied slots) for the length of the block; see the module docstring."""
+        writes: dict[str, torch.Tensor] = dict(tensors)
+        for name, value in tensors.items():
+            for other in self.ties.get(name, ()):
+                if other in tensors and tensors[other] is not value:
+                    raise ValueError(f"functional_call got multiple values for keys {sorted(self.ties[name])}, which "
+                                     f"are tied. Consider using tie_weights=False")
+                writes[other] = value
+        saved: list[tuple[str, nn.Module, str, str, torch.Tensor]] = []
+        try:
+            for name, value in writes.items():
+                m, kind, key, _ = self.slots[name]
+                d = m.__dict__[kind]
+                saved.append((name, m, kind, key, d[key]))
+                d[key] = value
+            yield
+        finally:
+            for name, m, kind, key, orig in reversed(saved):
+                d = m.__dict__[kind]
+                now = d.get(key)
+                d[key] = orig
+                if name in tensors and now is not None:
+                    tensors[name] = now
+
+
+def bound(module: nn.Module, tensors: dict[str, torch.Tensor], binding: Binding | None = None):
+    """``torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=True, strict=False)``, fast:
+    a context manager. ``binding``: one made earlier for this module, still ``current()`` (the caller checks)."""
+    if binding is None:
+        binding = Binding.of(module)
+    if binding.covers(tensors):
+        return binding.bound(tensors)
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+# containers copied one level deep: the built-in types exactly. An object of any other type, a subclass of these
+# included, is shared like any other object: its class decides what a copy of it would mean.
+_CONTAINERS = frozenset({dict, OrderedDict, list, set})
+_TREE = frozenset({"_parameters", "_buffers", "_modules"})  # rebuilt below, entry by entry
+
+
+def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                    buffer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    """A copy of ``module``'s tree of module objects; ``param``/``buffer`` map each parameter/buffer (default:
+    the same tensor). Shared submodules stay shared, tied parameters stay tied (one mapping per tensor), and
+    no container of the clone is one of ``module``'s (see the module docstring)."""
+    modules: dict[int, nn.Module] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    containers: dict[int, Any] = {}
+
+    def mapped(t, fn):
+        if t is None or fn is None:
+            return t
+        out = tensors.get(id(t))
+        if out is None:
+            out = tensors[id(t)] = fn(t)
+        return out
+
+    containers_get = containers.get
+
+    def visit(m: nn.Module) -> nn.Module:
+        new = modules.get(id(m))
+        if new is not None:
+            return new
+        cls = m.__class__
+        new = cls.__new__(cls)
+        modules[id(m)] = new
+        d = new.__dict__
+        for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
+            if type(v) in _CONTAINERS and k not in _TREE:
+                c = containers_get(id(v))
+                if c is None:
+                    c = containers[id(v)] = v.copy()
+                d[k] = c
+            else:
+                d[k] = v
+        d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
+        d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
+        d["_modules"] = {k: None if c is None else visit(c) for k, c in m._modules.items()}
+        return new
+
+    return visit(module)
+
+
+_lock = threading.Lock()
+_depth = 0  # nested or concurrent empty_params() blocks share one patch of nn.Module.register_parameter
+_original = nn.Module.register_parameter
+
+META_BUFFER_FIX = (
+    "Build the model under `with fzero.empty_params(): model = ...` instead of `with torch.device('meta'):` "
+    "(parameters on meta, buffers computed for real, as accelerate.init_empty_weights() does), or give the module "
+    "real buffers before training"
+)
+
+
+def _register_empty(module: nn.Module, name: str, param: Any) -> None:
+    _original(module, name, param)
+    if param is not None and not param.is_meta:
+        # the same Parameter class and attributes, on meta; the brief real allocation of one parameter is all
+        # the build costs (its init then runs on meta, doing nothing)
+        meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)
+        module._parameters[name] = meta
+
+
+@contextlib.contextmanager
+def empty_params() -> Iterator[None]:
+    """Within the block, every parameter a module registers is a meta tensor (shape and dtype, no memory), and
+    every buffer is real: ``with fzero.empty_params(): model = AutoModelForCausalLM.from_config(cfg)``, then
+    ``step.init(fzero.params_of(model, copy=False), materialize=...)`` makes the values one unit at a time
+    (``fzero.checkpoint.pretrained(dir, model=model)`` reads them from a Hugging Face checkpoint).
+
+    It patches ``nn.Module.register_parameter`` for the length of the block, in every thread, as
+    ``accelerate.init_empty_weights()`` does: build nothing else concurrently that must have real parameters.
+    """
+    global _depth
+    with _lock:
+        if _depth == 0:
+            nn.Module.register_parameter = _register_empty
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                nn.Module.register_parameter = _original
+
+
+def check_no_meta(module: nn.Module, names: Iterable[str], *, state_buffers: bool, api: str) -> None:
+    """Refuse a forward of ``module`` that would read a meta tensor from the module itself.
+
+    ``names``: the params the call is given (a meta module parameter among them is replaced, so fine).
+    ``state_buffers``: persistent buffers come from the train state (inside a step), which names its own meta
+    ones; a non-persistent buffer always comes from the module."""
+    given = None
+    seen: set[int] = set()  # a tied parameter is checked under its first path, as named_parameters names it
+    meta_params = []
+    for prefix, sub in walk(module):  # one walk for both checks: this runs at every fzero.apply
+        for name, b in sub._buffers.items():
+            if b is None or not b.is_meta:
+                continue
+            persistent = name not in sub._non_persistent_buffers_set
+            if state_buffers and persistent:
+                continue
+            why = ("outside a step, the forward reads buffers from the module" if persistent else
+                   "it is non-persistent, so no train state or checkpoint holds it: the forward reads it from the module")
+            raise ValueError(
+                f"{api}: the {'buffer' if persistent else 'non-persistent buffer'} {prefix + name!r} "
+                f"of {type(module).__name__} is a meta tensor (a shape without a value), and {why}. {META_BUFFER_FIX}."
+            )
+        for name, p in sub._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                if p.is_meta:
+                    meta_params.append((prefix + name, p))
+    for path, p in meta_params:  # after every buffer, as before: a meta buffer is named first
+        if p.is_meta:
+            given = set(names) if given is None else given
+            if path not in given:
+                why = "it is frozen (requires_grad=False), so fzero.params_of leaves it out" if not p.requires_grad else "params lacks it"
+                raise ValueError(
+                    f"{api}: the parameter {path!r} of {type(module).__name__} is a meta tensor and {why}, so the "
+                    f"forward would read it from the module. Make it trainable and pass it in params (step.init "
+                    f"materializes it), or give the module a real value for it (e.g. load_state_dict(..., assign=True)) "
+                    f"before training."
+                )

@@ -1,0 +1,118 @@
+"""Writes the DeepSpeed checkpoints that tests/test_deepspeed_checkpoint.py resumes from (needs DeepSpeed; run by hand).
+
+Each case trains a small torch.nn model (not fzero's) with DeepSpeed's engine on its CPU accelerator over gloo, a
+client ``torch.optim.AdamW``, for three steps; saves it with ``engine.save_checkpoint``; records DeepSpeed's own
+view of every trained parameter (``deepspeed.utils.safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``
+for ``exp_avg``, ``exp_avg_sq`` and ``step``) and its buffers; then trains two more steps and records the fp32
+params after each, for the resumed run to follow. Rank 0 writes ``tests/data/deepspeed/<case>/`` (the checkpoint,
+``expected.pt``) ::
+
+    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        tests/deepspeed_fixtures.py --stage 3 --world 2 [--bf16] [--groups]
+
+Cases written (DeepSpeed 0.19.8, torch 2.13 CPU): stages 1, 2 and 3 on 1 and 2 ranks in fp32; stages 1 and 3 on 2
+ranks in bf16; stage 2 on 2 ranks with two parameter groups (decay and no decay).
+"""
+
+import argparse
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.99), 1e-8, 0.01
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
+
+
+def model() -> nn.Module:
+    """Odd sizes, so that 2 ranks pad; a BatchNorm, so that there are buffers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 12), nn.BatchNorm1d(12), nn.GELU(), nn.Linear(12, 5))
+
+
+def batches(world: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Five global batches of 8 rows; this rank's share of each."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(5):
+        x, y = torch.randn(8, 7, generator=g), torch.randn(8, 5, generator=g)
+        out.append((x.chunk(world)[rank], y.chunk(world)[rank]))
+    return out
+
+
+def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((m(x).float() - y) ** 2).mean()
+
+
+def case_name(stage: int, world: int, bf16: bool, groups: bool) -> str:
+    return f"stage{stage}_world{world}" + ("_bf16" if bf16 else "") + ("_groups" if groups else "")
+
+
+def main() -> None:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--groups", action="store_true", help="two param groups: no decay for biases and the norm")
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == args.world
+    m = model()
+    if args.groups:
+        no_decay = [p for n, p in m.named_parameters() if n.endswith("bias") or n.startswith("1.")]
+        decay = [p for n, p in m.named_parameters() if not (n.endswith("bias") or n.startswith("1."))]
+        params = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    else:
+        params = m.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    config = {"train_micro_batch_size_per_gpu": 8 // world, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": args.stage}, "steps_per_print": 10**9}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=config, dist_init_required=False)
+    data = batches(world, rank)
+
+    def train(x, y):
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        loss = loss_fn(engine, x.to(dtype), y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    losses = [train(*b) for b in data[:3]]
+    name = case_name(args.stage, world, args.bf16, args.groups)
+    out = os.path.join(HERE, name)
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+    dist.barrier()
+    engine.save_checkpoint(out)
+
+    def full(kind: str) -> dict[str, torch.Tensor]:
+        got = {}
+        for n, p in engine.module.named_parameters():
+            t = safe_get_full_fp32_param(p) if kind == "fp32" else safe_get_full_optimizer_state(p, kind)
+            got[n] = t.detach().clone().float() if t.dim() else t.detach().clone()
+        return got
+
+    expected = {"fp32": full("fp32"), "exp_avg": full("exp_avg"), "exp_avg_sq": full("exp_avg_sq"),
+                "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
+                "global_steps": engine.global_steps, "losses": losses, "after": [], "after_losses": []}
+    step_state = next(iter(engine.optimizer.optimizer.state.values()))["step"]
+    expected["step"] = int(step_state)
+    for b in data[3:]:
+        expected["after_losses"].append(train(*b))
+        expected["after"].append(full("fp32"))
+    if rank == 0:
+        torch.save(expected, os.path.join(out, "expected.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
