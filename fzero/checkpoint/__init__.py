@@ -51,6 +51,11 @@ same checkpoint (its step and the checksum of its marker).
 for a model built under ``fzero.empty_params()``, tensor by tensor as each unit is packed; keys, ties and shapes
 are checked against the model from the headers before anything is read.
 
+**From DeepSpeed.** ``from_deepspeed(save_dir, like=step)`` resumes a checkpoint of DeepSpeed's ``engine.save_checkpoint``
+(ZeRO stage 1, 2 or 3, any world size) at any fzero stage and world size: fp32 masters, Adam's moments and step
+count, buffers (``fzero/checkpoint/_deepspeed.py`` says how each parameter is found in DeepSpeed's partitions). Its
+files are read with ``torch.load(weights_only=True)``, DeepSpeed's own pickled classes as inert stand-ins.
+
 **Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or
 ``model-0000k-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` past ``max_shard_size``), tied
 weights once as ``save_pretrained`` does, streaming: a group of parameters (a checkpoint) or a unit (a live
@@ -67,6 +72,7 @@ maps rank states onto the logical tensors and ``_dcp`` reads and writes them wit
 from fzero.checkpoint._cli import main
 from fzero.checkpoint._consolidate import consolidate
 from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._deepspeed import from_deepspeed
 from fzero.checkpoint._files import latest, read_extra, step_dir, verify
 from fzero.checkpoint._load import load
 from fzero.checkpoint._oserrors import CheckpointWriteError
@@ -77,5 +83,4 @@ from fzero.checkpoint._weights import save_weights
 
 __all__ = [
     "CheckpointCorrupted", "CheckpointError", "CheckpointWriteError", "consolidate", "latest", "load", "main", "pretrained",
-    "read_extra", "save", "save_weights", "step_dir", "verify",
-]
+    "read_extra", "save", "save_weights", "step_dir", "verify", "from_deepspeed"]
