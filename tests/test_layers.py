@@ -74,3 +74,19 @@ def test_an_import_of_another_packages_private_module_is_found(tmp_path):
         f.write("\nfrom fzero.step._pool import Pool  # past the step package's __init__\n")
     found = _private_imports(str(tmp_path / "fzero"))
     assert [(path, what) for path, _, what in found] == [(os.path.join("zero", "_jit.py"), "from fzero.step._pool import ['_pool']")]
+
+
+def test_the_step_the_transforms_and_the_collectives_type_check_and_a_part_that_breaks_its_protocol_is_found(tmp_path):
+    """mypy over [tool.mypy]'s files (fzero/step, fzero/zero, fzero/mesh/_comm.py), in a copy of the package with one
+    planted error: a grads part where the step wants a params part. The plant is the only error mypy reports, so the
+    package itself type-checks, and the parts' Protocols are what it checks against."""
+    pytest.importorskip("mypy", reason="mypy is a test dependency: pip install -e '.[test]'")
+    shutil.copytree(os.path.join(ROOT, "fzero"), tmp_path / "fzero", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path / "pyproject.toml")
+    with open(tmp_path / "fzero" / "step" / "_parts.py", "a") as f:
+        f.write("\n\n_PLANTED: ParamsPart = GradsAllReduce()  # not a params part\n")
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "_parts.py" in errors[0] and "ParamsPart" in errors[0], errors

@@ -305,11 +305,13 @@ class GatherBucket:
                  mark: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         sizes = [s.numel() for s in shards]
         dtype, device = shards[0].dtype, shards[0].device
-        self.mine = _take(pool, sum(sizes), dtype=dtype, device=device)
-        torch.cat(shards, out=self.mine)
+        mine = _take(pool, sum(sizes), dtype=dtype, device=device)
+        torch.cat(shards, out=mine)
         # ``mark``: how the caller accounts for gathered memory (stage 3 reports it to fzero.memory.GatheredBytes)
-        self.out = mark(_take(pool, comm.size * sum(sizes), dtype=dtype, device=device))
-        self.handle = comm.all_gather_async(self.out, self.mine, tag="params", label=label)
+        out = mark(_take(pool, comm.size * sum(sizes), dtype=dtype, device=device))
+        self.mine: torch.Tensor | None = mine  # this rank's shards side by side, until the gather is done
+        self.out: torch.Tensor | None = out  # every rank's, until the last unit is filled from it
+        self.handle: Pending | None = comm.all_gather_async(out, mine, tag="params", label=label)
         self.sizes, self.ranks, self.pool = sizes, comm.size, pool
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # where each unit's shard lies in a rank's chunk
         self.left = len(sizes)
@@ -322,6 +324,8 @@ class GatherBucket:
             _give(self.pool, self.mine)
             self.mine = None
         chunk, size = sum(self.sizes), dest.numel() // self.ranks
+        if self.out is None:
+            raise RuntimeError("fzero internal error: a GatherBucket was asked for more units than it holds.")
         with torch.no_grad():
             dest.view(self.ranks, size).copy_(self.out.view(self.ranks, chunk)[:, at:at + size])
         self.left -= 1
@@ -395,6 +399,8 @@ class Recording:
     """Mixin: report each call to the counter before doing it."""
 
     counter: Counter | None
+    rank: int
+    size: int
     # Whether an all-gather on a one-rank mesh is a ``copy_`` of the shard into the output, which converts dtypes
     # (the thread mesh's); a process group's collective needs both in one dtype.
     gather_casts_at_one_rank = False

@@ -41,7 +41,7 @@ class LocalMesh:
     rank_context: Callable[[int], ContextManager[Any]] | None = dataclasses.field(default=None, compare=False)
     wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
 
-    def run(self, fn: Callable[[Any], Any], args: Sequence[tuple]) -> list[Any]:
+    def run(self, fn: Callable[..., Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global

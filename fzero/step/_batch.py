@@ -80,7 +80,7 @@ def _split_rows(batch: Any, k: int, why: str, message: Callable[[str, str], str]
                 raise ValueError(message(path or "<root>", f"dim 0 of size {leaf.shape[0]}"))
             chunks = leaf.chunk(k)
         else:  # a 0-d tensor or a leaf that is not a tensor: the same for every rank and micro-batch
-            chunks = [leaf] * k
+            chunks = (leaf,) * k
         for i in range(k):
             parts[i].append(chunks[i])
     return [spec.unflatten(p) for p in parts]

@@ -37,7 +37,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     if not isinstance(donate, bool):
         raise TypeError(f"{API}: donate must be True or False, got {donate!r}.")
     if buffers is None and hasattr(materialize, "init_buffers"):  # a checkpoint reader: its persistent buffers too
-        buffers = materialize.init_buffers()
+        buffers = getattr(materialize, "init_buffers")()
     buffers = _checked_buffers(buffers)
     n = step.world_size
     prec = step.precision
@@ -76,13 +76,13 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
                     values[j] = _materialized(make, slot, values[j], device)
             if device is None:  # the first made value decides, and the others must follow it
                 device = next(values[j].device for j in layout.leaf_indices(unit))
-        if not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
+        if comm is not None and not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
             # a rank that makes its params learns their device from the first unit it made
             if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
                 # tensors on a machine with CUDA (the mesh's guess for a rank that only receives), and a job of more
                 # ranks than GPUs runs on the CPU
-                where = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
-                code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=where)
+                home = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
+                code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=home)
                 comm.broadcast(code, src=0, tag="init")
                 if receives and int(code[0]) == 0:
                     device = torch.device("cpu")
@@ -231,8 +231,8 @@ def _check_no_ties(tensors: list[tuple[str, torch.Tensor]]) -> None:
         other = first.setdefault(id(x), path)
         if other == path and not x.is_meta and x.numel():
             storage = x.untyped_storage()
-            lo = x.storage_offset() * x.element_size()
-            hi = lo + (1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride()))) * x.element_size()
+            lo = int(x.storage_offset()) * x.element_size()
+            hi = lo + (1 + sum(int(s - 1) * int(st) for s, st in zip(x.shape, x.stride()))) * x.element_size()
             key = (storage.device, storage.data_ptr())
             for a, b, q in spans.get(key, ()):
                 if lo < b and a < hi:

@@ -90,7 +90,7 @@ def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: buffer}`` of the buffers ``module.state_dict()`` holds (the module's own tensors)."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, b in sub._buffers.items():
             if b is not None and name not in sub._non_persistent_buffers_set:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -69,6 +69,16 @@ class View:
 
     def begin_micro(self, *, last: bool) -> None:
         """A micro-batch's gradient is about to be taken (``last``: the step's last)."""
+
+    def grad_into(self, leaves: list[torch.Tensor]) -> bool:
+        """Under plain autograd, whether the leaves' gradients go straight into the view's own buffers (True: it hooked
+        them); here, no: they come back per input."""
+        return False
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the view accumulates the micro-batches' gradients itself (none are returned to add up)."""
+        return False
 
     def for_update(self, state: Any) -> Any:
         """The state the update is to see (stage 3 hands it the masters in place of the shards it freed)."""
@@ -141,10 +151,13 @@ class ParamView(View):
         def into_flat(param: torch.Tensor) -> None:
             flat = self._flat(u, param)
             where = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+            grad = param.grad
+            if grad is None:  # (a post-accumulate-grad hook runs once the param has its gradient)
+                return
             if self._written[u][i]:  # a later micro-batch: accumulate
-                where.add_(param.grad)
+                where.add_(grad)
             else:  # the slot's first gradient of the step: the buffer was not zeroed (a memset of the whole gradient)
-                where.copy_(param.grad)
+                where.copy_(grad)
                 self._written[u][i] = True
             param.grad = None
             if used is not None:
@@ -158,24 +171,32 @@ class ParamView(View):
     def _start_ready(self, *, all_: bool = False) -> None:
         """Start the reductions of the complete units from the top down, stopping at the first incomplete one
         (``all_``: at the end of the backward, every unit, complete or not)."""
-        units = self.layout.units
+        units, flats, start = self.layout.units, self._unit_flats(), self._start
+        if start is None:  # (only a view made with ``start`` starts reductions: ``_started`` is empty otherwise)
+            return
         while self._next >= 0 and (all_ or self._arrived[self._next] == len(units[self._next].slots)):
             u = self._next
             flat = self._holes_zeroed(u)
             flat = flat if flat is not None else self._zeros(units[u])
-            self.flats[u] = None  # the pending reduction holds it
-            self._started[u] = self._start(flat)
+            flats[u] = None  # the pending reduction holds it
+            self._started[u] = start(flat)
             self._next -= 1
 
+    def _unit_flats(self) -> list[torch.Tensor | None]:
+        if self.flats is None:
+            raise RuntimeError("fzero internal error: a unit's gradient arrived before grad_into set up its flat buffers.")
+        return self.flats
+
     def _flat(self, u: int, like: torch.Tensor) -> torch.Tensor:
-        flat = self.flats[u]
+        flats = self._unit_flats()
+        flat = flats[u]
         if flat is None:  # uninitialised: each slot's first gradient is copied in, the rest zeroed by _holes_zeroed
-            flat = self.flats[u] = take(self.pool, self.layout.units[u].padded, dtype=like.dtype, device=like.device)
+            flat = flats[u] = take(self.pool, self.layout.units[u].padded, dtype=like.dtype, device=like.device)
         return flat
 
     def _holes_zeroed(self, u: int) -> torch.Tensor | None:
         """Unit ``u``'s flat gradient with what no gradient was written to (padding, params without a gradient) zeroed."""
-        flat = self.flats[u]
+        flat = self._unit_flats()[u]
         if flat is None:
             return None
         unit, written = self.layout.units[u], self._written[u]
@@ -201,24 +222,140 @@ class ParamView(View):
             flats = [self._holes_zeroed(u) for u in range(len(self.layout.units))]
             self.flats = None
             return [f if f is not None else self._zeros(u) for u, f in zip(self.layout.units, flats)]
-        return self.layout.flatten_grads(grads)
+        return self.layout.flatten_grads(list(grads))
 
     def _zeros(self, unit: Any) -> torch.Tensor:  # a unit none of whose params got a gradient
         return torch.zeros(unit.padded, dtype=self.inputs[0].dtype, device=self.inputs[0].device)
+
+
+class ParamsPart(Protocol):
+    """Where a rank keeps the params between steps, and what ``loss_fn`` sees during one (``ParamsReplicated``,
+    ``fzero.zero.ParamsSharded``)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a rank holds only a shard of each unit (stage 3)."""
+        ...
+
+    def hold(self, flat: torch.Tensor, lo: int, hi: int, *, copy: bool) -> torch.Tensor:
+        """What a rank keeps of a packed unit at init (``copy``: the packed buffer is shared by another rank)."""
+        ...
+
+    def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """This rank's slice of every unit, as views (what a sharded optimizer updates)."""
+        ...
+
+    def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
+             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None) -> View:
+        """What the gradient of a micro-batch is taken over, and what ``loss_fn`` receives."""
+        ...
+
+    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+        """What ``loss_fn`` receives in an evaluation (no gradient)."""
+        ...
+
+    def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+                    pool: Pool | None = None) -> None:
+        """After a sharded optimizer updated this rank's slice: what the params need back (stages 1-2: every rank's
+        slices; stage 3: nothing)."""
+        ...
+
+
+class GradsPart(Protocol):
+    """How the gradient is synchronised (``GradsAllReduce``, ``fzero.zero.GradsReduceScatter``,
+    ``fzero.zero.GradsInBackward``)."""
+
+    @property
+    def units(self) -> tuple[str, ...] | None:
+        """The module units (stages 2-3), or None: units by size."""
+        ...
+
+    @property
+    def bucket_elements(self) -> int:
+        """Units reduced (and, at stage 3, gathered) together until a bucket holds this many elements."""
+        ...
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether each unit is reduced during the backward (stages 2-3)."""
+        ...
+
+    @property
+    def jit(self) -> bool:
+        """Whether each unit's forward runs through ``torch.compile`` (stages 2-3)."""
+        ...
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank ends with the whole gradient."""
+        ...
+
+    def unit_of(self, api: str) -> Callable[[str], str] | None:
+        """How params are grouped into units: None, by size."""
+        ...
+
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None) -> View:
+        """The view of whole params (stages 0-2) that the gradient is taken over."""
+        ...
+
+    def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype,
+             pool: Pool | None = None) -> torch.Tensor:
+        """A unit's gradient synchronised now (what this rank keeps of it)."""
+        ...
+
+
+class OptStatePart(Protocol):
+    """Where the optimizer state and masters live and what a rank updates (``OptStateReplicated``,
+    ``fzero.zero.OptStateSharded``, each with an ``OffloadPolicy``)."""
+
+    @property
+    def sharded(self) -> bool:
+        ...
+
+    @property
+    def offload(self) -> OffloadPolicy:
+        ...
+
+    def owned(self, params: ParamsPart, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        ...
+
+    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        ...
+
+    def init(self, optimizer: Any, params: ParamsPart, layout: Layout, flats: dict[str, torch.Tensor],
+             master: dict[str, torch.Tensor] | None, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        ...
+
+    def has_masters(self, opt_state: Any) -> bool:
+        ...
+
+    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        ...
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        ...
+
+    def apply(self, optimizer: Any, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor],
+              segments: Any) -> Any:
+        ...
+
+    def after_update(self, params: ParamsPart, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *,
+                     bucket_elements: int = 0, pool: Pool | None = None) -> None:
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamsReplicated:
     """Every rank holds every unit's whole flat buffer (stages 0-2)."""
 
-    sharded = False
+    sharded: ClassVar[bool] = False
 
     def hold(self, flat: torch.Tensor, lo: int, hi: int, *, copy: bool) -> torch.Tensor:
         """What a rank keeps of a packed unit at init (``copy``: the packed buffer is shared by another rank)."""
         return flat.clone() if copy else flat
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Pool | None = None,
-             masters: dict[str, torch.Tensor] | None = None) -> View:
+    def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
+             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None) -> View:
         """``masters`` (fp32 masters beside the params) is for stage 3, which gathers from them; whole params need none."""
         return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool)
 
@@ -239,7 +376,8 @@ class ParamsReplicated:
         hold that many elements (``GatherBucket``), each unit's buffer then filled from the bucket's. A bucket's
         buffer is memory beside the params, so one is in flight at a time: it is filled in before the next is
         issued (all of them at once would hold a second copy of the params)."""
-        pending, group = [], []
+        pending: list[Pending] = []
+        group: list[Any] = []
 
         def flush() -> None:
             if len(group) == 1:
@@ -269,10 +407,23 @@ class ParamsReplicated:
 class GradsAllReduce:
     """The whole gradient, summed over ranks by one all-reduce per unit after the backward (stage 0, as DDP)."""
 
-    units = None  # units by size (``unit_elements``), not by module
-    bucket_elements = 0  # each unit's collectives alone (``shard_grads(bucket_elements=...)`` sets it from stage 2)
-    in_backward = False
-    whole = True  # every rank ends with the whole gradient (the norm is taken over its slice of it)
+    in_backward: ClassVar[bool] = False
+    whole: ClassVar[bool] = True  # every rank ends with the whole gradient (the norm is taken over its slice of it)
+
+    @property
+    def units(self) -> tuple[str, ...] | None:
+        """Units by size (``unit_elements``), not by module: None (``fzero.zero.GradsInBackward`` names module units)."""
+        return None
+
+    @property
+    def bucket_elements(self) -> int:
+        """Each unit's collectives alone (``shard_grads(bucket_elements=...)`` sets it from stage 2)."""
+        return 0
+
+    @property
+    def jit(self) -> bool:
+        """Units' forwards run eagerly (``shard_grads(jit=True)`` compiles them, from stage 2)."""
+        return False
 
     def unit_of(self, api: str) -> Callable[[str], str] | None:
         """How params are grouped into units: None, by size (``unit_elements``)."""
@@ -297,47 +448,124 @@ class GradsAllReduce:
         return Pending(lambda: pending.wait().to(compute))
 
 
+class OffloadPolicy(Protocol):
+    """Where an optimizer state and its fp32 masters live, and where the optimizer runs on them: ``OnDevice``, or
+    ``fzero.CPUOffload`` / ``fzero.DiskOffload`` (``fzero.offload``). The ``opt_state`` part hands its policy the
+    four things that differ by place, and nothing branches on a place name."""
+
+    where: ClassVar[str]  # "device", "cpu" or "disk"
+
+    @property
+    def params(self) -> bool:
+        """Whether stage 3's param shards live there too."""
+        ...
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """A master copy of ``t`` where the state lives (always a new tensor)."""
+        ...
+
+    def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict[str, torch.Tensor] | None,
+             flats: dict[str, torch.Tensor], rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The optimizer state of what this rank owns, and the params' flats (moved, where the params go too)."""
+        ...
+
+    def apply(self, optimizer: Any, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor],
+              segments: Any) -> Any:
+        """One optimizer step on ``params`` (this rank's, in place), returning the new optimizer state."""
+        ...
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        """Called with each param shard when its use is over (a file-backed shard gives its pages back); None: nothing."""
+        ...
+
+    def has_masters(self, opt_state: Any) -> bool:
+        """Whether the state keeps fp32 master weights (a mixed-precision policy)."""
+        ...
+
+    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        """This rank's fp32 masters, by unit."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
-class OptStateReplicated:
-    """The optimizer state of every param on every rank; each rank updates all of it (stage 0)."""
+class OnDevice:
+    """No offload: the optimizer state and masters live on the params' device, and the optimizer runs there."""
 
-    sharded = False
-    offload = None
+    where: ClassVar[str] = "device"
 
-    def owned(self, params: Any, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-        """What this rank's optimizer updates, as views of ``flats`` (``params``: the step's params part)."""
-        return dict(flats)
+    @property
+    def params(self) -> bool:
+        return False
 
-    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        return master.clone()
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
-    def init(self, optimizer: Any, params: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int):
-        """The optimizer state at init; returns (opt_state, flats) (a part may move ``flats``, e.g. into files)."""
+    def init(self, optimizer: Any, owned: dict[str, torch.Tensor], master: dict[str, torch.Tensor] | None,
+             flats: dict[str, torch.Tensor], rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
         from fzero.step._update import MasterState
 
         if master is not None:
             return MasterState(master, optimizer.init(master)), flats
-        return optimizer.init(self.owned(params, layout, flats, rank)), flats
+        return optimizer.init(owned), flats
+
+    def apply(self, optimizer: Any, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor],
+              segments: Any) -> Any:
+        from fzero.step._update import apply_update
+
+        return apply_update(optimizer, grads, opt_state, params, segments)
+
+    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        return None
 
     def has_masters(self, opt_state: Any) -> bool:
-        """Whether the state keeps fp32 master weights (a mixed-precision policy)."""
         from fzero.step._update import MasterState
 
         return isinstance(opt_state, MasterState)
 
     def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
-        """This rank's fp32 masters, by unit."""
         return opt_state.master
+
+
+ON_DEVICE = OnDevice()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptStateReplicated:
+    """The optimizer state of every param on every rank; each rank updates all of it (stage 0). Where it lives is its
+    ``offload`` policy's to say (``OnDevice`` here; ``fzero.offload`` sets another on a sharded state)."""
+
+    offload: OffloadPolicy = ON_DEVICE
+    sharded: ClassVar[bool] = False
+
+    def owned(self, params: ParamsPart, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """What this rank's optimizer updates, as views of ``flats`` (``params``: the step's params part)."""
+        return dict(flats)
+
+    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The fp32 master of what this rank owns of a unit (elements ``lo:hi`` of its packed master)."""
+        return self.offload.hold(master if not self.sharded else master[lo:hi])
+
+    def init(self, optimizer: Any, params: ParamsPart, layout: Layout, flats: dict[str, torch.Tensor],
+             master: dict[str, torch.Tensor] | None, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The optimizer state at init; returns (opt_state, flats) (a policy may move ``flats``, e.g. into files)."""
+        return self.offload.init(optimizer, self.owned(params, layout, flats, rank), master, flats, rank)
+
+    def has_masters(self, opt_state: Any) -> bool:
+        """Whether the state keeps fp32 master weights (a mixed-precision policy)."""
+        return self.offload.has_masters(opt_state)
+
+    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        """This rank's fp32 masters, by unit."""
+        return self.offload.masters(opt_state, layout)
 
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
         """Called with each param shard when its use is over (a file-backed shard gives its pages back); None: nothing to do."""
-        return None
+        return self.offload.release(opt_state)
 
-    def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
-        from fzero.step._update import apply_update
+    def apply(self, optimizer: Any, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor],
+              segments: Any) -> Any:
+        return self.offload.apply(optimizer, grads, opt_state, params, segments)
 
-        return apply_update(optimizer, grads, opt_state, params, segments)
-
-    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+    def after_update(self, params: ParamsPart, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
                      pool: Pool | None = None) -> None:
         """Every rank updated every param: nothing to bring back."""

@@ -108,9 +108,9 @@ def free_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
         buffer.untyped_storage().resize_(0)
         return
     holder = torch.empty(0, dtype=buffer.dtype)
-    buffer.untyped_storage()._swap_data_ptr_(holder.untyped_storage())
-    holder.set_(holder.untyped_storage(), 0, (buffer.numel(),))
-    pool.give(holder)
+    buffer.untyped_storage()._swap_data_ptr_(holder.untyped_storage())  # type: ignore[attr-defined]  # torch >= 2.6, checked by can_move
+    holder.set_(holder.untyped_storage(), 0, (buffer.numel(),))  # type: ignore[call-overload]  # torch's stubs lack the storage form
+    pool.give(holder)  # type: ignore[union-attr]  # can_move holds only with a pool
 
 
 def alloc_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
@@ -118,14 +118,14 @@ def alloc_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
     if not can_move(pool, buffer):
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         return
-    move_into(buffer, pool.take(buffer.numel(), dtype=buffer.dtype, device=buffer.device, report=False))
+    move_into(buffer, pool.take(buffer.numel(), dtype=buffer.dtype, device=buffer.device, report=False))  # type: ignore[union-attr]  # as above
 
 
 def move_into(buffer: torch.Tensor, source: torch.Tensor) -> None:
     """``source``'s memory (and values) into ``buffer``'s empty storage, without a copy; ``source`` is left empty."""
     if buffer.untyped_storage().nbytes() or source.untyped_storage().nbytes() != buffer.numel() * buffer.element_size():
         raise RuntimeError("fzero internal error: a unit's memory can move only into its freed buffer, from one of its size.")
-    buffer.untyped_storage()._swap_data_ptr_(source.untyped_storage())
+    buffer.untyped_storage()._swap_data_ptr_(source.untyped_storage())  # type: ignore[attr-defined]  # see free_memory
 
 
 def take(pool: Pool | None, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

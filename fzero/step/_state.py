@@ -96,6 +96,14 @@ class RankStates:
 
 _tree.register_dataclass(RankStates, leaves=("states",))
 
+def meta_of(state: TrainState) -> StateMeta:
+    """``state.meta``: every state a step made or loaded has one; a ``TrainState`` built by hand may not."""
+    if state.meta is None:
+        raise ValueError("fzero: this TrainState has no meta (it was built by hand, not by Step.init or a step); make it "
+                         "with step.init(params).")
+    return state.meta
+
+
 def mark_donated(state: TrainState | RankStates) -> None:
     """A step has reused ``state``'s buffers (and, for a local mesh's states, each rank's)."""
     state.marks.donated = True
@@ -132,7 +140,7 @@ def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
     ``step.stage``, mesh size and compute dtype are assumed checked already (``Step._check_state``). Reusable by
     ``fzero.checkpoint.load`` for a loaded state: ``check_state_matches(step, rank_state, api="fzero.checkpoint.load")``.
     """
-    meta = state.meta
+    meta = meta_of(state)
     layout = meta.layout
     _check_units(step, state, api)
     opt = state.opt_state
@@ -156,8 +164,8 @@ def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
                 raise ValueError(f"{api}: the state {'keeps' if opt.master else 'has no'} fp32 master weights but this "
                                  f"step's precision {'keeps' if master else 'has no'} master weights. {STATE_FIX}")
             first = next(iter(owned.values()), None)
-            made = step.optimizer.init({"g": first}) if first is not None else None
-            expected = optree.tree_map_with_path(lambda p, x: None if p and p[-1] == "g" else x, made, none_is_leaf=True)
+            made: Any = step.optimizer.init({"g": first}) if first is not None else None
+            expected: Any = optree.tree_map_with_path(lambda p, x: None if p and p[-1] == "g" else x, made, none_is_leaf=True)
             actual, shapes = opt.small, False
         else:
             from fzero.step._update import MasterState
@@ -176,7 +184,8 @@ def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
 
 def _check_units(step: Any, state: TrainState, api: str) -> None:
     """The state's unit buffers are those of its layout, each of the size a rank of this step holds."""
-    layout = state.meta.layout
+    meta = meta_of(state)
+    layout = meta.layout
     names = [u.name for u in layout.units]
     params = state.params if isinstance(state.params, dict) else {}
     missing = [n for n in names if n not in params]
@@ -186,7 +195,7 @@ def _check_units(step: Any, state: TrainState, api: str) -> None:
                          f"{names[:5]} (missing: {missing[:3]}, unknown: {extra[:3]}): the state was assembled by hand "
                          f"or edited. {STATE_FIX}")
     for u in layout.units:
-        lo, hi = u.shard_range(state.meta.rank, layout.world_size)
+        lo, hi = u.shard_range(meta.rank, layout.world_size)
         want = hi - lo if step.params.sharded else u.padded
         got = params[u.name]
         if not isinstance(got, torch.Tensor) or got.dim() != 1 or got.numel() != want:

@@ -36,9 +36,10 @@ from fzero.step._batch import LossFnInContext, check_rows, dist_checks, gradient
 from fzero.step._context import compute_dtype, module_clones, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
-from fzero.step._parts import GradsAllReduce, OptStateReplicated, ParamsReplicated
+from fzero.step._parts import GradsAllReduce, GradsPart, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, ParamsReplicated
 from fzero.step._pool import Pool
-from fzero.step._state import RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified
+from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
+                               meta_of)
 from fzero.step._update import Precision, finish, policy
 
 
@@ -50,9 +51,9 @@ class Step:
     optimizer: Any  # fzero.optim.GradientTransformation
     mesh: Mesh | None = None
     # the three parts the ZeRO transforms replace (fzero.step._parts): the stage is what they add up to
-    params: Any = ParamsReplicated()  # where a rank keeps the params, what loss_fn sees
-    grads: Any = GradsAllReduce()  # how the gradient is synchronised
-    opt_state: Any = OptStateReplicated()  # where the optimizer state and masters live, what a rank updates
+    params: ParamsPart = ParamsReplicated()  # where a rank keeps the params, what loss_fn sees
+    grads: GradsPart = GradsAllReduce()  # how the gradient is synchronised
+    opt_state: OptStatePart = OptStateReplicated()  # where the optimizer state and masters live, what a rank updates
     unit_elements: int = DEFAULT_UNIT_ELEMENTS
     donate: bool = True
     # "autograd": plain torch.autograd (the default); "func": torch.func.grad, which differentiates with
@@ -83,8 +84,9 @@ class Step:
 
     @property
     def offload(self) -> Any:
-        """Where the optimizer state is offloaded: a ``CPUOffload`` or ``DiskOffload`` policy, or None."""
-        return self.opt_state.offload
+        """Where the optimizer state is offloaded: a ``CPUOffload`` or ``DiskOffload`` policy, or None (on the device)."""
+        policy = self.opt_state.offload
+        return None if isinstance(policy, OnDevice) else policy
 
     # -- init --------------------------------------------------------------------------------------
     def init(self, params: Any, *, buffers: dict[str, torch.Tensor] | None = None,
@@ -119,14 +121,16 @@ class Step:
         self._check_rows(batch)
         if not self.donate:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
-        if isinstance(self.mesh, LocalMesh):
+        if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
             batches = split_batch(batch, self.mesh.size)
             results = self.mesh.run(self._rank_step, [(s, b) for s, b in zip(state.states, batches)])
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
-        else:
+        elif isinstance(state, TrainState):
             comm = self.mesh.comm(api="fzero.Step.__call__") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             new_state, metrics = self._rank_step(comm, state, batch)
+        else:
+            raise TypeError(f"fzero.Step.__call__: expected the state of this step, got {type(state).__name__}.")
         mark_donated(state)
         mark_verified(new_state, self)
         return new_state, metrics
@@ -183,7 +187,7 @@ class Step:
         Under ``dist_mesh`` it is a collective: every rank calls it, each with its own batch.
         """
         self._check_state(state, api="fzero.Step.evaluate")
-        if isinstance(self.mesh, LocalMesh):
+        if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
             batches = split_batch(batch, self.mesh.size)
             return self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b),
                                  [(s, b) for s, b in zip(state.states, batches)])[0]
@@ -197,7 +201,7 @@ class Step:
         DeepSpeed consolidates offloaded weights; a full copy on the GPU may be what does not fit)."""
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
-        layout = rank_state.meta.layout
+        layout = meta_of(rank_state).layout
         has_master = self.opt_state.has_masters(rank_state.opt_state)  # with fp32 masters, they are the params to give
 
         def source(s: TrainState) -> dict[str, torch.Tensor]:
@@ -213,8 +217,9 @@ class Step:
         out = optree.tree_map(lambda t: t.detach().clone(), layout.unpack(flats))
         for s in state.states if isinstance(state, RankStates) else (state,):
             release = self.opt_state.release(s.opt_state)
-            for t in s.params.values() if release is not None else ():  # mapped param shards: pages back to the files
-                release(t)
+            if release is not None:  # mapped param shards: pages back to the files
+                for t in s.params.values():
+                    release(t)
         return out
 
     def state_dict(self, state: TrainState | RankStates, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -257,12 +262,12 @@ class Step:
                 f"state that step returned: `state, metrics = step(state, batch)`; build steps with donate=False to keep old states."
             )
         local = isinstance(self.mesh, LocalMesh)
-        expected = f"RankStates of {self.mesh.size} ranks (from this step's init)" if local else "TrainState (from this step's init)"
+        expected = f"RankStates of {self.world_size} ranks (from this step's init)" if local else "TrainState (from this step's init)"
         if local and not isinstance(state, RankStates) or not local and not isinstance(state, TrainState):
             raise TypeError(f"{api}: expected a {expected}, got {type(state).__name__}. {_REINIT_HINT}")
-        states = state.states if local else (state,)
-        if local and len(states) != self.mesh.size:
-            raise ValueError(f"{api}: state holds {len(states)} ranks but the step's local_mesh has {self.mesh.size}. {_REINIT_HINT}")
+        states = state.states if isinstance(state, RankStates) else (state,)
+        if local and len(states) != self.world_size:
+            raise ValueError(f"{api}: state holds {len(states)} ranks but the step's local_mesh has {self.world_size}. {_REINIT_HINT}")
         for s in states:
             meta = s.meta
             if meta is not None and meta.layout.units[0].dtype != self.precision.compute:
@@ -338,7 +343,7 @@ def train_step(
 _TRAIN_STEP_KEYWORDS = ("mesh", "precision", "grad_accum", "clip_grad_norm")
 
 
-_DETAILS = {"unit_elements": int, "micro_batch_size": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
+_DETAILS: dict[str, Any] = {"unit_elements": int, "micro_batch_size": int, "donate": bool, "autodiff": ("func", "autograd"), "on_nonfinite": ("error", "skip")}
 
 
 def check_details(details: dict[str, Any], *, api: str, keywords: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -379,9 +384,9 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
 
 def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tensor] | None:
     """This rank's fp32 masters where they live beside its params (no offload), for a stage-3 view to gather from."""
-    if step.opt_state.offload is not None or not step.opt_state.has_masters(state.opt_state):
+    if step.offload is not None or not step.opt_state.has_masters(state.opt_state):
         return None
-    return step.opt_state.masters(state.opt_state, state.meta.layout)
+    return step.opt_state.masters(state.opt_state, meta_of(state).layout)
 
 
 def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, release: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -391,16 +396,16 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     losses, aux = [], None
     low = None if prec.compute == torch.float32 else prec.compute
     buffers = broadcast_buffers(comm, state.buffers)
-    with compute_dtype(low), recording_usage(state.meta.layout) as usage:  # which params the gradients use (torch's grad=None)
+    with compute_dtype(low), recording_usage(meta_of(state).layout) as usage:  # which params the gradients use (torch's grad=None)
         micros = split_micro(batch, step.grad_accum)
         for k, micro in enumerate(micros):
             view.begin_micro(last=k == len(micros) - 1)
             grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
-                                                 into=getattr(view, "grad_into", None))
+                                                 into=view.grad_into)
             view.release()
             # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
             # (or nothing to do: the view accumulated them in place)
-            acc = grads if acc is None or getattr(view, "accumulates", False) else [a.add_(g) for a, g in zip(acc, grads)]
+            acc = grads if acc is None or view.accumulates else [a.add_(g) for a, g in zip(acc, grads)]
             del grads
             losses.append(loss)
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)

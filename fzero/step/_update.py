@@ -357,7 +357,7 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
     )
 
 
-def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
+def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
            usage: Usage | None = None, *, pool: Pool | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
     gradients used (``fzero.step._context``); None: all of them. ``pool``: where the gradients' buffers go when
@@ -430,7 +430,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[torch.Tensor], loss: to
         # per-parameter norms, and which params skip the update
         segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=comm.rank, comm=comm, active=active)
         opt_state = step.opt_state.apply(step.optimizer, grad_tree, opt_state, params, segments)
-        if zero:
+        if before is not None:
             moved = max((float((params[k].float() - b).abs().max()) for k, b in before.items() if b.numel()), default=0.0)
             used_any = bool((reduced[2:] > 0).any())
             warning = _zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved)

@@ -119,12 +119,13 @@ class DiskStore:
         first = (t.storage_offset() + start) * size // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants page-aligned starts
         length = (t.storage_offset() + stop) * size - first
         if length > 0:
-            mapping.madvise(option, first, length)
+            mapping.madvise(option, int(first), int(length))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor of any dtype (numpy has no bfloat16, so through uint8)."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+    array: Any = t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+    return memoryview(array).cast("B")
 
 
 # -- masters before the store exists ---------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def init_disk(optimizer: Any, policy: Any, owned: dict[str, torch.Tensor], maste
 
 
 def _fill(store: DiskStore, optimizer: Any, policy: Any, owned: dict[str, torch.Tensor], masters: dict | None, rank: int) -> DiskOptState:
-    small = None
+    small: Any = None
     for i, (name, t) in enumerate(owned.items()):
         source = masters[name] if masters is not None else t
         state = optimizer.init({"g": source})

@@ -54,7 +54,7 @@ def sweep(root: str) -> list[str]:
     """Remove the leftovers of dead runs in ``root`` (see the module docstring); returns what was removed."""
     from fzero.mesh import process_alive
 
-    removed = []
+    removed: list[str] = []
     try:
         names = sorted(os.listdir(root))
     except OSError:

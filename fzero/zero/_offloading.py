@@ -7,6 +7,7 @@ It sets ``OptStateSharded.offload`` to a policy, ``CPUOffload`` or ``DiskOffload
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fzero._rules import check_disk_donate
 from fzero.step import Step, as_step
@@ -30,10 +31,11 @@ def offload(step: Step, where: "str | CPUOffload | DiskOffload", *, params: bool
             "fzero.offload: needs fzero.shard_optimizer inside it (each rank offloads its shard of the optimizer state), "
             "but the step is stage 0. Write fzero.offload(fzero.shard_optimizer(step, mesh), 'cpu'), or compile(stages>=1, offload=...)."
         )
-    if step.opt_state.offload is not None:
-        raise ValueError(f"fzero.offload: the step already offloads to {step.opt_state.offload.where!r}; apply offload once.")
+    if step.offload is not None:
+        raise ValueError(f"fzero.offload: the step already offloads to {step.offload.where!r}; apply offload once.")
     policy = make_policy(where, params=params, dir=dir, sub_group_size=sub_group_size, api="fzero.offload")
     if policy.params and not step.params.sharded:
         raise ValueError(f"fzero.offload: params=True offloads param shards, which exist at stage 3 only; the step is {step.stage_name}.")
     check_disk_donate(policy.where, step.donate, api="fzero.offload")
-    return dataclasses.replace(step, opt_state=dataclasses.replace(step.opt_state, offload=policy))
+    opt_state: Any = step.opt_state  # a frozen dataclass (OptStateSharded), typed by its Protocol
+    return dataclasses.replace(step, opt_state=dataclasses.replace(opt_state, offload=policy))

@@ -70,5 +70,5 @@ def pinned_empty(numel: int, dtype: torch.dtype, *,
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     owner = _Mapping(nbytes, register)
     view = (ctypes.c_uint8 * owner.size).from_address(owner.address)
-    view.owner = owner  # the tensor keeps ``view`` alive, and ``view`` the mapping
+    view.owner = owner  # type: ignore[attr-defined]  # the tensor keeps ``view`` alive, and ``view`` the mapping
     return torch.frombuffer(view, dtype=torch.uint8)[:nbytes].view(dtype)

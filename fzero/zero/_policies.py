@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Callable, ClassVar, Union
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -146,11 +146,11 @@ class CPUOffload:
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
         return None
 
-    def has_masters(self, opt_state: Any) -> bool | None:
-        return None  # the generic answer holds: masters are a MasterState on the host
+    def has_masters(self, opt_state: Any) -> bool:
+        return opt_state_has_masters(opt_state)  # masters are a MasterState on the host
 
-    def masters(self, opt_state: Any, layout: Any) -> dict[str, torch.Tensor] | None:
-        return None  # the generic MasterState answer holds
+    def masters(self, opt_state: Any, layout: Any) -> dict[str, torch.Tensor]:
+        return opt_state.master
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,11 +205,12 @@ class DiskOffload:
     def has_masters(self, opt_state: DiskOptState) -> bool:
         return opt_state.master  # the fp32 masters are files of the store, or there are none
 
-    def masters(self, opt_state: DiskOptState, layout: Any) -> dict[str, torch.Tensor] | None:
-        return gather_master(opt_state, [u.name for u in layout.units]) if opt_state.master else None
+    def masters(self, opt_state: DiskOptState, layout: Any) -> dict[str, torch.Tensor]:
+        if not opt_state.master:
+            raise ValueError("fzero.DiskOffload: this state keeps no fp32 masters (its params are in fp32, and are the masters).")
+        return gather_master(opt_state, [u.name for u in layout.units])
 
 
-OffloadPolicy = Union[CPUOffload, DiskOffload]
 POLICIES = (CPUOffload, DiskOffload)
 
 
@@ -219,7 +220,7 @@ def opt_state_has_masters(opt_state: Any) -> bool:
     return isinstance(opt_state, MasterState)
 
 
-def make_policy(where: Any, *, params: bool = False, dir: Any = None, sub_group_size: Any = DEFAULT_SUB_GROUP, api: str) -> OffloadPolicy:
+def make_policy(where: Any, *, params: bool = False, dir: Any = None, sub_group_size: Any = DEFAULT_SUB_GROUP, api: str) -> CPUOffload | DiskOffload:
     """The policy for ``where``: a policy object as it is, or "cpu" / "disk" / "nvme" with the keyword settings."""
     if isinstance(where, POLICIES):
         given = {k: v for k, v in (("params", params), ("offload_dir", dir), ("sub_group_size", sub_group_size))

@@ -236,7 +236,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                 f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
                 f"in the root unit (units=... without {unit.name!r})."
             )
-        sub.__class__ = _skin(type(sub))  # sub is the skeleton's own clone: the user's module keeps its class
+        sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
         sub.__dict__["_fz"] = (unit, params)
     return skel
 
@@ -302,7 +302,7 @@ def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> 
     ``__call__`` run as in eager PyTorch, and ``torch.compile`` (``jit``, made on the first call) sees the class it
     would see there."""
     skin = type(module)
-    module.__class__ = skin._fz_class
+    module.__class__ = getattr(skin, "_fz_class")  # set by _skin
     try:
         return runner()(*args, **kwargs)
     finally:

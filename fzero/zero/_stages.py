@@ -21,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, Layout, by_container_child, by_prefixes
 from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatter, pooled_reduce_scatter
-from fzero.step import GradsAllReduce, OptStateReplicated, Pool, Step, View, as_step
-from fzero.zero._policies import OffloadPolicy
+from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, View, as_step
 from fzero.zero._sharded import ReplicatedParams, ShardedParams
 from fzero.zero._unit import Schedule
 
@@ -50,38 +49,12 @@ class GradsReduceScatter(GradsAllReduce):
 class OptStateSharded(OptStateReplicated):
     """This rank's shard of the optimizer state and masters, on the device, the host or in files (``offload``)."""
 
-    offload: OffloadPolicy | None = None
-    sharded = True
+    sharded: ClassVar[bool] = True
 
-    def owned(self, params: Any, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    def owned(self, params: ParamsPart, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return params.local(layout, flats, rank)
 
-    # Where the state lives is the offload policy's to say (``fzero.zero._policies``); without one, on the device.
-    def hold_master(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        return master[lo:hi].clone() if self.offload is None else self.offload.hold(master[lo:hi])
-
-    def init(self, optimizer: Any, params: Any, layout: Layout, flats: dict[str, torch.Tensor], master: dict | None, rank: int):
-        if self.offload is None:
-            return super().init(optimizer, params, layout, flats, master, rank)
-        return self.offload.init(optimizer, self.owned(params, layout, flats, rank), master, flats, rank)
-
-    def has_masters(self, opt_state: Any) -> bool:
-        held = None if self.offload is None else self.offload.has_masters(opt_state)
-        return super().has_masters(opt_state) if held is None else held
-
-    def masters(self, opt_state: Any, layout: Layout) -> dict[str, torch.Tensor]:
-        held = None if self.offload is None else self.offload.masters(opt_state, layout)
-        return super().masters(opt_state, layout) if held is None else held
-
-    def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
-        return None if self.offload is None else self.offload.release(opt_state)
-
-    def apply(self, optimizer: Any, grads: dict, opt_state: Any, params: dict, segments: Any) -> Any:
-        if self.offload is None:
-            return super().apply(optimizer, grads, opt_state, params, segments)
-        return self.offload.apply(optimizer, grads, opt_state, params, segments)
-
-    def after_update(self, params: Any, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
+    def after_update(self, params: ParamsPart, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
                      pool: Pool | None = None) -> None:
         params.gather_back(comm, flats, layout, bucket_elements=bucket_elements, pool=pool)
 
@@ -408,7 +381,7 @@ class ParamsSharded:
     def local(self, layout: Layout, flats: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return dict(flats)  # the shards themselves
 
-    def view(self, grads: Any, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None,
+    def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None,
              masters: dict[str, torch.Tensor] | None = None) -> View:
         """``masters``: this rank's fp32 masters where they live beside the shards (no offload): the step then gathers
         from them and frees the compute-dtype shards while it runs (``CastFromMasters``)."""
@@ -423,14 +396,14 @@ class ParamsSharded:
                 casts.restore()
             raise
 
-    def _view(self, grads: Any, comm: Any, state: Any, reduce_dtype: torch.dtype | None, release: Any, pool: Any,
+    def _view(self, grads: GradsPart, comm: Any, state: Any, reduce_dtype: torch.dtype | None, release: Any, pool: Any,
               casts: CastFromMasters | None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
                             pool=pool, bucket_elements=grads.bucket_elements,
                             cast=functools.partial(casts.cast, comm=comm) if casts is not None else None)
-        view = _GatheredView(
+        view: _GatheredView = _GatheredView(
             [flats[n] for n in names],
             lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
                                      jit=grads.jit, sink=view if view.active else None, pool=pool),

@@ -102,6 +102,8 @@ class UnitCall:
     def alloc(self) -> torch.Tensor:
         """The buffer with its memory back (contents undefined until a gather fills it)."""
         full = self.full
+        if full is None:
+            raise RuntimeError("fzero internal error: a unit call's buffer was refilled before it was gathered.")
         if not full.untyped_storage().nbytes():
             alloc_memory(self.schedule.pool, full)
             _events.resized(full)
@@ -278,15 +280,17 @@ class Schedule:
         if call in calls:
             calls.remove(call)
         full = call.full
+        if full is None:
+            raise RuntimeError(f"fzero internal error: unit {name!r} is refilled for its backward but was never gathered.")
         if self.following and ahead is not None and ahead[1] is None and ahead[2] is call and not call.unalloc():
             pass  # kept since its forward (see ``_issue``)
         elif self.following and ahead is not None and ahead[0] == name and ahead[2] in (call, None):
             with _same_version(full), torch.no_grad():
                 got = ahead[1].wait()
                 if ahead[2] is None and call.unalloc() and can_move(self.pool, got):  # gathered ahead: its memory
-                    move_into(call.full, got)  # becomes the freed buffer's, no copy
+                    move_into(full, got)  # becomes the freed buffer's, no copy
                     _events.resized(got)
-                    _events.resized(call.full)
+                    _events.resized(full)
                 elif ahead[2] is None:  # gathered ahead while the forward still used this buffer: copy it in
                     call.alloc().copy_(got)
             del got, ahead  # the pending gather holds its buffer: drop it before the next one is issued
@@ -353,7 +357,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
-    if not torch.is_grad_enabled():  # no graph: nothing will read the buffer again
+    if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()
         return out
