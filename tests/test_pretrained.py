@@ -300,3 +300,56 @@ def test_a_new_head_on_a_pretrained_body_is_initialized_as_from_pretrained_does(
         fzero.checkpoint.pretrained(tmp_path, model=meta, missing="zeros")
     made = fzero.checkpoint.pretrained(tmp_path, model=meta, missing=lambda path, m: torch.zeros(m.shape))
     assert torch.equal(made("score.weight", meta.score.weight), torch.zeros(48, 64))
+
+
+# -- checkpoints that transformers converts while loading (mixture-of-experts layouts) -----------------------------
+
+
+def _mixtral(intermediate=48):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, max_position_embeddings=32))
+
+
+def _qwen2_moe():
+    from zoo import qwen2_moe
+
+    return qwen2_moe()
+
+
+CONVERTED = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERTED))
+def test_a_checkpoint_transformers_converts_on_load_streams_as_from_pretrained(name, tmp_path):
+    """save_pretrained writes these models' experts one module per expert, which the models hold fused: the reader
+    converts them with the model's own transformers conversion (one layer's experts at a time, as its unit is packed),
+    and the training equals the one started from from_pretrained, bitwise, at stage 3 on two ranks."""
+    build = CONVERTED[name]
+    torch.manual_seed(7)
+    build().save_pretrained(tmp_path)
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    with fzero.empty_params():
+        meta = build()
+    assert set(fzero.params_of(meta, copy=False)) - stored  # the model names params the file does not hold as such
+    ref = type(meta).from_pretrained(tmp_path).train()
+    expected_init, expected = _train(ref, 3, 2)
+    got_init, got = _train(meta, 3, 2, materialize=fzero.checkpoint.pretrained(tmp_path, model=meta))
+    assert_trees_equal(got_init, expected_init)
+    assert_trees_equal(got, expected)
+
+
+def test_a_converted_checkpoint_of_another_configuration_is_named_before_anything_is_read(tmp_path):
+    """The converted params' shapes are checked from the headers (the conversion run on meta tensors): a checkpoint whose
+    experts are 48 wide into a model whose experts are 40 wide names the fused param and both shapes."""
+    torch.manual_seed(7)
+    _mixtral(intermediate=48).save_pretrained(tmp_path)
+    with fzero.empty_params():
+        meta = _mixtral(intermediate=40)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts.gate_up_proj' \(made from 8 stored tensors such as "
+                                         r"'model.layers.0.block_sparse_moe.experts.0.w1.weight', converted as transformers "
+                                         r"converts them\) has shape \(4, 96, 32\) in the checkpoint .* but \(4, 80, 32\)"):
+        fzero.checkpoint.pretrained(tmp_path, model=meta)

@@ -32,6 +32,15 @@ model's own initializer, as ``from_pretrained`` runs it) or a ``missing=`` funct
 A stored dtype other than the param's (bf16 files, an fp32 model) is cast to the param's dtype, as
 ``from_pretrained`` casts to the model's; ``Pretrained.casts`` lists each key cast. Persistent buffers the
 checkpoint holds are given to ``step.init`` as the state's buffers (``init_buffers``).
+
+Checkpoints in another layout than the model's, as transformers 5 converts them while loading (``_Conversions``):
+``save_pretrained`` writes a mixture-of-experts model's experts one module per expert
+(``block_sparse_moe.experts.3.w1.weight``) where the model holds them fused (``mlp.experts.gate_up_proj``), and
+older checkpoints carry renamed keys (``LayerNorm.gamma``). The model's own conversion mapping
+(``transformers.conversion_mapping.get_model_conversion_mapping``) is applied with transformers' own renaming and
+conversion operations: a renamed key is read under its stored name, and a converted param is made, when its unit
+is packed, from the stored tensors that make it (one layer's experts), converted as ``from_pretrained`` converts
+them. Shapes are checked from the headers, through the same conversion run on meta tensors.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ class Pretrained:
     device: torch.device
     initialized: tuple[str, ...] = ()  # params the checkpoint lacks, made by ``missing`` (see ``pretrained``)
     missing: Any = None
+    conversions: Any = None  # ``_Conversions``: keys that transformers renames or converts at load time
 
     def __call__(self, path: str, meta: torch.Tensor) -> torch.Tensor:
         if path in self.initialized:
@@ -101,11 +111,18 @@ class Pretrained:
         return {name: self._read(self.keys[name], self.casts.get(self.keys[name], (None, None))[1]) for name in self.buffer_names}
 
     def _read(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
-        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
-            stored = f.get_tensor(key)
+        if self.conversions is not None and key in self.conversions.produced:
+            stored = self.conversions.produce(key, self._stored)
+        else:
+            stored = self._stored(self.conversions.stored_key(key) if self.conversions is not None else key)
         # a copy made by torch (counted by fzero.memory.LiveBytes), in the param's dtype; safetensors' own read
         # (one tensor) is let go here
         return stored.to(device=self.device, dtype=dtype or stored.dtype, copy=True)
+
+    def _stored(self, key: str) -> torch.Tensor:
+        """The tensor stored under checkpoint key ``key``."""
+        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
 
 
 def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu", missing: Any = None) -> Pretrained:
@@ -127,8 +144,10 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
     _check_model(model)
     directory = os.fspath(path)
     files = _files(directory)
-    shapes = _headers(directory, files)
+    stored = _headers(directory, files)
     groups, buffers = _model_names(model)
+    conversions = _Conversions.of(model, stored, {n for g in groups for n in g} | set(buffers))
+    shapes = conversions.virtual(stored) if conversions is not None else stored  # the checkpoint as the model names it
     ckpt_to_model = _prefix_map(model, shapes, {n for g in groups for n in g} | set(buffers))
     have = {ckpt_to_model[k]: k for k in shapes}
     keys: dict[str, str] = {}
@@ -164,19 +183,115 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
         )
     tensors = dict(model.state_dict(keep_vars=True))
     casts = {}
+    unsized = {k for k, (_, shape, _) in conversions.produced.items() if shape is None} if conversions is not None else set()
     for name, key in keys.items():
         shape, dtype = shapes[key]
         t = tensors[name]
+        if key in unsized:  # converted by an operation that needs values: step.init checks the shape it makes
+            continue
         if tuple(t.shape) != shape:
+            made = "" if conversions is None or key not in conversions.produced else (
+                f" (made from {len(conversions.sources[conversions.produced[key][0]])} stored tensors such as "
+                f"{conversions.sources[conversions.produced[key][0]][0][0]!r}, converted as transformers converts them)")
             raise ValueError(
-                f"{API}: {key!r} has shape {shape} in the checkpoint in {directory!r} but {tuple(t.shape)} in "
+                f"{API}: {key!r}{made} has shape {shape} in the checkpoint in {directory!r} but {tuple(t.shape)} in "
                 f"{type(model).__name__} ({name!r}): the checkpoint was saved from another configuration. Build the model "
                 f"from the checkpoint's config (AutoConfig.from_pretrained(dir))."
             )
         if dtype != t.dtype:
             casts[key] = (dtype, t.dtype)
     return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
-                      casts=casts, device=torch.device(device), initialized=initialized, missing=make)
+                      casts=casts, device=torch.device(device), initialized=initialized, missing=make, conversions=conversions)
+
+
+class _Conversions:
+    """The checkpoint keys that transformers renames or converts while loading ``model`` (see the module docstring),
+    done with transformers' own mapping and operations. ``renamed``: model-side key -> stored key; ``produced``:
+    model-side key -> (group, shape, dtype), made by converting the stored tensors of its group."""
+
+    def __init__(self, model: nn.Module, converters: dict[str, Any], sources: dict[str, list[tuple[str, str]]],
+                 renamed: dict[str, str], consumed: set[str]) -> None:
+        self.model = model
+        self.converters = converters  # group (its first target key) -> the converter (a template, copied per use)
+        self.sources = sources  # group -> [(stored key, source pattern)], in transformers' order
+        self.renamed = renamed
+        self.consumed = consumed  # stored keys that are renamed or converted (not read under their own name)
+        self.produced: dict[str, tuple[str, tuple[int, ...] | None, torch.dtype | None]] = {}
+        self._made: dict[str, torch.Tensor] = {}  # produced tensors of a group not asked for yet (siblings: q of qkv)
+
+    @classmethod
+    def of(cls, model: nn.Module, stored: dict[str, Any], known: set[str]) -> "_Conversions | None":
+        try:
+            from transformers import PreTrainedModel
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+        except ImportError:  # no transformers, or one without load-time conversions (before 5): keys are as stored
+            return None
+        if not isinstance(model, PreTrainedModel):
+            return None
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        prefix = (getattr(model, "base_model_prefix", "") or "") + "."
+
+        def knows(key: str) -> bool:
+            return key in known or prefix + key in known or (key.startswith(prefix) and key[len(prefix):] in known)
+
+        renamed, sources, templates, consumed = {}, {}, {}, set()
+        for key in sorted(stored, key=dot_natural_key):
+            if knows(key):
+                continue  # stored as the model names it
+            target, pattern = rename_source_key(key, renamings, converters)
+            if target == key or not knows(target):
+                continue  # not the model's (an unexpected key, named as such)
+            consumed.add(key)
+            if pattern is None:
+                renamed[target] = key
+            else:
+                templates.setdefault(target, by_pattern[pattern])
+                sources.setdefault(target, []).append((key, pattern))
+        if not consumed:
+            return None
+        out = cls(model, templates, sources, renamed, consumed)
+        for group in sources:  # the converted tensors' names and shapes, from the headers: the conversion on meta tensors
+            try:
+                made = out._convert(group, lambda k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta"))
+            except Exception as e:  # noqa: BLE001 - an operation that needs values: shapes are checked when it runs
+                out.produced[group] = (group, None, None)
+                del e
+                continue
+            for name, t in made.items():
+                out.produced[name] = (group, tuple(t.shape), t.dtype)
+        return out
+
+    def virtual(self, stored: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's keys, shapes and dtypes as the model names them: renamed keys under their new name,
+        converted ones replaced by what they make."""
+        out = {k: v for k, v in stored.items() if k not in self.consumed}
+        out.update({k: stored[s] for k, s in self.renamed.items()})
+        out.update({k: (shape if shape is not None else (), dtype) for k, (_, shape, dtype) in self.produced.items()})
+        return out
+
+    def stored_key(self, key: str) -> str:
+        return self.renamed.get(key, key)
+
+    def produce(self, key: str, read: Any) -> torch.Tensor:
+        """The converted tensor ``key``: converted with its group's stored tensors (each read by ``read``) on the
+        first ask; a group's other outputs wait until they are asked for."""
+        if key not in self._made:
+            self._made.update(self._convert(self.produced[key][0], read))
+        if key not in self._made:
+            raise ValueError(f"{API}: converting the checkpoint's tensors for {key!r} (as transformers converts them "
+                             f"while loading) made {sorted(self._made)[:5]}, not {key!r}.")
+        return self._made.pop(key)
+
+    def _convert(self, group: str, read: Any) -> dict[str, torch.Tensor]:
+        converter = copy.deepcopy(self.converters[group])
+        for key, pattern in self.sources[group]:
+            converter.add_tensor(group, key, pattern, read(key))
+        made = converter.convert(group, model=self.model, config=getattr(self.model, "config", None))
+        return {k: v for k, v in made.items()}
 
 
 def _initializer(model: nn.Module, missing: Any) -> Any:
