@@ -105,3 +105,26 @@ def test_a_gpt_with_layer_drop_trains_as_plain_pytorch_and_stage_3_runs_only_the
         for name in (name for name in start if name.startswith(f"blocks.{i}.")):
             for j in range(k):
                 assert torch.equal(runs[(3, False)][j][name], start[name]), (name, j)
+
+
+@pytest.mark.torchrun
+def test_under_torchrun_the_ranks_agree_on_the_dropped_blocks_and_train_as_the_local_mesh(tmp_path, one_thread):
+    """Two processes at stage 3 draw which blocks run from (seed, step) alone, with no collective for it: had they
+    drawn apart, their gathers would pair different units (a RanksDisagree on the thread mesh; a hang or a wrong
+    exchange under torchrun). The params after each step equal those of local_mesh(2) bit for bit."""
+    import os
+
+    from launch import torchrun
+
+    out = tmp_path / "pld.pt"
+    torchrun([os.path.join(os.path.dirname(__file__), "layerdrop_worker.py"), "--out", str(out)])
+    got = torch.load(out, weights_only=True)
+    pld = ProgressiveLayerDrop(theta=0.3, gamma=1.0, seed=1)
+    prob, loss_fn, box = _problem(pld)
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD), stages=3,
+                         mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(prob.model))
+    for k, b in enumerate(prob.batches):
+        box["k"] = k
+        state, _ = step(state, b)
+        assert_trees_equal(got[k], step.gather(state))
