@@ -106,3 +106,53 @@ def test_what_cannot_map_is_named(tmp_path):
         from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "fp8", "deepspeed_config": {"zero_stage": 1}})
     with pytest.raises(FileNotFoundError, match=r"no Accelerate config file at"):
         from_accelerate(str(tmp_path / "missing.yaml"))
+
+
+LAUNCHED = """compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  gradient_accumulation_steps: 2
+  gradient_clipping: 1.0
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+distributed_type: DEEPSPEED
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
+@pytest.mark.torchrun
+def test_accelerate_launch_runs_an_fzero_script_with_the_same_config(tmp_path, one_thread):
+    """``accelerate launch --config_file`` of an Accelerate DeepSpeed config (ZeRO-2, 2 processes, accumulation 2,
+    clipping 1.0) starts an fzero script as torchrun would: two ranks under fzero.dist_mesh(), which read their
+    settings from the same file, and whose params equal the same step on local_mesh(2), bit for bit."""
+    import subprocess
+    import sys
+
+    import torch
+
+    pytest.importorskip("accelerate", reason="accelerate is a test dependency: pip install -e '.[test]'")
+    from problems import B1, B2, EPS, LR, WD, gpt_problem
+
+    from fzero.testing import assert_trees_equal
+
+    cfg = _write(tmp_path, LAUNCHED)
+    out = tmp_path / "run.pt"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", cfg, os.path.join(here, "accelerate_worker.py"),
+           "--config", cfg, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    assert (got["world"], got["stage"], got["grad_accum"], got["clip"]) == (2, 2, 2, 1.0)
+    prob = gpt_problem(steps=3)
+    step = fzero.compile(prob.loss_fn, config=from_accelerate(cfg), mesh=fzero.local_mesh(2),
+                         optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD))
+    state = step.init(fzero.params_of(prob.model))
+    for k, b in enumerate(prob.batches):
+        state, _ = step(state, b)
+        assert_trees_equal(got["history"][k], step.gather(state))
