@@ -101,8 +101,8 @@ def test_jit_leaves_errors_of_the_model_itself_alone():
 def test_compile_takes_jit_at_stages_2_3_and_refuses_it_below():
     model, loss_fn, batches = _problem()
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, jit=True)
-    assert step.grads.jit and step.stage == 3
-    assert not fzero.compile(loss_fn, stages=2).grads.jit
+    assert step.unit_settings.jit and step.stage == 3
+    assert not fzero.compile(loss_fn, stages=2).unit_settings.jit
     with pytest.raises(ValueError, match=r"fzero.compile: jit only applies at stages=2 or 3 .*compile the model yourself"):
         fzero.compile(loss_fn, stages=1, jit=True)
     with pytest.raises(TypeError, match=r"unknown setting 'jti'. Did you mean 'jit'\?"):

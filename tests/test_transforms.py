@@ -67,7 +67,7 @@ def test_each_transform_replaces_its_parts():
     assert (s0.params, s0.grads, s0.opt_state, s0.stage) == (ParamsReplicated(), GradsAllReduce(), OptStateReplicated(), 0)
     assert (s1.params, s1.grads, s1.opt_state, s1.stage) == (ParamsReplicated(), GradsReduceScatter(), OptStateSharded(), 1)
     assert (s2.params, s2.grads, s2.opt_state, s2.stage) == (ParamsReplicated(), GradsInBackward(), OptStateSharded(), 2)
-    assert (s3.params, s3.grads, s3.stage) == (ParamsSharded(remat=True), GradsInBackward(), 3)
+    assert (s3.params, s3.grads, s3.stage, s3.unit_settings.remat) == (ParamsSharded(), GradsInBackward(), 3, True)
     assert s3o.opt_state.offload.where == "cpu" and s3o.offload is s3o.opt_state.offload and s3.offload is None
 
 

@@ -14,7 +14,7 @@ from fzero.step._context import (
     Snapshots,
 )
 from fzero.step._module import apply, buffers_of, params_of
-from fzero.step._parts import GradsAllReduce, GradsPart, OffloadPolicy, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, View
+from fzero.step._parts import GradsAllReduce, GradsPart, OffloadPolicy, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, UnitSettings, View
 from fzero.step._pool import (
     alloc_memory,
     can_move,

@@ -228,6 +228,22 @@ class ParamView(View):
         return torch.zeros(unit.padded, dtype=self.inputs[0].dtype, device=self.inputs[0].device)
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitSettings:
+    """How a step runs its units: settings of the step (``Step.unit_settings``), set by the transforms that make units
+    modules (``shard_grads``, ``shard_params``) and handed to the parts that run them.
+
+    ``jit``: each unit's forward through ``torch.compile`` (stages 2-3). ``bucket_elements``: units reduced together
+    (and, at stage 3, gathered; at stage 2, gathered back after the update) until a bucket holds this many elements;
+    0: each unit alone. ``prefetch``: stage 3 gathers the next unit while one runs. ``remat``: stage 3 recomputes
+    each unit's forward in backward, gathering it again."""
+
+    jit: bool = False
+    bucket_elements: int = 0
+    prefetch: bool = True
+    remat: bool = False
+
+
 class ParamsPart(Protocol):
     """Where a rank keeps the params between steps, and what ``loss_fn`` sees during one (``ParamsReplicated``,
     ``fzero.zero.ParamsSharded``)."""
@@ -246,11 +262,12 @@ class ParamsPart(Protocol):
         ...
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
-             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None) -> View:
+             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
+             settings: UnitSettings = UnitSettings()) -> View:
         """What the gradient of a micro-batch is taken over, and what ``loss_fn`` receives."""
         ...
 
-    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+    def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         """What ``loss_fn`` receives in an evaluation (no gradient)."""
         ...
 
@@ -271,18 +288,8 @@ class GradsPart(Protocol):
         ...
 
     @property
-    def bucket_elements(self) -> int:
-        """Units reduced (and, at stage 3, gathered) together until a bucket holds this many elements."""
-        ...
-
-    @property
     def in_backward(self) -> bool:
         """Whether each unit is reduced during the backward (stages 2-3)."""
-        ...
-
-    @property
-    def jit(self) -> bool:
-        """Whether each unit's forward runs through ``torch.compile`` (stages 2-3)."""
         ...
 
     @property
@@ -294,7 +301,8 @@ class GradsPart(Protocol):
         """How params are grouped into units: None, by size."""
         ...
 
-    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None) -> View:
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None,
+                        settings: UnitSettings = UnitSettings()) -> View:
         """The view of whole params (stages 0-2) that the gradient is taken over."""
         ...
 
@@ -355,11 +363,12 @@ class ParamsReplicated:
         return flat.clone() if copy else flat
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
-             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None) -> View:
+             pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
+             settings: UnitSettings = UnitSettings()) -> View:
         """``masters`` (fp32 masters beside the params) is for stage 3, which gathers from them; whole params need none."""
-        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool)
+        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool, settings=settings)
 
-    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+    def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
         return View([], lambda xs: layout.unpack(state.params))
 
@@ -415,21 +424,12 @@ class GradsAllReduce:
         """Units by size (``unit_elements``), not by module: None (``fzero.zero.GradsInBackward`` names module units)."""
         return None
 
-    @property
-    def bucket_elements(self) -> int:
-        """Each unit's collectives alone (``shard_grads(bucket_elements=...)`` sets it from stage 2)."""
-        return 0
-
-    @property
-    def jit(self) -> bool:
-        """Units' forwards run eagerly (``shard_grads(jit=True)`` compiles them, from stage 2)."""
-        return False
-
     def unit_of(self, api: str) -> Callable[[str], str] | None:
         """How params are grouped into units: None, by size (``unit_elements``)."""
         return None
 
-    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None) -> View:
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None,
+                        settings: UnitSettings = UnitSettings()) -> View:
         """The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
         flattened into unit buffers, one unit at a time, for the collectives; under plain autograd each unit's
         reduction starts as soon as backward has completed it (``ParamView``), as DDP's buckets do."""

@@ -36,7 +36,8 @@ from fzero.step._batch import LossFnInContext, check_rows, dist_checks, gradient
 from fzero.step._context import compute_dtype, module_clones, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
-from fzero.step._parts import GradsAllReduce, GradsPart, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, ParamsReplicated
+from fzero.step._parts import (GradsAllReduce, GradsPart, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, ParamsReplicated,
+                               UnitSettings)
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
                                meta_of)
@@ -55,6 +56,8 @@ class Step:
     grads: GradsPart = GradsAllReduce()  # how the gradient is synchronised
     opt_state: OptStatePart = OptStateReplicated()  # where the optimizer state and masters live, what a rank updates
     unit_elements: int = DEFAULT_UNIT_ELEMENTS
+    # how units run (jit, buckets, prefetch, remat): the step's, set by shard_grads and shard_params
+    unit_settings: UnitSettings = UnitSettings()
     donate: bool = True
     # "autograd": plain torch.autograd (the default); "func": torch.func.grad, which differentiates with
     # create_graph=True and so keeps the backward's intermediate gradients until it returns (measured on a 38M GPT:
@@ -374,7 +377,7 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     # under torch.func the backward's buffers are the transform's: a pool lends only to plain autograd's
     pool = step.pool if step.autodiff == "autograd" else None
     view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool,
-                            masters=_masters_beside_params(step, state))
+                            masters=_masters_beside_params(step, state), settings=step.unit_settings)
     try:
         new_state, metrics = _step(step, comm, state, batch, view, release)
     finally:  # after the update (whose gradients are gone by now), or on an error: the params whole again
@@ -423,7 +426,7 @@ def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[st
     prec = step.precision
     low = None if prec.compute == torch.float32 else prec.compute
     release = step.opt_state.release(state.opt_state)
-    view = step.params.eval_view(comm, state, release=release)
+    view = step.params.eval_view(comm, state, release=release, settings=step.unit_settings)
     # the state's buffers as the step would broadcast them; what the forward writes is dropped
     bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low)
     with torch.no_grad(), compute_dtype(low), step_buffers(bank):

@@ -436,7 +436,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
             warning = _zero_gradient_message(step_no, float(reduced[0]) / n, used_any=used_any, moved=moved)
             del before
         del grad_tree, params
-        step.opt_state.after_update(step.params, comm, flats, layout, bucket_elements=step.grads.bucket_elements, pool=pool)
+        step.opt_state.after_update(step.params, comm, flats, layout, bucket_elements=step.unit_settings.bucket_elements, pool=pool)
     del slices
     for g, mine in zip(owned_grads, returned):  # the update is done with them: the pool's serve the next step (a bucket's, once)
         if mine:

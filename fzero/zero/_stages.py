@@ -27,7 +27,7 @@ import torch
 
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, Layout, by_container_child, by_prefixes
 from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatter, pooled_reduce_scatter
-from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, View, as_step
+from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step
 from fzero.zero._sharded import ReplicatedParams, ShardedParams
 from fzero.zero._unit import Schedule
 
@@ -82,20 +82,19 @@ class GradsInBackward(GradsReduceScatter):
     ``units``: module paths; None: each child of a ``ModuleList``/``Sequential``."""
 
     units: tuple[str, ...] | None = None
-    jit: bool = False  # each unit's forward through torch.compile (fzero.zero._jit)
-    bucket_elements: int = 0  # units reduced together until a bucket holds this many elements (0: each alone)
     in_backward = True
 
     def unit_of(self, api: str) -> Callable[[str], str] | None:
         return by_container_child if self.units is None else by_prefixes(self.units, api=api)
 
-    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Any = None) -> View:
+    def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Any = None,
+                        settings: UnitSettings = UnitSettings()) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                 jit=self.jit, sink=view if view.active else None, pool=pool), names,
-                             comm=comm, pool=pool, bucket_elements=self.bucket_elements)
+                                                                 jit=settings.jit, sink=view if view.active else None, pool=pool), names,
+                             comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
         return view
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
@@ -246,8 +245,8 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool =
     if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 0:
         raise ValueError(f"fzero.shard_grads: bucket_elements must be an int >= 0 (elements per bucket of units reduced "
                          f"together; 0: each unit alone), got {bucket_elements!r}.")
-    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads"), jit=jit,
-                                                           bucket_elements=bucket_elements))
+    return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads")),
+                               unit_settings=dataclasses.replace(step.unit_settings, jit=jit, bucket_elements=bucket_elements))
 
 
 class CastFromMasters:
@@ -368,12 +367,10 @@ class _GatheredView(ShardGradView):
 
 @dataclasses.dataclass(frozen=True)
 class ParamsSharded:
-    """Each rank holds a shard of each unit; a unit is whole only while it runs (stage 3).
-    ``prefetch``: gather the next unit while the current one computes; ``remat``: recompute each unit in backward."""
+    """Each rank holds a shard of each unit; a unit is whole only while it runs (stage 3). How its units run (prefetch,
+    remat, jit, buckets) is the step's ``unit_settings``."""
 
-    prefetch: bool = True
-    remat: bool = False
-    sharded = True
+    sharded: ClassVar[bool] = True
 
     def hold(self, flat: torch.Tensor, lo: int, hi: int, *, copy: bool) -> torch.Tensor:
         return flat[lo:hi].clone()
@@ -382,7 +379,7 @@ class ParamsSharded:
         return dict(flats)  # the shards themselves
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None,
-             masters: dict[str, torch.Tensor] | None = None) -> View:
+             masters: dict[str, torch.Tensor] | None = None, settings: UnitSettings = UnitSettings()) -> View:
         """``masters``: this rank's fp32 masters where they live beside the shards (no offload): the step then gathers
         from them and frees the compute-dtype shards while it runs (``CastFromMasters``)."""
         casts = None
@@ -390,30 +387,30 @@ class ParamsSharded:
             casts = CastFromMasters(state.params, masters)
             casts.free()
         try:
-            return self._view(grads, comm, state, reduce_dtype, release, pool, casts)
+            return self._view(grads, comm, state, reduce_dtype, release, pool, casts, settings)
         except BaseException:
             if casts is not None:  # the state stays whole when the step cannot start
                 casts.restore()
             raise
 
     def _view(self, grads: GradsPart, comm: Any, state: Any, reduce_dtype: torch.dtype | None, release: Any, pool: Any,
-              casts: CastFromMasters | None) -> View:
+              casts: CastFromMasters | None, settings: UnitSettings) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
-        schedule = Schedule(comm, layout, flats, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device,
-                            pool=pool, bucket_elements=grads.bucket_elements,
+        schedule = Schedule(comm, layout, flats, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
+                            pool=pool, bucket_elements=settings.bucket_elements,
                             cast=functools.partial(casts.cast, comm=comm) if casts is not None else None)
         view: _GatheredView = _GatheredView(
             [flats[n] for n in names],
-            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=self.remat, reduce_dtype=reduce_dtype,
-                                     jit=grads.jit, sink=view if view.active else None, pool=pool),
-            schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=grads.bucket_elements,
+            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
+                                     jit=settings.jit, sink=view if view.active else None, pool=pool),
+            schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=settings.bucket_elements,
         )
         return view
 
-    def eval_view(self, comm: Any, state: Any, *, release: Any) -> View:
+    def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
-        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, self.prefetch, release=release, device=state.meta.device)
+        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device)
         return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
 
     def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
@@ -447,4 +444,5 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
         raise TypeError(f"fzero.shard_params: prefetch must be True or False, got {prefetch!r}.")
     if not isinstance(remat, bool):
         raise TypeError(f"fzero.shard_params: remat must be True or False, got {remat!r}.")
-    return dataclasses.replace(step, grads=grads, params=ParamsSharded(prefetch=prefetch, remat=remat))
+    return dataclasses.replace(step, grads=grads, params=ParamsSharded(),
+                               unit_settings=dataclasses.replace(step.unit_settings, prefetch=prefetch, remat=remat))
