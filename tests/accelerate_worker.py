@@ -9,12 +9,10 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fzero  # noqa: E402
-from problems import B1, B2, EPS, LR, WD, gpt_problem  # noqa: E402
+from problems import B1, B2, EPS, LR, WD, gpt_problem, save_and_finish  # noqa: E402
 
 
 def main() -> None:
@@ -32,11 +30,8 @@ def main() -> None:
     for b in prob.batches:
         state, _ = step(state, {k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()})
         history.append(step.gather(state))
-    if mesh.rank == 0:
-        torch.save({"history": history, "stage": step.stage, "grad_accum": step.grad_accum, "clip": step.clip_grad_norm,
-                    "world": mesh.size}, args.out)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    save_and_finish(mesh, {"history": history, "stage": step.stage, "grad_accum": step.grad_accum,
+                           "clip": step.clip_grad_norm, "world": mesh.size}, args.out)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fzero  # noqa: E402
 import deepspeed_fixtures as F  # noqa: E402
+from problems import save_and_finish  # noqa: E402
 
 
 def main() -> None:
@@ -28,11 +27,7 @@ def main() -> None:
     state = fzero.checkpoint.from_deepspeed(os.path.join(os.path.dirname(__file__), "data", "deepspeed", args.case), like=step)
     for batch in F.batches(mesh.size, mesh.rank)[3:]:
         state, _ = step(state, batch)
-    params = step.gather(state)
-    if mesh.rank == 0:
-        torch.save(params, args.out)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    save_and_finish(mesh, step.gather(state), args.out)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fzero  # noqa: E402
 from fzero.models import ProgressiveLayerDrop, gpt_loss  # noqa: E402
-from problems import B1, B2, EPS, LR, WD, gpt_problem  # noqa: E402
+from problems import B1, B2, EPS, LR, WD, gpt_problem, save_and_finish  # noqa: E402
 
 
 def main() -> None:
@@ -36,10 +34,7 @@ def main() -> None:
         box["k"] = k
         state, _ = step(state, {key: v.chunk(mesh.size)[mesh.rank] for key, v in b.items()})
         history.append(step.gather(state))
-    if mesh.rank == 0:
-        torch.save(history, args.out)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    save_and_finish(mesh, history, args.out)
 
 
 if __name__ == "__main__":

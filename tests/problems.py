@@ -27,6 +27,15 @@ class Problem:
     batches: list[dict[str, torch.Tensor]]
 
 
+def save_and_finish(mesh, obj: Any, path: str) -> None:
+    """The end of a torchrun worker: rank 0 saves ``obj`` to ``path``, then every rank tears down together (a rank
+    that destroys its gloo group while another is still in, or just past, the last collective can abort in C++)."""
+    if mesh.rank == 0:
+        torch.save(obj, path)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def mlp_problem(*, steps: int = 5, sizes=(16, 32, 32, 4), batch: int = GLOBAL_BATCH) -> Problem:
     torch.manual_seed(0)
     model = MLP(list(sizes))

@@ -273,19 +273,18 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
                                                  for k, v in buffers.items()]}) for s in states]
     _check_names(ds, states[0], folder)
     step = ds.adam_step()
+    first = entries(states[0], api=API)
+    kinds = _kinds(first, folder)  # every rank state holds the same entries
+    scale = _loss_scale(ds, states[0])
+    info.update({"loss_scale": list(scale) or None, "opt": [{"key": k} for k in first.tensors if k.startswith("opt/")],
+                 "buffers": [{"name": k} for k in buffers]})
     for state in states:
-        e = entries(state, api=API)
-        kinds = _kinds(e, folder)
-        scale = _loss_scale(ds, state)
-        info.update({"loss_scale": list(scale) if scale else None,
-                     "opt": [{"key": k} for k in e.tensors if k.startswith("opt/")],
-                     "buffers": [{"name": k} for k in buffers]})
         current: tuple[str, str, torch.Tensor] | None = None
-        for d in dests(state, e, info):
-            prefix, _, name = d.fqn.partition("/") if not d.fqn.startswith("opt/") else (d.fqn.rsplit("/", 1)[0], "", d.fqn.rsplit("/", 1)[1])
+        for d in dests(state, entries(state, api=API), info):
+            prefix, _, name = d.fqn.rpartition("/")  # "<entry>/<param>" (an entry may hold a "/": "opt/0.mu")
             if prefix in kinds or prefix in ("master", "params"):
                 kind = kinds.get(prefix, "fp32")
-                if current is None or current[:2] != (kind, name):
+                if current is None or current[:2] != (kind, name):  # one param's pieces are asked for together
                     current = (kind, name, ds.full(kind, name))
                 data = current[2][d.offset[0]: d.offset[0] + d.shape[0]]
             else:

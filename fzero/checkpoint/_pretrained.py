@@ -257,9 +257,8 @@ class _Conversions:
         for group in sources:  # the converted tensors' names and shapes, from the headers: the conversion on meta tensors
             try:
                 made = out._convert(group, lambda k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta"))
-            except Exception as e:  # noqa: BLE001 - an operation that needs values: shapes are checked when it runs
+            except Exception:  # noqa: BLE001 - an operation that needs values: shapes are checked when it runs
                 out.produced[group] = (group, None, None)
-                del e
                 continue
             for name, t in made.items():
                 out.produced[name] = (group, tuple(t.shape), t.dtype)

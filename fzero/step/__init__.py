@@ -14,7 +14,8 @@ from fzero.step._context import (
     Snapshots,
 )
 from fzero.step._module import apply, buffers_of, params_of
-from fzero.step._parts import GradsAllReduce, GradsPart, OffloadPolicy, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, UnitSettings, View
+from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, View
+from fzero.step._protocols import GradsPart, OffloadPolicy, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import (
     alloc_memory,
     can_move,

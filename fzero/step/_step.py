@@ -36,8 +36,8 @@ from fzero.step._batch import LossFnInContext, check_rows, dist_checks, gradient
 from fzero.step._context import compute_dtype, module_clones, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
-from fzero.step._parts import (GradsAllReduce, GradsPart, OnDevice, OptStatePart, OptStateReplicated, ParamsPart, ParamsReplicated,
-                               UnitSettings)
+from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
+from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
                                meta_of)
