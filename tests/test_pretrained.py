@@ -89,9 +89,10 @@ def test_a_sharded_checkpoint_streams_as_the_whole_file(saved, name):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [1, 3])
 def test_streamed_init_under_torchrun_trains_as_two_simulated_ranks(saved, stages, tmp_path, one_thread):
-    """Two processes under dist_mesh, each with the model on meta: rank 0 reads the checkpoint and the other rank
-    receives its share (Step.init's broadcast); the params after init and after training equal those of the same
-    run on local_mesh(2), bitwise (fp32, one thread per rank)."""
+    """Two processes under dist_mesh, each with the model on meta and a reader: each rank reads the part of every
+    unit it keeps from the files itself (its shard at stage 3, the whole params at stage 1) and nothing of the
+    model crosses between ranks; the params after init and after training equal those of the same run on
+    local_mesh(2), bitwise (fp32, one thread per rank)."""
     from launch import torchrun
 
     whole, _ = saved["llama"]
@@ -103,6 +104,13 @@ def test_streamed_init_under_torchrun_trains_as_two_simulated_ranks(saved, stage
     expected_init, expected = _train(meta, stages, 2, materialize=fzero.checkpoint.pretrained(whole, model=meta))
     assert_trees_equal(got["first"], expected_init)
     assert_trees_equal(got["last"], expected)
+    params = sum(t.numel() for t in meta.parameters())
+    for rank in got["ranks"]:
+        assert rank["moved"] < 100, rank  # the init's collectives: a count and the agreement, no values
+        if stages == 3:  # its shard alone (the padding of each unit's shards is not read)
+            assert rank["read"] <= rank["kept"] < params * 0.51, rank
+        else:  # the whole params, kept by every rank
+            assert rank["read"] == params, rank
 
 
 def test_init_holds_the_state_and_about_one_unit_never_the_model_twice(tmp_path):

@@ -10,7 +10,10 @@ Why: ``from_pretrained`` builds the whole model on one process before a ZeRO ste
 what ``deepspeed.zero.Init`` exists to avoid. ``step.init`` packs one unit at a time and calls ``materialize``
 for each of its meta params, so a reader that opens the file holding that one tensor (``safe_open`` maps the
 file; ``get_tensor`` reads only that tensor's bytes) keeps a rank's memory at its state plus about one unit.
-Under ``fzero.dist_mesh()`` rank 0 reads and broadcasts each unit (``step.init``'s rule for made params).
+Under ``fzero.dist_mesh()`` with a reader on every rank, each rank reads only the part of a unit it keeps (its
+shard at stage 3: ``read_range`` reads the rows holding it), in parallel and with nothing sent between ranks; a
+unit with a param made by ``missing=`` (random values) is made on rank 0 and broadcast, as ``step.init`` does for
+made params.
 
 Everything that can be wrong is found when ``pretrained`` is called, from the files' headers alone, before a
 byte of weights is read; each is an error naming the key:
@@ -104,6 +107,34 @@ class Pretrained:
                 f"have as a parameter. Pass that model's params: step.init(fzero.params_of(model, copy=False), ...)."
             )
         return self._read(key, meta.dtype)
+
+    def reads(self, path: str) -> bool:
+        """Whether params[``path``] is read from the files (the same values on every rank), not made by ``missing``:
+        under ``dist_mesh`` each rank then reads the part it keeps itself (``read_range``)."""
+        return path in self.keys and path not in self.initialized and path not in self.buffer_names
+
+    def read_range(self, path: str, meta: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of params[``path``] flattened, in the param's dtype, reading only the rows of the
+        stored tensor that hold them (safetensors' ``get_slice``): a rank's shard of a unit costs about its share
+        of the file, not the file. A converted param (fused experts) is made whole first, as its conversion needs."""
+        if not self.reads(path):
+            return self(path, meta).reshape(-1)[start:stop].clone()
+        key = self.keys[path]
+        if self.conversions is not None and key in self.conversions.produced:
+            return self._read(key, meta.dtype).reshape(-1)[start:stop].clone()
+        key = self.conversions.stored_key(key) if self.conversions is not None else key
+        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
+            stored = f.get_slice(key)
+            shape = tuple(stored.get_shape())
+            row = 1
+            for d in shape[1:]:
+                row *= d
+            if not shape or row == 0:
+                part = f.get_tensor(key).reshape(-1)[start:stop]
+            else:  # the rows that hold start:stop, then the elements within them
+                first, last = start // row, -(-stop // row)
+                part = stored[first:last].reshape(-1)[start - first * row : stop - first * row]
+        return part.to(device=self.device, dtype=meta.dtype, copy=True)
 
     def init_buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers the checkpoint holds, for the state (``step.init`` takes them when not given

@@ -119,6 +119,27 @@ class Layout:
                 flat[slot.offset : slot.offset + slot.numel].copy_(leaf.detach().reshape(-1))
         return flat
 
+    def pack_range(self, unit: Unit, pieces: dict[int, torch.Tensor], start: int, stop: int, *,
+                   dtype: torch.dtype | None = None, device: torch.device) -> torch.Tensor:
+        """Elements ``start:stop`` of ``unit``'s padded flat buffer, from ``pieces``: slot index -> the elements of
+        that param that fall in the range (``slot_range``), flattened. What a rank packs when it reads its own
+        part of a unit (``Step.init`` from a checkpoint under ``dist_mesh``) rather than the whole of it."""
+        out = torch.zeros(stop - start, dtype=dtype or unit.dtype, device=device)
+        for i, piece in pieces.items():
+            slot = unit.slots[i]
+            lo, _ = self.slot_range(unit, i, start, stop)
+            at = slot.offset + lo - start
+            out[at : at + piece.numel()].copy_(piece)
+        return out
+
+    @staticmethod
+    def slot_range(unit: Unit, i: int, start: int, stop: int) -> tuple[int, int]:
+        """Which elements ``lo:hi`` of slot ``i``'s flattened param lie in ``start:stop`` of the unit's buffer
+        (``lo == hi``: none)."""
+        slot = unit.slots[i]
+        lo = min(max(start - slot.offset, 0), slot.numel)
+        return lo, max(lo, min(stop - slot.offset, slot.numel))
+
     def leaf_indices(self, unit: Unit) -> tuple[int, ...]:
         """The pytree leaf index of each of ``unit``'s slots."""
         first = 0

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, program_fields
-from fzero.layout import pytrees as _tree, DEVICE_TYPES, Layout, Slot, build_layout, device_of, LayoutSegments, check_units_exist
+from fzero.layout import pytrees as _tree, DEVICE_TYPES, Layout, Slot, Unit, build_layout, device_of, LayoutSegments, check_units_exist
 from fzero.optim import use_segments
 from fzero.step._update import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
@@ -60,22 +60,36 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
             "params; only ranks other than 0 under fzero.dist_mesh() may pass meta params alone (rank 0's values "
             "are broadcast to them, as FSDP's sync_module_states)."
         )
+    comm = step.mesh.comm(api="fzero.Step.init") if dist else None
+    reader = _reader_on_every_rank(materialize, comm, step.mesh) if comm is not None else None
+    if reader is not None:  # every rank reads its own part of the checkpoint: none receives
+        receives = False
     make = None if receives else materialize
     if device is None and receives:
         device = step.mesh.device
-    comm = step.mesh.comm(api="fzero.Step.init") if dist else None
     agreed = comm is None
+    if comm is not None and reader is not None:  # its values are made where the reader makes them, on every rank alike
+        device = device or reader.device
+        comm.agree(program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum, device_type=device.type,
+                                  collectives=getattr(comm, "collectives", None)), api=API, fix=AGREE_FIX)
+        agreed = True
     flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
     for unit in layout.units:
+        indices = layout.leaf_indices(unit)
+        if reader is not None and all(leaves[j].is_meta and reader.reads(s.path) for j, s in zip(indices, unit.slots)):
+            device = _read_own_part(step, layout, unit, leaves, reader, ranks[0], device, flats, masters)
+            if donated is not None:
+                donated.packed(indices)
+            continue
         values = leaves
-        if make is not None:  # this unit's meta leaves made once, for both packings below
+        if make is not None and (reader is None or ranks[0] == 0):  # this unit's meta leaves made once, for both packings below
             values = list(leaves)
-            for j, slot in zip(layout.leaf_indices(unit), unit.slots):
+            for j, slot in zip(indices, unit.slots):
                 if values[j].is_meta:
                     values[j] = _materialized(make, slot, values[j], device)
             if device is None:  # the first made value decides, and the others must follow it
-                device = next(values[j].device for j in layout.leaf_indices(unit))
+                device = next(values[j].device for j in indices)
         if comm is not None and not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
             # a rank that makes its params learns their device from the first unit it made
             if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
@@ -102,7 +116,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
                 masters[r][unit.name] = step.opt_state.hold_master(master, lo, hi)
         del flat, master, values
         if donated is not None:
-            donated.packed(layout.leaf_indices(unit))
+            donated.packed(indices)
     device = device or torch.device("cpu")  # no unit at all had a value: nothing was packed
     states = [dataclasses.replace(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r, device),
                                   buffers={k: v.clone() for k, v in buffers.items()}) for r in ranks]
@@ -119,6 +133,54 @@ def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master
         params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
         loss_scale=init_loss_scale(step.precision.loss_scale), meta=meta,
     )
+
+
+def _reader_on_every_rank(materialize: Any, comm: Any, mesh: Any) -> Any:
+    """``materialize`` where every rank of the ``dist_mesh`` was given a checkpoint reader (an object with
+    ``reads(path)``, ``read_range(path, meta, start, stop)`` and ``device``: ``fzero.checkpoint.pretrained``), else None.
+
+    Why: a reader gives every rank the same values, so each rank can read the part of a unit it keeps (its
+    shard at stage 3) from the files itself, in parallel, instead of rank 0 reading every unit whole and
+    broadcasting it: no rank reads or receives the model, and nothing of it crosses the network. Where any rank
+    has no reader (ranks other than 0 may pass meta params alone), all ranks keep rank 0's broadcast."""
+    has = all(callable(getattr(materialize, name, None)) for name in ("reads", "read_range")) and hasattr(materialize, "device")
+    home = torch.device("cpu") if "gloo" in mesh.backend else mesh.device  # gloo where it serves
+    count = torch.tensor([1 if has else 0], dtype=torch.int64, device=home)
+    comm.all_reduce(count, tag="init")
+    return materialize if int(count[0]) == comm.size else None
+
+
+def _read_own_part(step: Any, layout: Layout, unit: Unit, leaves: list, reader: Any, rank: int, device: torch.device | None,
+                   flats: dict, masters: dict | None) -> torch.device:
+    """Pack what ``rank`` keeps of ``unit`` (its shard at stage 3, the whole unit where its params or masters are
+    whole) from its own reads of the checkpoint; returns the device the values were made on."""
+    lo, hi = unit.shard_range(rank, layout.world_size)
+    whole = not step.params.sharded or masters is not None and not step.opt_state.sharded
+    start, stop = (0, unit.padded) if whole else (lo, hi)
+    pieces = {}
+    for i, (j, slot) in enumerate(zip(layout.leaf_indices(unit), unit.slots)):
+        a, b = layout.slot_range(unit, i, start, stop)
+        if a < b:
+            pieces[i] = _ranged(reader, slot, leaves[j], a, b, device)
+            device = device or pieces[i].device
+    device = device or torch.device(reader.device)
+    flat = layout.pack_range(unit, pieces, start, stop, device=device)  # in the compute dtype
+    flats[rank][unit.name] = step.params.hold(flat, lo - start, hi - start, copy=False)
+    if masters is not None:  # from the values as read, before any cast to the compute dtype
+        master = layout.pack_range(unit, pieces, start, stop, dtype=torch.float32, device=device)
+        masters[rank][unit.name] = step.opt_state.hold_master(master, lo - start, hi - start)
+    return device
+
+
+def _ranged(reader: Any, slot: Slot, meta: torch.Tensor, a: int, b: int, device: torch.device | None) -> torch.Tensor:
+    """``reader.read_range(path, meta, a, b)``: elements ``a:b`` of the flattened param, checked."""
+    value = reader.read_range(slot.path, meta, a, b)
+    if (not isinstance(value, torch.Tensor) or value.shape != (b - a,) or value.is_meta
+            or device is not None and value.device != device):
+        got = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)} on {value.device}"
+        raise ValueError(f"{API}: materialize.read_range({slot.path!r}, ..., {a}, {b}) returned {got}; it must return "
+                         f"elements {a}:{b} of the flattened parameter, shape ({b - a},)" + (f" on {device}." if device else "."))
+    return value
 
 
 class _Donated:
