@@ -168,7 +168,7 @@ class _RngState:
     """The CPU RNG state this thread draws from, and that of each CUDA device among the inputs, replayed by
     the recompute.
 
-    Both are read and replayed through ``fzero.mesh._rng``: in a rank thread of a ``local_mesh`` that is
+    Both are read and replayed through ``fzero.mesh.rng`` (``fzero/mesh/_rank.py``): in a rank thread of a ``local_mesh`` that is
     the rank's own stream (as in a torchrun process), never the global generator the rank threads share,
     so the recompute draws the mask this rank's forward drew, and no other rank's draws move it.
     """

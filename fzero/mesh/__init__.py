@@ -1,4 +1,4 @@
-"""Meshes, collectives and per-rank randomness."""
+"""Meshes, collectives, and each rank's context with its randomness."""
 
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.mesh._comm import AllGather, bucketed_reduce_scatter, GatherBucket, ReplicatedShardGrad, Comm, CommWrapper, events, Function, MeshTimeout, Pending, pooled_reduce_scatter, profiled, RanksDisagree, Rendezvous, ThreadComm
@@ -16,5 +16,6 @@ from fzero.mesh._mesh import (
     program_fields,
     wrap_comm,
 )
-from fzero.mesh import _rng as rng
+from fzero.mesh._rank import current_context, RankContext, with_context
+from fzero.mesh import _rank as rng  # the per-rank RNG streams, as a namespace
 from fzero.mesh import _hooks as hooks

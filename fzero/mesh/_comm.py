@@ -88,6 +88,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from fzero.mesh._rank import current_context, with_context
+
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -131,36 +133,31 @@ class Function(torch.autograd.Function):
             func.__signature__ = _Signature(inspect.signature(func))
 
 
-_local = threading.local()  # observers per thread: the ranks of a local mesh are threads
 
 
 @contextlib.contextmanager
 def watching(observer: Any) -> Iterator[Any]:
     """Send this thread's buffer events to ``observer`` (which has ``on_gathered`` and ``on_resized``) inside the block."""
-    observers = getattr(_local, "observers", ())
-    _local.observers = (*observers, observer)
-    try:
+    with with_context(observers=(*current_context().observers, observer)):
         yield observer
-    finally:
-        _local.observers = observers
 
 
 def gathered(buffer: torch.Tensor) -> torch.Tensor:
     """Report a freshly allocated buffer that a unit is gathered into; returns it."""
-    for observer in getattr(_local, "observers", ()):
+    for observer in current_context().observers:
         observer.on_gathered(buffer)
     return buffer
 
 
 def lent(buffer: torch.Tensor) -> None:
     """Report a buffer a pool lends again: in use from now on, as a new allocation would be."""
-    for observer in getattr(_local, "observers", ()):
+    for observer in current_context().observers:
         getattr(observer, "on_lent", _ignore)(buffer)
 
 
 def returned(buffer: torch.Tensor) -> None:
     """Report a buffer given back to a pool: no longer in use, as if freed."""
-    for observer in getattr(_local, "observers", ()):
+    for observer in current_context().observers:
         getattr(observer, "on_returned", _ignore)(buffer)
 
 
@@ -170,7 +167,7 @@ def _ignore(buffer: torch.Tensor) -> None:
 
 def resized(buffer: torch.Tensor) -> None:
     """Report that a gathered buffer's storage was freed (``resize_(0)``) or given its memory back."""
-    for observer in getattr(_local, "observers", ()):
+    for observer in current_context().observers:
         observer.on_resized(buffer)
 
 

@@ -3,7 +3,7 @@
 - ``local_mesh(n)``: n ranks simulated in this process, one thread per rank. For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
-  stream, a copy of the process's generator at the start of the call (``fzero.mesh._rng``), and every
+  stream, a copy of the process's generator at the start of the call (``fzero.mesh._rank``), and every
   collective is matched across ranks (``fzero.mesh._thread_comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
@@ -27,7 +27,7 @@ import torch
 
 from fzero.mesh._comm import Counter, MeshTimeout, RanksDisagree
 from fzero.mesh._thread_comm import Rendezvous, ThreadComm
-from fzero.mesh._rng import own_stream, rank_streams
+from fzero.mesh._rank import own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -46,7 +46,7 @@ class LocalMesh:
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global
         CPU generator; afterwards the global generator holds rank 0's final state, as if this process
-        were rank 0 of a torchrun job (``fzero.mesh._rng``). A single rank runs in the caller's thread on the
+        were rank 0 of a torchrun job (``fzero.mesh._rank``). A single rank runs in the caller's thread on the
         global generator itself, as plain PyTorch does.
 
         If a rank raises, the others are released from the barrier and the first real error is re-raised

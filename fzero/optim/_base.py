@@ -21,7 +21,7 @@ shard of it. So the optimizer asks the current ``Segments`` for two things and n
 
 The default, ``WholeLeaves``, treats every leaf as one parameter with no communication: right for an
 optimizer applied to a params pytree directly. fzero's train step installs a layout-aware ``Segments``
-around the optimizer call with ``use_segments`` (thread-local: a local mesh runs its ranks as threads).
+around the optimizer call with ``use_segments`` (a field of the rank's context, ``fzero.mesh.RankContext``: a local mesh runs its ranks as threads).
 
 A ``Segments`` may also say which parameters take this step (optional methods; without them every
 parameter does). torch.optim skips a parameter whose ``grad`` is None: no decay, no moment update, and its
@@ -58,11 +58,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import optree
 import torch
+
+from fzero.mesh import current_context, with_context
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -114,12 +115,11 @@ class WholeLeaves:
 
 
 _WHOLE_LEAVES = WholeLeaves()
-_local = threading.local()
 
 
 def current_segments() -> Segments:
     """The ``Segments`` installed in this thread by ``use_segments``, else ``WholeLeaves()``."""
-    return getattr(_local, "segments", None) or _WHOLE_LEAVES
+    return current_context().segments or _WHOLE_LEAVES
 
 
 @contextlib.contextmanager
@@ -130,12 +130,8 @@ def use_segments(segments: Segments) -> Iterator[Segments]:
             f"fzero.optim.use_segments: segments must have sumsq(tree) and expand(per_segment, like) methods "
             f"(the fzero.optim.Segments protocol), got {type(segments).__name__}. Pass e.g. fzero.optim.WholeLeaves()."
         )
-    previous = getattr(_local, "segments", None)
-    _local.segments = segments
-    try:
+    with with_context(segments=segments):
         yield segments
-    finally:
-        _local.segments = previous
 
 
 # -- the optional per-parameter methods, with WholeLeaves' answers where a Segments lacks them ---------------------

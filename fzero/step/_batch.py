@@ -16,13 +16,13 @@ the buffers its forward left (see ``fzero.step._module``).
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any, Callable
 
 import optree
 import torch
 from torch import nn
 
+from fzero.mesh import current_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, lift_for
 from fzero.step._context import step_buffers, step_scope
@@ -144,7 +144,7 @@ class LossFnInContext:
         loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             check_own_params(loss, modules)
-        comm = getattr(_rank, "comm", None)
+        comm = current_context().comm
         if comm is not None:  # every rank reaches this at its first step's first forward, so the calls pair up
             agree_structure(comm, modules)
         return out
@@ -156,22 +156,6 @@ class LossFnInContext:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
             raise type(e)(loss_fn_failure(e, batch, split=self.split)) from e
-
-
-_rank = threading.local()  # the comm of this process's step under dist_mesh, for agree_structure
-
-
-class dist_checks:
-    """Within ``Step.__call__`` under ``dist_mesh``: the comm that the first forward agrees on the model's structure with."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-
-    def __enter__(self) -> None:
-        self.outer, _rank.comm = getattr(_rank, "comm", None), self.comm
-
-    def __exit__(self, *exc: Any) -> None:
-        _rank.comm = self.outer
 
 
 def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:

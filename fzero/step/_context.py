@@ -1,4 +1,4 @@
-"""Per-thread context of a step.
+"""What a step's rank context (``fzero._rank``) means for ``fzero.apply``: module clones, compute dtype, buffers, usage.
 
 ``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward, and a
 forward may write into its module (Hugging Face installs its output-capturing hooks lazily, from inside the
@@ -43,30 +43,19 @@ plain autograd. For the 6-layer benchmark GPT that is 1-3 ms of a 0.4 s step, be
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from fzero.mesh import current_context, with_context
 from fzero.mesh import Function
 from fzero.layout import Layout, Unit, clone_structure, split_sizes
 
 
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def module_clones() -> Iterator[None]:
-    """For the length of one step call on this thread (one rank): ``fzero.apply`` runs clones of the modules it
-    is given, one per module, made on first use."""
-    with _set("clones", {}):
-        yield
-
-
 def module_for_thread(module: nn.Module) -> nn.Module:
     """Within a step, this step's (and this rank's) clone of ``module``, sharing all its tensors; else ``module``."""
-    clones = getattr(_local, "clones", None)
+    clones = current_context().clones
     if clones is None:
         return module
     clone = clones.get(id(module))
@@ -76,34 +65,23 @@ def module_for_thread(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _set(name: str, value: Any) -> Iterator[None]:
-    """This thread's ``name`` is ``value`` for the length of the block, then what it was."""
-    outer = getattr(_local, name, None)
-    setattr(_local, name, value)
-    try:
-        yield
-    finally:
-        setattr(_local, name, outer)
-
-
-@contextlib.contextmanager
 def compute_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
     """Within a step under a bf16/fp16 policy: the dtype ``fzero.apply`` casts floating inputs, buffers
     and frozen parameters to, so that they meet the low-precision params (as FSDP's MixedPrecisionPolicy
     casts forward inputs)."""
-    with _set("dtype", dtype):
+    with with_context(compute_dtype=dtype):
         yield
 
 
 def current_compute_dtype() -> "torch.dtype | None":
-    return getattr(_local, "dtype", None)
+    return current_context().compute_dtype
 
 
 @contextlib.contextmanager
 def step_scope() -> Iterator[None]:
     """The length of one micro-batch's forward *and* backward: modules run by ``call_module`` keep the
     tensors they were given until it ends."""
-    with contextlib.ExitStack() as stack, _set("scope", stack):
+    with contextlib.ExitStack() as stack, with_context(scope=stack):
         yield
 
 
@@ -119,7 +97,7 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     """
     from fzero.layout import bound
 
-    scope = getattr(_local, "scope", None)
+    scope = current_context().scope
     run = module if call is None else call
     args = args if isinstance(args, tuple) else (args,)  # as functional_call takes a single argument
     kwargs = kwargs or {}
@@ -135,19 +113,19 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
 def outside_step_scope() -> Iterator[None]:
     """For fzero.remat's own recompute, which needs no module to keep its tensors (and must not keep a
     stage-3 unit's gathered buffer alive until the step ends)."""
-    with _set("scope", None):
+    with with_context(scope=None):
         yield
 
 
 @contextlib.contextmanager
 def step_buffers(bank: Any) -> Iterator[None]:
     """Within a step's forward: the ``fzero.step._module.Buffers`` bank that ``fzero.apply`` runs modules with."""
-    with _set("buffers", bank):
+    with with_context(buffers=bank):
         yield
 
 
 def current_buffers() -> Any:
-    return getattr(_local, "buffers", None)
+    return current_context().buffers
 
 
 @contextlib.contextmanager
@@ -155,12 +133,12 @@ def watching_apply() -> Iterator[list]:
     """Within the block, the modules ``fzero.apply`` runs in this thread, each once, in the order first run: for the
     first forward's checks (``fzero.step._batch.LossFnInContext``), which name parameters and agree on structure."""
     modules: list = []
-    with _set("applied", modules):
+    with with_context(applied=modules):
         yield modules
 
 
 def note_applied(module: nn.Module) -> None:
-    modules = getattr(_local, "applied", None)
+    modules = current_context().applied
     if modules is not None and not any(m is module for m in modules):
         modules.append(module)
 
@@ -187,7 +165,7 @@ def as_in_forward(bank: Any, dtype: "torch.dtype | None") -> Iterator[None]:
     """A recompute in backward runs where the forward ran: with the step's buffer bank and compute dtype, which
     the step set only for the length of its forward (without them ``fzero.apply`` would run the module's own
     buffers, and write into them, and skip the low-precision casts)."""
-    with _set("buffers", bank), _set("dtype", dtype):
+    with with_context(buffers=bank, compute_dtype=dtype):
         yield
 
 
@@ -199,23 +177,23 @@ class Snapshots(dict):
 @contextlib.contextmanager
 def recording(snapshots: Snapshots) -> Iterator[None]:
     """A remat forward: note each buffer handed out (``buffers_for_run``) into ``snapshots``."""
-    with _set("snapshots", snapshots), _set("replay", False):
+    with with_context(snapshots=snapshots, replay=False):
         yield
 
 
 @contextlib.contextmanager
 def replaying(snapshots: Snapshots) -> Iterator[None]:
     """A remat recompute: hand out copies of the values in ``snapshots`` instead of the live buffers."""
-    with _set("snapshots", snapshots), _set("replay", True):
+    with with_context(snapshots=snapshots, replay=True):
         yield
 
 
 def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The step's ``buffers`` as a module should run with them now (see the comment above)."""
-    snapshots = getattr(_local, "snapshots", None)
+    snapshots = current_context().snapshots
     if snapshots is None or not buffers:
         return buffers
-    if getattr(_local, "replay", False):
+    if current_context().replay:
         return {k: snapshots[id(v)][1].clone() if id(v) in snapshots else v for k, v in buffers.items()}
     for v in buffers.values():
         if id(v) not in snapshots:
@@ -242,17 +220,13 @@ class Usage:
 @contextlib.contextmanager
 def recording_usage(layout: Layout) -> Iterator[Usage]:
     """Record, in this thread, which params the gradients computed inside the block use."""
-    previous = getattr(_local, "usage", None)
-    _local.usage = usage = Usage(layout)
-    try:
-        yield usage
-    finally:
-        _local.usage = previous
+    with with_context(usage=Usage(layout)) as context:
+        yield context.usage
 
 
 def active(unit: Unit) -> Usage | None:
     """The record that gradients into ``unit`` should note, or None (not recording, or no gradient being built)."""
-    usage = getattr(_local, "usage", None)
+    usage = current_context().usage
     if usage is None or not torch.is_grad_enabled() or unit.name not in usage.used:
         return None
     return usage

@@ -31,9 +31,9 @@ from torch import nn
 
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
-from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.step._batch import LossFnInContext, check_rows, dist_checks, gradient, split_batch, split_loss, split_micro
-from fzero.step._context import compute_dtype, module_clones, recording_usage, step_buffers
+from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.step._batch import LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
+from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
@@ -139,8 +139,7 @@ class Step:
         return new_state, metrics
 
     def _rank_step(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        with dist_checks(comm if isinstance(self.mesh, DistMesh) else None):  # the first forward agrees on the model
-            return self._as_rank(comm, rank_program, state, batch)
+        return self._as_rank(comm, rank_program, state, batch)
 
     def _check_rows(self, batch: Any) -> None:
         """An empty batch, and rows other than the config's batch sizes say (``micro_batch_size``), refused by name."""
@@ -153,15 +152,17 @@ class Step:
         check_rows(batch, where=where, expected=expected, setting=setting)
 
     def _as_rank(self, comm, program: Callable, *args: Any) -> Any:
+        api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
             # The states of a local mesh come from one init, unless assembled by hand (or loaded): check
             # that the ranks hold one layout, as Step.init does once under dist_mesh. A description, not a
             # counted collective.
             state = args[0]
-            api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
             fields = program_fields(state.meta.layout, stage=state.meta.stage, precision=self.precision, grad_accum=self.grad_accum)
             comm.agree(fields, api=api, fix=AGREE_FIX)
-        with module_clones():  # fzero.apply runs clones: the user's module is never written (fzero.step._context)
+        # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
+        # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
+        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones={}):
             return program(self._in_context, comm, *args)
 
     @functools.cached_property

@@ -1,4 +1,31 @@
-"""One RNG stream per simulated rank, so that ``local_mesh(n)`` behaves as n processes.
+"""One rank's context (``RankContext``), and the RNG stream in it that makes ``local_mesh(n)`` behave as n processes.
+
+## The context
+
+What code deep below a step reads of the rank it runs for, in one object.
+
+A step's program is handed its comm, state and batch as arguments, down to the collectives. Some of what a rank
+has cannot travel that way, because the code that needs it is called by the user or by torch, not by fzero:
+
+| field | read by | why it cannot be an argument |
+|---|---|---|
+| ``clones``, ``compute_dtype``, ``buffers``, ``scope``, ``applied`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
+| ``usage`` | the views ``loss_fn`` reads (``fzero.step._context``) | recorded inside user code, by autograd |
+| ``snapshots``, ``replay`` | ``fzero.apply`` under ``fzero.remat`` | the recompute runs in backward, called by autograd |
+| ``generator``, ``stream`` | torch's random ops (below) | torch reads the process generator; ranks must not share it |
+| ``segments`` | the optimizers (``fzero.optim``) | optax-style ``update(grads, state, params)`` has no place for them |
+| ``comm``, ``api`` | the first forward's structure check (``fzero.step._batch``) | it runs inside ``fzero.apply``, called by ``loss_fn`` |
+| ``observers`` | the buffer events (``fzero.mesh._comm``) | ``fzero.memory``'s counters are entered by the user around a step |
+
+The rank's program makes its context once (``Step._as_rank``: the comm, the calling API, the module clones, over
+the RNG stream and observers its mesh thread was given) and narrows it for a part of the program with
+``with_context(field=value)``: a step's compute dtype and usage record, a micro-batch's buffers, an update's
+segments, a remat recompute's snapshots. Each ``with_context`` block gives back the
+fields it changed when it ends, so nothing outlives the block that set it. On a ``local_mesh`` a rank is a thread
+standing in for a process, so the current context is the calling thread's: one slot per thread, holding a frozen
+``RankContext``; nothing else in fzero is kept per thread.
+
+## One RNG stream per simulated rank
 
 Under ``torchrun`` every rank is a process with its own CPU generator: n processes that ran the same
 seeded program start a step with equal generator states and each draws its own dropout masks,
@@ -39,13 +66,55 @@ Python's ``random`` and NumPy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_local = threading.local()  # .generator: this rank thread's CPU torch.Generator, .stream: its _Stream; or absent
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """What one rank's code reads of its rank (the module docstring says who reads each field and why)."""
+
+    comm: Any = None  # the rank's comm under dist_mesh, for the first forward's agreement on the model's structure
+    api: str | None = None  # the public call this rank program runs for (named by errors)
+    clones: dict[int, Any] | None = None  # id(user's module) -> this rank's clone of it, for one step call
+    compute_dtype: torch.dtype | None = None  # a bf16/fp16 policy's dtype: inputs, buffers and frozen params meet it
+    buffers: Any = None  # the step's buffer bank (``fzero.step._module.Buffers``) the forward runs with
+    scope: contextlib.ExitStack | None = None  # a micro-batch's forward and backward: modules keep their tensors
+    applied: list | None = None  # the modules ``fzero.apply`` ran, noted for the first step's checks
+    snapshots: Any = None  # a remat call's buffer values (``fzero.step._context.Snapshots``)
+    replay: bool = False  # a remat recompute: hand out the snapshots' copies, not the live buffers
+    usage: Any = None  # which params this rank's gradients used (``fzero.step._context.Usage``)
+    segments: Any = None  # the per-parameter segments of ZeRO leaves the optimizer updates (``fzero.optim``)
+    generator: torch.Generator | None = None  # a local_mesh rank's CPU generator
+    stream: Any = None  # a local_mesh rank's RNG stream (CPU and CUDA generators)
+    observers: tuple = ()  # buffer-event observers (``fzero.memory``'s counters)
+
+
+_EMPTY = RankContext()
+_local = threading.local()  # .context: this thread's RankContext
+
+
+def current_context() -> RankContext:
+    """This thread's context (outside any rank program: the empty one)."""
+    return getattr(_local, "context", _EMPTY)
+
+
+@contextlib.contextmanager
+def with_context(**fields: Any) -> Iterator[RankContext]:
+    """This thread's context with ``fields`` changed, for the length of the block; on exit the fields it set get
+    their outer values back (only those: what a block entered inside it set and left open stays)."""
+    outer = current_context()
+    _local.context = inner = dataclasses.replace(outer, **fields)
+    try:
+        yield inner
+    finally:
+        _local.context = dataclasses.replace(current_context(), **{k: getattr(outer, k) for k in fields})
+
+
 _GLOBAL = threading.Lock()  # held while a rank's state is swapped into the global generator
 
 # How an op draws, per OpOverload: None (it does not), or the index of its ``generator`` argument
@@ -150,12 +219,12 @@ _TORCH_GET, _TORCH_SET = torch.get_rng_state, torch.set_rng_state  # torch's own
 def get_state() -> torch.Tensor:
     """The CPU RNG state this thread draws from: its rank's stream in a rank thread, else the global generator's.
     While rank threads run, this is ``torch.get_rng_state`` too (``_rank_aware_state_functions``)."""
-    gen = getattr(_local, "generator", None)
+    gen = current_context().generator
     return gen.get_state() if gen is not None else _TORCH_GET()
 
 
 def _rank_set_rng_state(new_state: torch.Tensor) -> None:
-    gen = getattr(_local, "generator", None)
+    gen = current_context().generator
     if gen is not None:
         gen.set_state(new_state)
     else:
@@ -167,14 +236,14 @@ _CUDA_GET = _CUDA_SET = None  # torch.cuda's own, read when a mesh starts (torch
 
 def cuda_get_state(device: int | str | torch.device = "cuda") -> torch.Tensor:
     """The CUDA RNG state of ``device`` this thread draws from: its rank's stream in a rank thread, else torch's."""
-    stream = getattr(_local, "stream", None)
+    stream = current_context().stream
     if stream is None:
         return (_CUDA_GET or torch.cuda.get_rng_state)(device)
     return stream.generator(_cuda_device(device)).get_state()
 
 
 def cuda_set_state(new_state: torch.Tensor, device: int | str | torch.device = "cuda") -> None:
-    stream = getattr(_local, "stream", None)
+    stream = current_context().stream
     if stream is None:
         (_CUDA_SET or torch.cuda.set_rng_state)(new_state, device)
     else:
@@ -239,13 +308,8 @@ def rank_streams(n: int) -> Iterator[list[_Stream]]:
 @contextlib.contextmanager
 def own_stream(stream: _Stream) -> Iterator[None]:
     """In a rank thread: every draw this thread makes from a global generator comes from its rank's ``stream``."""
-    outer = getattr(_local, "generator", None), getattr(_local, "stream", None)
-    _local.generator, _local.stream = stream.cpu, stream
-    try:
-        with _OwnStream(stream):
-            yield
-    finally:
-        _local.generator, _local.stream = outer
+    with with_context(generator=stream.cpu, stream=stream), _OwnStream(stream):
+        yield
 
 
 @contextlib.contextmanager
@@ -255,7 +319,7 @@ def replay(state: torch.Tensor) -> Iterator[None]:
     In a rank thread only the rank's own generator is touched, never the global one, which other rank
     threads may be borrowing at that moment.
     """
-    gen = getattr(_local, "generator", None)
+    gen = current_context().generator
     if gen is None:
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state)
