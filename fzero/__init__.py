@@ -46,7 +46,8 @@ from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_opti
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("checkpoint", "config", "data", "estimate", "memory", "models", "ops", "optim", "testing")
+# imported on first use; "lightning" (with Lightning itself) is not in __all__, so that `import *` never needs it
+_SUBMODULES = ("checkpoint", "config", "data", "estimate", "lightning", "memory", "models", "ops", "optim", "testing")
 
 # Internals that fzero used to export: still reachable as fzero.<name>, with a DeprecationWarning that says
 # where the object lives and what users reach it through.

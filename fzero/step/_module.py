@@ -20,6 +20,7 @@ ones). The values come out of the transform as auxiliary outputs.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -54,9 +55,18 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     train state and what the forward writes into them goes back there (BatchNorm statistics); outside a
     step, buffers are the module's. At stages 2 and 3 ``params`` is what
     ``loss_fn`` was given (``ReplicatedParams``/``ShardedParams``) and the model runs unit by unit.
+
+    ``module`` may also be a bound method of a module, e.g. ``fzero.apply(lit.training_step, params, batch, i)``:
+    that method runs instead of ``forward``, on the module (or the step's copy of it) holding ``params``, so what it
+    calls of ``self`` (``self(x)``, ``self.model(x)``) runs with them (how ``fzero.lightning`` runs a
+    ``LightningModule``'s ``training_step``).
     """
+    method = None
+    if isinstance(module, types.MethodType) and isinstance(module.__self__, nn.Module):
+        module, method = module.__self__, module.__func__
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fzero.apply: expected an nn.Module as the first argument, got {type(module).__name__}.")
+        raise TypeError(f"fzero.apply: expected an nn.Module (or a bound method of one) as the first argument, got "
+                        f"{type(module).__name__}.")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
@@ -66,7 +76,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         check_no_meta(module, params, state_buffers=bank is not None, api="fzero.apply")
     run_module = getattr(type(params), "run_module", None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
-        return run_module(params, module, args, kwargs)  # builds its own per-rank skeleton
+        return run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
@@ -76,7 +86,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
         extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}
         params = {**cast_floating(extra, dtype), **params}
-    return call_module(target, params, args, kwargs)
+    return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target))
 
 
 def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:

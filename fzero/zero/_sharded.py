@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -56,11 +57,12 @@ class UnitParams(Mapping):
         self._skeletons: dict[int, nn.Module] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
 
-    def run_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def run_module(self, module: nn.Module, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
         """What ``fzero.apply(module, self, ...)`` does: the model unit by unit (``apply_units``). ``fzero.apply``
         asks the params object for this method rather than importing this module, so the step does not depend
-        on the transforms that plug into it."""
-        return apply_units(module, self, args, kwargs)
+        on the transforms that plug into it. ``method``: a function of the module's class to run instead of
+        ``forward`` (``fzero.apply(module.method, ...)``)."""
+        return apply_units(module, self, args, kwargs, method=method)
 
     def runner(self, inner: nn.Module, unit: Unit) -> Any:
         """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward."""
@@ -179,7 +181,7 @@ class ShardedParams(UnitParams):
         return run_unit(inner, unit, self, args, kwargs)
 
 
-def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict) -> Any:
+def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
     """``fzero.apply`` at stages 2 and 3: the skeleton, with the root unit's params, unit calls inside."""
     skel = params.skeleton(module)
     root = params.units.get(ROOT)
@@ -189,7 +191,7 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
         params.buffers = bank.for_module(module)
         units = [u + "." for u in params.units if u != ROOT]
         views = {**{k: v for k, v in params.buffers.items() if not k.startswith(tuple(units))}, **views}
-    return call_module(skel, views, args, kwargs)
+    return call_module(skel, views, args, kwargs, call=None if method is None else types.MethodType(method, skel))
 
 
 def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:

@@ -1,0 +1,297 @@
+"""``FZeroStrategy``: Lightning's automatic optimization run by one fzero step per optimizer step.
+
+How Lightning's calls land (``lightning/pytorch/loops/optimization/automatic.py``):
+
+- ``optimizer_step(optimizer, closure)`` runs the closure, nothing else: the torch optimizer is never stepped.
+- The closure calls ``training_step(batch, batch_idx)`` here. A micro-batch before the accumulation boundary is kept;
+  at the boundary the kept ones and this one run as one ``step(state, batch)`` with ``grad_accum`` micro-batches, whose
+  ``loss_fn`` calls the module's own ``training_step`` through ``fzero.apply(module.training_step, params, ...)``.
+- ``backward`` returns the loss it is given: the step already took the gradient and updated.
+- ``validation_step``, ``test_step`` and ``predict_step`` run as ``step.evaluate``: the module's method with the
+  state's params (at stage 3 gathered unit by unit), without a gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+import fzero
+from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
+
+# Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
+_SET_BY_LIGHTNING = {
+    "optimizer": "return the optimizer from LightningModule.configure_optimizers",
+    "precision": "Trainer(precision=...)",
+    "grad_accum": "Trainer(accumulate_grad_batches=...)",
+    "clip_grad_norm": "Trainer(gradient_clip_val=...)",
+    "mesh": "Trainer(devices=..., num_nodes=...): the strategy runs on the processes Lightning starts",
+    "config": "FZeroStrategy's own keywords (stages=, offload=, ...) and the Trainer's settings",
+}
+
+_LIGHTNING_FILE = "lightning.ckpt"  # Lightning's own part of a checkpoint: loops, callbacks, epoch, lr schedulers
+_FZERO_DIR = "fzero"  # the sharded training state, fzero.checkpoint's format
+
+
+class _Call(NamedTuple):
+    """One call of a LightningModule method that ``loss_fn`` runs: its name and the arguments after the batch."""
+
+    method: str
+    args: tuple
+    kwargs: dict
+
+
+class FZeroStrategy(DDPStrategy):
+    """Train a LightningModule with fzero's ZeRO stage ``stages`` on the processes Lightning runs.
+
+    ``stages``, ``offload``, ``offload_params`` and any other keyword (``units``, ``bucket_elements``, ``prefetch``,
+    ``remat``, ``jit``, ``autodiff``, ...) are ``fzero.compile``'s; the optimizer, precision, accumulation and
+    clipping come from the LightningModule and the Trainer. ``process_group_backend``, ``timeout`` and
+    ``start_method`` are Lightning's DDP ones (``"gloo"`` on the CPU; with CUDA the default is
+    ``"cpu:gloo,cuda:nccl"``, so that offloaded state can reduce on the host).
+
+    The LightningModule's own parameters are not trained while ``fit`` runs: its methods see the state's params only
+    inside ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``. When ``fit`` ends, the trained
+    params and buffers are loaded into it (``load_trained=False``: left as they were, e.g. for a stage-3 model too
+    large to gather; ``strategy.state`` and ``strategy.step`` hold the result).
+    """
+
+    strategy_name = "fzero"
+
+    def __init__(self, stages: int = 2, *, offload: Any = None, offload_params: bool = False, load_trained: bool = True,
+                 accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = timedelta(minutes=30), start_method: str = "popen", **compile_kwargs: Any) -> None:
+        for key, where in _SET_BY_LIGHTNING.items():
+            if key in compile_kwargs:
+                raise TypeError(f"FZeroStrategy: {key}= is set by Lightning here, not by the strategy: {where}.")
+        if process_group_backend is None and torch.cuda.is_available():
+            process_group_backend = "cpu:gloo,cuda:nccl"
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self.compile_kwargs = dict(stages=stages, offload=offload, offload_params=offload_params, **compile_kwargs)
+        self.load_trained = load_trained
+        self.step: fzero.Step | None = None
+        self.state: Any = None
+        self._optimizer: Optimizer | None = None
+        self._kept: list[tuple[Any, int]] = []  # micro-batches before the accumulation boundary
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._at_boundary = False
+
+    # -- set-up ----------------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        self.model_to_device()  # no DDP wrapper and no precision conversion: the step's policy casts
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        kwargs = dict(self.compile_kwargs, precision=precision_of(self.precision_plugin))
+        if fitting:
+            check_module(module, trainer)
+            self.setup_optimizers(trainer)  # Lightning refuses several optimizers under automatic optimization
+            self._optimizer = Optimizer(self.optimizers[0], module)
+            kwargs.update(optimizer=self._optimizer.fzero, grad_accum=trainer.accumulate_grad_batches,
+                          clip_grad_norm=clip_of(trainer))
+        mesh = fzero.dist_mesh() if self.world_size > 1 else None  # over the process group Lightning set up
+        self.step = fzero.compile(self._loss_fn, mesh=mesh, **kwargs)
+        self.state = self.step.init(fzero.params_of(module, copy=False), buffers=fzero.buffers_of(module))
+        self.setup_precision_plugin()
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the state to load into exists after setup
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return False  # Lightning calls optimizer_step at the boundary; training_step keeps the micro-batches before it
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    # -- training --------------------------------------------------------------------------------------------------
+    def _loss_fn(self, params: Any, batch: Any) -> Any:
+        """The step's loss function: the next queued LightningModule method, run with ``params``."""
+        call = self._calls.popleft()
+        out = fzero.apply(getattr(self.lightning_module, call.method), params, batch, *call.args, **call.kwargs)
+        if call.method != "training_step":  # evaluate: no loss to take; the method's output comes back as aux
+            return torch.zeros((), device=self.root_device), out
+        return _training_loss(out, type(self.lightning_module).__name__)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self._at_boundary = True  # the closure's training_step runs the step
+        try:
+            out = closure()
+        finally:
+            self._at_boundary = False
+        # the fzero step was this optimizer's step: torch's lr schedulers look for this mark of a stepped optimizer
+        # (set by the step() they wrap) and warn that they step before it without it
+        optimizer._opt_called = True
+        return out
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            raise TypeError("FZeroStrategy: training_step(batch, batch_idx) takes no other arguments here (a "
+                            "dataloader_iter training_step is not supported); iterate the batches in the DataLoader.")
+        self._kept.append((batch, batch_idx))
+        if not self._at_boundary:  # accumulating: the step runs at the boundary, with every kept micro-batch
+            return torch.tensor(float("nan"))  # a placeholder; Lightning only passes it on to on_train_batch_end
+        kept, self._kept = self._kept, []
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        if len(kept) != k:
+            raise ValueError(
+                f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) but this optimizer step has {len(kept)} micro-batches "
+                f"(the epoch has {self.lightning_module.trainer.num_training_batches} batches, not a multiple of {k}); an "
+                f"fzero step is compiled for {k}. Make the batches per epoch a multiple of {k} (limit_train_batches, or "
+                f"drop_last=True with a dataset size to match)."
+            )
+        self._optimizer.check_unchanged()
+        self._calls.extend(_Call("training_step", (i,), {}) for _, i in kept)
+        self.state, metrics = self.step(self.state, _join([b for b, _ in kept], k))
+        self._calls.clear()
+        self.lightning_module.log("fzero/grad_norm", float(metrics["grad_norm"]), on_step=True, on_epoch=False,
+                                  batch_size=1)
+        loss = torch.tensor(float(metrics["loss"]))  # the mean over ranks and micro-batches
+        aux = metrics.get("aux")
+        return {"loss": loss, **aux} if aux else loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # the fzero step took the gradient and updated already
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+    def _evaluate(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        self._calls.append(_Call(method, args, kwargs))
+        try:
+            return self.step.evaluate(self.state, batch).get("aux")
+        finally:
+            self._calls.clear()
+
+    def validation_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", batch, *args, **kwargs)
+
+    def test_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", batch, *args, **kwargs)
+
+    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("predict_step", batch, *args, **kwargs)
+
+    def on_train_end(self) -> None:
+        if self.load_trained:  # a collective under torchrun: every rank is here
+            module = self.lightning_module
+            module.load_state_dict(self.step.state_dict(self.state, module))
+
+    def teardown(self) -> None:
+        # step and state stay for the caller (trainer.strategy.state); the next setup makes new ones
+        self._kept, self._calls = [], collections.deque()
+        super().teardown()
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the params are in the fzero checkpoint beside Lightning's file, not gathered here
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """``filepath`` becomes a directory: ``fzero/`` (the sharded state, ``fzero.checkpoint.save``) and
+        ``lightning.ckpt`` (Lightning's loops, callbacks, epoch, lr schedulers, hyperparameters)."""
+        if storage_options is not None:
+            raise TypeError("FZeroStrategy: Trainer.save_checkpoint(storage_options=...) is not supported: the state is "
+                            "written by fzero.checkpoint, not by a CheckpointIO plugin.")
+        if self._kept:
+            raise RuntimeError(
+                f"FZeroStrategy: a checkpoint was asked for with {len(self._kept)} micro-batches kept for the next step "
+                f"(accumulate_grad_batches={self.lightning_module.trainer.accumulate_grad_batches}); they would be lost. "
+                f"Save at an optimizer step: ModelCheckpoint(every_n_train_steps=...) or at the end of an epoch."
+            )
+        path = str(self.broadcast(str(filepath)))  # rank 0's name: every rank writes into one checkpoint
+        if self.is_global_zero:
+            os.makedirs(path, exist_ok=True)
+        self.barrier("FZeroStrategy.save_checkpoint")
+        fzero.checkpoint.save(os.path.join(path, _FZERO_DIR), self.state)
+        if self.is_global_zero:
+            own = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+            self.checkpoint_io.save_checkpoint(own, os.path.join(path, _LIGHTNING_FILE))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if not os.path.isfile(os.path.join(path, _LIGHTNING_FILE)):
+            raise FileNotFoundError(
+                f"FZeroStrategy: {path!r} is not a checkpoint that FZeroStrategy wrote (a directory holding "
+                f"{_LIGHTNING_FILE} and {_FZERO_DIR}/). Pass the path ModelCheckpoint or trainer.save_checkpoint gave."
+            )
+        checkpoint = self.checkpoint_io.load_checkpoint(os.path.join(path, _LIGHTNING_FILE), weights_only=weights_only)
+        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step)
+        return {**checkpoint, "state_dict": {}}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the state into the step
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)  # a directory: removed recursively
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        names = {
+            "fzero": ("fzero, ZeRO stage 2", {"stages": 2}),
+            "fzero_stage_1": ("fzero ZeRO stage 1", {"stages": 1}),
+            "fzero_stage_2": ("fzero ZeRO stage 2", {"stages": 2}),
+            "fzero_stage_2_offload": ("fzero ZeRO stage 2 and CPU offload", {"stages": 2, "offload": "cpu"}),
+            "fzero_stage_3": ("fzero ZeRO stage 3", {"stages": 3}),
+            "fzero_stage_3_offload": ("fzero ZeRO stage 3 and CPU offload of the optimizer and the params",
+                                      {"stages": 3, "offload": "cpu", "offload_params": True}),
+        }
+        for name, (description, kwargs) in names.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **kwargs)
+
+
+def _training_loss(out: Any, owner: str) -> Any:
+    """The loss (and the other outputs, detached) of what ``training_step`` returned, as ``loss_fn`` returns them."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        rest = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items() if k != "loss"}
+        return (out["loss"], rest) if rest else out["loss"]
+    if out is None:
+        raise ValueError(
+            f"FZeroStrategy: {owner}.training_step returned None, which Lightning takes as 'skip this batch'. An fzero step "
+            f"has no skipped batch (every rank runs the same collectives). Return the loss, or filter the batches in the "
+            f"DataLoader."
+        )
+    raise TypeError(f"FZeroStrategy: {owner}.training_step must return the loss tensor or a dict with 'loss', as "
+                    f"Lightning's automatic optimization asks; got {type(out).__name__}.")
+
+
+def _join(batches: list[Any], k: int) -> Any:
+    """k micro-batches as one batch that ``grad_accum=k`` splits back into them: tensors joined on dim 0."""
+    if k == 1:
+        return batches[0]
+    flat = [pytree.tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    rows = {n for leaves, _ in flat for n in {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}}
+    if any(s != spec for _, s in flat) or len(rows) > 1:
+        raise ValueError(
+            f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) runs {k} micro-batches as one fzero step, which needs "
+            f"them alike: the same structure and rows ({sorted(rows)} here). Use DataLoader(drop_last=True) so that "
+            f"every batch has batch_size rows."
+        )
+    joined = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            joined.append(torch.cat(leaves))
+        elif all(x is first or (not isinstance(x, torch.Tensor) and x == first) for x in leaves):
+            joined.append(first)
+        else:
+            raise ValueError(
+                f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) joins {k} micro-batches into one fzero step, but a "
+                f"batch entry without rows ({type(first).__name__}) differs between them. Give every entry the batch's "
+                f"rows on dim 0."
+            )
+    return pytree.tree_unflatten(joined, spec)

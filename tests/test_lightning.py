@@ -1,0 +1,274 @@
+"""fzero.lightning: a LightningModule written for plain PyTorch trains under Trainer(strategy="fzero_stage_*") as
+under DDP (torch.optim.AdamW on the gradient averaged over ranks) and as under fzero's own step; Lightning's
+accumulation, clipping, scheduler, logging and checkpoints carry over; what cannot map is refused by name.
+
+The 2-process checks share one torchrun launch (tests/lightning_worker.py, about 15 s); the others run Lightning in
+this process on one device."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch", reason="lightning is a test dependency: pip install -e '.[test]'")
+
+from launch import torchrun
+from lightning_models import (
+    MODELS,
+    NAMES,
+    LitCNN,
+    LitGPT,
+    cnn_batches,
+    gpt_batches,
+    reference,
+)
+
+import fzero
+import fzero.lightning
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Lightning 2.6's own code on torch 2.13: its _pytree helper calls a torch API that torch now deprecates; and a
+# DataLoader without workers is what these tiny in-memory loaders want.
+LIGHTNING_NOISE = [
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    pytest.mark.filterwarnings("ignore:The '(train|val|test|predict)_dataloader' does not have many workers"),
+]
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning")
+    torchrun([os.path.join(HERE, "lightning_worker.py"), "--out", str(out)], timeout=300)
+    return torch.load(out / "results.pt", weights_only=False)
+
+
+def _close(got, want, compared=None, rtol=1e-4, atol=1e-5):
+    """``got`` equals ``want`` within fp32 tolerance, on the elements ``compared`` marks (all of them by default)."""
+    for n in want:
+        keep = compared[n] if compared is not None else torch.ones_like(want[n], dtype=torch.bool)
+        torch.testing.assert_close(got[n][keep], want[n][keep], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _with_gradient(biggest):
+    # GPT-2's attention key bias (the middle third of c_attn.bias) adds one number to all the scores of a query,
+    # which softmax cancels: its gradient is rounding noise (below 1e-6), and Adam divides noise by noise, so those
+    # elements are not comparable. Every other element is.
+    return {n: g >= 1e-6 for n, g in biggest.items()}
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_registered_name_trains_as_ddp_and_as_fzeros_own_step(dist_results, model):
+    cls, make = MODELS[model]
+    want, biggest = reference(cls(), make(3))
+    compared = _with_gradient(biggest)
+    left_out = sum(int((~keep).sum()) for keep in compared.values())
+    assert left_out < 0.02 * sum(keep.numel() for keep in compared.values())  # a few: key biases, dead ReLU inputs
+    init = {n: p.detach() for n, p in cls().named_parameters()}
+    for name in NAMES:
+        got = dist_results[model, name]
+        assert any(not torch.equal(got[n], init[n]) for n in got), f"{name} did not train"
+        _close(got, want, compared)
+        _close(got, dist_results[model, name, "own"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_accumulate_grad_batches_gradient_clip_val_param_groups_and_scheduler_match_plain_pytorch(dist_results):
+    lit = LitGPT(groups=True, schedule=True)
+    want, biggest = reference(lit, gpt_batches(2, micro=2), micro=2, clip=0.05)
+    # the clip is active: the unclipped run ends elsewhere
+    unclipped, _ = reference(LitGPT(groups=True, schedule=True), gpt_batches(2, micro=2), micro=2)
+    assert max(float((unclipped[n] - want[n]).abs().max()) for n in want) > 1e-3
+    _close(dist_results["accumulate_clip"], want, _with_gradient(biggest))
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_resuming_from_a_model_checkpoint_continues_bitwise(dist_results):
+    straight, resumed, files = dist_results["resume"]
+    assert files == ["fzero", "lightning.ckpt"]  # fzero's sharded state beside Lightning's own file
+    for n in straight:
+        assert torch.equal(straight[n], resumed[n]), n
+    assert any(not torch.equal(straight[n], p.detach()) for n, p in LitCNN().named_parameters())
+
+
+# -- one process, in this one ----------------------------------------------------------------------------------------
+@pytest.fixture
+def one_process():
+    """Lightning sets torchrun's variables in os.environ and starts a 1-process gloo group: both undone after."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _trainer(strategy="fzero_stage_2", **kwargs):
+    settings = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                    "enable_model_summary": False, "use_distributed_sampler": False, "num_sanity_val_steps": 0, "max_epochs": 1,
+                    "log_every_n_steps": 1}
+    return pl.Trainer(strategy=strategy, **{**settings, **kwargs})
+
+
+def _loader(batches):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(batches, batch_size=None)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_logged_metrics_arrive_in_callback_metrics_and_a_csv_logger(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    batches = gpt_batches(4)
+    trainer = _trainer("fzero_stage_3", logger=CSVLogger(tmp_path), num_sanity_val_steps=1)
+    lit = LitGPT()
+    trainer.fit(lit, _loader(batches), _loader(batches[:2]))
+    metrics = trainer.callback_metrics
+    assert {"train_loss", "val_loss", "fzero/grad_norm"} <= set(metrics)
+    assert not metrics["train_loss"].requires_grad and torch.isfinite(metrics["val_loss"])
+    # the validation loss is the trained module's on the validation batches (the params loaded at fit's end)
+    with torch.no_grad():
+        want = sum(float(lit(b["x"])) for b in batches[:2]) / 2
+    assert float(metrics["val_loss"]) == pytest.approx(want, rel=1e-5)
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        header, *rows = f.read().splitlines()
+    assert {"train_loss", "val_loss", "fzero/grad_norm", "step"} <= set(header.split(","))
+    assert len([r for r in rows if r.split(",")[header.split(",").index("train_loss")]]) == 4
+
+
+class _Manual(LitCNN):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _TwoOptimizers(LitCNN):
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net[:2].parameters()), torch.optim.AdamW(self.net[2:].parameters())]
+
+
+class _RMSprop(LitCNN):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters())
+
+
+class _AdamL2(LitCNN):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), weight_decay=1e-2)
+
+
+class _AfterBackward(LitCNN):
+    def on_after_backward(self):
+        pass
+
+
+class _ReturnsNone(LitCNN):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+class _CyclesMomentum(LitCNN):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+REFUSED = [
+    (_Manual, {}, r"automatic_optimization is False \(manual optimization\).*Set automatic_optimization = True"),
+    (_TwoOptimizers, {}, r"multiple optimizers is only supported with manual optimization"),  # Lightning's own
+    (_RMSprop, {}, r"torch.optim.rmsprop.RMSprop, which fzero has no counterpart for.*Return torch.optim.AdamW"),
+    (_AdamL2, {}, r"torch.optim.Adam\(weight_decay=0.01\).*Use torch.optim.AdamW"),
+    (_AfterBackward, {}, r"overrides on_after_backward\(\).*Remove it"),
+    (_ReturnsNone, {}, r"training_step returned None.*Return the loss"),
+    (_CyclesMomentum, {}, r"param_groups\[0\]\['betas'\] changed.*cycle_momentum=False"),
+    (LitCNN, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='value'.*Use gradient_clip_algorithm='norm'"),
+    (LitCNN, {"precision": "64-true"}, r"Trainer\(precision='64-true'\).*Use precision='32-true', 'bf16-mixed'"),
+    (LitCNN, {"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2\) but this optimizer step has 1 micro-batches.*multiple of 2"),
+]
+
+
+@pytest.mark.usefixtures("one_process")
+@pytest.mark.parametrize("cls, settings, match", REFUSED, ids=[f"{c.__name__}-{'-'.join(s) or 'module'}" for c, s, _ in REFUSED])
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_what_cannot_map_is_refused_by_name(cls, settings, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        _trainer(**settings).fit(cls(), _loader(cnn_batches(3)))
+
+
+def test_compile_keywords_that_lightning_sets_are_refused():
+    with pytest.raises(TypeError, match=r"grad_accum= is set by Lightning here.*Trainer\(accumulate_grad_batches=...\)"):
+        fzero.lightning.FZeroStrategy(stages=3, grad_accum=2)
+    with pytest.raises(TypeError, match=r"optimizer= is set by Lightning.*configure_optimizers"):
+        fzero.lightning.FZeroStrategy(optimizer=fzero.optim.adamw(1e-3))
+
+
+def test_the_strategy_names_are_registered_and_import_fzero_does_not_need_lightning():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("fzero", *NAMES):
+        assert StrategyRegistry[name]["strategy"] is fzero.lightning.FZeroStrategy
+    assert StrategyRegistry["fzero_stage_3_offload"]["init_params"] == {"stages": 3, "offload": "cpu", "offload_params": True}
+    code = "import sys, fzero; fzero.compile; fzero.optim; assert not any(m.startswith('lightning') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_the_deepspeed_seed_lightning_script_runs_with_fzero_stage_3_offload():
+    """docs/migrating.md section 3's LitLM and Trainer, with "deepspeed_stage_3_offload" renamed."""
+    import lightning as L
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fzero.data import batch_at, load_corpus
+
+    class LitLM(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["x"], labels=batch["x"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                       bos_token_id=0, eos_token_id=0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = load_corpus(max_bytes=1 << 16)
+    loader = _loader([batch_at(data, k, batch_size=2, seq_len=64, seed=0) for k in range(4)])
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="fzero_stage_3_offload", precision="bf16-mixed",
+                        accumulate_grad_batches=2, gradient_clip_val=1.0, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LitLM(model), train_dataloaders=loader)
+    step = trainer.strategy.step
+    assert (step.stage, step.offload.where, step.offload.params, step.grad_accum, step.clip_grad_norm) == (3, "cpu", True, 2, 1.0)
+    assert step.precision.compute == torch.bfloat16 and trainer.global_step == 2
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 masters, loaded back into the module
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_the_lightning_example_runs_and_resumes(tmp_path):
+    script = os.path.join(ROOT, "examples", "train_lightning.py")
+    common = ["--batches-per-epoch", "4", "--out", str(tmp_path)]
+    first = torchrun([script, "--max-steps", "2", *common], timeout=240)
+    assert "fzero_stage_3_offload: 2 optimizer steps" in first.stdout, first.stdout[-2000:] + first.stderr[-3000:]
+    again = torchrun([script, "--max-steps", "4", "--resume", *common], timeout=240)
+    assert "fzero_stage_3_offload: 4 optimizer steps" in again.stdout, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "Restored all states" in again.stdout + again.stderr
