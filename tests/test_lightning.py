@@ -272,3 +272,22 @@ def test_the_lightning_example_runs_and_resumes(tmp_path):
     again = torchrun([script, "--max-steps", "4", "--resume", *common], timeout=240)
     assert "fzero_stage_3_offload: 4 optimizer steps" in again.stdout, again.stdout[-2000:] + again.stderr[-3000:]
     assert "Restored all states" in again.stdout + again.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (its CPU twins are the tests above)")
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.parametrize("strategy", ["fzero_stage_2", "fzero_stage_3_offload"])
+def test_on_a_gpu_the_strategy_trains_as_plain_pytorch_on_that_gpu(strategy):
+    """accelerator="gpu": the module, the state and the step live on the GPU (the offloaded state in host memory),
+    and the params equal plain PyTorch's AdamW on the same GPU within fp32 tolerance."""
+    batches = cnn_batches(3)
+    ref = LitCNN().cuda()
+    want, biggest = reference(ref, [{k: v.cuda() for k, v in b.items()} for b in batches])
+    lit = LitCNN()
+    trainer = _trainer(strategy, accelerator="gpu")
+    trainer.fit(lit, _loader(batches))  # Lightning moves each batch to the GPU
+    assert trainer.strategy.step.mesh is None and all(p.is_cuda for p in lit.parameters())
+    _close({n: p.detach() for n, p in lit.named_parameters()}, want, _with_gradient(biggest))
