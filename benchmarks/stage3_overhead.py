@@ -12,6 +12,7 @@ the same batches, AdamW(lr 3e-4, weight decay 0.01) and no gradient clipping:
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the cost of recomputing each block's
   forward in backward, which stage 3 also pays, without any of fzero's machinery;
 * ``fzero-s0``: ``fzero.compile(stages=0)`` with no mesh (torch.func.grad over flat buffers, fused AdamW);
+* ``fzero-s0-remat``: the same with ``remat=True`` (each block recomputed in backward, as ``plain-ckpt`` does);
 * ``fzero-s3``: ``fzero.compile(stages=3, mesh=fzero.local_mesh(1))``, prefetch on (the default);
 * ``fzero-s3-nopf``: the same with ``prefetch=False``;
 * ``fzero-s3-ag``: stage 3 with ``autodiff="autograd"`` (plain torch.autograd instead of torch.func.grad);
@@ -42,7 +43,7 @@ import fzero
 from _common import (PlainStep, build_model, gpt_loss, machine, make_batch, markdown_table, median, now,
                      num_params, write_json, LR, WEIGHT_DECAY)
 
-SYSTEMS = ("plain", "plain-ckpt", "fzero-s0", "fzero-s3", "fzero-s3-nopf", "fzero-s3-ag", "fzero-s3-remat")
+SYSTEMS = ("plain", "plain-ckpt", "fzero-s0", "fzero-s0-remat", "fzero-s3", "fzero-s3-nopf", "fzero-s3-ag", "fzero-s3-remat")
 
 
 def parse_args(argv=None):
@@ -102,6 +103,8 @@ def make_system(name: str, model, loss_fn):
         return PlainCheckpointStep(model)
     if name == "fzero-s0":
         return FzeroSystem(model, loss_fn, stages=0)
+    if name == "fzero-s0-remat":
+        return FzeroSystem(model, loss_fn, stages=0, remat=True)
     if name == "fzero-s3":
         return FzeroSystem(model, loss_fn, stages=3, mesh=fzero.local_mesh(1))
     if name == "fzero-s3-nopf":

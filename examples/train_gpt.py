@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every this many steps (needs --ckpt-dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     p.add_argument("--remat", action="store_true",
-                   help="recompute each block in backward instead of storing its activations (at stage 3: "
-                        "compile(remat=True), which gathers each unit again for its recompute)")
+                   help="recompute each block in backward instead of storing its activations (compile(remat=True), "
+                        "at every stage; stage 3 gathers each unit again for its recompute)")
     p.add_argument("--schedule", choices=("cosine", "warmup-decay", "constant"), default="cosine",
                    help="cosine: warm-up then cosine to lr/10; warmup-decay: DeepSpeed's WarmupDecayLR")
     p.add_argument("--curriculum", default=None, metavar="MIN:STEPS",
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "STEPS steps (DeepSpeed's fixed_linear seqlen schedule, lengths in multiples of 8)")
     p.add_argument("--layer-drop", default=None, metavar="THETA:GAMMA",
                    help="progressive layer drop (DeepSpeed's progressive_layer_drop theta and gamma, e.g. 0.5:0.001): "
-                        "blocks are skipped with a probability that grows over depth and steps; not with --remat at stages 0-2")
+                        "blocks are skipped with a probability that grows over depth and steps")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--log-every", type=int, default=50, help="print a loss line every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every this many steps (0: only at the end)")
@@ -121,8 +121,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.layer_drop = ProgressiveLayerDrop(theta=theta, gamma=gamma, seed=args.seed)
         except ValueError as e:
             p.error(f"--layer-drop {args.layer_drop!r}: expected THETA:GAMMA with 0 < THETA <= 1 and GAMMA >= 0 ({e})")
-        if args.remat and args.stages < 3:
-            p.error("--layer-drop with --remat at stages 0-2: the rematerialised forward runs every block; use one of them")
     launched_by_torchrun = "RANK" in os.environ
     args.mesh = args.mesh or ("dist" if launched_by_torchrun else "local")
     if args.mesh == "local" and launched_by_torchrun:
@@ -230,10 +228,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     drop_at = {"step": 0}  # with --layer-drop: the step the blocks are drawn for (set by the loop)
 
     def loss_fn(params, batch):
-        remat_here = args.remat and args.stages < 3  # stage 3 recomputes its units itself (remat= below)
-        if remat_here:
-            logits = forward_remat(model, params, batch["x"])
-        elif args.layer_drop is not None and torch.is_grad_enabled():  # evaluation runs every block
+        if args.layer_drop is not None and torch.is_grad_enabled():  # evaluation runs every block
             logits = fzero.apply(model, params, batch["x"], args.layer_drop.layers(drop_at["step"], args.layers))
         else:
             logits = fzero.apply(model, params, batch["x"])
@@ -251,7 +246,7 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     step = fzero.compile(loss_fn, optimizer=optimizer, stages=args.stages, mesh=mesh, precision=args.precision,
                          grad_accum=args.grad_accum, clip_grad_norm=args.clip, offload=args.offload,
                          offload_params=args.offload_params, offload_dir=args.offload_dir,
-                         **({"remat": True} if args.remat and args.stages == 3 else {}),
+                         remat=args.remat,
                          **({"bucket_elements": args.bucket_elements} if args.stages >= 2 else {}))
     state = step.init(fzero.params_of(model, copy=False), materialize=model.init_value)
     first = 0
@@ -385,23 +380,6 @@ def plot_losses(losses: list[float], evals: list[dict], path: str, *, first: int
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-
-
-def forward_remat(model: GPT, params, idx: torch.Tensor) -> torch.Tensor:
-    """GPT.forward written out with every block rematerialised: its activations are recomputed in backward.
-
-    ``fzero.remat`` needs the tensors it differentiates as arguments (a closure over params would lose
-    their gradient), so each block gets its own params passed in explicitly.
-    """
-    def sub(prefix: str) -> dict:
-        return {k[len(prefix) + 1:]: params[k] for k in params if k.startswith(prefix + ".")}
-
-    pos = torch.arange(idx.shape[1])
-    x = fzero.apply(model.tok_emb, sub("tok_emb"), idx) + fzero.apply(model.pos_emb, sub("pos_emb"), pos)
-    for i, block in enumerate(model.blocks):
-        x = fzero.remat(lambda p, h, block=block: fzero.apply(block, p, h))(sub(f"blocks.{i}"), x)
-    x = fzero.apply(model.ln_f, sub("ln_f"), x)
-    return torch.nn.functional.linear(x, params["tok_emb.weight"])  # the tied head
 
 
 def out_of_time(start: float, max_seconds: float, mesh_kind: str) -> bool:

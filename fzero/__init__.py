@@ -42,7 +42,7 @@ from fzero.step import (
     train_step,
     ZeroGradientWarning,
 )
-from fzero.zero import CPUOffload, DiskOffload, offload, shard_grads, shard_optimizer, shard_params
+from fzero.zero import CPUOffload, DiskOffload, offload, remat_units, shard_grads, shard_optimizer, shard_params
 
 __version__ = "0.1.0"
 
@@ -96,6 +96,7 @@ __all__ = [
     "optim",
     "params_of",
     "remat",
+    "remat_units",
     "shard_grads",
     "shard_optimizer",
     "shard_params",

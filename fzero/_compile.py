@@ -11,6 +11,7 @@ from fzero.zero import (
     CPUOffload,
     DiskOffload,
     offload as _offload,
+    remat_units,
     shard_grads,
     shard_optimizer,
     shard_params,
@@ -62,7 +63,8 @@ def compile(  # noqa: A001 - the public name is the design's
     ``unit_elements`` (stages 0-1), ``donate``, ``autodiff``, ``on_nonfinite`` (see ``train_step``); at stages 2-3
     ``units``, ``jit`` (each unit's forward through ``torch.compile``) and ``bucket_elements`` (units reduced
     together; see ``shard_grads``), at stage 3
-    ``prefetch`` and ``remat`` (see ``shard_params``).
+    ``prefetch`` (see ``shard_params``); at every stage ``remat=True``, each unit's forward recomputed in backward
+    (see ``fzero.remat_units``).
 
     ``config``: a DeepSpeed config (a JSON file path, a dict, or ``fzero.config.from_deepspeed(...)``'s
     settings); keywords given explicitly win over it, even when they equal the default (see ``fzero.config``).
@@ -82,7 +84,10 @@ def compile(  # noqa: A001 - the public name is the design's
     units = details.pop("units", None)
     jit = details.pop("jit", False)
     bucket = {"bucket_elements": details.pop("bucket_elements")} if "bucket_elements" in details else {}
-    stage3 = {k: details.pop(k) for k in ("prefetch", "remat") if k in details}
+    stage3 = {k: details.pop(k) for k in ("prefetch",) if k in details}
+    recompute = details.pop("remat", False)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"fzero.compile: remat must be True or False, got {recompute!r}.")
     _rules.check_settings(stages, [*(["units"] if units is not None else []), *stage3, *(["jit"] if jit else []), *bucket,
                                    *(["unit_elements"] if "unit_elements" in details else [])], api="fzero.compile")
     if offload is None:  # the stage rules of offload itself are fzero.offload's to check, below
@@ -99,6 +104,8 @@ def compile(  # noqa: A001 - the public name is the design's
         step = shard_grads(step, units=units, jit=jit, **bucket)
     if stages >= 3:
         step = shard_params(step, **stage3)
+    if recompute:
+        step = remat_units(step)
     if offload is not None:
         step = _offload(step, offload, params=offload_params, dir=offload_dir, sub_group_size=sub_group_size)
     return step

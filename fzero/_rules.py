@@ -9,8 +9,8 @@ Data:
 * ``SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}``: the first stage at which each model state is
   sharded 1/N (the ZeRO paper); ``sharded(what, stage)`` reads it.
 * ``SETTINGS[name] = Rule(stages, why, fix)``: the stages that accept a stage-bound setting:
-  ``unit_elements`` 0-1 (flat buffers by size; at 2-3 units are modules), ``units`` 2-3, ``prefetch`` and
-  ``remat`` 3, ``jit`` and ``bucket_elements`` 2-3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at
+  ``unit_elements`` 0-1 (flat buffers by size; at 2-3 units are modules), ``units`` 2-3, ``prefetch``
+  3, ``jit`` and ``bucket_elements`` 2-3, ``offload`` 1-3, ``offload_params`` 3. Settings not listed apply at
   every stage.
 * ``OFFLOADS = (None, "cpu", "nvme")``: the offload choices ``combinations()`` enumerates ("disk" is "nvme").
 
@@ -55,7 +55,6 @@ SETTINGS: dict[str, Rule] = {
     "bucket_elements": Rule((2, 3), "buckets of module units reduced together",
                             "At stages 0-1 units are already buckets by size: pass unit_elements=... instead."),
     "prefetch": Rule((3,), "sharded params"),
-    "remat": Rule((3,), "sharded params"),
     "jit": Rule((2, 3), "units by module (each unit's forward is compiled)",
                 "At stages 0-1 there are no module units yet: compile the model yourself (torch.compile on each block)."),
     "offload": Rule((1, 2, 3), "each rank offloads its shard of the optimizer state"),
@@ -86,7 +85,7 @@ def _stages_text(stages: tuple[int, ...], key: str) -> str:
     return f"{key}=" + " or ".join(str(s) for s in stages)
 
 
-def _plural(spelled: str) -> bool:  # "units only apply", "prefetch, remat only apply", "prefetch only applies"
+def _plural(spelled: str) -> bool:  # "units only apply", "jit, units only apply", "prefetch only applies"
     return "/" in spelled or ", " in spelled or spelled == "units"
 
 
@@ -103,7 +102,7 @@ def _violation(setting: str, spelled: str, stage: int, api: str, stage_key: str)
 
 def check_settings(stage: int, names: Iterable[str] | Mapping[str, str], *, api: str, stage_key: str = "stages") -> None:
     """``names``: the stage-bound settings given (setting -> how ``api`` spells it, or just the settings).
-    Settings under one rule are named in one sentence ("prefetch, remat only apply at stages=3 ...")."""
+    Settings under one rule are named in one sentence ("a, b only apply at stages=...")."""
     spelled = dict(names) if isinstance(names, Mapping) else {n: n for n in names}
     by_rule: dict[Rule, list[str]] = {}
     for s in spelled:

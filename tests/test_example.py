@@ -105,9 +105,12 @@ def test_example_options_remat_precision_accum_clip(corpus_file, tmp_path, capsy
     # --layer-drop: blocks skipped as the draw says (evaluation runs them all); it still learns
     dropped = load_example().main([*base, "--steps", "6", "--layer-drop", "0.5:0.5"])
     assert 0 < dropped["blocks_run"] < 6 * 2 and all(math.isfinite(x) for x in dropped["losses"])
-    # at stage 3 --remat recomputes each unit (compile(remat=True)): the same numbers again
+    # at stage 3 --remat recomputes each unit (compile(remat=True), as at every stage): the same numbers again
     s3 = [*TINY, "--mesh", "local", "--ranks", "2", "--stages", "3", "--data", corpus_file, "--steps", "4"]
     assert load_example().main([*s3, "--remat"])["losses"] == pytest.approx(load_example().main(s3)["losses"], rel=1e-5)
+    # --layer-drop with --remat: the blocks that run are recomputed, the skipped ones are not called at all
+    both = load_example().main([*base, "--steps", "6", "--layer-drop", "0.5:0.5", "--remat"])
+    assert both["losses"] == pytest.approx(dropped["losses"], rel=1e-5)
 
 
 def test_example_saves_and_resumes_exactly(corpus_file, tmp_path):

@@ -195,17 +195,19 @@ def test_remat_on_an_hf_decoder_with_its_default_cache_raises_before_any_update(
 
 
 @pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", [0, 2, 3])
 @pytest.mark.parametrize("name, build", [("llama", _llama_no_cache), ("bn_cnn", None), ("spectral_norm", None)])
-def test_remat_trains_as_pytorch_without_remat(name, build, ranks):
-    """``remat=True`` against plain PyTorch without recompute: the same params every step, and buffers (BatchNorm's
-    running means, variances and ``num_batches_tracked``; spectral norm's vectors) written once per step."""
+def test_remat_trains_as_pytorch_without_remat(name, build, ranks, stages):
+    """``remat=True`` against plain PyTorch without recompute, at stage 0 (module units found on the model), 2 and 3:
+    the same params every step, and buffers (BatchNorm's running means, variances and ``num_batches_tracked``;
+    spectral norm's vectors) written once per step."""
     if name == "llama":
         pytest.importorskip("transformers")
     entry = ZOO[name]
     if build is not None:
         entry = dataclasses.replace(entry, build=lambda: (torch.manual_seed(0), build().train())[1])
     ref = reference_run(entry, ranks)
-    run = fzero_run(dataclasses.replace(entry, settings={**entry.settings, "remat": True}), stages=3, ranks=ranks)
+    run = fzero_run(dataclasses.replace(entry, settings={**entry.settings, "remat": True}), stages=stages, ranks=ranks)
     check(entry, ref, run)
     if name == "bn_cnn":
         assert int(run.state_dict["0.1.num_batches_tracked"]) == 4  # 4 steps, not 8

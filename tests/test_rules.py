@@ -44,7 +44,7 @@ def test_check_stage_names_the_api_and_value(stage):
 
 @pytest.mark.parametrize("stage, names, match", [
     (1, ["units"], r"^fzero.compile: units only apply at stages=2 or 3 \(units by module\), but stages=1. Drop units, or use stages=2 or 3.$"),
-    (2, ["prefetch", "remat"], r"^fzero.compile: prefetch, remat only apply at stages=3 \(sharded params\), but stages=2. Drop prefetch, remat"),
+    (2, ["prefetch"], r"^fzero.compile: prefetch only applies at stages=3 \(sharded params\), but stages=2. Drop prefetch"),
     (0, ["offload"], r"offload needs stages >= 1 \(each rank offloads its shard of the optimizer state\), but stages=0"),
     (3, ["unit_elements"], r"unit_elements only applies at stages=0 or 1 .* but stages=3.* pass units=\('blocks.0', ...\)"),
     (0, ["units", "prefetch"], r"units only apply at stages=2 or 3 .* prefetch only applies at stages=3 .*but stages=0"),

@@ -4,7 +4,7 @@ A forward with side effects (a key/value cache appended to, a forward hook feedi
 op on a unit's output, a unit returning a dataclass) must train exactly as in plain PyTorch. The
 gathered params are freed after each unit's forward and refilled before its backward; ``remat=True``
 recomputes each unit instead (gathering it again), which costs one more forward per unit and saves
-activations.
+activations, and means the same at stages 0-2 (each module unit recomputed).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def _train(model, loss_fn, *, stages, ranks=2, steps=3, **kw):
 
 @pytest.mark.parametrize("autodiff", ["func", "autograd"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_each_unit_runs_its_forward_once_per_step(autodiff, ranks):
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_each_unit_runs_its_forward_once_per_step_and_twice_under_remat_at_every_stage(autodiff, ranks, stages):
     calls = _Tally()
     torch.manual_seed(0)
     model = _CacheModel(calls)
@@ -86,11 +87,11 @@ def test_each_unit_runs_its_forward_once_per_step(autodiff, ranks):
     def loss_fn(params, b):
         return nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
 
-    _train(model, loss_fn, stages=3, ranks=ranks, steps=2, autodiff=autodiff)
+    _train(model, loss_fn, stages=stages, ranks=ranks, steps=2, autodiff=autodiff)
     assert len(calls) == 2 * 3 * ranks  # steps x blocks x ranks: no recompute
     calls.clear()
-    _train(model, loss_fn, stages=3, ranks=ranks, steps=2, autodiff=autodiff, remat=True)
-    assert len(calls) == 2 * 2 * 3 * ranks  # remat: forward and recompute
+    _train(model, loss_fn, stages=stages, ranks=ranks, steps=2, autodiff=autodiff, remat=True)
+    assert len(calls) == 2 * 2 * 3 * ranks  # remat: forward and recompute of each unit (the blocks)
 
 
 @pytest.mark.parametrize("autodiff", ["func", "autograd"])
@@ -232,7 +233,9 @@ def test_activations_are_kept_as_in_a_plain_step_and_remat_brings_them_down():
         return fzero.apply(model, params, b).pow(2).mean()
 
     peaks = {}
-    for name, kw in (("stage0", dict(stages=0)), ("stage3", dict(stages=3)), ("remat", dict(stages=3, remat=True))):
+    runs = (("stage0", dict(stages=0)), ("stage3", dict(stages=3)), ("remat", dict(stages=3, remat=True)),
+            *((f"remat{s}", dict(stages=s, remat=True)) for s in (0, 1, 2)))
+    for name, kw in runs:
         counters = {}
         mesh = dataclasses.replace(fzero.local_mesh(1), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
         step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), mesh=mesh, **kw)
@@ -243,6 +246,8 @@ def test_activations_are_kept_as_in_a_plain_step_and_remat_brings_them_down():
     assert peaks["stage3"] > activations  # the graph keeps them, as at stage 0
     assert peaks["stage3"] == pytest.approx(peaks["stage0"], rel=0.15)
     assert peaks["remat"] < 0.5 * peaks["stage3"]
+    for s in (0, 1, 2):  # remat=True means the same at every stage: each unit's activations recomputed
+        assert peaks[f"remat{s}"] < 0.5 * peaks["stage0"], (s, peaks)
 
 
 class _UnitSizedCopies(TorchDispatchMode):

@@ -69,6 +69,9 @@ def test_each_transform_replaces_its_parts():
     assert (s2.params, s2.grads, s2.opt_state, s2.stage) == (ParamsReplicated(), GradsInBackward(), OptStateSharded(), 2)
     assert (s3.params, s3.grads, s3.stage, s3.unit_settings.remat) == (ParamsSharded(), GradsInBackward(), 3, True)
     assert s3o.opt_state.offload.where == "cpu" and s3o.offload is s3o.opt_state.offload and s3.offload is None
+    r1 = fzero.remat_units(s1)  # a setting of the step, at any stage: the parts stay
+    assert (r1.params, r1.grads, r1.opt_state, r1.stage, r1.unit_settings.remat) == (s1.params, s1.grads, s1.opt_state, 1, True)
+    assert fzero.compile(prob.loss_fn, stages=1, mesh=fzero.local_mesh(2), remat=True).unit_settings == r1.unit_settings
 
 
 def _stage(k, prob):

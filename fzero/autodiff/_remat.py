@@ -58,8 +58,9 @@ torch.func.grad it would silently be zero. Pass every differentiable tensor as a
 _UNIT_PARAMS = """fzero.remat: {name} was given the {kind} that loss_fn receives at stage {stage}; remat can neither save nor
 differentiate it (it is not a tensor). {fix}"""
 _UNIT_FIX = {
-    2: "Pass the tensors themselves, e.g. remat(f)({k: params[k] for k in names}, x).",
-    3: "At stage 3, recompute the units with fzero.compile(..., stages=3, remat=True) (or "
+    2: "Recompute the units with fzero.compile(..., remat=True), or pass the tensors themselves, e.g. "
+       "remat(f)({k: params[k] for k in names}, x).",
+    3: "At stage 3, recompute the units with fzero.compile(..., remat=True) (or "
        "fzero.shard_params(step, remat=True)): each unit is then recomputed in backward, gathered again.",
 }
 
@@ -212,10 +213,12 @@ def _replay_autocast(state) -> contextlib.ExitStack:
 class _NoCapturedGrad(TorchFunctionMode):
     """Raises when ``fn`` makes a tensor out of a tensor that requires grad but is not an argument.
 
-    Under ``no_grad`` everything ``fn`` computes has ``requires_grad=False``, so a tensor that requires grad
-    is either an argument (plain autograd passes the caller's tensors through) or was captured; under
-    ``torch.func`` the arguments arrive unwrapped (``requires_grad=False``) and a captured transformed
-    tensor still reads ``True``. Reads of metadata (shape, dtype, ...) return no tensor and pass.
+    Under ``no_grad`` what ``fn`` computes has ``requires_grad=False``, except views: a view of a tensor that
+    requires grad reads ``True`` (a spectral norm's ``weight.H``, a ``flatten``). So a tensor that requires grad is
+    an argument (plain autograd passes the caller's tensors through), a view ``fn`` made of one (noted as it is
+    made: ``_base`` would name the buffer an argument is itself a view of), or captured; under ``torch.func`` the
+    arguments arrive unwrapped (``requires_grad=False``) and a captured transformed tensor still reads ``True``.
+    Reads of metadata (shape, dtype, ...) return no tensor and pass.
     """
 
     _EXEMPT = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
@@ -224,6 +227,7 @@ class _NoCapturedGrad(TorchFunctionMode):
         super().__init__()
         self.call = call
         self.ok = {id(x) for x in inputs}
+        self.derived: list[torch.Tensor] = []  # views of arguments, held so that their ids stay theirs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -233,6 +237,10 @@ class _NoCapturedGrad(TorchFunctionMode):
                 if t.requires_grad and id(t) not in self.ok:
                     what = f"shape {tuple(t.shape)}, {t.dtype}"
                     raise RuntimeError(_CAPTURED.format(name=self.call.name, what=what, op=torch.overrides.resolve_name(func) or func))
+            for o in (out,) if isinstance(out, torch.Tensor) else out:
+                if isinstance(o, torch.Tensor) and o.requires_grad and id(o) not in self.ok:  # a view of an argument
+                    self.ok.add(id(o))
+                    self.derived.append(o)
         return out
 
 

@@ -138,7 +138,8 @@ TOP: dict[str, Spec] = {
     "dataloader_drop_last": NoEffect("fzero builds no data loader"),
     "disable_allgather": NoEffect(_NONE), "disable_python_gc": NoEffect(_NONE),
     "activation_checkpointing": NoEffect("DeepSpeed applies it where the model calls deepspeed.checkpointing; "
-                                          "in fzero, wrap blocks with fzero.remat in loss_fn"),
+                                          "in fzero, compile(remat=True) recomputes each unit, or wrap blocks with "
+                                          "fzero.remat in loss_fn"),
     "aio": NoEffect("DeepSpeed's async-I/O tuning; fzero's disk offload reads ahead with its own thread"),
     "pipeline": NoEffect("read only for a deepspeed.pipe.PipelineModule; fzero has no pipeline parallelism"),
     "seq_parallel_communication_data_type": NoEffect("fzero has no sequence parallelism"),

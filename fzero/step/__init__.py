@@ -8,12 +8,13 @@ from fzero.step._context import (
     cast_floating,
     current_buffers,
     current_compute_dtype,
+    module_for_thread,
     outside_step_scope,
     recording,
     replaying,
     Snapshots,
 )
-from fzero.step._module import apply, buffers_of, params_of
+from fzero.step._module import apply, apply_dict, buffers_of, params_of
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, View
 from fzero.step._protocols import GradsPart, OffloadPolicy, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import (

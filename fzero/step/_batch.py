@@ -317,7 +317,7 @@ _FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the m
 This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
 activation_checkpointing_enable(), or requires_grad_() on an activation). Build the step with plain autograd, which
 supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkpointing off and recompute with
-fzero's own (fzero.remat at stages 0-2, compile(..., stages=3, remat=True))."""
+fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)."""
 
 
 def split_loss(out: Any) -> tuple[torch.Tensor, Any]:

@@ -77,6 +77,15 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     run_module = getattr(type(params), "run_module", None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         return run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
+    return apply_dict(module, params, args, kwargs, method=method)
+
+
+def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
+    """``fzero.apply`` with a params dict (stages 0-1, or outside a step), its arguments already cast: the module (this
+    rank's clone of it, within a step) runs with ``params``, the step's buffers and, under a low-precision policy,
+    its other tensors cast. ``method``: a function of the module's class to run instead of ``forward``."""
+    bank = current_buffers()
+    dtype = current_compute_dtype()
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)

@@ -101,9 +101,10 @@ class ParamView(View):
     """
 
     def __init__(self, layout: Layout, flats: dict[str, torch.Tensor], *, start: Callable[[torch.Tensor], Any] | None = None,
-                 pool: Pool | None = None) -> None:
+                 pool: Pool | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
         super().__init__(layout.param_views(flats), self._assemble)
         self.layout = layout
+        self.wrap = wrap  # UnitSettings.wrap_params: what loss_fn receives, made of the params dict
         self.pool = pool  # where the flat gradients' buffers come from (fzero.step._pool)
         self.flats: list[torch.Tensor | None] | None = None  # per unit, made on its first gradient (in place mode)
         # In place mode, in the last micro-batch: ``start(flat)`` starts a complete unit's reduction (the grads part's
@@ -116,7 +117,8 @@ class ParamView(View):
         self._next = -1  # the unit to start next (descending)
 
     def _assemble(self, xs: list[torch.Tensor]) -> Any:
-        return self.layout.assemble(xs, None if self.flats is not None else _usage.record)
+        params = self.layout.assemble(xs, None if self.flats is not None else _usage.record)
+        return params if self.wrap is None else self.wrap(params)
 
     @property
     def accumulates(self) -> bool:
@@ -313,7 +315,8 @@ class GradsAllReduce:
         def start(flat: torch.Tensor) -> Any:
             return self.start(comm, flat, reduce_dtype=reduce_dtype or flat.dtype, compute=flat.dtype, pool=pool)
 
-        return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None, pool=pool)
+        return ParamView(state.meta.layout, state.params, start=start if comm.size > 1 else None, pool=pool,
+                         wrap=settings.wrap_params)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Pool | None = None) -> torch.Tensor:
         return self.start(comm, grad, reduce_dtype=reduce_dtype, compute=compute, pool=pool).wait()

@@ -25,13 +25,16 @@ class UnitSettings:
 
     ``jit``: each unit's forward through ``torch.compile`` (stages 2-3). ``bucket_elements``: units reduced together
     (and, at stage 3, gathered; at stage 2, gathered back after the update) until a bucket holds this many elements;
-    0: each unit alone. ``prefetch``: stage 3 gathers the next unit while one runs. ``remat``: stage 3 recomputes
-    each unit's forward in backward, gathering it again."""
+    0: each unit alone. ``prefetch``: stage 3 gathers the next unit while one runs. ``remat``: each unit's forward
+    is recomputed in backward, at every stage (stage 3 gathers the unit again for it). ``wrap_params``: what
+    ``loss_fn`` receives at stages 0-1 (the params dict) is passed through it: ``fzero.zero``'s ``remat`` wraps
+    it so that ``fzero.apply`` recomputes each module unit (at stages 2-3 the unit params do it themselves)."""
 
     jit: bool = False
     bucket_elements: int = 0
     prefetch: bool = True
     remat: bool = False
+    wrap_params: Callable[[Any], Any] | None = None
 
 
 class ParamsPart(Protocol):

@@ -13,10 +13,10 @@ checked rather than a convention:
 
 from fzero.zero._offloading import offload
 from fzero.zero._policies import CPUOffload, DiskOffload
-from fzero.zero._stages import (GradsInBackward, GradsReduceScatter, OptStateSharded, ParamsSharded, shard_grads, shard_optimizer,
-                                shard_params)
+from fzero.zero._stages import (GradsInBackward, GradsReduceScatter, OptStateSharded, ParamsSharded, remat_units, shard_grads,
+                                shard_optimizer, shard_params)
 
-__all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "shard_grads",
+__all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter", "OptStateSharded", "ParamsSharded", "offload", "remat_units", "shard_grads",
            "shard_optimizer", "shard_params"]
 
 # What other packages use of this one (they import it from here, never from a private module):

@@ -27,8 +27,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero.layout import walk, clone_structure, ROOT, Layout, Unit
-from fzero.step import usage as _usage, Pool, buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype
+from fzero.autodiff import remat
+from fzero.layout import walk, clone_structure, ROOT, Layout, Unit, units_of
+from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, current_buffers,
+                        current_compute_dtype, module_for_thread)
 from fzero.mesh import AllGather, ReplicatedShardGrad
 from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
@@ -132,10 +134,12 @@ class ReplicatedParams(UnitParams):
 
     unit_stage = 2  # what fzero.remat names in its error when given these params
 
-    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor], *, sink: Any = None, **kw) -> None:
+    def __init__(self, inputs, layout, comm, wholes: dict[str, torch.Tensor], *, sink: Any = None, remat: bool = False,
+                 **kw) -> None:
         super().__init__(inputs, layout, comm, **kw)
         self.wholes = wholes
         self.sink = sink  # under plain autograd: takes each unit's reduction while it is in flight (ShardGradView)
+        self.remat = remat  # recompute each unit's forward in backward (UnitSettings.remat)
 
     def _whole(self, unit):
         return ReplicatedShardGrad.apply(self.inputs[unit.name], self.wholes[unit.name], self.comm, self.reduce_dtype,
@@ -144,7 +148,15 @@ class ReplicatedParams(UnitParams):
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
         views = {path[prefix:]: v for path, v in self.views(unit).items()}
-        return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=self.runner(inner, unit))
+        run = self.runner(inner, unit)
+        if not (self.remat and torch.is_grad_enabled()):
+            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
+
+        def unit_forward(views, /, *args, **kwargs):  # the step's buffers as remat hands them out (its snapshots)
+            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
+
+        unit_forward.__qualname__ = f"unit {unit.name!r}"
+        return remat(unit_forward)(views, *args, **kwargs)
 
 
 class ShardedParams(UnitParams):
@@ -179,6 +191,65 @@ class ShardedParams(UnitParams):
 
     def run_unit(self, inner, unit, args, kwargs):
         return run_unit(inner, unit, self, args, kwargs)
+
+
+class RematParams(Mapping):
+    """What ``loss_fn`` receives at stages 0-1 under ``remat=True``: the params dict, whose ``fzero.apply`` recomputes
+    each module unit (``fzero.units_of(model)``: by default each block of a ``ModuleList``) in backward, as stages 2-3
+    do with theirs.
+
+    Units at stages 0-1 are flat buffers by size, not modules, so the units to recompute are found on the module when
+    ``fzero.apply`` first runs it in a step: this step's clone of it (the user's module is never changed) gets each
+    unit's class swapped for a subclass (``_remat_skin``) whose call goes through ``fzero.remat``."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.params[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def run_module(self, module: nn.Module, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
+        target = module_for_thread(module)
+        if target is not module and not target.__dict__.get("_fz_remat"):  # a clone, once: never the user's module
+            target.__dict__["_fz_remat"] = True
+            for path in units_of(target):
+                sub = target.get_submodule(path)
+                sub.__class__ = _remat_skin(type(sub))  # type: ignore[arg-type]  # (classes hash)
+                sub.__dict__["_fz_unit"] = path
+        return apply_dict(module, self.params, args, kwargs, method=method)
+
+
+class _RematUnit(nn.Module):
+    """A module unit of a stage 0-1 step under ``remat=True`` (see ``RematParams``): its call runs through
+    ``fzero.remat`` with the params it holds now (the step's, bound by ``fzero.apply``) as arguments, so its
+    activations are recomputed in backward; inside, the module runs as its own class (hooks, its class's
+    ``__call__``). Buffers come through ``buffers_for_run``, so a recompute never writes them twice."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = functools.partial(_as_own_class, self, lambda: self)
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        buffers = dict(self.named_buffers())
+
+        def unit_forward(params, /, *args, **kwargs):
+            return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run)
+
+        unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
+        return remat(unit_forward)(params, *args, **kwargs)
+
+
+@functools.cache
+def _remat_skin(cls: type) -> type:
+    """The ``_RematUnit`` subclass of ``cls``, named as ``cls`` (as ``_skin`` makes the stage 2-3 ones)."""
+    return type(cls.__name__, (_RematUnit, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                  "_fz_class": cls})
 
 
 def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict, *, method: Any = None) -> Any:

@@ -28,7 +28,7 @@ import torch
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, Layout, by_container_child, by_prefixes
 from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatter, pooled_reduce_scatter
 from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step
-from fzero.zero._sharded import ReplicatedParams, ShardedParams
+from fzero.zero._sharded import RematParams, ReplicatedParams, ShardedParams
 from fzero.zero._unit import Schedule
 
 
@@ -93,7 +93,8 @@ class GradsInBackward(GradsReduceScatter):
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                 jit=settings.jit, sink=view if view.active else None, pool=pool), names,
+                                                                 jit=settings.jit, sink=view if view.active else None, pool=pool,
+                                                                 remat=settings.remat), names,
                              comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
         return view
 
@@ -446,3 +447,18 @@ def shard_params(step: Step, *, units: tuple[str, ...] | None = None, prefetch: 
         raise TypeError(f"fzero.shard_params: remat must be True or False, got {remat!r}.")
     return dataclasses.replace(step, grads=grads, params=ParamsSharded(),
                                unit_settings=dataclasses.replace(step.unit_settings, prefetch=prefetch, remat=remat))
+
+
+def remat_units(step: Step) -> Step:
+    """Recompute each unit's forward in backward instead of keeping its activations, at any stage
+    (``compile(..., remat=True)``): less activation memory, one more forward per unit.
+
+    At stage 3 a unit is gathered again for its recompute (``shard_params(remat=True)`` is the same). At stage 2 each
+    unit runs through ``fzero.remat`` with its whole params. At stages 0-1, where the flat buffers are cut by size,
+    the units recomputed are the model's module units (``fzero.units_of(model)``: each block of a ``ModuleList``),
+    found when ``fzero.apply`` first runs the model (``RematParams``). Buffer writes (BatchNorm statistics) happen once
+    per step; hooks inside a unit fire again in its recompute, as under ``torch.utils.checkpoint``; a unit that
+    changes a non-tensor argument (a Hugging Face KV cache under ``use_cache=True``) raises before any update.
+    """
+    step = as_step(step, "fzero.remat_units")
+    return dataclasses.replace(step, unit_settings=dataclasses.replace(step.unit_settings, remat=True, wrap_params=RematParams))
