@@ -7,8 +7,8 @@ gathers of one step on one rank, with prefetch in forward and in backward.
 ``run_unit`` is what a unit of the stage-3 skeleton does when the forward reaches it (``fzero.zero._sharded``).
 ``_UnitGather`` gathers the unit and hands its module the params as views of the gathered buffer; after the
 forward the buffer's storage is freed while the graph keeps the views. ``_RefillBeforeBackward`` on the unit's
-outputs refills the storage in place (``_Refill``) when the gradient reaches them, and ``_UnitGather``'s backward
-(``_UnitReduce``) reduce-scatters the unit's gradient and frees the storage again. Under ``torch.func.grad``
+outputs refills the storage in place (``_Refill``) when the gradient reaches them, and ``_UnitGather``'s backward has
+``UnitCall.reduce`` reduce-scatter the unit's gradient (through ``_UnitReduce``) and free the storage again. Under ``torch.func.grad``
 every collective runs in a Function's forward (the transform refuses one in a backward); under plain autograd
 (the default) the unit's reduction is started from its backward, and travels while the next unit's backward runs
 (``sink``, ``fzero.zero._stages.ShardGradView``).
@@ -30,7 +30,8 @@ from fzero.step import Pool, alloc_memory, can_move, free_memory, give, move_int
 
 
 class UnitCall:
-    """One invocation of one unit at stage 3, and its gathered buffer.
+    """One invocation of one unit at stage 3, and its gathered buffer: its gather (``Schedule.gather``), run, free,
+    refill and the reduction of its gradient (``reduce``).
 
     ``full`` is the buffer the unit was gathered into for its forward. The forward's graph keeps views of
     it (a linear layer saves its weight), so the buffer object lives as long as the graph; what is freed
@@ -95,6 +96,31 @@ class UnitCall:
         if self.full is not None and self.full.untyped_storage().nbytes():
             free_memory(self.schedule.pool, self.full)
             _events.resized(self.full)
+
+    def reduce(self, grad_full: torch.Tensor, *, free_after: bool, sink: Any = None) -> torch.Tensor | None:
+        """Reduce-scatter the unit's gradient into its shard's, and free the gathered buffer again. ``sink``: start
+        the reduction and hand it there (``ShardGradView.ready``, which may bucket it with the next units'),
+        returning None; else wait for it and return the shard."""
+        if free_after and not self.refilled:
+            raise RuntimeError(_NOT_REFILLED.format(unit=self.unit.name))
+        params = self.params
+        grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
+        if grad is not grad_full:  # the compute-dtype gradient (a pool buffer, ``_usage.join``) is done with: to the pool
+            give(params.pool, grad_full)
+            del grad_full
+        shard = params.inputs[self.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
+        if sink is not None:  # the sink starts its reduction (alone or in a bucket with the next units')
+            grad_shard = None
+        else:
+            grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=self.unit.name).to(
+                shard.device, shard.dtype, non_blocking=shard.is_cuda)
+        if free_after:
+            self.done()
+            self.free()
+            self.refilled = False
+        if sink is not None:
+            sink.ready(self.unit.name, grad, shard.detach())
+        return grad_shard
 
     def unalloc(self) -> bool:
         return self.full is not None and self.full.untyped_storage().nbytes() == 0
@@ -425,33 +451,9 @@ class _UnitGather(Function):
     def backward(ctx, *grads):
         flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like, pool=ctx.call.params.pool)
         if ctx.call.params.sink is not None:  # plain autograd: the reduction in flight while the next unit's backward runs
-            _reduce(flat, ctx.call, ctx.free_after, sink=ctx.call.params.sink)
+            ctx.call.reduce(flat, free_after=ctx.free_after, sink=ctx.call.params.sink)
             return None, None, None, None
         return _UnitReduce.apply(flat, ctx.call, ctx.free_after), None, None, None
-
-
-def _reduce(grad_full: torch.Tensor, call: Any, free_after: bool, *, sink: Any = None) -> torch.Tensor | None:
-    """Reduce-scatter a unit's gradient into its shard's, and free the gathered buffer again. ``sink``: start the
-    reduction and hand it there (``ShardGradView.reduced``), returning None; else wait for it and return the shard."""
-    if free_after and not call.refilled:
-        raise RuntimeError(_NOT_REFILLED.format(unit=call.unit.name))
-    params = call.params
-    grad = grad_full if params.reduce_dtype is None else grad_full.to(params.reduce_dtype)
-    if grad is not grad_full:  # the compute-dtype gradient (a pool buffer, ``_usage.join``) is done with: back to the pool
-        give(params.pool, grad_full)
-        del grad_full
-    shard = params.inputs[call.unit.name]  # its gradient goes where it is (to the host, params offloaded there)
-    if sink is not None:  # the sink starts its reduction (alone or in a bucket with the next units')
-        grad_shard = None
-    else:
-        grad_shard = params.comm.reduce_scatter(grad, tag="grads", label=call.unit.name).to(shard.device, shard.dtype, non_blocking=shard.is_cuda)
-    if free_after:
-        call.done()
-        call.free()
-        call.refilled = False
-    if sink is not None:
-        sink.ready(call.unit.name, grad, shard.detach())
-    return grad_shard
 
 
 class _UnitReduce(Function):
@@ -459,7 +461,7 @@ class _UnitReduce(Function):
 
     @staticmethod
     def forward(grad_full, call, free_after):
-        grad_shard = _reduce(grad_full, call, free_after)
+        grad_shard = call.reduce(grad_full, free_after=free_after)
         return grad_shard.view_as(grad_shard) if grad_shard is grad_full else grad_shard
 
     @staticmethod
