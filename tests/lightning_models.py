@@ -41,6 +41,16 @@ class LitGPT(pl.LightningModule):
         return configure(self, self.lr, self.groups, self.schedule)
 
 
+class SyncedGPT(LitGPT):
+    """LitGPT that also logs its loss with ``sync_dist=True`` from inside ``training_step``: an all-reduce of Lightning's
+    own in the middle of the step's forward (at stage 3, between the units' gathers)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
+
+
 class LitCNN(pl.LightningModule):
     def __init__(self, lr: float = 1e-2, schedule: bool = False):
         super().__init__()

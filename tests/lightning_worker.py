@@ -20,6 +20,7 @@ from lightning_models import (
     NAMES,
     LitCNN,
     LitGPT,
+    SyncedGPT,
     cnn_batches,
     gpt_batches,
     rank_share,
@@ -93,6 +94,14 @@ def main() -> None:
     trainer("fzero_stage_3_offload", max_epochs=2, enable_checkpointing=True, callbacks=[again]).fit(
         resumed, loader(batches, rank), ckpt_path=saver.best_model_path)
     results["resume"] = (params(straight), params(resumed), sorted(os.listdir(saver.best_model_path)))
+
+    # self.log(sync_dist=True) inside training_step at stage 3: Lightning's all-reduce between fzero's gathers
+    synced = SyncedGPT()
+    run = trainer("fzero_stage_3")
+    run.fit(synced, loader(gpt_batches(3), rank))
+    losses = [None] * 2
+    torch.distributed.all_gather_object(losses, float(run.callback_metrics["train_loss"]))  # each rank's last loss
+    results["synced"] = (params(synced), float(run.callback_metrics["synced_loss"]), losses)
 
     if rank == 0:
         torch.save(results, os.path.join(out, "results.pt"))

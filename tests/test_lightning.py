@@ -90,6 +90,17 @@ def test_accumulate_grad_batches_gradient_clip_val_param_groups_and_scheduler_ma
 
 @pytest.mark.torchrun
 @pytest.mark.slow
+def test_self_log_with_sync_dist_inside_training_step_at_stage_3(dist_results):
+    """Lightning's own all-reduce in the middle of a stage-3 step (between the units' gathers, prefetch on): the
+    training is unchanged (bitwise the run without it) and the logged value is the mean of the ranks' losses."""
+    got, synced, losses = dist_results["synced"]
+    want = dist_results["gpt2", "fzero_stage_3"]
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert losses[0] != losses[1] and synced == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_resuming_from_a_model_checkpoint_continues_bitwise(dist_results):
     straight, resumed, files = dist_results["resume"]
     assert files == ["fzero", "lightning.ckpt"]  # fzero's sharded state beside Lightning's own file
