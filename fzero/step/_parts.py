@@ -32,7 +32,7 @@ from fzero.mesh import GatherBucket, Pending
 from fzero.layout import Layout
 from fzero.step import _context as _usage
 from fzero.step._pool import Pool, take
-from fzero.step._protocols import GradsPart, OffloadPolicy, ParamsPart, UnitSettings
+from fzero.step._protocols import GradsPart, OffloadPolicy, ParamsPart, StepView, UnitSettings
 
 
 class View:
@@ -243,7 +243,7 @@ class ParamsReplicated:
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
              pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
-             settings: UnitSettings = UnitSettings()) -> View:
+             settings: UnitSettings = UnitSettings()) -> StepView:
         """``masters`` (fp32 masters beside the params) is for stage 3, which gathers from them; whole params need none."""
         return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool, settings=settings)
 

@@ -14,8 +14,26 @@ import torch
 from fzero.layout import Layout
 
 if TYPE_CHECKING:
-    from fzero.step._parts import View
     from fzero.step._pool import Pool
+
+
+class StepView(Protocol):
+    """What one step's gradient is taken over, as the rank program uses it (``fzero.step._parts.View`` and its
+    subclasses): ``inputs``, the differentiable tensors; ``build(xs)``, what ``loss_fn`` gets; ``release()`` after each
+    micro-batch; ``collect(grads)``, one gradient per unit; ``finish(meta)``, the state's new metadata."""
+
+    inputs: list[torch.Tensor]
+
+    def build(self, xs: list[torch.Tensor]) -> Any: ...
+    def release(self) -> None: ...
+    def collect(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def finish(self, meta: Any) -> Any: ...
+    def begin_micro(self, *, last: bool) -> None: ...
+    def grad_into(self, leaves: list[torch.Tensor]) -> bool: ...
+    @property
+    def accumulates(self) -> bool: ...
+    def for_update(self, state: Any) -> Any: ...
+    def restore(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +74,11 @@ class ParamsPart(Protocol):
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
              pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
-             settings: UnitSettings = UnitSettings()) -> View:
+             settings: UnitSettings = UnitSettings()) -> StepView:
         """What the gradient of a micro-batch is taken over, and what ``loss_fn`` receives."""
         ...
 
-    def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
+    def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> StepView:
         """What ``loss_fn`` receives in an evaluation (no gradient)."""
         ...
 
@@ -95,7 +113,7 @@ class GradsPart(Protocol):
         ...
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None,
-                        settings: UnitSettings = UnitSettings()) -> View:
+                        settings: UnitSettings = UnitSettings()) -> StepView:
         """The view of whole params (stages 0-2) that the gradient is taken over."""
         ...
 
