@@ -218,6 +218,24 @@ def test_what_cannot_map_is_refused_by_name(cls, settings, match):
         _trainer(**settings).fit(cls(), _loader(cnn_batches(3)))
 
 
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_disk_offload_under_lightning_trains_as_cpu_offload(tmp_path):
+    """DeepSpeed's "deepspeed_stage_3_offload_nvme" as FZeroStrategy(stages=3, offload=DiskOffload(dir, params=True)):
+    the optimizer state and param shards in files under the directory, the same params as host offload, bitwise."""
+    batches = cnn_batches(3)
+    host = LitCNN()
+    _trainer("fzero_stage_3_offload").fit(host, _loader(batches))
+    disk = LitCNN()
+    trainer = _trainer(fzero.lightning.FZeroStrategy(stages=3, offload=fzero.DiskOffload(str(tmp_path), params=True)))
+    trainer.fit(disk, _loader(batches))
+    assert trainer.strategy.step.offload.where == "disk" and os.listdir(tmp_path)
+    want = dict(host.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in disk.named_parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(LitCNN().parameters(), disk.parameters()))
+
+
 def test_compile_keywords_that_lightning_sets_are_refused():
     with pytest.raises(TypeError, match=r"grad_accum= is set by Lightning here.*Trainer\(accumulate_grad_batches=...\)"):
         fzero.lightning.FZeroStrategy(stages=3, grad_accum=2)
