@@ -133,8 +133,6 @@ class Function(torch.autograd.Function):
             func.__signature__ = _Signature(inspect.signature(func))
 
 
-
-
 @contextlib.contextmanager
 def watching(observer: Any) -> Iterator[Any]:
     """Send this thread's buffer events to ``observer`` (which has ``on_gathered`` and ``on_resized``) inside the block."""

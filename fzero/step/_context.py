@@ -1,4 +1,5 @@
-"""What a step's rank context (``fzero._rank``) means for ``fzero.apply``: module clones, compute dtype, buffers, usage.
+"""What a step's rank context (``fzero.mesh.RankContext``) means for ``fzero.apply``: module clones, compute dtype,
+buffers, usage.
 
 ``torch.func.functional_call`` swaps tensors into the module's attributes for the length of a forward, and a
 forward may write into its module (Hugging Face installs its output-capturing hooks lazily, from inside the
@@ -48,8 +49,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero.mesh import current_context, with_context
-from fzero.mesh import Function
+from fzero.mesh import Function, current_context, with_context
 from fzero.layout import Layout, Unit, clone_structure, split_sizes
 
 

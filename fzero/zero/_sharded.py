@@ -149,12 +149,12 @@ class ReplicatedParams(UnitParams):
         prefix = len(unit.name) + 1
         views = {path[prefix:]: v for path, v in self.views(unit).items()}
         run = self.runner(inner, unit)
+
+        def unit_forward(views, /, *args, **kwargs):  # under remat: the step's buffers as remat hands them out
+            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
+
         if not (self.remat and torch.is_grad_enabled()):
-            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
-
-        def unit_forward(views, /, *args, **kwargs):  # the step's buffers as remat hands them out (its snapshots)
-            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
-
+            return unit_forward(views, *args, **kwargs)
         unit_forward.__qualname__ = f"unit {unit.name!r}"
         return remat(unit_forward)(views, *args, **kwargs)
 
