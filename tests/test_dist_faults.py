@@ -288,6 +288,41 @@ def test_a_failed_collective_names_the_rank_whose_process_is_gone(fast_slices):
         _waiting.wait(SlowWork(0, error="Connection closed by peer"), call, b0, bounded=True)
 
 
+GLOO_LOST = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[127.0.0.1]:43678. This is typically caused by a remote worker crashing.")
+
+
+def test_a_collective_posted_to_a_rank_whose_process_is_gone_names_it():
+    """A peer already gone fails the collective when it is issued, not when it is waited for: gloo raises from
+    ``isend`` itself (seen in CI as rank 0's raw error in test_a_killed_rank_is_named_as_vanished)."""
+    b0, _ = boards()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    b0.store.set(b0._key("pid", 1), f"{b0.host}\t{gone.pid}")
+    b0.enter("fzero.Step.__call__")
+    call = b0.issue("all_gather params 'blocks.0', 128 x float32")
+
+    def post():
+        raise RuntimeError(GLOO_LOST)
+
+    with pytest.raises(RankFailed, match=rf"^fzero\.dist_mesh: rank 1 vanished: its process \(pid {gone.pid} on .*This rank "
+                                          r"\(0\) stopped waiting at collective #1 \(all_gather params 'blocks\.0'") as info:
+        _waiting.issued(post, call, b0)
+    assert info.value.rank == 1 and b0.failing is info.value and b0.current is None
+
+
+def test_an_own_error_when_posting_a_collective_passes_unchanged():
+    b0, _ = boards()
+    call = b0.issue("all_reduce metrics, 1 x complex32")
+
+    def post():
+        raise RuntimeError("Unsupported dtype for gloo: ComplexHalf")
+
+    with pytest.raises(RuntimeError, match="^Unsupported dtype for gloo: ComplexHalf$"):
+        _waiting.issued(post, call, b0)
+    assert b0.failing is None
+
+
 def test_a_rank_own_report_is_named_before_what_others_saw():
     b0, b1, b2 = boards(3)
     b0.publish(2, "rank 2 did not arrive at collective #5")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fzero.mesh import _p2p
 from fzero.mesh._comm import Counter, Pending, RanksDisagree, Recording, disagreement, ranged
 from fzero.mesh._faults import Board, Call
-from fzero.mesh._waiting import Together, wait
+from fzero.mesh._waiting import Together, issued, wait
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,6 +69,10 @@ class DistComm(Recording):
         source = "" if src is None else f" from rank {src}"
         return self.board.issue(f"{op} {tag}{unit}{source}, {numel} x {str(tensor.dtype).removeprefix('torch.')}")
 
+    def _post(self, post, call: Call | None):
+        """Issue a collective through ``post()``; a peer already gone is named (see ``fzero.mesh._waiting.issued``)."""
+        return issued(post, call, self.board)
+
     def _wait(self, work, call: Call | None, tensor: torch.Tensor) -> None:
         # gloo (CPU tensors) is waited for in slices; a CUDA wait only orders streams (see fzero.mesh._waiting)
         wait(work, call, self.board, bounded=tensor.device.type == "cpu")
@@ -84,7 +88,8 @@ class DistComm(Recording):
         code = zlib.crc32(phase.encode())
         both = torch.tensor([code, -code], dtype=torch.int64)  # max and -min in one all-reduce
         call = self.board.issue("check that every rank starts the same call")
-        self._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True), call, both)
+        self._wait(self._post(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True), call),
+                   call, both)
         if int(both[0]) == -int(both[1]):
             return
         phases = self._all_gather_objects(phase, what="gather the calls the ranks start")
@@ -110,13 +115,14 @@ class DistComm(Recording):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.zeros(self.size, dtype=torch.int64)
         call = self.board.issue(f"{what} (sizes)")
-        self._wait(_ALL_GATHER(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True), call, sizes)
+        self._wait(self._post(lambda: _ALL_GATHER(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True), call),
+                   call, sizes)
         longest = int(sizes.max())
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: data.numel()] = data
         everyone = torch.empty(longest * self.size, dtype=torch.uint8)
         call = self.board.issue(f"{what} ({longest} bytes per rank)")
-        self._wait(_ALL_GATHER(everyone, mine, group=self.group, async_op=True), call, everyone)
+        self._wait(self._post(lambda: _ALL_GATHER(everyone, mine, group=self.group, async_op=True), call), call, everyone)
         return [pickle.loads(everyone[r * longest : r * longest + int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
 
     # Each collective is issued asynchronously (``*_async``, a ``Pending``); the plain form waits for it at once.
@@ -129,10 +135,10 @@ class DistComm(Recording):
         self._note("all_gather", tag, out.numel(), out, label)
         call = self._issue("all_gather", tag, label, out, out.numel())
         if self._exchanges("all_gather", out):
-            sent = _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group)
+            sent = self._post(lambda: _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group), call)
             return Pending(lambda: (self._wait_works(sent.works, call, out), sent.finish())[1])
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        work = _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True)
+        work = self._post(lambda: _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True), call)
         return Pending(lambda: (self._wait(work, call, out), out)[1])
 
     def reduce_scatter(self, full, *, tag, label=None, out=None):
@@ -143,10 +149,10 @@ class DistComm(Recording):
         self._note("reduce_scatter", tag, full.numel(), full, label)
         call = self._issue("reduce_scatter", tag, label, full, full.numel())
         if self._exchanges("reduce_scatter", full):
-            sent = _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group, out=out)
+            sent = self._post(lambda: _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group, out=out), call)
             return Pending(lambda: (self._wait_works(sent.works, call, full), sent.finish())[1])
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device) if out is None else out
-        work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._post(lambda: _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
         return Pending(lambda: (self._wait(work, call, full), out)[1])
 
     def all_reduce(self, tensor, *, tag, label=None):
@@ -157,15 +163,16 @@ class DistComm(Recording):
         self._note("all_reduce", tag, tensor.numel(), tensor, label)
         call = self._issue("all_reduce", tag, label, tensor, tensor.numel())
         if self._exchanges("all_reduce", tensor):
-            sent = _p2p.all_reduce(tensor, rank=self.rank, size=self.size, group=self.group,
-                                   wait=lambda works: self._wait_works(works, call, tensor))
-            return Pending(lambda: (self._wait_works(sent.works, call, tensor), sent.finish())[1])
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            sent = self._post(lambda: _p2p.all_reduce(tensor, rank=self.rank, size=self.size, group=self.group,
+                                                      wait=lambda works: self._wait_works(works, call, tensor)), call)
+            # its finish posts the second round's messages
+            return Pending(lambda: (self._wait_works(sent.works, call, tensor), self._post(sent.finish, call))[1])
+        work = self._post(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
         return Pending(lambda: (self._wait(work, call, tensor), tensor)[1])
 
     @ranged
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
         call = self._issue("broadcast", tag, label, tensor, tensor.numel(), src)
-        self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True), call, tensor)
+        self._wait(self._post(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), call), call, tensor)
         return tensor

@@ -28,7 +28,7 @@ import queue
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fzero.mesh._comm import MeshTimeout, RanksDisagree
 from fzero.mesh._faults import (FIX_TIMEOUT, Board, Call, RankFailed, disagree_text, failed, first_fault, not_arrived,
@@ -123,6 +123,35 @@ def wait(work: Any, call: Call | None, board: Board | None, *, bounded: bool) ->
     finally:
         board.current = None
     board.completed(call)
+
+
+# What gloo raises when a message is posted to a peer whose connection is gone (its process ended or closed its group).
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|pair closure|transport/tcp/pair")
+
+
+def issued(post: Callable[[], Any], call: Call | None, board: Board | None) -> Any:
+    """``post()``: issue a collective, or its next round of messages, and return its work.
+
+    A peer that is already gone fails the collective here rather than in ``wait``: gloo raises "Connection closed by
+    peer" from the ``isend`` or ``all_reduce`` call itself once that peer's process has ended. Such an error is
+    explained from the board as a failed wait is (the rank at fault, named); any other error of the call (a dtype
+    the backend lacks, a wrong group) is this rank's own and passes unchanged.
+    """
+    if board is None or call is None:
+        return post()
+    try:
+        return post()
+    except RuntimeError as e:
+        if isinstance(e, (RankFailed, MeshTimeout, RanksDisagree)) or not _LOST_PEER.search(str(e)):
+            raise  # already explained (a second round's wait), or not a lost peer
+        board.current = call
+        try:
+            error = explained(board, call, e)
+        finally:
+            board.current = None
+        if hasattr(error, "fzero_culprit"):  # on its way to this rank's excepthook: a SIGTERM now must not replace it
+            board.failing = error
+        raise error from None
 
 
 def _wait_in_slices(work: Any, call: Call, board: Board) -> None:
