@@ -85,6 +85,21 @@ def walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         stack.extend((f"{prefix}{key}.", c) for key, c in reversed(m.__dict__["_modules"].items()) if c is not None)
 
 
+def named_tensors(module: nn.Module, kind: str, *, remove_duplicate: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()`` (``kind="_parameters"``) or ``named_buffers()`` (``"_buffers"``), the same names in
+    the same order, from one ``walk``: torch's nested generators cost a step's host time (fzero runs this per step)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for prefix, m in walk(module):
+        for key, t in m.__dict__[kind].items():
+            if t is None or id(t) in seen:
+                continue
+            if remove_duplicate:
+                seen.add(id(t))
+            out.append((prefix + key, t))
+    return out
+
+
 class Binding:
     """Where each parameter and buffer name of one module tree lives, and which names are tied; made by ``of``."""
 
@@ -170,43 +185,57 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
                     buffer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
     """A copy of ``module``'s tree of module objects; ``param``/``buffer`` map each parameter/buffer (default:
     the same tensor). Shared submodules stay shared, tied parameters stay tied (one mapping per tensor), and
-    no container of the clone is one of ``module``'s (see the module docstring)."""
-    modules: dict[int, nn.Module] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    containers: dict[int, Any] = {}
+    no container of the clone is one of ``module``'s (see the module docstring).
 
-    def mapped(t, fn):
+    The walk is a method of a ``_Cloner``, not a recursive closure: a nested function that calls itself holds
+    itself through its closure cell, a reference cycle, so its memo (every clone and every mapped tensor) would
+    outlive the call until Python's cyclic collector ran: a step's whole skeleton, with its cast buffers and
+    frozen params, kept after the step that made it, and the collector's passes paid on the host every step."""
+    return _Cloner(param, buffer).visit(module)
+
+
+class _Cloner:
+    """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
+
+    __slots__ = ("param", "buffer", "modules", "tensors", "containers")
+
+    def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
+                 buffer: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.param, self.buffer = param, buffer
+        self.modules: dict[int, nn.Module] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.containers: dict[int, Any] = {}
+
+    def mapped(self, t: Any, fn: Callable[[Any], torch.Tensor] | None) -> Any:
         if t is None or fn is None:
             return t
-        out = tensors.get(id(t))
+        out = self.tensors.get(id(t))
         if out is None:
-            out = tensors[id(t)] = fn(t)
+            out = self.tensors[id(t)] = fn(t)
         return out
 
-    containers_get = containers.get
-
-    def visit(m: nn.Module) -> nn.Module:
-        new = modules.get(id(m))
+    def visit(self, m: nn.Module) -> nn.Module:
+        new = self.modules.get(id(m))
         if new is not None:
             return new
         cls = m.__class__
         new = cls.__new__(cls)
-        modules[id(m)] = new
+        self.modules[id(m)] = new
         d = new.__dict__
+        containers = self.containers
         for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
             if type(v) in _CONTAINERS and k not in _TREE:
-                c = containers_get(id(v))
+                c = containers.get(id(v))
                 if c is None:
                     c = containers[id(v)] = v.copy()
                 d[k] = c
             else:
                 d[k] = v
+        param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
-        d["_modules"] = {k: None if c is None else visit(c) for k, c in m._modules.items()}
+        d["_modules"] = {k: None if c is None else self.visit(c) for k, c in m._modules.items()}
         return new
-
-    return visit(module)
 
 
 _lock = threading.Lock()

@@ -39,16 +39,17 @@ class View:
     """What one step's gradient is taken over, made by ``params.view``.
 
     ``inputs``: the differentiable tensors (per unit, or per param at stages 0-1, in layout order);
-    ``build(xs)``: what ``loss_fn`` gets, from the transform's wrapped ``xs``; ``release()``: after each
+    ``build(xs)``: what ``loss_fn`` gets, from the transform's wrapped ``xs`` (None: the subclass's ``make`` makes it; a
+    subclass whose ``build`` needs the view is handed it, never captures it: see ``make``); ``release()``: after each
     micro-batch's gradient (lets go of what the micro-batch gathered); ``collect(grads)``: the accumulated
     gradients of ``inputs`` as one gradient per unit (``collect``, default as they are), taking them out of the
     list it is given; ``finish(meta)``: after the last micro-batch, the state's new metadata.
     """
 
-    def __init__(self, inputs: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], *, releases: bool = False,
-                 collect: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
+    def __init__(self, inputs: list[torch.Tensor], build: Callable[..., Any] | None, *,
+                 releases: bool = False, collect: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
         self.inputs = inputs
-        self._build = build
+        self._build = build  # None: a subclass's ``make`` (a bound method kept here would be a reference cycle)
         self._releases = releases  # what build makes has a release() (the unit params of stages 2-3)
         self._collect = collect
         self.made: list[Any] = []
@@ -57,8 +58,14 @@ class View:
         return grads if self._collect is None else self._collect(grads)
 
     def build(self, xs: list[torch.Tensor]) -> Any:
-        self.made.append(self._build(xs))
+        self.made.append(self.make(xs))
         return self.made[-1]
+
+    def make(self, xs: list[torch.Tensor]) -> Any:
+        """What ``loss_fn`` gets from ``xs`` (``build`` keeps it for ``release``)."""
+        if self._build is None:
+            raise NotImplementedError(f"fzero internal error: {type(self).__name__} has neither a build function nor a make method.")
+        return self._build(xs)
 
     def release(self) -> None:
         for params in self.made if self._releases else ():
@@ -102,7 +109,7 @@ class ParamView(View):
 
     def __init__(self, layout: Layout, flats: dict[str, torch.Tensor], *, start: Callable[[torch.Tensor], Any] | None = None,
                  pool: Pool | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(layout.param_views(flats), self._assemble)
+        super().__init__(layout.param_views(flats), None)
         self.layout = layout
         self.wrap = wrap  # UnitSettings.wrap_params: what loss_fn receives, made of the params dict
         self.pool = pool  # where the flat gradients' buffers come from (fzero.step._pool)
@@ -116,7 +123,7 @@ class ParamView(View):
         self._started: list[Any] = []
         self._next = -1  # the unit to start next (descending)
 
-    def _assemble(self, xs: list[torch.Tensor]) -> Any:
+    def make(self, xs: list[torch.Tensor]) -> Any:
         params = self.layout.assemble(xs, None if self.flats is not None else _usage.record)
         return params if self.wrap is None else self.wrap(params)
 

@@ -92,11 +92,9 @@ class GradsInBackward(GradsReduceScatter):
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
-        view = ShardGradView(inputs, lambda xs: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                 jit=settings.jit, sink=view if view.active else None, pool=pool,
-                                                                 remat=settings.remat), names,
-                             comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
-        return view
+        return ShardGradView(inputs, lambda xs, sink: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
+                                                                       jit=settings.jit, sink=sink, pool=pool, remat=settings.remat),
+                             names, comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
         return grad  # already this rank's reduced shard
@@ -136,6 +134,14 @@ class ShardGradView(View):
         self._pending: list[tuple[list[tuple[str, torch.Tensor]], Any]] = []
         self._micro: dict[str, torch.Tensor] = {}  # this micro-batch's shard gradients
         self._acc: dict[str, torch.Tensor] = {}  # the step's, summed over micro-batches
+
+    def make(self, xs: list[torch.Tensor]) -> Any:
+        """``build(xs, sink)``: the unit params, handing their units' reductions to this view once ``grad_into`` made it
+        active. The view is an argument, not captured by ``build`` where the view is made: a closure over the view,
+        kept by the view, would be a reference cycle, holding the step's views and buffers until the cyclic collector."""
+        if self._build is None:
+            raise NotImplementedError(f"fzero internal error: {type(self).__name__} was made without a build function.")
+        return self._build(xs, self if self.active else None)
 
     def grad_into(self, leaves: list[torch.Tensor]) -> bool:
         self.active = True
@@ -401,18 +407,17 @@ class ParamsSharded:
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
                             pool=pool, bucket_elements=settings.bucket_elements,
                             cast=functools.partial(casts.cast, comm=comm) if casts is not None else None)
-        view: _GatheredView = _GatheredView(
+        return _GatheredView(
             [flats[n] for n in names],
-            lambda xs: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
-                                     jit=settings.jit, sink=view if view.active else None, pool=pool),
+            lambda xs, sink: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
+                                           jit=settings.jit, sink=sink, pool=pool),
             schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=settings.bucket_elements,
         )
-        return view
 
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
         schedule = Schedule(comm, layout, state.params, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device)
-        return _GatheredView([], lambda xs: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
+        return _GatheredView([], lambda xs, sink: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
 
     def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
                     pool: Any = None) -> None:
