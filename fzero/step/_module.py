@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout import check_no_meta
+from fzero.layout import check_no_meta, named_tensors
 from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 from fzero.step._state import check_params_fit_module
 
@@ -93,7 +93,7 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
         params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
-        extra = {n: t for n, t in (*target.named_parameters(), *target.named_buffers()) if n not in params}
+        extra = {n: t for n, t in (*named_tensors(target, "_parameters"), *named_tensors(target, "_buffers")) if n not in params}
         params = {**cast_floating(extra, dtype), **params}
     return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target))
 

@@ -18,7 +18,7 @@ from typing import Any
 import optree
 import torch
 
-from fzero.layout import pytrees as _tree, Layout
+from fzero.layout import pytrees as _tree, Layout, named_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +293,7 @@ def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[s
 
     Meant for ``fzero.apply`` (stages 0-1) and the stage 2-3 skeleton, once per module and layout (a dict lookup
     per param)."""
-    own = dict(module.named_parameters(remove_duplicate=False))
+    own = dict(named_tensors(module, "_parameters", remove_duplicate=False))  # per step: one walk, not torch's generators
     unexpected = [name for name in params if name not in own]
     if unexpected:
         known = {*own, *(n for n, _ in module.named_buffers(remove_duplicate=False))}

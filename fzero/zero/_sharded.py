@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fzero.autodiff import remat
-from fzero.layout import walk, clone_structure, ROOT, Layout, Unit, units_of
+from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit, units_of
 from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, current_buffers,
                         current_compute_dtype, module_for_thread)
 from fzero.mesh import AllGather, ReplicatedShardGrad
@@ -235,8 +235,8 @@ class _RematUnit(nn.Module):
         run = functools.partial(_as_own_class, self, lambda: self)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        buffers = dict(self.named_buffers())
+        params = {n: p for n, p in named_tensors(self, "_parameters") if p.requires_grad}
+        buffers = dict(named_tensors(self, "_buffers"))
 
         def unit_forward(params, /, *args, **kwargs):
             return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run)
@@ -280,6 +280,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
     trainable = set(shapes)
     layout = params.layout
+    owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
     for unit in layout.units:
         unknown = [s.path for s in unit.slots if s.path not in trainable]
         if unknown:
@@ -301,7 +302,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             sub = skel.get_submodule(unit.name)
         except AttributeError:
             raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
-        own = _own_trainable(every, unit.name + ".")
+        own = owned[unit.name + "."]
         missing = sorted(own - {s.path for s in unit.slots})
         if missing:
             raise ValueError(
@@ -316,19 +317,25 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
 
 def _parameter_paths(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module.named_parameters(remove_duplicate=False)``, in its order, from one ``walk``."""
-    return [(prefix + name, p) for prefix, m in walk(module) for name, p in m._parameters.items() if p is not None]
+    return named_tensors(module, "_parameters", remove_duplicate=False)
 
 
-def _own_trainable(every: list[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
-    """The trainable parameter paths under ``prefix`` as ``submodule.named_parameters()`` names them: each tensor at
-    the first path the walk reaches it by (a tied weight inside the unit is one parameter)."""
-    seen: set[int] = set()
-    own = set()
+def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -> dict[str, set[str]]:
+    """For each unit prefix, the trainable parameter paths under it as ``submodule.named_parameters()`` names them:
+    each tensor at the first path the walk reaches it by under that prefix (a tied weight inside the unit is one
+    parameter). One pass over ``every``, each path looked up by its own prefixes (a step builds a skeleton every
+    step: a pass per unit made this quadratic in the model's depth)."""
+    own: dict[str, set[str]] = {prefix: set() for prefix in prefixes}
+    seen: dict[str, set[int]] = {prefix: set() for prefix in prefixes}
     for path, p in every:
-        if path.startswith(prefix) and id(p) not in seen:
-            seen.add(id(p))
-            if p.requires_grad:
-                own.add(path)
+        end = path.find(".")
+        while end != -1:
+            prefix = path[:end + 1]
+            if prefix in own and id(p) not in seen[prefix]:
+                seen[prefix].add(id(p))
+                if p.requires_grad:
+                    own[prefix].add(path)
+            end = path.find(".", end + 1)
     return own
 
 
