@@ -1,0 +1,133 @@
+"""What a step leaves to Python's cyclic garbage collector, and what the collector's passes cost the host.
+
+An object in a reference cycle is freed only when the collector runs, with everything it reaches; each pass walks
+the tracked objects. Run on the GPT of ``benchmarks/host_overhead.py`` (GPT-2 124M's structure, widths of 8, one
+thread), plus a model with frozen layers (bytes still allocated after each step, the collector off):
+
+    .venv/bin/python benchmarks/gc_per_step.py                                  # about 30 s
+    .venv/bin/python benchmarks/gc_per_step.py --fzero /path/to/other/checkout  # the same, another fzero
+
+Reported per system (plain PyTorch, fzero stages 0-3): objects only the collector could free, per step; the
+collector's passes per step (generations 0/1/2, collector on); the step time's median and mean with the collector
+on (its passes show in the mean) and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--fzero", default=None, help="import fzero from this checkout instead")
+    args = p.parse_args(argv)
+    if args.fzero:
+        sys.path.insert(0, args.fzero)
+    import torch
+
+    import fzero
+    from fzero.memory import LiveBytes
+    from fzero.models import GPT, GPTConfig
+
+    print("fzero from", fzero.__file__)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=12, d_model=8, n_head=2, seq_len=4, vocab_size=16, bias=True))
+    tokens = torch.randint(0, 16, (1, 5))
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    bf16 = fzero.Precision(compute=torch.bfloat16, reduce=torch.float32)
+
+    def lm(logits, y):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    own = copy.deepcopy(model)
+    opt = torch.optim.AdamW(own.parameters(), lr=1e-3, fused=True)
+
+    def plain():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = own(batch["x"])
+        lm(logits, batch["y"]).backward()
+        opt.step()
+
+    systems = {"plain": plain}
+    for stage in (0, 1, 2, 3):
+        step = fzero.compile(lambda params, b: lm(fzero.apply(model, params, b["x"]), b["y"]),
+                             optimizer=fzero.optim.adamw(1e-3), stages=stage, mesh=fzero.local_mesh(1), precision=bf16)
+        box = {"state": step.init(fzero.params_of(model))}
+
+        def run(step=step, box=box):
+            box["state"], _ = step(box["state"], batch)
+
+        systems[f"fzero-s{stage}"] = run
+
+    print(f"{'system':10s} {'garbage/step':>12s} {'passes/step g0/g1/g2':>22s} {'median on':>10s} {'mean on':>8s} "
+          f"{'median off':>10s} {'mean off':>9s}  (ms)")
+    for name, run in systems.items():
+        for _ in range(3):
+            run()
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        run()
+        garbage = gc.collect()
+        gc.garbage.clear()
+        gc.set_debug(0)
+        times = {}
+        for mode in ("on", "off"):
+            (gc.enable if mode == "on" else gc.disable)()
+            before = [s["collections"] for s in gc.get_stats()]
+            ts = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                run()
+                ts.append(time.perf_counter() - t)
+            if mode == "on":
+                passes = [s["collections"] - b for s, b in zip(gc.get_stats(), before)]
+            times[mode] = (statistics.median(ts) * 1e3, statistics.fmean(ts) * 1e3)
+        gc.enable()
+        per = "/".join(f"{n / args.steps:.2f}" for n in passes)
+        print(f"{name:10s} {garbage:12d} {per:>22s} {times['on'][0]:10.2f} {times['on'][1]:8.2f} {times['off'][0]:10.2f} "
+              f"{times['off'][1]:9.2f}")
+
+    # frozen layers under bf16: what stays allocated after each step with the collector off
+    class Adapted(torch.nn.Module):
+        def __init__(self, width=512, layers=8):
+            super().__init__()
+            self.base = torch.nn.ModuleList([torch.nn.Linear(width, width) for _ in range(layers)])
+            self.adapter = torch.nn.ModuleList([torch.nn.Linear(width, 8, bias=False) for _ in range(layers)])
+            self.base.requires_grad_(False)
+
+        def forward(self, x):
+            for base, adapter in zip(self.base, self.adapter):
+                x = torch.tanh(base(x) + adapter(x).sum(-1, keepdim=True))
+            return x.square().mean()
+
+    adapted = Adapted()
+    frozen = sum(p.numel() * 2 for p in adapted.base.parameters())
+    print(f"\nfrozen layers, {frozen / 2**20:.1f} MiB in bf16: live bytes peak (MiB) over 5 steps, collector off")
+    for stage in (0, 1, 2, 3):
+        counters = {}
+        mesh = dataclasses.replace(fzero.local_mesh(1), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
+        step = fzero.compile(lambda params, x: fzero.apply(adapted, params, x), optimizer=fzero.optim.adamw(1e-3),
+                             stages=stage, mesh=mesh, precision=bf16)
+        state = step.init(fzero.params_of(adapted))
+        x = torch.randn(4, 512)
+        peaks = []
+        gc.disable()
+        for _ in range(5):
+            state, _ = step(state, x)
+            peaks.append(counters[0].peak / 2**20)
+        gc.enable()
+        print(f"  stage {stage}: " + ", ".join(f"{p:.2f}" for p in peaks))
+
+
+if __name__ == "__main__":
+    main()
