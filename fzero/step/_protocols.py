@@ -46,13 +46,21 @@ class UnitSettings:
     0: each unit alone. ``prefetch``: stage 3 gathers the next unit while one runs. ``remat``: each unit's forward
     is recomputed in backward, at every stage (stage 3 gathers the unit again for it). ``wrap_params``: what
     ``loss_fn`` receives at stages 0-1 (the params dict) is passed through it: ``fzero.zero``'s ``remat`` wraps
-    it so that ``fzero.apply`` recomputes each module unit (at stages 2-3 the unit params do it themselves)."""
+    it so that ``fzero.apply`` recomputes each module unit (at stages 2-3 the unit params do it themselves).
+    ``compiled``: where ``jit`` keeps each unit class's compiled forward across the step's calls."""
 
     jit: bool = False
     bucket_elements: int = 0
     prefetch: bool = True
     remat: bool = False
     wrap_params: Callable[[Any], Any] | None = None
+    # under ``jit``: each unit class's compiled forward, made once for the step's life (``fzero.zero._jit``); made by
+    # ``shard_grads(jit=True)``, one per step built that way, never a default shared between steps
+    compiled: dict[type, Callable[..., Any]] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.jit and self.compiled is None:  # settings made with jit=True get a cache of their own
+            object.__setattr__(self, "compiled", {})
 
 
 class ParamsPart(Protocol):

@@ -11,6 +11,7 @@ blocks reuse it).
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import torch
@@ -21,29 +22,61 @@ class UnitCompileError(RuntimeError):
     """torch.compile failed on a unit: names the unit and keeps the compiler's error as the cause."""
 
 
-def compiled(inner: nn.Module, unit: str, cache: dict[int, Callable]) -> Callable[..., Any]:
-    """``inner`` compiled (one wrapper per module object in ``cache``, which the step's params object holds), whose
-    calls turn a compiler failure into ``UnitCompileError`` naming ``unit``; errors of the model itself pass as they are."""
-    fn = cache.get(id(inner))
-    if fn is None:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
+def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callable[..., Any]:
+    """What to call for a unit's forward under ``jit``: ``inner`` itself, its hooks eager, with its class's forward
+    compiled (``cache``: the step's, one compiled forward per class for the step's life). A compiler failure becomes
+    ``UnitCompileError`` naming ``unit``; errors of the model itself pass as they are.
 
-        if torch._C._functorch.peek_interpreter_stack() is not None:  # inside torch.func.grad: the same silent eager
-            raise UnitCompileError(
-                f"fzero (jit=True): unit {unit!r} runs inside torch.func.grad (autodiff='func'), where torch.compile does "
-                f"not compile the unit's frame and would silently run it eagerly. Build the step with "
-                f"autodiff='autograd' (plain torch.autograd, which torch.compile supports)."
-            )
-        mode = _get_current_dispatch_mode()
-        if mode is not None:  # torch.compile would skip the frame and run the unit eagerly, silently
-            raise UnitCompileError(
-                f"fzero (jit=True): unit {unit!r} runs under a TorchDispatchMode ({type(mode).__name__}), and torch.compile "
-                f"does not compile under one: the unit would silently run eagerly. local_mesh(n) with n > 1 draws each "
-                f"rank's random numbers through such a mode, and fzero.memory.LiveBytes counts through one. Use jit=True "
-                f"with one rank (no mesh, local_mesh(1)) or under torchrun (fzero.dist_mesh()), outside such modes."
-            )
-        fn = cache[id(inner)] = _named(torch.compile(inner), unit, type(inner).__name__)
-    return fn
+    Why the class's forward, compiled once, and not ``torch.compile(inner)``: each step runs a new skeleton, so
+    compiling its module would call ``torch.compile`` once per unit per step, and torch keeps every backend a
+    ``torch.compile`` call makes (``torch._dynamo.eval_frame.cached_backends``) until ``torch._dynamo.reset()``: about
+    0.6 KB of host memory per unit per step, without end. ``torch.compile(inner)`` runs the module's hooks eagerly and
+    compiles the frame of its forward; so does this (the same frame, so the same graphs and the same cache of them),
+    by calling the module with its ``forward`` the compiled one for the call. A forward that torch itself defines
+    (a ``torch.nn`` layer as a unit) is compiled as its module, per step, as before: torch.compile does not trace a
+    ``torch.nn`` function as the frame it starts at."""
+    _refuse_silent_eager(unit)
+    cls = type(inner)
+    forward = cls.forward
+    if getattr(forward, "__module__", "").startswith("torch."):
+        return _named(torch.compile(inner), unit, cls.__name__)
+    fn = cache.get(cls)
+    if fn is None:
+        fn = cache[cls] = torch.compile(forward)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        d = inner.__dict__
+        had, before = "forward" in d, d.get("forward")
+        d["forward"] = types.MethodType(fn, inner)  # nn.Module.__call__ calls self.forward: hooks eager, forward compiled
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if had:
+                d["forward"] = before
+            else:
+                del d["forward"]
+
+    return _named(call, unit, cls.__name__)
+
+
+def _refuse_silent_eager(unit: str) -> None:
+    """Where torch.compile would not compile the unit and run it eagerly without a word, refuse instead."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # inside torch.func.grad: the same silent eager
+        raise UnitCompileError(
+            f"fzero (jit=True): unit {unit!r} runs inside torch.func.grad (autodiff='func'), where torch.compile does "
+            f"not compile the unit's frame and would silently run it eagerly. Build the step with "
+            f"autodiff='autograd' (plain torch.autograd, which torch.compile supports)."
+        )
+    mode = _get_current_dispatch_mode()
+    if mode is not None:  # torch.compile would skip the frame and run the unit eagerly, silently
+        raise UnitCompileError(
+            f"fzero (jit=True): unit {unit!r} runs under a TorchDispatchMode ({type(mode).__name__}), and torch.compile "
+            f"does not compile under one: the unit would silently run eagerly. local_mesh(n) with n > 1 draws each "
+            f"rank's random numbers through such a mode, and fzero.memory.LiveBytes counts through one. Use jit=True "
+            f"with one rank (no mesh, local_mesh(1)) or under torchrun (fzero.dist_mesh()), outside such modes."
+        )
 
 
 def _named(module: Callable, unit: str, kind: str) -> Callable[..., Any]:

@@ -44,11 +44,10 @@ class UnitParams(Mapping):
     """
 
     def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None,
-                 jit: bool = False, pool: Pool | None = None) -> None:
+                 jit_cache: dict[type, Any] | None = None, pool: Pool | None = None) -> None:
         self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
         self.pool = pool  # plain autograd: where the units' flat gradients and reduced shards are made (fzero.step._pool)
-        self.jit = jit  # each unit's forward through torch.compile (fzero.zero._jit)
-        self._compiled: dict[int, Any] = {}
+        self.jit_cache = jit_cache  # jit: each unit class's compiled forward, the step's (fzero.zero._jit); None: eager
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype  # gradients are summed across ranks in this dtype (None: as they are)
@@ -68,7 +67,7 @@ class UnitParams(Mapping):
 
     def runner(self, inner: nn.Module, unit: Unit) -> Any:
         """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward."""
-        run = functools.partial(compiled, inner, unit.name, self._compiled) if self.jit else lambda: inner
+        run = functools.partial(compiled, inner, unit.name, self.jit_cache) if self.jit_cache is not None else lambda: inner
         return functools.partial(_as_own_class, inner, run)
 
     def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -109,7 +108,6 @@ class UnitParams(Mapping):
         unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
         self._skeletons.clear()
-        self._compiled.clear()
         root, self._root = getattr(self, "_root", None), None
         if root is not None and self.pool is not None:
             self.pool.give(root)

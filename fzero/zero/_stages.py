@@ -93,7 +93,8 @@ class GradsInBackward(GradsReduceScatter):
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         return ShardGradView(inputs, lambda xs, sink: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
-                                                                       jit=settings.jit, sink=sink, pool=pool, remat=settings.remat),
+                                                                       jit_cache=settings.compiled if settings.jit else None, sink=sink, pool=pool,
+                                                                       remat=settings.remat),
                              names, comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
@@ -253,7 +254,8 @@ def shard_grads(step: Step, *, units: tuple[str, ...] | None = None, jit: bool =
         raise ValueError(f"fzero.shard_grads: bucket_elements must be an int >= 0 (elements per bucket of units reduced "
                          f"together; 0: each unit alone), got {bucket_elements!r}.")
     return dataclasses.replace(step, grads=GradsInBackward(check_units(units, "fzero.shard_grads")),
-                               unit_settings=dataclasses.replace(step.unit_settings, jit=jit, bucket_elements=bucket_elements))
+                               unit_settings=dataclasses.replace(step.unit_settings, jit=jit, bucket_elements=bucket_elements,
+                                                                   compiled={} if jit else None))
 
 
 class CastFromMasters:
@@ -410,7 +412,7 @@ class ParamsSharded:
         return _GatheredView(
             [flats[n] for n in names],
             lambda xs, sink: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
-                                           jit=settings.jit, sink=sink, pool=pool),
+                                           jit_cache=settings.compiled if settings.jit else None, sink=sink, pool=pool),
             schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=settings.bucket_elements,
         )
 
