@@ -210,6 +210,92 @@ def test_a_gradient_that_bypasses_the_units_outputs_is_refused_by_name():
         step(step.init(fzero.params_of(model)), _batches(1)[0])
 
 
+class _Nested(nn.Module):
+    """Layers in a ModuleList of ModuleLists (as Hugging Face's Funnel keeps its blocks): the model calls the inner
+    layers, never the inner lists."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)]) for _ in range(2)])
+
+    def forward(self, x):
+        for group in self.blocks:
+            for layer in group:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_container_of_layers_is_no_unit_and_units_of_goes_into_it():
+    torch.manual_seed(0)
+    model = _Nested()
+
+    def loss_fn(params, b):
+        return (fzero.apply(model, params, b["x"]) - b["y"]).pow(2).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"unit 'blocks.0' of _Nested is a ModuleList, which a model never calls .* "
+                                         r"units=fzero.units_of\(model\)"):
+        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    units = fzero.units_of(model)
+    assert units == ("blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1")
+    reference = _train(model, loss_fn, stages=0)
+    for stages in (2, 3):
+        assert_trees_equal(_train(model, loss_fn, stages=stages, units=units), reference)
+
+
+class _DirectSub(nn.Module):
+    """The forward calls a layer inside unit 'blocks.0' without calling the unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0][0](x))
+
+
+class _Recompute(torch.autograd.Function):
+    """Runs a block without a graph and recomputes its first layer in backward, as reversible layers do."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.save_for_backward(x)
+        ctx.block = block
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            out = ctx.block[1](ctx.block[0](x))  # the block's layers, called outside the block's own call
+            torch.autograd.backward(out, grad)
+        return x.grad, None
+
+
+class _Reversible(_DirectSub):
+    def forward(self, x):
+        return _Recompute.apply(self.blocks[1](x), self.blocks[0])
+
+
+@pytest.mark.parametrize("model_type", [_DirectSub, _Reversible])
+def test_a_units_layer_run_outside_the_units_call_gets_the_cause_named(model_type):
+    torch.manual_seed(0)
+    model = model_type()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b["x"]).pow(2).mean()
+
+    assert _train(model, loss_fn, stages=1, steps=1)  # whole params: runs
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(1))
+    where = "loss_fn\\(params, batch\\)" if model_type is _DirectSub else "the backward"
+    with pytest.raises(RuntimeError, match=rf"fzero.Step: {where} raised RuntimeError: .*meta(.|\n)*A meta tensor .*"
+                                           rf"self.blocks\[0\]\[0\]\(x\)(.|\n)*units=fzero.units_of\(model, module_types=...\)") as info:
+        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    assert "meta" in str(info.value.__cause__)  # torch's own error is kept as the cause
+
+
 class _Deep(nn.Module):
     def __init__(self, depth=6, width=64):
         super().__init__()

@@ -84,8 +84,9 @@ def units_of(model: nn.Module, *, module_types: tuple[type, ...] | type | None =
     """Module paths of the units of ``model``, for ``shard_params(step, units=...)``/``compile(..., units=...)``.
 
     A module is a unit if it is an instance of ``module_types`` (default: any child of a ``ModuleList``
-    or ``Sequential``) and holds at least ``min_elements`` trainable parameters; units do not nest (the
-    outermost match wins), and what no unit holds stays in the root unit.
+    or ``Sequential`` that is not itself a ``ModuleList`` or ``ModuleDict``, which a model never calls: their
+    children are looked at instead) and holds at least ``min_elements`` trainable parameters; units do not nest
+    (the outermost match wins), and what no unit holds stays in the root unit.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fzero.units_of: expected an nn.Module, got {type(model).__name__}.")
@@ -100,7 +101,8 @@ def units_of(model: nn.Module, *, module_types: tuple[type, ...] | type | None =
             if module_types is not None:
                 wanted = isinstance(child, module_types)
             else:
-                wanted = path in containers or (path == "" and "" in containers)
+                wanted = ((path in containers or (path == "" and "" in containers))
+                          and not isinstance(child, (nn.ModuleList, nn.ModuleDict)))
             size = sum(p.numel() for p in child.parameters() if p.requires_grad)
             if wanted and size and size >= min_elements:
                 found.append(child_path)

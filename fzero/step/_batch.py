@@ -15,8 +15,9 @@ the buffers its forward left (see ``fzero.step._module``).
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
@@ -126,11 +127,12 @@ class LossFnInContext:
     that the loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
     every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing for it."""
 
-    __slots__ = ("fn", "split", "checked")
+    __slots__ = ("fn", "split", "units", "checked")
 
-    def __init__(self, fn: Callable[..., Any], *, split: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], *, split: bool, units: bool = False) -> None:
         self.fn = fn
         self.split = split
+        self.units = units  # the step runs units (stages 2-3): their params are meta tensors outside their calls
         self.checked = False
 
     def __call__(self, params: Any, batch: Any) -> Any:
@@ -155,7 +157,7 @@ class LossFnInContext:
         except _PLAIN_ERRORS as e:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
-            raise type(e)(loss_fn_failure(e, batch, split=self.split)) from e
+            raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units)) from e
 
 
 def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
@@ -215,8 +217,20 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
         "rank-dependent choices out of it."))
 
 
-def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False) -> str:
-    """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint."""
+_META = re.compile(r"\bmeta\b")  # "Tensor on device meta is not on the expected device", "... meta tensor(s)"
+UNIT_OUTSIDE_ITS_CALL = (
+    "  A meta tensor (a shape without a value) was used. At stages 2-3 a unit's params are meta tensors except while "
+    "the unit itself is called (fzero.units_of(model) lists the units), so a module inside a unit that runs without "
+    "its unit's own call reads them: a forward that calls a unit's submodule directly (self.blocks[0][0](x) where "
+    "the unit is 'blocks.0'), or an autograd Function that calls a unit's layers again in its backward (reversible "
+    "layers). Choose units the model calls as a whole (units=fzero.units_of(model, module_types=...)), leave that "
+    "module in the root unit (units=... without it), or train at stage 1."
+)
+
+
+def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False) -> str:
+    """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint.
+    ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name."""
     original = repr(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     which = "this rank's share of the batch" if split else "the batch"
     lines = [f"fzero.Step: loss_fn(params, batch) raised {type(error).__name__}: {original}",
@@ -232,6 +246,8 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False) ->
                      + (f": batch leaf {', '.join(leaves[:3])}." if leaves else ".") + " Pass inputs of the size the model was built for.")
     elif isinstance(error, KeyError) and isinstance(batch, dict):
         lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
+    elif units and _META.search(str(error)):
+        lines.append(UNIT_OUTSIDE_ITS_CALL)
     lines.append("  The error is in loss_fn or the model it runs; its own traceback is the cause above.")
     if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
         return " ".join(line.strip() for line in lines)
@@ -294,14 +310,15 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
         in_place = into is not None and into(leaves)
         with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
             scaled, (loss, tensors, new_buffers) = objective(leaves)
-            if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
-                if scaled.requires_grad:
-                    torch.autograd.backward(scaled, inputs=leaves)
-                grads = [leaf.grad for leaf in leaves]
-            elif scaled.requires_grad:
-                grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
-            else:  # a loss that does not depend on the params: a zero gradient, as torch.func.grad gives
-                grads = [torch.zeros_like(x) for x in leaves]
+            with _named_meta_failure(getattr(loss_fn, "units", False)):
+                if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
+                    if scaled.requires_grad:
+                        torch.autograd.backward(scaled, inputs=leaves)
+                    grads = [leaf.grad for leaf in leaves]
+                elif scaled.requires_grad:
+                    grads = list(torch.autograd.grad(scaled, leaves, allow_unused=True, materialize_grads=True))
+                else:  # a loss that does not depend on the params: a zero gradient, as torch.func.grad gives
+                    grads = [torch.zeros_like(x) for x in leaves]
             del leaves
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
         new_buffers = {k: v.detach() for k, v in new_buffers.items()}
@@ -318,6 +335,18 @@ This is what a model with torch.utils.checkpoint inside it does (Hugging Face's 
 activation_checkpointing_enable(), or requires_grad_() on an activation). Build the step with plain autograd, which
 supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkpointing off and recompute with
 fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)."""
+
+
+@contextlib.contextmanager
+def _named_meta_failure(units: bool) -> Iterator[None]:
+    """The backward of a step that runs units: an error on a meta tensor gets its likely cause (a unit's layers called
+    again outside the unit, from an autograd Function's backward), the original error as its cause."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not units or type(e) is not RuntimeError or not _META.search(str(e)) or str(e).startswith("fzero"):
+            raise
+        raise RuntimeError(f"fzero.Step: the backward raised RuntimeError: {e}\n{UNIT_OUTSIDE_ITS_CALL}") from e
 
 
 def split_loss(out: Any) -> tuple[torch.Tensor, Any]:

@@ -300,6 +300,15 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             sub = skel.get_submodule(unit.name)
         except AttributeError:
             raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):  # never called itself: its params would never be gathered
+            raise ValueError(
+                f"{api}: unit {unit.name!r} of {type(module).__name__} is a {type(sub).__name__}, which a model never calls "
+                f"(it calls the modules inside it), so the unit's params would never be gathered and its layers would run "
+                f"on meta tensors. The default units are the children of the first ModuleList/Sequential in each "
+                f"parameter's path, and here that child is a container of layers itself. Pass "
+                f"units=fzero.units_of(model), which goes into nested containers, to fzero.compile or fzero.shard_params "
+                f"(or name the layers: units=fzero.units_of(model, module_types=...))."
+            )
         own = owned[unit.name + "."]
         missing = sorted(own - {s.path for s in unit.slots})
         if missing:
