@@ -228,6 +228,16 @@ UNIT_OUTSIDE_ITS_CALL = (
 )
 
 
+PARAM_WRITTEN_AT_STAGE_2_3 = (
+    "  The view written is most likely a param: at stages 2-3 a unit's params are views that fzero's Functions make "
+    "for the unit's call, and the forward wrote one in place (nn.Embedding(max_norm=...) renormalizes the rows it looks "
+    "up in place; so does a model that edits a weight under torch.no_grad()). Cloning is not the fix here: the write "
+    "would go to the unit's buffer, which is dropped after the call, so the train state would never see it. Train "
+    "without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params between "
+    "steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the train state itself."
+)
+
+
 def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False) -> str:
     """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint.
     ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name."""
@@ -248,6 +258,8 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
         lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
     elif units and _META.search(str(error)):
         lines.append(UNIT_OUTSIDE_ITS_CALL)
+    elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
+        lines.append(PARAM_WRITTEN_AT_STAGE_2_3)
     lines.append("  The error is in loss_fn or the model it runs; its own traceback is the cause above.")
     if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
         return " ".join(line.strip() for line in lines)
@@ -276,12 +288,14 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
-             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None):
+             buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None,
+             on_written: Callable[[list[int]], None] | None = None):
     """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
     and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
     compute dtype floating buffers meet the params in; ``into``: under plain autograd, a function that gives the
     leaves ``.grad`` buffers to accumulate into, in place, returning True if it did: see
-    ``fzero.step._parts.ParamView``).
+    ``fzero.step._parts.ParamView``; ``on_written``: under plain autograd, called before the backward with the
+    indices of the inputs the forward wrote in place, if it wrote any).
 
     By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
     unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
@@ -308,8 +322,12 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
         in_place = into is not None and into(leaves)
+        versions = [x._version for x in leaves] if on_written is not None else []  # (a detached alias shares the counter)
         with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
             scaled, (loss, tensors, new_buffers) = objective(leaves)
+            written = [i for i, (x, v) in enumerate(zip(leaves, versions)) if x._version != v]
+            if written and on_written is not None:
+                on_written(written)
             with _named_meta_failure(getattr(loss_fn, "units", False)):
                 if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
                     if scaled.requires_grad:

@@ -41,7 +41,7 @@ from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSetti
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
                                meta_of)
-from fzero.step._update import Precision, finish, policy
+from fzero.step._update import MasterState, Precision, finish, policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,12 +400,13 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     losses, aux = [], None
     low = None if prec.compute == torch.float32 else prec.compute
     buffers = broadcast_buffers(comm, state.buffers)
+    written = _refuse_lost_writes(step, comm, state, view)
     with compute_dtype(low), recording_usage(meta_of(state).layout) as usage:  # which params the gradients use (torch's grad=None)
         micros = split_micro(batch, step.grad_accum)
         for k, micro in enumerate(micros):
             view.begin_micro(last=k == len(micros) - 1)
             grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
-                                                 into=view.grad_into)
+                                                 into=view.grad_into, on_written=written)
             view.release()
             # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
             # (or nothing to do: the view accumulated them in place)
@@ -421,6 +422,45 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
         for t in state.params.values():
             release(t)
     return new_state, metrics
+
+
+def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> Callable[[list[int]], None] | None:
+    """What the step does when the forward writes a param in place (``nn.Embedding(max_norm=...)`` renormalizes the
+    rows it looks up; a model may edit a weight under ``torch.no_grad()``): None where the write lands in the train
+    state itself and nothing else holds the value (one rank, stages 0-1, no master copies, nothing offloaded), as in
+    plain PyTorch; elsewhere a function that refuses it, naming the params and why the write would be lost, or would
+    make the ranks' copies differ, silently."""
+    if comm.size > 1:
+        why = (f"each of the {comm.size} ranks would write its own copy from its own share of the batch, so the copies "
+               f"would differ (plain DDP lets its replicas drift apart the same way) or be overwritten by the rank that "
+               f"owns them")
+    elif isinstance(state.opt_state, MasterState):
+        why = ("the params are low-precision copies of fp32 masters, and the update starts from the masters, which "
+               "never see the write")
+    elif step.offload is not None:
+        why = "the optimizer state is offloaded, and the update writes the params back from its own copy"
+    elif step.stage >= 2:
+        why = "at stages 2-3 each unit's params are made for its call and dropped after it"
+    else:
+        return None
+    units = meta_of(state).layout.units
+    per_slot = [u for u in units for _ in u.slots]
+    owner = per_slot if len(per_slot) == len(view.inputs) else list(units)  # the inputs: per param, or per unit
+
+    def refuse(written: list[int]) -> None:
+        # a unit's params are views of one buffer and share its version counter: the unit is what can be named
+        hit = list(dict.fromkeys(owner[i] for i in written if i < len(owner)))
+        params = [s.path for u in hit for s in u.slots]
+        raise ValueError(
+            f"fzero.Step: the forward wrote a param in place, one of {params[:6]}{' ...' if len(params) > 6 else ''} "
+            f"(nn.Embedding(max_norm=...) renormalizes the rows it looks up in place; so does a model that edits a "
+            f"weight under torch.no_grad()). Here the write would not be kept as plain PyTorch keeps it: {why}. Train "
+            f"without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params "
+            f"between steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the "
+            f"train state itself."
+        )
+
+    return refuse
 
 
 def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[str, Any]:
