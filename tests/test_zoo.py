@@ -1,9 +1,10 @@
 """Model zoo (issue 12): models nobody here wrote train under fzero exactly as plain PyTorch trains them.
 
 Every zoo model (tests/zoo.py: Hugging Face GPT-2, Llama, Mistral, Qwen2, T5, BERT, OPT with LayerDrop,
+Gemma, Qwen2-MoE, Mamba, ViT, Whisper's encoder, ALBERT (one layer shared across depth), BLOOM (ALiBi),
 each from its default config with tiny sizes; a BatchNorm CNN; nn.TransformerEncoder; LSTM/GRU; a forward
 hook feeding an auxiliary loss; a unit returning a dataclass; in-place adds; an unused head;
-spectral_norm) runs 4 AdamW steps at stages 0-3 on local_mesh(1) and local_mesh(2), against
+spectral_norm; Funnel, whose nested layer lists need ``units=fzero.units_of(model)``) runs 4 AdamW steps at stages 0-3 on local_mesh(1) and local_mesh(2), against
 torch.optim.AdamW on the same batches, with DDP's semantics for two ranks (zoo.py's docstring). Asserted:
 params after every step within 1e-5 (elements whose reference gradient is rounding noise skipped, a param
 that never gets a gradient bitwise as torch leaves it), the loss of every step, the user's module
@@ -77,6 +78,8 @@ def _known(name: str, stages: int, ranks: int) -> list[str]:
         "whisper_encoder": [],
         "user_hooks": [],
         "side_channel": [],
+        "albert": [],
+        "bloom": [],
     }
     return causes[name]
 
@@ -150,3 +153,20 @@ def test_buckets_train_as_pytorch(name, stages):
         pytest.importorskip("transformers")
     bucketed = dataclasses.replace(entry, settings={**entry.settings, "bucket_elements": 10**6})
     check(bucketed, _reference(name, 2), fzero_run(bucketed, stages=stages, ranks=2))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_funnel_trains_as_pytorch_with_the_units_units_of_finds(stages):
+    """Hugging Face's Funnel keeps its layers in a ModuleList of ModuleLists: the default units (the children of the
+    first container in each name) are the inner lists, which the model never calls, and are refused by name;
+    ``fzero.units_of(model)`` goes into them, and with those units Funnel trains as plain PyTorch."""
+    pytest.importorskip("transformers")
+    import zoo
+
+    entry = zoo.Entry(zoo._seeded(zoo.funnel), zoo._tokens(128, seed=24, labels="mlm"), zoo._hf_loss, hf=True)
+    with pytest.raises(ValueError, match=r"unit 'funnel.encoder.blocks.0' of FunnelForMaskedLM is a ModuleList"):
+        fzero_run(entry, stages=stages, ranks=1)
+    units = fzero.units_of(entry.build())
+    assert "funnel.encoder.blocks.0.0" in units
+    entry = dataclasses.replace(entry, settings={"units": units})
+    check(entry, reference_run(entry, 2), fzero_run(entry, stages=stages, ranks=2))

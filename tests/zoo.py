@@ -239,6 +239,33 @@ def _audio_loss(call, b):
 # --------------------------------------------------------------------------------------- torch.nn
 
 
+def albert():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    # ALBERT shares one layer group across its depth: one module (and its params) called at every layer
+    return AlbertForMaskedLM(AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=32))
+
+
+def _one_shared_layer(ref: "Reference") -> None:
+    assert not any("albert_layer_groups.1" in n for n in ref.params[0]), "ALBERT should hold one shared layer group"
+
+
+def bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    # ALiBi position biases instead of position embeddings
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+
+
+def funnel():
+    from transformers import FunnelConfig, FunnelForMaskedLM
+
+    # its layers sit in a ModuleList of ModuleLists: units must be fzero.units_of(model) (test_zoo.py)
+    return FunnelForMaskedLM(FunnelConfig(vocab_size=128, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64,
+                                          num_decoder_layers=1, max_position_embeddings=32))
+
+
 def bn_cnn():
     """Conv2d-BatchNorm2d-ReLU blocks in a Sequential, as torchvision's ResNet builds them (no torchvision here)."""
 
@@ -510,6 +537,9 @@ ZOO: dict[str, Entry] = {
     "mamba": Entry(_seeded(mamba), _tokens(128, seed=19), _hf_loss, hf=True),
     "vit": Entry(_seeded(vit), _images, _pixels_loss, hf=True),
     "whisper_encoder": Entry(_seeded(whisper), _audio, _audio_loss, hf=True),
+    # from a sweep of 43 models nobody here wrote (2026-11-26): layers shared across depth, ALiBi
+    "albert": Entry(_seeded(albert), _tokens(128, seed=22, labels="mlm"), _hf_loss, check=_one_shared_layer, hf=True),
+    "bloom": Entry(_seeded(bloom), _tokens(128, seed=23), _hf_loss, hf=True),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
     # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
     # from torch.func's (test_zoo.py)
