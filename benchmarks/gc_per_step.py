@@ -15,7 +15,6 @@ on (its passes show in the mean) and off.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import statistics
@@ -34,39 +33,12 @@ def main(argv=None) -> None:
 
     import fzero
     from fzero.memory import LiveBytes
-    from fzero.models import GPT, GPTConfig
 
     print("fzero from", fzero.__file__)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=12, d_model=8, n_head=2, seq_len=4, vocab_size=16, bias=True))
-    tokens = torch.randint(0, 16, (1, 5))
-    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    from host_overhead import build_systems  # the same model and systems (this directory is on sys.path)
+
+    systems = build_systems(stages=(0, 1, 2, 3))
     bf16 = fzero.Precision(compute=torch.bfloat16, reduce=torch.float32)
-
-    def lm(logits, y):
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-    own = copy.deepcopy(model)
-    opt = torch.optim.AdamW(own.parameters(), lr=1e-3, fused=True)
-
-    def plain():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = own(batch["x"])
-        lm(logits, batch["y"]).backward()
-        opt.step()
-
-    systems = {"plain": plain}
-    for stage in (0, 1, 2, 3):
-        step = fzero.compile(lambda params, b: lm(fzero.apply(model, params, b["x"]), b["y"]),
-                             optimizer=fzero.optim.adamw(1e-3), stages=stage, mesh=fzero.local_mesh(1), precision=bf16)
-        box = {"state": step.init(fzero.params_of(model))}
-
-        def run(step=step, box=box):
-            box["state"], _ = step(box["state"], batch)
-
-        systems[f"fzero-s{stage}"] = run
 
     print(f"{'system':10s} {'garbage/step':>12s} {'passes/step g0/g1/g2':>22s} {'median on':>10s} {'mean on':>8s} "
           f"{'median off':>10s} {'mean off':>9s}  (ms)")

@@ -34,10 +34,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.fzero:
-        sys.path.insert(0, args.fzero)
+def build_systems(*, layers: int = 12, stages: tuple[int, ...] = (0, 3)) -> dict:
+    """``{name: run}``: one step of each system per call (``plain``, ``fzero-s<stage>``), on the model described above.
+    Shared with ``benchmarks/gc_per_step.py``."""
     import torch
 
     import fzero
@@ -45,7 +44,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=args.layers, d_model=8, n_head=2, seq_len=4, vocab_size=16, bias=True))
+    model = GPT(GPTConfig(n_layer=layers, d_model=8, n_head=2, seq_len=4, vocab_size=16, bias=True))
     tokens = torch.randint(0, 16, (1, 5))
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
@@ -65,7 +64,7 @@ def main(argv=None) -> dict:
         return float(loss.detach())
 
     systems = {"plain": plain}
-    for stage in (0, 3):
+    for stage in stages:
         step = fzero.compile(lambda params, b: lm(fzero.apply(model, params, b["x"]), b["y"]),
                              optimizer=fzero.optim.adamw(1e-3, weight_decay=0.01), stages=stage, mesh=fzero.local_mesh(1),
                              precision=fzero.Precision(compute=torch.bfloat16, reduce=torch.float32))
@@ -76,6 +75,16 @@ def main(argv=None) -> dict:
             return metrics["loss"]
 
         systems[f"fzero-s{stage}"] = run
+    return systems
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.fzero:
+        sys.path.insert(0, args.fzero)
+    import fzero
+
+    systems = build_systems(layers=args.layers)
     for run in systems.values():
         for _ in range(3):
             run()
