@@ -20,6 +20,7 @@ from fzero.step._protocols import GradsPart, OffloadPolicy, OptStatePart, Params
 from fzero.step._pool import (
     alloc_memory,
     can_move,
+    forget,
     free_memory,
     give,
     move_into,

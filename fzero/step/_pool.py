@@ -78,10 +78,25 @@ class Pool:
             self._free[(buffer.numel(), buffer.dtype)].append(buffer.detach())  # its own alias, not the taker's tensor
         _events.returned(buffer)
 
+    def forget(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (from ``take``) will not be given back (its taker lets it go with its last reference): its record
+        of the loan goes, so that the records do not grow with every such buffer."""
+        if buffer.device.type != "cpu":
+            return
+        with self._lock:
+            if self._lent.get(buffer.data_ptr()) == (buffer.numel(), buffer.dtype):
+                del self._lent[buffer.data_ptr()]
+
     def clear(self) -> None:
         """Let go of every free buffer (their memory goes back to the allocator); buffers out on loan are unaffected."""
         with self._lock:
             self._free.clear()
+
+    @property
+    def loans(self) -> int:
+        """How many buffers are out on loan now (taken, neither given back nor forgotten)."""
+        with self._lock:
+            return len(self._lent)
 
     @property
     def held_bytes(self) -> int:
@@ -136,3 +151,8 @@ def take(pool: Pool | None, numel: int, *, dtype: torch.dtype, device: torch.dev
 def give(pool: Pool | None, buffer: torch.Tensor | None) -> None:
     if pool is not None:
         pool.give(buffer)
+
+
+def forget(pool: Pool | None, buffer: torch.Tensor) -> None:
+    if pool is not None:
+        pool.forget(buffer)

@@ -27,7 +27,7 @@ import torch
 
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, Layout, by_container_child, by_prefixes
 from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatter, pooled_reduce_scatter
-from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step
+from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step, forget
 from fzero.zero._sharded import RematParams, ReplicatedParams, ShardedParams
 from fzero.zero._unit import Schedule
 
@@ -174,10 +174,12 @@ class ShardGradView(View):
     def _settle(self) -> None:
         units, pending = self._pending.pop(0)
         shards, at = pending.wait(), 0
+        if len(units) > 1:  # a bucket's shards are views of one buffer, kept by the units' gradients: never given back
+            forget(self.pool, shards)
         for name, like in units:
             shard = shards if len(units) == 1 else shards[at:at + like.numel()]
             at += like.numel()
-            _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda))
+            _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda), self.pool)
 
     def release(self) -> None:
         """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called
@@ -187,11 +189,11 @@ class ShardGradView(View):
             self._settle()
         for name, leaf in zip(self.names, self._leaves):
             if leaf.grad is not None:
-                _add(self._micro, name, leaf.grad)
+                _add(self._micro, name, leaf.grad, self.pool)
                 leaf.grad = None
         self._leaves = ()
         for name, g in self._micro.items():
-            _add(self._acc, name, g)
+            _add(self._acc, name, g, self.pool)
         self._micro = {}
         super().release()
 
@@ -203,9 +205,19 @@ class ShardGradView(View):
         return [acc[n] if n in acc else torch.zeros_like(x) for n, x in zip(self.names, self.inputs)]
 
 
-def _add(into: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
+def _add(into: dict[str, torch.Tensor], name: str, grad: torch.Tensor, pool: Pool | None) -> None:
+    """``grad`` into ``into[name]``: kept as it is where the name has none yet, else added and given back to ``pool``
+    (a buffer of the pool's, a reduced shard or at one rank the unit's whole gradient, that nothing reads after the
+    sum: ``give`` takes only what the pool lent, and lends it again only once nothing else holds it). Without the
+    give, each micro-batch after the first left a buffer on loan that never came back: under ``grad_accum`` the
+    pool's record of loans grew every step."""
     acc = into.get(name)
-    into[name] = grad if acc is None else acc.add_(grad)
+    if acc is None:
+        into[name] = grad
+        return
+    into[name] = acc.add_(grad)
+    if pool is not None:
+        pool.give(grad)
 
 
 def check_units(units: object, api: str) -> tuple[str, ...] | None:

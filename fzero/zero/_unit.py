@@ -26,7 +26,7 @@ from torch import nn
 from fzero.autodiff import remat
 from fzero.layout import Binding, bound, Layout, Unit, pytrees as _tree, split_sizes
 from fzero.mesh import events as _events, Function, GatherBucket, Pending, profiled
-from fzero.step import Pool, alloc_memory, can_move, free_memory, give, move_into, take, usage as _usage
+from fzero.step import Pool, alloc_memory, can_move, forget, free_memory, give, move_into, take, usage as _usage
 
 
 class UnitCall:
@@ -434,6 +434,8 @@ class _UnitGather(Function):
         full = call.schedule.gather(call, shard.detach())  # values only: the gradient is this Function's
         if free_after:
             call.full = full
+        else:  # a remat call's buffer is not freed into the pool: it goes with the views its recompute saved
+            forget(call.schedule.pool, full)
         # one split into every slot (and the padding), then a view each: half the dispatcher calls of narrow + view
         pieces = full.split_with_sizes(split_sizes(call.unit))
         return tuple(piece.view(s.shape) for piece, s in zip(pieces, call.unit.slots))
