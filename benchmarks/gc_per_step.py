@@ -6,6 +6,7 @@ thread), plus a model with frozen layers (bytes still allocated after each step,
 
     .venv/bin/python benchmarks/gc_per_step.py                                  # about 30 s
     .venv/bin/python benchmarks/gc_per_step.py --fzero /path/to/other/checkout  # the same, another fzero
+    .venv/bin/python benchmarks/gc_per_step.py --growth [--fzero ...]  # what many steps leave: jit, the pool's loans
 
 Reported per system (plain PyTorch, fzero stages 0-3): objects only the collector could free, per step; the
 collector's passes per step (generations 0/1/2, collector on); the step time's median and mean with the collector
@@ -101,5 +102,60 @@ def main(argv=None) -> None:
         print(f"  stage {stage}: " + ", ".join(f"{p:.2f}" for p in peaks))
 
 
+def growth(argv=None) -> None:
+    """``--growth``: what stays behind per step over many steps, on a 4-block GPT: host bytes (tracemalloc) over two
+    windows of 100 steps with ``jit=True`` (stage 3), and the pool's loans after 20 steps under remat, gradient
+    accumulation and multi-unit buckets."""
+    import gc as _gc
+    import tracemalloc
+    import warnings
+
+    import torch
+
+    import fzero
+    from fzero.models import GPT, GPTConfig
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, d_model=16, n_head=2, seq_len=8, vocab_size=32, bias=True))
+    tokens = torch.randint(0, 32, (4, 9))
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+    def loss_fn(params, b):
+        return torch.nn.functional.cross_entropy(fzero.apply(model, params, b["x"]).flatten(0, 1).float(), b["y"].flatten())
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(1), jit=True)
+    state = step.init(fzero.params_of(model))
+    for _ in range(5):
+        state, _ = step(state, batch)
+    tracemalloc.start()
+    sizes = []
+    for _ in range(3):
+        _gc.collect()
+        sizes.append(tracemalloc.get_traced_memory()[0])
+        for _ in range(100):
+            state, _ = step(state, batch)
+    tracemalloc.stop()
+    print(f"jit=True, stage 3, 4 units: host bytes grown over steps 5-105: {sizes[1] - sizes[0]}, over steps 105-205: "
+          f"{sizes[2] - sizes[1]}")
+    for settings in ({"stages": 3, "remat": True}, {"stages": 2, "grad_accum": 2},
+                     {"stages": 2, "grad_accum": 2, "bucket_elements": 5000, "mesh": 2}):
+        settings = dict(settings)
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), mesh=fzero.local_mesh(settings.pop("mesh", 1)),
+                             **settings)
+        state = step.init(fzero.params_of(model))
+        for _ in range(20):
+            state, _ = step(state, batch)
+        loans = getattr(step.pool, "loans", None)
+        loans = len(step.pool._lent) if loans is None else loans  # (a checkout from before Pool.loans)
+        print(f"pool loans left after 20 steps, {settings}: {loans}")
+
+
 if __name__ == "__main__":
+    if "--growth" in sys.argv:
+        sys.argv.remove("--growth")
+        if "--fzero" in sys.argv:
+            sys.path.insert(0, sys.argv[sys.argv.index("--fzero") + 1])
+        growth()
+        sys.exit()
     main()
