@@ -213,6 +213,25 @@ def test_remat_trains_as_pytorch_without_remat(name, build, ranks, stages):
         assert int(run.state_dict["0.1.num_batches_tracked"]) == 4  # 4 steps, not 8
 
 
+@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("name", ["user_hooks", "side_channel", "qwen2_moe_router"])
+def test_remat_refuses_a_tensor_that_leaves_a_unit_besides_its_return_value(name, stages):
+    """A forward hook inside a unit that stores its module's output (the zoo's ``user_hooks``, Hugging Face's
+    ``output_router_logits`` in Qwen2-MoE) or an attribute a unit's forward sets (``side_channel``), used by the loss:
+    remat ran the unit without a graph, so the loss's use of it gave no gradient (4e-3 to 6e-3 off plain PyTorch
+    after one step, silently). Plain autograd keeps that gradient (the zoo passes these without remat); remat now
+    refuses, naming the unit and the fixes, before any update."""
+    entry = ZOO[name]
+    if entry.hf:
+        pytest.importorskip("transformers")
+        loss = entry.loss
+        entry = dataclasses.replace(entry, loss=lambda call, b: loss(lambda *a, **k: call(*a, use_cache=False, **k), b))
+    entry = dataclasses.replace(entry, settings={**entry.settings, "remat": True})
+    with pytest.raises(RuntimeError, match=r"(?s)fzero.remat: unit '[\w.]+' made 1 tensor\(s\) from its differentiable "
+                                           r"arguments that outlive its forward.*no gradient through it.*remat=False"):
+        fzero_run(entry, stages=stages, ranks=1)
+
+
 def test_fzero_remat_writes_buffers_once_at_stages_0_to_2():
     """``fzero.remat`` around a BatchNorm block inside loss_fn: the running statistics as without remat."""
     def run(use_remat, stages):

@@ -312,3 +312,35 @@ def test_cuda_offload_equal_grads_and_dropout(offload):
         res[wrap] = torch.func.grad_and_value(lambda p: gpt_loss(logits(p, wrap), y))(params)
     torch.cuda.synchronize()
     assert_trees_equal(res[True], res[False])
+
+
+def test_a_tensor_that_outlives_the_forward_besides_its_outputs_is_refused():
+    """What fn computes from its differentiable arguments and keeps elsewhere (a list, an attribute) has no graph under
+    remat, so a loss using it would get no gradient through it: refused. Kept detached, returned, or computed from
+    what needs no gradient, it is fine; so is an in-place write into a tensor fn was given (a buffer's statistics)."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    kept = []
+
+    def stores(w, x):
+        h = torch.tanh(x @ w)
+        kept.append(h)  # leaves fn without its graph
+        return h.sum(-1)
+
+    with pytest.raises(RuntimeError, match=r"(?s)fzero.remat: \S*stores made 1 tensor\(s\) from its differentiable "
+                                           r"arguments that outlive its forward.*\(2, 4\) torch.float32"):
+        remat(stores)(w, x)
+    kept.clear()
+
+    stats = torch.zeros(4)
+    ids = torch.arange(4)
+
+    def fine(w, x):
+        h = torch.tanh(x @ w)
+        kept.append(h.detach())  # no gradient wanted: detached
+        kept.append(ids * 2)  # from what needs no gradient
+        stats.mul_(0.9).add_(h.mean(0))  # written in place into a tensor fn was given by closure
+        return h, h.view(-1)  # a view returned keeps its base alive
+    out, flat = remat(fine)(w, x)
+    (out.sum() + flat.sum()).backward()
+    assert w.grad is not None and x.grad is not None

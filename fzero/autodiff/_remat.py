@@ -16,12 +16,19 @@ Only gradients with respect to ``fn``'s *arguments* are produced. A tensor that 
 an argument, so its gradient would be lost (under ``torch.func.grad`` silently: a zero gradient); the
 forward watches every torch call ``fn`` makes and raises when one reads a captured tensor that requires a
 gradient (``_CAPTURED`` says how to fix it).
+
+Only gradients through ``fn``'s *outputs* reach the arguments, too. A tensor ``fn`` computes from them and keeps
+somewhere else (a forward hook that stores a module's output, as Hugging Face's ``output_router_logits`` does; an
+attribute ``self.aux = h``) is made without a graph in the forward, so a loss that uses it would get no gradient
+through it. The same watch follows what is computed from the differentiable arguments, and a tensor of that kind
+still alive after ``fn`` returned, other than its outputs, is refused (``_ESCAPED``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -54,6 +61,14 @@ torch.func.grad it would silently be zero. Pass every differentiable tensor as a
     right:  fzero.remat(lambda p, x: torch.func.functional_call(block, p, (x,)))(dict(block.named_parameters()), x)
 
 (or detach the tensor inside the function if its gradient is really not wanted)."""
+
+_ESCAPED = """fzero.remat: {name} made {n} tensor(s) from its differentiable arguments that outlive its forward other than
+through what it returns ({what}): a forward hook that stores a module's output (Hugging Face's output_router_logits,
+output_hidden_states, output_attentions), or an attribute the forward sets (self.aux = h). remat runs the forward
+without a graph and recomputes it in backward, so a loss that uses such a tensor would get no gradient through it:
+silently wrong training, so the step stops here. Fix: return the tensor from the unit instead, or train without
+remat (compile(..., remat=False)), or turn the capture off (for Hugging Face: output_router_logits=False and the
+like), or detach it where it is stored if its gradient is not wanted."""
 
 _UNIT_PARAMS = """fzero.remat: {name} was given the {kind} that loss_fn receives at stage {stage}; remat can neither save nor
 differentiate it (it is not a tensor). {fix}"""
@@ -223,25 +238,67 @@ class _NoCapturedGrad(TorchFunctionMode):
 
     _EXEMPT = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
 
-    def __init__(self, call: _Call, inputs) -> None:
+    def __init__(self, call: _Call, inputs, differentiable=None) -> None:
         super().__init__()
         self.call = call
         self.ok = {id(x) for x in inputs}
         self.derived: list[torch.Tensor] = []  # views of arguments, held so that their ids stay theirs
+        # What fn computes from its differentiable arguments (by id, each with a weak reference that tells a live
+        # tensor from a later one at the same address): with grad, each would carry a gradient. One of them still
+        # alive when fn has returned, other than what it returned, left fn another way (see ``escaped``).
+        diff = differentiable if differentiable is not None else [True] * len(inputs)
+        self.tainted: dict[int, weakref.ref] = {id(x): weakref.ref(x) for x, d in zip(inputs, diff) if d}
+        self.inputs = {id(x) for x in inputs}
+
+    def _is_tainted(self, t: torch.Tensor) -> bool:
+        ref = self.tainted.get(id(t))
+        return ref is not None and ref() is t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func not in self._EXEMPT and _has_tensor(out):
+            tainted = False
+            written = set()  # the op's own tensor arguments: an output that is one of them was written in place
             for t in _tensor_args(args, kwargs):
                 if t.requires_grad and id(t) not in self.ok:
                     what = f"shape {tuple(t.shape)}, {t.dtype}"
                     raise RuntimeError(_CAPTURED.format(name=self.call.name, what=what, op=torch.overrides.resolve_name(func) or func))
+                tainted = tainted or self._is_tainted(t)
+                written.add(id(t))
             for o in (out,) if isinstance(out, torch.Tensor) else out:
-                if isinstance(o, torch.Tensor) and o.requires_grad and id(o) not in self.ok:  # a view of an argument
+                if not isinstance(o, torch.Tensor):
+                    continue
+                if o.requires_grad and id(o) not in self.ok:  # a view of an argument
                     self.ok.add(id(o))
                     self.derived.append(o)
+                # an in-place op (or out=) returns a tensor it was given, such as a buffer written under no_grad (a
+                # spectral norm's power iteration): not a new value of fn's
+                if tainted and id(o) not in written and id(o) not in self.inputs:
+                    self.tainted[id(o)] = weakref.ref(o)
         return out
+
+    def escaped(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What fn computed from its differentiable arguments and is still alive now that it has returned, other
+        than its outputs and what shares their memory (a view returned keeps its base), and the views of its
+        arguments this mode holds: a tensor that left through a forward hook's capture or an attribute
+        (``self.side = h``). Under remat it was made without a graph, so a loss that uses it gets no gradient
+        through it, silently."""
+        kept = {id(t) for t in (*outs, *self.derived)}
+        memory = {_storage(o) for o in outs}
+        out = []
+        for ref in self.tainted.values():
+            t = ref()
+            if t is not None and id(t) not in kept and id(t) not in self.inputs and _storage(t) not in memory:
+                out.append(t)
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (functorch wrappers): only itself
+        return -id(t)
 
 
 def _tensor_args(args, kwargs):
@@ -328,9 +385,15 @@ class _RematForward(Function):
         call.rng = _RngState(inputs)
         call.autocast = _autocast_state(call.devices)
         before = _object_states(call)
-        with torch.no_grad(), _NoCapturedGrad(call, inputs), recording(call.snapshots):
+        watch = _NoCapturedGrad(call, inputs, call.diff)
+        with torch.no_grad(), watch, recording(call.snapshots):
             outs = call.run(list(inputs))
         _check_unchanged(call, before)
+        escaped = watch.escaped(outs)
+        if escaped:
+            raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
+                                               what=", ".join(f"{tuple(t.shape)} {t.dtype}" for t in escaped[:3])))
+        del watch
         # A Function must not return one of its inputs as is, nor one tensor twice.
         seen: set[int] = set()
         res = []
