@@ -259,3 +259,16 @@ def test_an_untied_head_as_a_unit_trains_as_pytorch_and_is_reduced_first(stages,
         assert calls.count(("all_gather", "lm_head")) == 1 + steps
     elif stages == 3:  # one rank prefetches nothing (a gather is a copy of the shard): freed after forward, gathered again
         assert calls.count(("all_gather", "lm_head")) == 2 * steps
+
+
+def test_a_tied_lm_head_named_as_a_unit_is_refused_with_the_tie_named():
+    """GPT-2's LM head is tied to its token embedding, so ``lm_head`` owns no parameter of its own: the error says why."""
+    pytest.importorskip("transformers")
+    from zoo import gpt2
+
+    model = gpt2()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b, labels=b).loss, stages=3,
+                         units=fzero.units_of(model) + ("lm_head",))
+    with pytest.raises(ValueError, match=r"units entry 'lm_head' matches no module with trainable parameters .*tied to the "
+                                         r"token embedding"):
+        step.init(fzero.params_of(model))

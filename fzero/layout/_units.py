@@ -75,7 +75,9 @@ def check_units_exist(units: Sequence[str], paths: Iterable[str], *, api: str) -
             hint = f"Top-level modules with parameters: {', '.join(map(repr, tops[:8]))}{', ...' if len(tops) > 8 else ''}."
         raise ValueError(
             f"{api}: units entry {unit!r} matches no module with trainable parameters (no parameter name starts with "
-            f"{unit + '.'!r}). {hint} Pass module paths as fzero.units_of(model) returns them, e.g. "
+            f"{unit + '.'!r}). {hint} A module whose weight is tied to another's (an LM head tied to the token "
+            f"embedding) owns no parameter of its own: named_parameters names the weight once, under the module that "
+            f"holds it first. Pass module paths as fzero.units_of(model) returns them, e.g. "
             f"units=fzero.units_of(model, module_types=Block)."
         )
 
