@@ -534,6 +534,10 @@ ZOO: dict[str, Entry] = {
     # issue 26: what transformers captures with its lazily installed hooks feeds the loss; four more families
     "gemma_hidden_states": Entry(_seeded(gemma), _tokens(128, seed=17), _hidden_states_loss, hf=True),
     "qwen2_moe_router": Entry(_seeded(qwen2_moe), _tokens(128, seed=18), _moe_loss, hf=True),
+    # the router logits leave each layer through transformers' capture hooks: Hugging Face's own (non-reentrant)
+    # checkpointing keeps their graph (fzero's remat=True refuses them, test_hooks.py)
+    "qwen2_moe_router_checkpointing": Entry(_seeded(_checkpointed(qwen2_moe)), _tokens(128, seed=18), _moe_loss, hf=True,
+                                            settings={"autodiff": "autograd"}),
     "mamba": Entry(_seeded(mamba), _tokens(128, seed=19), _hf_loss, hf=True),
     "vit": Entry(_seeded(vit), _images, _pixels_loss, hf=True),
     "whisper_encoder": Entry(_seeded(whisper), _audio, _audio_loss, hf=True),

@@ -66,9 +66,11 @@ _ESCAPED = """fzero.remat: {name} made {n} tensor(s) from its differentiable arg
 through what it returns ({what}): a forward hook that stores a module's output (Hugging Face's output_router_logits,
 output_hidden_states, output_attentions), or an attribute the forward sets (self.aux = h). remat runs the forward
 without a graph and recomputes it in backward, so a loss that uses such a tensor would get no gradient through it:
-silently wrong training, so the step stops here. Fix: return the tensor from the unit instead, or train without
-remat (compile(..., remat=False)), or turn the capture off (for Hugging Face: output_router_logits=False and the
-like), or detach it where it is stored if its gradient is not wanted."""
+silently wrong training, so the step stops here. Fix: return the tensor from the unit instead; or train without
+remat (compile(..., remat=False)) and, to save activations, use the model's own non-reentrant checkpointing, which
+keeps such a tensor's graph (torch.utils.checkpoint(..., use_reentrant=False); Hugging Face:
+model.gradient_checkpointing_enable()); or turn the capture off (output_router_logits=False and the like); or
+detach it where it is stored if its gradient is not wanted."""
 
 _UNIT_PARAMS = """fzero.remat: {name} was given the {kind} that loss_fn receives at stage {stage}; remat can neither save nor
 differentiate it (it is not a tensor). {fix}"""
