@@ -133,3 +133,40 @@ def test_jit_compiles_each_unit_class_once_for_the_steps_life(monkeypatch):
         state, _ = step(state, b)
     assert calls == ["Block.forward"], calls
     assert counters["frames"]["total"] == frames  # later steps reuse the first step's compiled frame
+
+
+def test_jit_compiles_a_torch_nn_block_once_and_equals_eager(monkeypatch):
+    """Units that are ``nn.Sequential`` blocks (their forward is torch's own, which torch.compile does not start
+    tracing at) are compiled once too, through a frame of fzero's, and train as eager."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(2)])
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.out(h)
+
+    net = Net()
+
+    def loss_fn(p, b):
+        return fzero.apply(net, p, b).square().mean()
+
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    eager = _run(net, _step(loss_fn, stage=3, jit=False), batches)
+    calls = []
+    real = torch.compile
+    monkeypatch.setattr("fzero.zero._jit.torch.compile", lambda fn, *a, **k: calls.append(fn.__qualname__) or real(fn, *a, **k))
+    torch._dynamo.reset()
+    counters.clear()
+    jitted = _run(net, _step(loss_fn, stage=3, jit=True, mesh=fzero.local_mesh(1)), batches)
+    assert calls == ["_inline.<locals>.unit_forward"], calls
+    assert counters["stats"]["unique_graphs"] >= 1
+    for (p_jit, loss_jit), (p_eager, loss_eager) in zip(jitted, eager):
+        assert_trees_close(p_jit, p_eager, rtol=1e-5, atol=1e-5)
+        assert loss_jit == pytest.approx(loss_eager, rel=1e-5)

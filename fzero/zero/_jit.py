@@ -32,17 +32,15 @@ def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callab
     ``torch.compile`` call makes (``torch._dynamo.eval_frame.cached_backends``) until ``torch._dynamo.reset()``: about
     0.6 KB of host memory per unit per step, without end. ``torch.compile(inner)`` runs the module's hooks eagerly and
     compiles the frame of its forward; so does this (the same frame, so the same graphs and the same cache of them),
-    by calling the module with its ``forward`` the compiled one for the call. A forward that torch itself defines
-    (a ``torch.nn`` layer as a unit) is compiled as its module, per step, as before: torch.compile does not trace a
-    ``torch.nn`` function as the frame it starts at."""
+    by calling the module with its ``forward`` the compiled one for the call. A forward that torch itself defines (an
+    ``nn.Sequential`` block as a unit) is compiled through a function of fzero's that calls it (``_inline``): torch.compile
+    does not start tracing at a ``torch.nn`` frame, and ``torch.compile(module)`` does the same for such a module."""
     _refuse_silent_eager(unit)
     cls = type(inner)
-    forward = cls.forward
-    if getattr(forward, "__module__", "").startswith("torch."):
-        return _named(torch.compile(inner), unit, cls.__name__)
     fn = cache.get(cls)
     if fn is None:
-        fn = cache[cls] = torch.compile(forward)
+        forward = cls.forward
+        fn = cache[cls] = torch.compile(_inline(forward) if getattr(forward, "__module__", "").startswith("torch.") else forward)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         d = inner.__dict__
@@ -57,6 +55,15 @@ def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callab
                 del d["forward"]
 
     return _named(call, unit, cls.__name__)
+
+
+def _inline(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A frame torch.compile traces, around a forward of torch's own (which it would not start at)."""
+
+    def unit_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    return unit_forward
 
 
 def _refuse_silent_eager(unit: str) -> None:
