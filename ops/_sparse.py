@@ -352,6 +352,8 @@ def _flex(q, k, v, blocks, bs, *, causal, scale):
         keep = blocks[h if layout_heads > 1 else 0, qi // bs, ki // bs]
         return keep & (ki <= qi) if causal else keep
 
+    # _compile: the mask is made block by block by a compiled kernel; uncompiled, create_block_mask evaluates mask_mod
+    # at every (query, key) pair at once: measured on an H200, 25.6 GB and 133 ms at 32k tokens, where SDPA took 18 ms
     mask = create_block_mask(mask_mod, B=None, H=layout_heads if layout_heads > 1 else None, Q_LEN=q.shape[2],
-                             KV_LEN=k.shape[2], device=q.device)
+                             KV_LEN=k.shape[2], device=q.device, _compile=True)
     return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)

@@ -153,6 +153,7 @@ def test_errors_name_the_checkpoint_the_parameters_and_the_fix(tmp_path):
 def test_a_file_with_other_objects_is_refused_not_run(tmp_path):
     """Only tensors, containers and DeepSpeed's four classes (as inert stand-ins) are read: an object of any other
     class in a file (here a client's) is refused with the file named, and nothing of it runs."""
+    pytest.importorskip("deepspeed", reason="rewriting the file unpickles DeepSpeed's own classes (fzero reads it without)")
     import deepspeed_fixtures
 
     path, _, _, _ = _case("stage1_world1")

@@ -150,6 +150,8 @@ def test_a_gpt_with_sparse_attention_trains_at_every_stage_as_with_dense_masked_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twin: the reference tests above)")
+# inductor (FlexAttention is compiled) imports torch.utils.mkldnn, which uses torch.jit.script_method: torch's own warning
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_flex_attention_equals_the_block_sparse_reference(causal):
     layout = ops.FixedLayout(block=16, num_local_blocks=4, attention="unidirectional" if causal else "bidirectional")

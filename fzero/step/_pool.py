@@ -120,6 +120,7 @@ def can_move(pool: Pool | None, buffer: torch.Tensor) -> bool:
 def free_memory(pool: Pool | None, buffer: torch.Tensor) -> None:
     """Leave ``buffer``'s storage empty: its memory into ``pool`` where it can move (``can_move``), else ``resize_(0)``."""
     if not can_move(pool, buffer):
+        forget(pool, buffer)  # (without _swap_data_ptr_, torch < 2.6 or 2.11: a buffer taken from the pool never comes back)
         buffer.untyped_storage().resize_(0)
         return
     holder = torch.empty(0, dtype=buffer.dtype)
