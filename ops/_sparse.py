@@ -304,7 +304,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                          f"diagonal (every DeepSpeed layout does: a local or sliding window of at least one block).")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "flex" or (impl == "auto" and q.is_cuda):
-        return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+        try:
+            hash(layout)
+        except TypeError:  # a layout that is not a frozen config: its mask is made for this call
+            return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+        return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale, layout=layout)
     return _reference(q, k, v, blocks, layout.block, causal=causal, scale=scale)
 
 
@@ -343,7 +347,21 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention)
 
 
-def _flex(q, k, v, blocks, bs, *, causal, scale):
+def _flex(q, k, v, blocks, bs, *, causal, scale, layout=None):
+    mask = (_block_mask(layout, q.shape[2], causal, str(q.device)) if layout is not None
+            else _make_block_mask(blocks, bs, q.shape[2], causal, q.device))
+    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(layout: Any, seq_len: int, causal: bool, device: str) -> Any:
+    """The ``BlockMask`` of a (frozen, hashable) layout at a length, made once: a model's attention layers and its
+    steps share it (made per call, its making was most of a sparse layer's time)."""
+    nb = -(-seq_len // layout.block)
+    return _make_block_mask(layout.blocks(nb).to(device), layout.block, seq_len, causal, torch.device(device))
+
+
+def _make_block_mask(blocks, bs, seq_len, causal, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     layout_heads = blocks.shape[0]
@@ -354,6 +372,5 @@ def _flex(q, k, v, blocks, bs, *, causal, scale):
 
     # _compile: the mask is made block by block by a compiled kernel; uncompiled, create_block_mask evaluates mask_mod
     # at every (query, key) pair at once: measured on an H200, 25.6 GB and 133 ms at 32k tokens, where SDPA took 18 ms
-    mask = create_block_mask(mask_mod, B=None, H=layout_heads if layout_heads > 1 else None, Q_LEN=q.shape[2],
-                             KV_LEN=k.shape[2], device=q.device, _compile=True)
-    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)
+    return create_block_mask(mask_mod, B=None, H=layout_heads if layout_heads > 1 else None, Q_LEN=seq_len,
+                             KV_LEN=seq_len, device=device, _compile=True)
