@@ -16,7 +16,10 @@ the buffers its forward left (see ``fzero.step._module``).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import re
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import optree
@@ -35,12 +38,15 @@ _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup tabl
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring)."""
+    """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring). Each rank
+    gets tensors of its own (copies): the ranks of a local mesh run at once, and views of one tensor share its version
+    counter, so one rank's in-place write (labels masked with ``y[y == 0] = -100``) would break another's backward, or
+    (a 0-d leaf) change what the other rank reads, as no two torchrun processes can."""
     return _split_rows(batch, n, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
         f"fzero.Step.__call__: under local_mesh({n}) the global batch is split on dim 0 across {n} ranks, but "
         f"batch leaf {path!r} has {size}, which does not divide by {n}. Pass a batch whose dim 0 "
         f"is a multiple of {n} (e.g. drop the last partial batch)."
-    ))
+    ), copy=True)
 
 
 def split_micro(batch: Any, k: int) -> list[Any]:
@@ -53,12 +59,48 @@ def split_micro(batch: Any, k: int) -> list[Any]:
     ))
 
 
-def row_leaves(batch: Any) -> list[tuple[str, int]]:
-    """(path, rows) of every tensor leaf of dim >= 1: the leaves whose dim 0 is the batch's rows."""
+def row_leaves(batch: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """(path, rows) of every tensor leaf of dim >= 1: the leaves whose dim 0 is the batch's rows (inside dataclasses
+    and mappings that are not dicts too: see ``_children``)."""
     if batch is None:
         return []
     paths, leaves, _ = _tree.flatten_with_paths(batch)
-    return [(p or "<root>", x.shape[0]) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    out = []
+    for p, x in zip(paths, leaves):
+        path = _joined(prefix, p)
+        children = _children(x)
+        if children is not None:
+            for name, child in children.items():
+                out += row_leaves(child, _joined(path, name))
+        elif isinstance(x, torch.Tensor) and x.dim() > 0:
+            out.append((path or "<root>", x.shape[0]))
+    return out
+
+
+def _joined(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _children(x: Any) -> dict[str, Any] | None:
+    """The fields of a batch container that optree takes as one leaf but that holds rows: a dataclass instance, or a
+    ``Mapping`` that is not a ``dict`` (Hugging Face's ``BatchEncoding``, what a tokenizer returns, is a ``UserDict``).
+    Taken whole, every rank and micro-batch would get all its rows, silently. None: not such a container."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
+    if isinstance(x, Mapping) and not isinstance(x, dict):
+        return dict(x.items())
+    return None
+
+
+def _rebuilt(x: Any, children: dict[str, Any]) -> Any:
+    """``x`` (a container ``_children`` reads) with those children: ``dataclasses.replace``, or a shallow copy whose
+    items are set (a ``UserDict`` copies its data, so the original is left as it was)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **children)
+    new = copy.copy(x)
+    for key, value in children.items():
+        new[key] = value
+    return new
 
 
 def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
@@ -66,20 +108,33 @@ def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
     return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more
 
 
-def _split_rows(batch: Any, k: int, why: str, message: Callable[[str, str], str]) -> list[Any]:
+def _split_rows(batch: Any, k: int, why: str, message: Callable[[str, str], str], *, copy: bool = False) -> list[Any]:
     rows = row_leaves(batch)
     if len({n for _, n in rows}) > 1:  # split as they are, the ranks would pair rows of one leaf with others'
         raise ValueError(
             f"fzero.Step.__call__: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
             f"row counts differ: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
         )
+    return _split_tree(batch, k, message, copy=copy)
+
+
+def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, prefix: str = "") -> list[Any]:
+    """``batch`` as k parts on its rows; ``copy``: each part's tensors its own (see ``split_batch``)."""
     paths, leaves, spec = _tree.flatten_with_paths(batch)
     parts: list[list[Any]] = [[] for _ in range(k)]
     for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+        path = _joined(prefix, path)
+        children = _children(leaf)
+        if children is not None:  # a dataclass or a BatchEncoding: its fields split, the container rebuilt per part
+            split = {name: _split_tree(child, k, message, copy=copy, prefix=_joined(path, name))
+                     for name, child in children.items()}
+            chunks: Any = [_rebuilt(leaf, {name: pieces[i] for name, pieces in split.items()}) for i in range(k)]
+        elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             if leaf.shape[0] % k:
                 raise ValueError(message(path or "<root>", f"dim 0 of size {leaf.shape[0]}"))
-            chunks = leaf.chunk(k)
+            chunks = [c.clone() for c in leaf.chunk(k)] if copy else leaf.chunk(k)
+        elif isinstance(leaf, torch.Tensor) and copy:  # a 0-d tensor: the same value, a tensor of its own per rank
+            chunks = [leaf.clone() for _ in range(k)]
         else:  # a 0-d tensor or a leaf that is not a tensor: the same for every rank and micro-batch
             chunks = (leaf,) * k
         for i in range(k):
