@@ -90,3 +90,34 @@ def test_a_0d_leaf_is_each_ranks_own():
     t = torch.tensor(2.0)
     step(step.init(fzero.params_of(model)), {"x": torch.randn(4, 4), "t": t})
     assert read == [2.0, 2.0] and float(t) == 2.0
+
+
+def test_a_meta_batch_at_stage_3_is_named_as_the_batch():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), stages=3, mesh=fzero.local_mesh(1))
+    with pytest.raises(RuntimeError, match=r"(?s)share of the batch: \{<root>: float32 \(4, 4\) on meta\}.*The batch holds meta "
+                                           r"tensors") as info:
+        step(step.init(fzero.params_of(model)), torch.empty(4, 4, device="meta"))
+    assert "a unit's params are meta tensors" not in str(info.value)
+
+
+def test_an_integer_loss_is_told_to_be_floating_point():
+    model = torch.nn.Linear(4, 1)
+    step = fzero.compile(lambda p, b: (fzero.apply(model, p, b).sum() > 0).long(), stages=0)
+    with pytest.raises(ValueError, match=r"a torch.int64 tensor of shape \(\)\. Compute it in floating point"):
+        step(step.init(fzero.params_of(model)), torch.randn(4, 4))
+
+
+def test_the_loss_metric_of_bf16_micro_batches_is_their_mean_in_fp32():
+    model = torch.nn.Linear(4, 1)
+    losses = []
+
+    def loss_fn(p, b):
+        loss = fzero.apply(model, p, b).square().mean().to(torch.bfloat16)
+        losses.append(float(loss.detach()))
+        return loss
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, grad_accum=2)
+    gen = torch.Generator().manual_seed(3)
+    _, metrics = step(step.init(fzero.params_of(model)), torch.randn(8, 4, generator=gen) * 3)
+    assert metrics["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)

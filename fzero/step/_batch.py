@@ -311,6 +311,9 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
                      + (f": batch leaf {', '.join(leaves[:3])}." if leaves else ".") + " Pass inputs of the size the model was built for.")
     elif isinstance(error, KeyError) and isinstance(batch, dict):
         lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
+    elif units and _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
+        lines.append("  The batch holds meta tensors (shapes without values): pass a batch with values, on the device "
+                     "the model runs on.")
     elif units and _META.search(str(error)):
         lines.append(UNIT_OUTSIDE_ITS_CALL)
     elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
@@ -336,7 +339,8 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
         paths, leaves, _ = _tree.flatten_with_paths(batch)
     except Exception:  # noqa: BLE001 - a batch optree cannot flatten is described by its type
         return f"a {type(batch).__name__}"
-    parts = [f"{p or '<root>'}: " + (f"{str(x.dtype).replace('torch.', '')} {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+    parts = [f"{p or '<root>'}: " + (f"{str(x.dtype).replace('torch.', '')} {tuple(x.shape)}"
+                                     + (f" on {x.device}" if x.device.type != "cpu" else "") if isinstance(x, torch.Tensor)
                                      else type(x).__name__) for p, x in zip(paths, leaves)]
     more = f", ... {len(parts) - limit} more" if len(parts) > limit else ""
     return "{" + ", ".join(parts[:limit]) + more + "}" if parts else f"a {type(batch).__name__} without tensors"
@@ -432,6 +436,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, Any]:
     if loss.dim() != 0 or not loss.is_floating_point():
         raise ValueError(
             f"fzero.train_step: loss_fn must return a 0-d floating-point loss; got a {loss.dtype} tensor of shape "
-            f"{tuple(loss.shape)}. Reduce it to a scalar, e.g. loss.mean()."
+            f"{tuple(loss.shape)}. " + ("Reduce it to a scalar, e.g. loss.mean()." if loss.is_floating_point() else
+                                         "Compute it in floating point (an integer loss has no gradient), e.g. loss.float().")
         )
     return loss, aux

@@ -184,7 +184,9 @@ class Step:
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, state: TrainState | RankStates, batch: Any) -> dict[str, Any]:
         """``loss_fn`` on ``batch`` with the state's params, without a gradient or an update: metrics "loss"
-        (mean over ranks) and "aux" (this rank's, when loss_fn returns one).
+        (mean over ranks) and "aux" (this rank's, when loss_fn returns one). The module runs in the mode it is in:
+        call ``model.eval()`` first for dropout off and BatchNorm's running statistics, as before a plain evaluation
+        (the buffers the forward writes are dropped either way).
 
         The state is only read (not donated). At stage 3 each unit is gathered when it runs, as in a
         step, so the full params never exist at once, unlike ``gather`` followed by a plain forward.
@@ -315,7 +317,11 @@ def train_step(
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux)``. ``precision``: "fp32", "bf16",
     "fp16" (dynamic loss scale) or a ``fzero.Precision``. ``grad_accum=k``: each call splits the batch
-    into k micro-batches on dim 0 and makes one update, equal to one k-times-larger batch.
+    into k micro-batches on dim 0 and makes one update with the mean of their gradients, as DeepSpeed and a DDP loop
+    with ``loss / k`` do: for a ``loss_fn`` that averages over its rows (the usual mean), that is one k-times-larger
+    batch; for a summed loss it is 1/k of the large batch's, and a loss averaged over valid tokens
+    (``ignore_index``) is a mean of the micro-batches' means. The step's metrics: "loss" (the mean over ranks and
+    micro-batches), and "aux" as rank 0's last micro-batch returned it.
     ``clip_grad_norm=c``: scale the gradient by min(1, c / (global norm + 1e-6)), as
     ``torch.nn.utils.clip_grad_norm_``. Details: ``unit_elements`` (size of the flat buffers that
     collectives move, default 12.5 MiB of fp32), ``donate`` (default True), ``autodiff`` ("autograd", the
@@ -415,7 +421,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
             losses.append(loss)
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
     new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool)
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
