@@ -4,7 +4,10 @@ the gradient of a micro-batch.
 
 How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every tensor leaf of dim >= 1 holds rows
 of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
-loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A tensor that is not
+loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. Containers are
+looked into: dicts, lists, tuples, named tuples, and also dataclasses and mappings that are not dicts (Hugging
+Face's ``BatchEncoding``), which optree takes as leaves. Each rank of a local mesh gets tensors of its own, as a
+torchrun process does. A tensor that is not
 per row, such as a per-class weight, cannot be told from rows by its shape: it belongs in ``loss_fn``'s closure,
 not in the batch, and a row count of its own is refused rather than split silently.
 
