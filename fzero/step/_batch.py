@@ -286,13 +286,18 @@ UNIT_OUTSIDE_ITS_CALL = (
 )
 
 
+# what a forward that writes a param in place does instead (the step's refusal, ``fzero.step._step``, and the hint below)
+PARAM_WRITE_FIX = (
+    "Train without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params "
+    "between steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the train state "
+    "itself."
+)
 PARAM_WRITTEN_AT_STAGE_2_3 = (
     "  The view written is most likely a param: at stages 2-3 a unit's params are views that fzero's Functions make "
     "for the unit's call, and the forward wrote one in place (nn.Embedding(max_norm=...) renormalizes the rows it looks "
     "up in place; so does a model that edits a weight under torch.no_grad()). Cloning is not the fix here: the write "
-    "would go to the unit's buffer, which is dropped after the call, so the train state would never see it. Train "
-    "without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params between "
-    "steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the train state itself."
+    "would go to the unit's buffer, which is dropped after the call, so the train state would never see it. "
+    + PARAM_WRITE_FIX
 )
 
 

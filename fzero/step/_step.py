@@ -32,7 +32,7 @@ from torch import nn
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.step._batch import LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
+from fzero.step._batch import PARAM_WRITE_FIX, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
@@ -449,21 +449,18 @@ def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> C
         why = "at stages 2-3 each unit's params are made for its call and dropped after it"
     else:
         return None
-    units = meta_of(state).layout.units
-    per_slot = [u for u in units for _ in u.slots]
-    owner = per_slot if len(per_slot) == len(view.inputs) else list(units)  # the inputs: per param, or per unit
-
     def refuse(written: list[int]) -> None:
         # a unit's params are views of one buffer and share its version counter: the unit is what can be named
+        units = meta_of(state).layout.units
+        per_slot = [u for u in units for _ in u.slots]
+        owner = per_slot if len(per_slot) == len(view.inputs) else list(units)  # the inputs: per param, or per unit
         hit = list(dict.fromkeys(owner[i] for i in written if i < len(owner)))
         params = [s.path for u in hit for s in u.slots]
         raise ValueError(
             f"fzero.Step: the forward wrote a param in place, one of {params[:6]}{' ...' if len(params) > 6 else ''} "
             f"(nn.Embedding(max_norm=...) renormalizes the rows it looks up in place; so does a model that edits a "
-            f"weight under torch.no_grad()). Here the write would not be kept as plain PyTorch keeps it: {why}. Train "
-            f"without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params "
-            f"between steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the "
-            f"train state itself."
+            f"weight under torch.no_grad()). Here the write would not be kept as plain PyTorch keeps it: {why}. "
+            + PARAM_WRITE_FIX
         )
 
     return refuse

@@ -274,7 +274,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
-    every = _parameter_paths(skel)  # one walk for every check below (torch's named_parameters walks are a step's cost)
+    # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
+    every = named_tensors(skel, "_parameters", remove_duplicate=False)
     shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
     trainable = set(shapes)
     layout = params.layout
@@ -320,11 +321,6 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
         sub.__dict__["_fz"] = (unit, params)
     return skel
-
-
-def _parameter_paths(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``module.named_parameters(remove_duplicate=False)``, in its order, from one ``walk``."""
-    return named_tensors(module, "_parameters", remove_duplicate=False)
 
 
 def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -> dict[str, set[str]]:
