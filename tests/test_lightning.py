@@ -255,6 +255,51 @@ def test_the_strategy_names_are_registered_and_import_fzero_does_not_need_lightn
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_the_process_group_backend_follows_the_accelerator_not_whether_cuda_exists():
+    """A CPU run on a GPU machine gets plain gloo, as under DDP; a CUDA run NCCL beside gloo; the user's choice stands."""
+    cpu, gpu = [torch.device("cpu")], [torch.device("cuda", 0)]
+    assert fzero.lightning.FZeroStrategy(parallel_devices=cpu)._get_process_group_backend() == "gloo"
+    assert fzero.lightning.FZeroStrategy(parallel_devices=gpu)._get_process_group_backend() == "cpu:gloo,cuda:nccl"
+    mine = fzero.lightning.FZeroStrategy(parallel_devices=cpu, process_group_backend="cpu:gloo")
+    assert mine._get_process_group_backend() == "cpu:gloo"
+
+
+_MEAN_UNDER_A_MIXED_BACKEND = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import fzero.lightning
+
+def run(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("cpu:gloo", rank=rank, world_size=2)  # named per device, as "cpu:gloo,cuda:nccl" is
+    strategy = fzero.lightning.FZeroStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    f = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="mean")
+    n = strategy.reduce(torch.tensor(3 * (rank + 1)), reduce_op="mean")  # Lightning's int batch-size count
+    s = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum")
+    assert (float(f), n.dtype, int(n), float(s)) == (1.5, torch.int64, 4, 3.0), (f, n, s)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_sync_dist_means_reduce_under_a_backend_named_per_device(tmp_path):
+    """Under "cpu:gloo,cuda:nccl" Lightning asked gloo for ReduceOp.AVG on its integer batch-size count at the end of a
+    validation epoch, which fails in place ("result type Float can't be cast to the desired output type Long"; seen
+    running examples/train_lightning.py on 2 processes on a GPU machine). A mean of a host tensor is a sum divided by
+    the ranks, as Lightning does under plain gloo (integers truncated, as there)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = tmp_path / "mean.py"
+    script.write_text(_MEAN_UNDER_A_MIXED_BACKEND)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 @pytest.mark.usefixtures("one_process")
 @LIGHTNING_NOISE[0]
 @LIGHTNING_NOISE[1]

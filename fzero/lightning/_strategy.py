@@ -54,8 +54,8 @@ class FZeroStrategy(DDPStrategy):
     ``stages``, ``offload``, ``offload_params`` and any other keyword (``units``, ``bucket_elements``, ``prefetch``,
     ``remat``, ``jit``, ``autodiff``, ...) are ``fzero.compile``'s; the optimizer, precision, accumulation and
     clipping come from the LightningModule and the Trainer. ``process_group_backend``, ``timeout`` and
-    ``start_method`` are Lightning's DDP ones (``"gloo"`` on the CPU; with CUDA the default is
-    ``"cpu:gloo,cuda:nccl"``, so that offloaded state can reduce on the host).
+    ``start_method`` are Lightning's DDP ones (by default ``"gloo"`` when the Trainer's accelerator is the CPU, and
+    ``"cpu:gloo,cuda:nccl"`` when it is CUDA, so that offloaded state can reduce on the host).
 
     The LightningModule's own parameters are not trained while ``fit`` runs: its methods see the state's params only
     inside ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``. When ``fit`` ends, the trained
@@ -72,8 +72,6 @@ class FZeroStrategy(DDPStrategy):
         for key, where in _SET_BY_LIGHTNING.items():
             if key in compile_kwargs:
                 raise TypeError(f"FZeroStrategy: {key}= is set by Lightning here, not by the strategy: {where}.")
-        if process_group_backend is None and torch.cuda.is_available():
-            process_group_backend = "cpu:gloo,cuda:nccl"
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
@@ -87,6 +85,27 @@ class FZeroStrategy(DDPStrategy):
         self._at_boundary = False
 
     # -- set-up ----------------------------------------------------------------------------------------------------
+    def _get_process_group_backend(self) -> str:
+        """The user's backend, or one for the Trainer's accelerator: gloo for the CPU; for CUDA, NCCL beside gloo, which
+        reduces what offload keeps on the host. Chosen by the accelerator, not by whether CUDA exists: a CPU run on a
+        GPU machine gets plain gloo, as under DDP."""
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "cpu:gloo,cuda:nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce (``self.log(..., sync_dist=True)``), with a mean of a host tensor taken as a sum divided by
+        the ranks, as Lightning does under plain gloo. Why: under a mixed backend (``"cpu:gloo,cuda:nccl"``) Lightning
+        asks gloo for ``ReduceOp.AVG``, which divides in place and fails on the integer batch-size count Lightning
+        syncs at the end of an epoch ("result type Float can't be cast to the desired output type Long")."""
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not (mean and distributed and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        total = super().reduce(tensor, group=group, reduce_op="sum")
+        world = torch.distributed.get_world_size(group)
+        return total.div_(world) if torch.is_floating_point(total) else total.copy_(total / world)
+
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         self.model_to_device()  # no DDP wrapper and no precision conversion: the step's policy casts
