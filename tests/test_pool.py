@@ -227,3 +227,33 @@ def test_every_loan_ends_within_its_step(settings, swap, monkeypatch):
         state, _ = step(state, b)
         loans.append(step.pool.loans)
     assert loans == [0] * len(loans), loans
+
+
+@pytest.mark.parametrize("case", ["whole", "transposed", "padding", "missing", "scalar", "bf16"])
+def test_a_units_flat_gradient_is_each_gradient_in_its_place_and_zeros_elsewhere(case):
+    """``join`` (a unit's backward: its params' gradients into one pooled flat buffer) equals ``torch.cat`` of the
+    flattened gradients, with zeros for a param that got none and for the padding, whichever path it takes: one
+    ``torch._chunk_cat`` when every param has a gradient, or piece by piece. The pool's buffer is reused, so its old
+    contents (NaN here) must never show through."""
+    from fzero.step._context import join
+
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    shapes = [(3, 5), (5,), (2, 4)] if case != "scalar" else [(3, 5), (), (2, 4)]
+    grads = [torch.randn(s).to(dtype) for s in shapes]
+    if case == "transposed":
+        grads[0] = torch.randn(5, 3).t()  # a transposed weight's gradient: not contiguous
+    if case == "missing":
+        grads[1] = None
+    sizes = tuple(max(1, torch.Size(s).numel()) for s in shapes) + ((3,) if case == "padding" else ())
+    pool = Pool()
+    old = pool.take(sum(sizes), dtype=dtype, device=torch.device("cpu"))
+    old.fill_(float("nan"))
+    pool.give(old)
+    address = old.data_ptr()
+    del old  # held here, the pool would never lend it again
+    used = [False] * len(shapes)
+    flat = join(tuple(grads), sizes, used, (dtype, torch.device("cpu")), pool=pool)
+    assert flat.data_ptr() == address  # the pool's buffer, written over
+    want = torch.cat([torch.zeros(n, dtype=dtype) if g is None else g.reshape(-1) for g, n in zip(grads + [None], sizes)])
+    assert torch.equal(flat, want)
+    assert used == [g is not None for g in grads]
