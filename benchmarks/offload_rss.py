@@ -19,6 +19,16 @@ parameter after ``Step.init`` and at its peak, and the peak over the steps (VmHW
 ``MALLOC_MMAP_THRESHOLD_=131072`` to take glibc's heap out of the peak (its dynamic mmap threshold keeps freed
 unit-sized buffers resident on the heap). ``--device cuda`` puts the params on the GPU; the numbers are then the
 host's alone (ZeRO-Offload's arithmetic: 16 bytes per parameter).
+
+``--phases`` (with ``--one-process``) also reads the host's resident memory at the points of each step where
+offload's host buffers change, by wrapping the functions that run there (nothing in fzero is changed): when the
+gradient is done (``finish`` starts), after each unit's gradient is copied into its host buffer
+(``CPUOffload.apply``), after the optimizer (``apply_update``), and when the step returns; each as B/param above the
+base, current and peak since the step began. On a GPU, a phase that grows by more than its arithmetic (4 B/param
+for the gradient's host copy, 0 for the update) names where the host holds more than ZeRO-Offload's 16 B/param::
+
+    python benchmarks/offload_rss.py --one-process --device cuda --layers 20 --width 2048 --heads 16 --seq 512 \
+        --steps 2 --offload cpu --precision bf16 --remat --phases
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +74,7 @@ def main() -> None:
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--one-process", action="store_true", help="local_mesh(1), meta model, streaming init; no torchrun")
     ap.add_argument("--device", default="cpu", help="--one-process: where the params live (cpu, cuda); RSS is the host's")
+    ap.add_argument("--phases", action="store_true", help="--one-process: host RSS at each phase of a step")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.one_process:
@@ -136,6 +148,7 @@ def one_process(args: argparse.Namespace) -> dict:
     step = stage3_step(model, args, mesh=fzero.local_mesh(1), precision=args.precision, remat=args.remat)
     g = torch.Generator().manual_seed(0)
     base = vm_rss()  # the interpreter, torch and the meta model
+    phases: list[list[dict]] = []  # --phases: per step, the rows watch_phases wrote
     reset_hwm()
     t_init = time.perf_counter()
     state = step.init(fzero.params_of(model),
@@ -145,6 +158,9 @@ def one_process(args: argparse.Namespace) -> dict:
     peaks, times = [], []
     init_s = time.perf_counter() - t_init
     print(f"init: {init_s:.1f} s, {init_rss / psi:.2f} B/param resident (peak {init_peak / psi:.2f})", file=sys.stderr, flush=True)
+    rows: list[dict] = []
+    if args.phases:
+        watch_phases(rows, base, psi)
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
         t0 = time.perf_counter()
@@ -152,16 +168,54 @@ def one_process(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)  # the metrics are host numbers: the step has finished on the device
         peaks.append(vm_hwm() - base)
         print(f"step: {times[-1]:.1f} s, peak {peaks[-1] / psi:.2f} B/param", file=sys.stderr, flush=True)
+        if args.phases:
+            rows.append({"phase": "step returned", "rss": (vm_rss() - base) / psi, "peak": peaks[-1] / psi})
+            for row in rows:
+                print(f"  {row['phase']:<34} rss {row['rss']:6.2f}  peak {row['peak']:6.2f} B/param", file=sys.stderr, flush=True)
+            phases.append(list(rows))
+            rows.clear()
     out = {"params": psi, "device": args.device, "offload": args.offload, "precision": args.precision, "remat": args.remat,
            "largest_unit": max(u.numel for u in state[0].meta.layout.units),
            "init_bytes_per_param": init_rss / psi, "init_peak_bytes_per_param": init_peak / psi,
            "train_peak_bytes_per_param": max(peaks) / psi,
-           "peak_per_step": [p / psi for p in peaks], "init_s": init_s, "step_s": times, "loss": m["loss"]}
+           "peak_per_step": [p / psi for p in peaks], "init_s": init_s, "step_s": times, "loss": m["loss"],
+           "phases": phases}
     print(json.dumps(out, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)
     return out
+
+
+def watch_phases(rows: list[dict], base: int, psi: int) -> None:
+    """Wrap the functions that run where offload's host memory changes, so that each appends to ``rows`` the host's
+    resident memory (current, and the peak since the step began) in B/param above ``base``. Benchmark-only: the
+    wrappers replace module attributes of this process, and change no number of the step."""
+    import fzero.step as step_pkg
+    import fzero.step._step as step_mod
+    import fzero.zero._policies as policies
+
+    def note(phase: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rows.append({"phase": phase, "rss": (vm_rss() - base) / psi, "peak": (vm_hwm() - base) / psi})
+
+    def wrap(owner: Any, name: str, before: str | None, after: str | None) -> None:
+        fn = getattr(owner, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if before:
+                note(before)
+            out = fn(*a, **k)
+            if after:
+                note(after)
+            return out
+
+        setattr(owner, name, wrapped)
+
+    wrap(step_mod, "finish", "gradient done (finish starts)", None)
+    wrap(policies, "_host_params", None, "host copies made (_host_params)")
+    wrap(step_pkg, "apply_update", None, "optimizer done (apply_update)")
 
 
 if __name__ == "__main__":
