@@ -29,7 +29,7 @@ from torch import nn
 
 from fzero.layout import check_no_meta, named_tensors
 from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
-from fzero.step._state import check_params_fit_module
+from fzero.step._state import check_params_fit_module, check_trainable_set
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -89,7 +89,9 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
     if not isinstance(params, dict):
         raise TypeError(f"fzero.apply: params must be a dict of name -> tensor (as fzero.params_of returns), got {type(params).__name__}.")
     target = module_for_thread(module)  # a per-rank clone on a multi-rank local_mesh (see fzero.step._context)
-    check_params_fit_module(target, params, api="fzero.apply")  # a state of another model width must not run
+    named = check_params_fit_module(target, params, api="fzero.apply")  # a state of another model width must not run
+    if bank is not None:  # in a step: its params are the state's, whose trainable set must still be the module's
+        check_trainable_set(named, params, module, api="fzero.apply")
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
         params = {**bank.for_module(module), **params}
     if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
@@ -117,6 +119,11 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# On a module's persistent buffer: its version counter when a step last read it. A write to the buffer after that (in
+# place, as ``fill_``, ``copy_`` or ``reset_running_stats`` do) is one the state would not see (``Buffers``).
+_SEEN = "_fzero_seen_version"
+
+
 class Buffers:
     """One rank's buffers during one step: ``values`` maps buffer names (relative to the module given to
     ``fzero.apply``) to the tensors the forward reads and writes.
@@ -129,6 +136,7 @@ class Buffers:
     def __init__(self, values: dict[str, torch.Tensor], *, lift: Callable[[torch.Tensor], torch.Tensor],
                  dtype: torch.dtype | None = None) -> None:
         self._lift, self._dtype = lift, dtype
+        self._given = values  # the state's values as the step got them (to tell an edit of the module's from a copy)
         self.dtypes = {k: v.dtype for k, v in values.items()}
         self.values = {k: self._live(v) for k, v in values.items()}
 
@@ -150,8 +158,28 @@ class Buffers:
                     )
                 self.dtypes[name] = b.dtype
                 self.values[name] = self._live(b.detach())
+                setattr(b, _SEEN, b._version)
+            elif not b.is_meta and getattr(b, _SEEN, b._version) != b._version:
+                self._check_unchanged(module, name, b)
+            elif not b.is_meta:
+                setattr(b, _SEEN, b._version)
             out[name] = self.values[name]
         return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
+
+    def _check_unchanged(self, module: nn.Module, name: str, b: torch.Tensor) -> None:
+        """The module's buffer ``name`` was written since a step last read it. Unless it now holds the state's value
+        (``model.load_state_dict(step.state_dict(state, model))`` writes that), the write would be ignored: the
+        state carries the buffer, and the module's is not read again."""
+        given = self._given.get(name)
+        if given is not None and given.shape == b.shape and torch.equal(b.detach().to(given.device, given.dtype), given):
+            setattr(b, _SEEN, b._version)
+            return
+        raise ValueError(
+            f"fzero.apply: the buffer {name!r} of {type(module).__name__} was changed on the module after the state "
+            f"took it over, and would be ignored: the state carries persistent buffers (state.buffers, what the "
+            f"forward writes, e.g. BatchNorm's statistics), and the module's are not read again. Set the new value in "
+            f"the state instead: state = step.with_buffers(state, {{{name!r}: value}}); or undo the change on the module."
+        )
 
     def result(self) -> dict[str, torch.Tensor]:
         """The values after the forward, each in its own dtype."""

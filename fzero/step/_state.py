@@ -283,7 +283,8 @@ def optimizer_family(tree: Any) -> str:
 _STATELESS = "stateless (plain SGD's)"
 
 
-def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[str, str] | None = None) -> None:
+def check_params_fit_module(module: Any, params: Any, *, api: str,
+                            units: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Raise a ``ValueError`` when a param of ``params`` (name -> tensor, as ``fzero.params_of`` names them) has
     another shape than the parameter of that name in ``module``: the state was made from another model (an
     MLP(4, 8, 2) state run by an MLP(4, 16, 2)), and ``torch.func.functional_call`` would run it anyway, as the
@@ -292,8 +293,9 @@ def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[s
     attribute layers") or set an attribute the forward never reads.
 
     Meant for ``fzero.apply`` (stages 0-1) and the stage 2-3 skeleton, once per module and layout (a dict lookup
-    per param)."""
-    own = dict(named_tensors(module, "_parameters", remove_duplicate=False))  # per step: one walk, not torch's generators
+    per param). Returns the module's ``(name, parameter)`` pairs it walked, for ``check_trainable_set``."""
+    named = named_tensors(module, "_parameters", remove_duplicate=False)  # per step: one walk, not torch's generators
+    own = dict(named)
     unexpected = [name for name in params if name not in own]
     if unexpected:
         known = {*own, *(n for n, _ in module.named_buffers(remove_duplicate=False))}
@@ -317,6 +319,59 @@ def check_params_fit_module(module: Any, params: Any, *, api: str, units: dict[s
             f"({type(module).__name__}): the state was made from another model or another configuration of it. Make "
             f"the state from this model's params (step.init(fzero.params_of(model))), or run the model it came from."
         )
+    return named
+
+
+def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any, module: Any, *, api: str) -> None:
+    """Raise a ``ValueError`` when the module's trainable parameters are no longer those the state was made with.
+
+    ``named``: the module's parameters as ``named_parameters(remove_duplicate=False)`` lists them (a tied one under
+    each of its names); ``state_names``: the names of the state's params. A state fixes at ``step.init`` which params
+    train (as a DeepSpeed engine or an FSDP module fixes them when it is made); a ``requires_grad`` changed on the
+    module afterwards, or a trainable module attached, would otherwise be ignored (stages 0-1: a frozen param kept
+    training, a new one never trained) or, at stages 2-3, run on the uninitialised memory of a stand-in. Once per
+    ``fzero.apply`` in a step: a pass over names the caller has already collected."""
+    names = set(state_names)
+    if not names <= {name for name, _ in named}:
+        return  # the state names params this module lacks: another model, which the callers name as such
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in named:
+        by_tensor.setdefault(id(p), []).append(name)
+    for aliases in by_tensor.values():
+        held = [a for a in aliases if a in names]
+        if len(held) > 1:  # torch's functional_call would say "Consider using tie_weights=False"
+            raise ValueError(
+                f"{api}: the state holds separate values for {held}, which are one tied parameter in "
+                f"{type(module).__name__}: the state (or a checkpoint loaded into it) was made from a configuration of the "
+                f"model without that tie (e.g. tie_word_embeddings=False). Build the model as the state was made, or make "
+                f"the state from this model (step.init(fzero.params_of(model)))."
+            )
+    frozen, seen, new = [], set(), []
+    for name, p in named:
+        if name in names and not p.requires_grad:
+            frozen.append(name)
+        if id(p) in seen:
+            continue  # a tied param: its first name is the one params_of (and so the state) uses
+        seen.add(id(p))
+        if p.requires_grad and name not in names:
+            new.append(name)
+    if not frozen and not new:
+        return
+    what = []
+    if frozen:
+        what.append(f"frozen since (requires_grad=False now): {frozen[:4]}{' ...' if len(frozen) > 4 else ''}")
+    if new:
+        what.append(f"trainable now but not in the state (unfrozen, a module attached, or the state, or a checkpoint "
+                    f"loaded into it, made from a smaller configuration of the model): {new[:4]}{' ...' if len(new) > 4 else ''}")
+    raise ValueError(
+        f"{api}: the trainable parameters of {type(module).__name__} are not those the state was made with; "
+        f"{'; '.join(what)}. A state fixes which params train when it is made (step.init), and fzero would otherwise "
+        f"train the old set silently. Undo the change, or start a state with the new set: write the trained values "
+        f"into the model (model.load_state_dict(step.state_dict(state, model))), change requires_grad or attach the "
+        f"modules, then state = step.init(fzero.params_of(model)) (the optimizer's moments start again). To stop "
+        f"training some params for a while without a new state, give them zero updates with "
+        f"fzero.optim.multi_transform({{..., 'frozen': fzero.optim.set_to_zero()}}, labels) from the start."
+    )
 
 
 # A state's optimizer state and buffers are checked against a step (``check_state_matches``) unless that step made

@@ -228,6 +228,34 @@ class Step:
                     release(t)
         return out
 
+    def with_buffers(self, state: TrainState | RankStates, buffers: dict[str, Any]) -> TrainState | RankStates:
+        """A new state whose persistent buffers ``buffers`` (name -> value, as ``model.state_dict()`` names them) replace
+        the state's, on every rank this process holds: how a buffer is set between steps (BatchNorm's statistics reset,
+        a registered mask changed). Once a state holds a buffer, the module's own is not read again (a write to it is
+        refused at the next step). Each value is copied, in the dtype and onto the device of the buffer it replaces."""
+        api = "fzero.Step.with_buffers"
+        self._check_state(state, api=api)
+        if not isinstance(buffers, dict):
+            raise TypeError(f"{api}: buffers must be a dict of name -> tensor, got {type(buffers).__name__}.")
+        out = []
+        for s in state.states if isinstance(state, RankStates) else (state,):
+            unknown = sorted(n for n in buffers if n not in s.buffers)
+            if unknown:
+                raise ValueError(
+                    f"{api}: the state holds no buffer {unknown[:3]}; it holds {sorted(s.buffers)[:6]}"
+                    f"{' ...' if len(s.buffers) > 6 else ''}. A state takes the module's persistent buffers at its first "
+                    f"step (or from step.init(params, buffers=fzero.buffers_of(model))); before that, set them on the module."
+                )
+            new = dict(s.buffers)
+            for name, value in buffers.items():
+                old, value = s.buffers[name], torch.as_tensor(value)
+                if value.shape != old.shape:
+                    raise ValueError(f"{api}: buffer {name!r} has shape {tuple(old.shape)} in the state; the new value "
+                                     f"has {tuple(value.shape)}.")
+                new[name] = value.detach().to(old.device, old.dtype, copy=True)
+            out.append(dataclasses.replace(s, buffers=new))
+        return RankStates(tuple(out)) if isinstance(state, RankStates) else out[0]
+
     def state_dict(self, state: TrainState | RankStates, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Params and buffers as ``model.state_dict()`` names them, for ``model.load_state_dict(sd, strict=True)``.
 

@@ -29,8 +29,8 @@ from torch import nn
 
 from fzero.autodiff import remat
 from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit, units_of
-from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, current_buffers,
-                        current_compute_dtype, module_for_thread)
+from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, check_trainable_set,
+                        current_buffers, current_compute_dtype, module_for_thread)
 from fzero.mesh import AllGather, ReplicatedShardGrad
 from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
@@ -270,15 +270,18 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     def skeleton_param(p):
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
             meta = p.detach() if p.is_meta else torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device="meta")
-            return nn.Parameter(meta, requires_grad=True)
+            return torch.Tensor._make_subclass(nn.Parameter, meta, True)  # what nn.Parameter(meta) runs, minus its Python
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
     # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
     every = named_tensors(skel, "_parameters", remove_duplicate=False)
+    layout = params.layout
+    # first: a requires_grad changed since init would otherwise be blamed on the params' names or on ties below, and a
+    # param made trainable since would run as the meta stand-in above, whose memory torch's CPU kernels read as values
+    check_trainable_set(every, [s.path for unit in layout.units for s in unit.slots], module, api=api)
     shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
     trainable = set(shapes)
-    layout = params.layout
     owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
     for unit in layout.units:
         unknown = [s.path for s in unit.slots if s.path not in trainable]

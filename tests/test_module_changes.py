@@ -1,0 +1,204 @@
+"""What a user changes on the module between steps: what a step sees, what it refuses, never what it ignores silently.
+
+A state fixes at ``step.init`` which params train, and holds the persistent buffers from the first step on. A
+``requires_grad`` changed afterwards (a layer frozen or unfrozen, a trainable adapter attached) used to be ignored at
+stages 0-1 (a frozen param kept training, a new one never trained) and, at stages 2-3, to run a new trainable param as
+its meta stand-in, whose memory torch's CPU kernels read as values (losses of 1e16, or finite and wrong). A persistent
+buffer written on the module after the state took it over was ignored at every stage. Both are refused now, by name;
+what the module legitimately carries into every step (mode, attributes, hooks, frozen values) is checked to still
+train as plain PyTorch does in ``tests/test_hooks.py`` and the zoo.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+
+STAGES = [0, 1, 2, 3]
+
+
+class Net(nn.Module):
+    """Two blocks (the stage 2-3 units) and a head, with a BatchNorm (persistent buffers) in the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.bn(self.inp(x))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _batches(n=4):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 4, generator=gen) for _ in range(n)]
+
+
+def _step(model, stages, ranks=1):
+    def loss_fn(params, x):
+        return fzero.apply(model, params, x).pow(2).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(ranks))
+    return step, step.init(fzero.params_of(model))
+
+
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "attach"])
+def test_a_trainable_set_changed_after_init_is_refused_by_name(stages, change):
+    model = Net()
+    model.blocks[1][0].bias.requires_grad_(False)  # frozen from the start: "unfreeze" makes it trainable
+    step, state = _step(model, stages)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    if change == "freeze":
+        model.blocks[0][0].weight.requires_grad_(False)
+        name, what = "blocks.0.0.weight", "frozen since"
+    elif change == "unfreeze":
+        model.blocks[1][0].bias.requires_grad_(True)
+        name, what = "blocks.1.0.bias", "trainable now but not in the state"
+    else:
+        model.blocks[0].append(nn.Linear(8, 8))  # an adapter inside a unit (the other names unchanged)
+        name, what = "blocks.0.2.weight", "trainable now but not in the state"
+    with pytest.raises(ValueError, match=rf"trainable parameters of Net are not those the state was made with; {what}.*"
+                                         rf"{name.replace('.', '[.]')}.*step.init\(fzero.params_of\(model\)\)"):
+        step(state, batches[1])
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_a_new_trainable_set_trains_from_a_new_state_as_the_error_says(stages):
+    """The error's recipe: the trained values into the model, the change, a new state; it then trains as PyTorch does
+    from the same values (the tied-to-init moments start again, as the error says)."""
+    model = Net()
+    step, state = _step(model, stages)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    model.load_state_dict(step.state_dict(state, model))
+    model.blocks[0][0].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    state = step.init(fzero.params_of(model), buffers=fzero.buffers_of(model))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for x in batches[1:]:
+        state, _ = step(state, x)
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+    got = step.state_dict(state, model)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", STAGES)
+def test_a_buffer_written_on_the_module_after_the_state_took_it_is_refused(stages, ranks):
+    model = Net()
+    step, state = _step(model, stages, ranks)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    with torch.no_grad():
+        model.bn.running_var.fill_(4.0)  # the state holds its own running_var, which the forward keeps writing
+    with pytest.raises(ValueError, match=r"buffer 'bn.running_var' of Net was changed on the module after the state "
+                                         r"took it over.*step.with_buffers\(state, \{'bn.running_var': value\}\)"):
+        step(state, batches[1])
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_loading_the_states_own_values_into_the_module_is_not_a_change(stages):
+    """``model.load_state_dict(step.state_dict(state, model))`` between steps (to evaluate or save the module) writes
+    the module's buffers, with the state's values: training goes on, bit for bit as without it."""
+    batches = _batches()
+    runs = []
+    for sync in (False, True):
+        model = Net()
+        step, state = _step(model, stages)
+        for x in batches:
+            state, _ = step(state, x)
+            if sync:
+                model.load_state_dict(step.state_dict(state, model))
+        runs.append(step.state_dict(state, model))
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+def test_a_buffer_set_with_with_buffers_trains_as_pytorch():
+    """The fix the error names: the new value set in the state (in the buffer's own dtype, whatever it is given in) is
+    what the next steps use, as PyTorch uses a buffer written on its module."""
+    model = Net()
+    step, state = _step(model, 0)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches()
+    for k, x in enumerate(batches):
+        if k == 2:
+            state = step.with_buffers(state, {"bn.running_var": torch.full((8,), 4.0, dtype=torch.float64)})
+            with torch.no_grad():
+                ref.bn.running_var.fill_(4.0)
+        state, _ = step(state, x)
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+    got = step.state_dict(state, model)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_with_buffers_refuses_what_the_state_does_not_hold():
+    model = Net()
+    step, state = _step(model, 0)
+    with pytest.raises(ValueError, match=r"holds no buffer \['bn.running_var'\]; it holds \[\]. A state takes the "
+                                         r"module's persistent buffers at its first step"):
+        step.with_buffers(state, {"bn.running_var": torch.zeros(8)})
+    state, _ = step(state, _batches(1)[0])
+    with pytest.raises(ValueError, match=r"holds no buffer \['bn.running_men'\]; it holds \['bn.num_batches_tracked'"):
+        step.with_buffers(state, {"bn.running_men": torch.zeros(8)})
+    with pytest.raises(ValueError, match=r"'bn.running_var' has shape \(8,\) in the state; the new value has \(4,\)"):
+        step.with_buffers(state, {"bn.running_var": torch.zeros(4)})
+
+
+class TiedNet(nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_a_state_of_another_configuration_is_named_as_such(stages):
+    """A state (or a checkpoint loaded into one) from another configuration of the model, run by this one: an untied
+    one run by a tied model (torch said only "Consider using tie_weights=False"), a smaller one by a larger model (at
+    stages 2-3 the new layers ran as meta stand-ins)."""
+    ids = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def run(state_from, model):
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                             stages=stages, mesh=fzero.local_mesh(1))
+        step(step.init(fzero.params_of(state_from)), ids)
+
+    with pytest.raises(ValueError, match=r"the state holds separate values for \['emb.weight', 'head.weight'\], which are "
+                                         r"one tied parameter in TiedNet.*tie_word_embeddings=False"):
+        run(TiedNet(tie=False), TiedNet(tie=True))
+    larger = TiedNet(tie=True)
+    larger.blocks.append(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"trainable now but not in the state \(.*a smaller configuration of the model\): "
+                                         r"\['blocks.1.weight', 'blocks.1.bias'\]"):
+        run(TiedNet(tie=True), larger)
