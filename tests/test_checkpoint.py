@@ -225,6 +225,29 @@ def test_keep_the_last_k_and_load_the_newest(tmp_path):
     assert_trees_equal(fzero.checkpoint.load(tmp_path, like=step), state)
 
 
+def test_after_a_rollback_keep_keeps_the_new_line_and_latest_resumes_it(tmp_path):
+    """Roll back to an older checkpoint and train on: the new line's checkpoints have lower steps than the abandoned
+    line's. keep=K keeps the K saved last, and latest() (so load(parent)) is the one saved last, as DeepSpeed's
+    `latest` tag: ranked by step, keep=1 deleted the checkpoint it had just written (save returned a path that no
+    longer existed) and latest() resumed the abandoned line."""
+    prob = mlp_problem(steps=4)
+    step = make_step(prob, stages=1, mesh=None)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, _ = step(state, b)
+        fzero.checkpoint.save(tmp_path / "k3", state, keep=3)
+        fzero.checkpoint.save(tmp_path / "k1", state, keep=1)
+    for keep, kept in ((3, ["step_00000002", "step_00000003", "step_00000004"]), (1, ["step_00000003"])):
+        parent = tmp_path / f"k{keep}"
+        back = fzero.checkpoint.load(tmp_path / "k3" / "step_00000002", like=step)
+        back, _ = step(back, prob.batches[0])  # the new line's step 3, on other data than the old one's
+        saved = fzero.checkpoint.save(parent, back, keep=keep, extra={"line": "new"})
+        assert saved == str(parent / "step_00000003") and os.path.isdir(saved)
+        assert sorted(os.listdir(parent)) == kept
+        assert fzero.checkpoint.latest(parent) == saved and fzero.checkpoint.read_extra(parent) == {"line": "new"}
+        assert_trees_equal(fzero.checkpoint.load(parent, like=step), back)
+
+
 def test_rng_state_is_restored(tmp_path):
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)

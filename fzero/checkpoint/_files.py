@@ -107,9 +107,15 @@ def _exchange(a: str, b: str) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def prune(parent: str, keep: int) -> None:
-    """Keep the ``keep`` newest complete ``step_*`` checkpoints in ``parent``; remove older ones and leftovers."""
-    for e in _complete_steps(parent)[:-keep]:
+def prune(parent: str, keep: int, *, final: str | None = None) -> None:
+    """Keep the ``keep`` complete ``step_*`` checkpoints of ``parent`` saved last (``_complete_steps``), ``final`` (the
+    one just saved) always among them; remove older ones and leftovers."""
+    done = _complete_steps(parent)
+    last = os.path.basename(final) if final is not None else None
+    if last in done:  # the newest save by its record; kept whatever a clock says of the others
+        done.remove(last)
+        done.append(last)
+    for e in done[:-keep]:
         shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
     for e in os.listdir(parent):  # a publish without an atomic swap that died between its renames
         if e.startswith(".step_") and e.endswith(".old"):
@@ -222,13 +228,34 @@ def is_complete(path: str) -> bool:
 
 
 def _complete_steps(parent: str) -> list[str]:
-    """The names of the complete ``step_*`` checkpoints in ``parent``, oldest step first."""
-    done = sorted((int(m.group(1)), e) for e in os.listdir(parent) if (m := STEP_NAME.match(e)) and is_complete(os.path.join(parent, e)))
-    return [e for _, e in done]
+    """The names of the complete ``step_*`` checkpoints in ``parent``, in the order they were saved (``saved_ns`` in
+    their ``fzero.json``), the last saved last; by step where that is equal or missing (checkpoints of older fzero).
+
+    Why the order of saving and not the step: after a rollback (``load`` of an older checkpoint, training on from
+    it), the new line's checkpoints have lower steps than the abandoned line's. Ranked by step, ``keep=1`` removed
+    the checkpoint just saved and ``latest`` resumed the abandoned line; DeepSpeed records the tag it saved last
+    for the same reason."""
+    done = []
+    for e in os.listdir(parent):
+        m = STEP_NAME.match(e)
+        if m and is_complete(os.path.join(parent, e)):
+            done.append((_saved_ns(os.path.join(parent, e)), int(m.group(1)), e))
+    return [e for _, _, e in sorted(done)]
+
+
+def _saved_ns(path: str) -> int:
+    """When the checkpoint at ``path`` was saved (ns since the epoch), from its ``fzero.json``; -1 if it has none."""
+    try:
+        with open(os.path.join(path, INFO), "rb") as f:
+            value = json.loads(f.read()).get("saved_ns", -1)
+    except (OSError, ValueError, AttributeError):
+        return -1
+    return value if isinstance(value, int) else -1
 
 
 def latest(path: str | os.PathLike) -> str | None:
-    """The newest complete ``step_*`` checkpoint in ``path`` (or ``path`` itself if it is one); None if there is none."""
+    """The complete ``step_*`` checkpoint in ``path`` saved last (or ``path`` itself if it is one); None if there is
+    none. Saved last, not of the highest step: after a rollback, the line training goes on from."""
     path = os.path.abspath(os.fspath(path))
     if is_complete(path):
         return path

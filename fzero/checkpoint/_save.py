@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import os
 import shutil
 from typing import Any
@@ -56,6 +57,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     process, processes = which_process(distributed)
     ents = [entries(s, api=api) for s in states]
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
+            "saved_ns": time.time_ns(),  # keep=K and latest() go by the order of saving (a rollback saves lower steps)
             **describe(states[0], ents[0]), "param_groups": labels(states[0], step_of(states[0])), "extra": extra_json}
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
     todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
@@ -92,7 +94,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         except OSError as e:
             raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
         if keep is not None:
-            prune(path, keep)
+            prune(path, keep, final=final)
         sweep_partials(parent)
 
     try:
