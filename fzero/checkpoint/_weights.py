@@ -182,6 +182,8 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
         if len(states) > 1:  # a local mesh: every shard is in this process
             return torch.cat([src[u.name] for src in sources])
         mine = sources[0][u.name]
+        if comm is None:  # one rank (no mesh, or local_mesh(1)): its shard is the whole unit
+            return mine
         return comm.all_gather(torch.empty(u.padded, dtype=mine.dtype, device=mine.device), mine, tag="gather", label=u.name)
 
     needed = sum(i.nbytes for i in items)
