@@ -248,6 +248,67 @@ def test_after_a_rollback_keep_keeps_the_new_line_and_latest_resumes_it(tmp_path
         assert_trees_equal(fzero.checkpoint.load(parent, like=step), back)
 
 
+def _frozen_embedding_run(tmp_path, *, save_model: bool):
+    """Phase 1 trains the whole model; phase 2 freezes the trained embedding (the trained values into the module, a new
+    state over the rest) and saves after two steps. Returns the step, the saved path, the state and model there, and
+    the batches left."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16))
+
+    def compile_for(model):
+        loss = lambda p, idx: torch.nn.functional.cross_entropy(fzero.apply(model, p, idx).flatten(0, 1), idx.flatten())  # noqa: E731
+        return fzero.compile(loss, optimizer=fzero.optim.adamw(1e-1), stages=1, mesh=fzero.local_mesh(2))
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 16, (4, 6), generator=gen) for _ in range(6)]
+    model = build()
+    step = compile_for(model)
+    state = step.init(fzero.params_of(model))
+    state, _ = step(state, batches[0])
+    model.load_state_dict(step.state_dict(state, model))
+    model[0].weight.requires_grad_(False)
+    state = step.init(fzero.params_of(model))
+    for b in batches[1:3]:
+        state, _ = step(state, b)
+    ck = fzero.checkpoint.save(tmp_path / "ck", state, model=model if save_model else None)
+    return build, compile_for, ck, state, model, batches[3:]
+
+
+def test_frozen_params_saved_with_the_model_resume_in_a_fresh_one(tmp_path):
+    """save(model=) writes the frozen params, as DeepSpeed does by default, and load(model=) puts them back into a
+    model built from scratch: the run goes on bit for bit as uninterrupted. Without them it resumed on the embedding's
+    random init, silently; consolidate exports the saved values too."""
+    build, compile_for, ck, state, model, rest = _frozen_embedding_run(tmp_path, save_model=True)
+    fresh = build()
+    fresh[0].weight.requires_grad_(False)
+    assert not torch.equal(fresh[0].weight, model[0].weight)  # what a fresh process builds
+    step = compile_for(fresh)
+    resumed = fzero.checkpoint.load(ck, like=step, model=fresh)
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    straight = compile_for(model)
+    for b in rest:
+        resumed, _ = step(resumed, b)
+        state, _ = straight(state, b)
+    assert_trees_equal(step.gather(resumed), straight.gather(state))
+    out = fzero.checkpoint.consolidate(ck, tmp_path / "w.pt", model=build())
+    assert torch.equal(torch.load(out, weights_only=True)["0.weight"], model[0].weight)
+    with pytest.raises(CheckpointError, match=r"holds the frozen parameters \['0.weight'\] of the model it was saved "
+                                              r"with.*load\(path, like=..., model=model\)"):
+        fzero.checkpoint.load(ck, like=step)
+    unfrozen = build()
+    with pytest.raises(CheckpointError, match=r"saved but not frozen in the model: \['0.weight'\] \(trainable there\)"):
+        fzero.checkpoint.load(ck, like=step, model=unfrozen)
+
+
+def test_a_checkpoint_saved_without_the_model_is_not_loaded_into_a_model_with_frozen_params(tmp_path):
+    build, compile_for, ck, _, model, _ = _frozen_embedding_run(tmp_path, save_model=False)
+    with pytest.raises(CheckpointError, match=r"saved without model=, so it holds none of the frozen parameters of "
+                                              r"Sequential \(\['0.weight'\]\)"):
+        fzero.checkpoint.load(ck, like=compile_for(model), model=model)
+    fzero.checkpoint.load(ck, like=compile_for(model))  # the module's frozen values are the user's to give, as before
+
+
 def test_rng_state_is_restored(tmp_path):
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)

@@ -19,7 +19,10 @@ size, unit layout, mesh kind (none, ``local_mesh``, torchrun) and precision poli
 (parameter names and shapes, the optimizer-state entries, the step, the user's ``extra``) and the marker
 ``COMPLETE`` (the size and CRC-32 of every file, ``fzero.json`` included). Every rank writes only the window of each unit it owns and reads
 only what it will hold: no collective moves parameters, and a save needs at most about 64 MiB beyond the
-state (DCP copies the chunks of one data file). ``latest(parent)`` finds the newest complete checkpoint.
+state (DCP copies the chunks of one data file). ``latest(parent)`` finds the complete checkpoint saved last (after
+a rollback, the new line's, whatever its step), and ``keep=K`` keeps the K saved last. ``save(..., model=model)``
+also writes the module's frozen parameters (which stay in the module, not in the state), as DeepSpeed does by
+default, and ``load(..., model=model)`` puts them back (``_frozen``).
 
 **Safety.** A save writes into ``.<name>.partial`` beside the target, fsyncs every file, writes the
 marker last and renames the directory into place (an existing checkpoint is swapped out atomically with
@@ -64,7 +67,7 @@ stage-3 state) at a time, never the whole model twice.
 Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
 failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
-``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
+``_frozen`` (frozen parameters), ``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
 exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """

@@ -26,8 +26,9 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
     Without ``model``: the trained parameters under their saved names (fp32 masters when the run kept them)
     and the saved buffers. With ``model``: exactly ``model.state_dict()``'s keys, so that
     ``model.load_state_dict(torch.load(out, weights_only=True))`` is strict: tied aliases get the saved
-    tensor, buffers the saved ones, and what the checkpoint lacks (frozen parameters, buffers never adopted)
-    comes from ``model``. Floating tensors are in ``dtype`` ("fp32", "bf16" or "fp16"). ``verify``: as for ``load``.
+    tensor, buffers the saved ones, frozen parameters the saved ones where ``save(..., model=model)`` wrote them,
+    and what the checkpoint lacks (frozen parameters saved without it, buffers never adopted) comes from ``model``.
+    Floating tensors are in ``dtype`` ("fp32", "bf16" or "fp16"). ``verify``: as for ``load``.
 
     ``format="safetensors"``: ``out_file`` is a directory (made if missing; its parent must exist) that gets
     Hugging Face's ``model.safetensors``, or shards and ``model.safetensors.index.json`` past ``max_shard_size``
@@ -49,7 +50,7 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
         return _to_safetensors(found, info, manifest, metadata, out_file, model=model, dtype=dt, max_bytes=max_bytes, api=api)
     check_out_dir(os.path.dirname(out_file), api=api)
     needed = sum(4 * int(torch.Size(p["shape"]).numel()) for p in info["params"])
-    needed += sum(getattr(torch, b["dtype"]).itemsize * int(torch.Size(b["shape"]).numel()) for b in info.get("buffers", ()))
+    needed += sum(getattr(torch, b["dtype"]).itemsize * int(torch.Size(b["shape"]).numel()) for _, b in _module_tensors(info))
     check_space(api=api, path=out_file, needed=needed)
     tmp = f"{out_file}.partial"
     with _writing(tmp, out_file, api=api, needed=needed) as f:  # opened first: a read-only directory fails before the reading
@@ -58,10 +59,10 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
         _dcp.load(found, metadata, [_dcp.Dest(f"{source}/{n}", (0,), tuple(t.shape), torch.float32, view=t) for n, t in flats.items() if t.numel()],
                   check=manifest.check)
         tensors = {p["name"]: flats[p["name"]].view(p["shape"]) for p in info["params"]}
-        buffers = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
-        _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in buffers.items()],
+        buffers = {(kind, b["name"]): torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for kind, b in _module_tensors(info)}
+        _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in buffers.items()],
                   check=manifest.check)
-        tensors.update(buffers)
+        tensors.update({n: t for (_, n), t in buffers.items()})
         out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
         torch.save({k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}, f)
     os.replace(tmp, out_file)
@@ -79,8 +80,8 @@ def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: A
     shapes = {p["name"]: tuple(p["shape"]) for p in info["params"]}
     order = [n for n in info.get("packing_order") or () if n in shapes] or list(shapes)  # the model's order where recorded
     held = {n: (shapes[n], torch.float32) for n in order}
-    buffers = {b["name"]: (tuple(b["shape"]), getattr(torch, b["dtype"])) for b in info.get("buffers", ())}
-    held.update(buffers)
+    buffers = {(kind, b["name"]): (tuple(b["shape"]), getattr(torch, b["dtype"])) for kind, b in _module_tensors(info)}
+    held.update({n: v for (_, n), v in buffers.items()})
     rename, extras = names(held, model, api=api)
     items = items_for(held, rename, extras, dtype)
     prepare_dir(out_dir, api=api, needed=sum(i.nbytes for i in items))
@@ -91,15 +92,21 @@ def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: A
                       check=manifest.check)
             for n in group:
                 w.put(rename[n], flats.pop(n).view(shapes[n]))
-        loaded = {n: torch.empty(shape, dtype=d) for n, (shape, d) in buffers.items()}
-        _dcp.load(found, metadata, [_dcp.Dest(f"buffers/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in loaded.items()],
+        loaded = {key: torch.empty(shape, dtype=d) for key, (shape, d) in buffers.items()}
+        _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in loaded.items()],
                   check=manifest.check)
-        for n, t in loaded.items():
+        for (_, n), t in loaded.items():
             w.put(rename[n], t)
         for n, t in extras:
             w.put(n, t)
         w.close()
     return out_dir
+
+
+def _module_tensors(info: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The checkpoint's tensors of the module beside the params, as (kind, description): the buffers, and the frozen
+    parameters a ``save(..., model=model)`` wrote (then the export holds their saved values, not the model's)."""
+    return [("buffers", b) for b in info.get("buffers", ())] + [("frozen", f) for f in info.get("frozen") or ()]
 
 
 def _groups(order: list[str], shapes: dict[str, tuple[int, ...]]) -> Iterator[list[str]]:

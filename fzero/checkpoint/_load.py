@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fzero.checkpoint import _dcp
+from fzero.checkpoint import _dcp, _frozen
 from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
@@ -20,7 +20,8 @@ from fzero.step import RankStates, TrainState, Step
 from fzero.zero import DiskOptState
 
 
-def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify: bool = True) -> TrainState | RankStates:
+def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify: bool = True,
+         model: Any = None) -> TrainState | RankStates:
     """The state saved at ``path`` (a checkpoint, or a ``keep=`` parent: its newest), laid out for ``like``.
 
     ``like``: the ``Step`` to resume with (its stage, mesh, precision and optimizer; the params pytree is
@@ -33,10 +34,15 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     ``verify``: check the CRC-32 of every file read against the one recorded at save time, and raise
     ``CheckpointCorrupted`` naming the file if one differs (``False``: sizes only; for checkpoints saved before
     checksums existed, which ``verify=True`` refuses).
+
+    ``model``: the module to put the frozen parameters a ``save(..., model=model)`` wrote back into (by name,
+    strict); a checkpoint that holds them is refused without it, since the run would resume on whatever values the
+    module was built with.
     """
     api = "fzero.checkpoint.load"
     found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
+    _frozen.load_into(model, found, info, lambda todo: _dcp.load(found, metadata, todo, check=manifest.check), api=api)
     made_by = _step_of(like)  # before _target copies a state: the copy is no step's
     target = _with_buffers(_target(like, info, found, api), info)
     states, distributed = held(target, api)

@@ -9,7 +9,7 @@ import shutil
 from typing import Any
 
 import torch
-from fzero.checkpoint import _dcp, _interrupts, _oserrors
+from fzero.checkpoint import _dcp, _frozen, _interrupts, _oserrors
 from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import (
@@ -23,7 +23,8 @@ from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
 from fzero.step import RankStates, TrainState
 
 
-def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any = None, keep: int | None = None) -> str:
+def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any = None, keep: int | None = None,
+         model: Any = None) -> str:
     """Save ``state`` (a ``TrainState``, or a local mesh's ``RankStates``) and return the checkpoint directory.
 
     ``keep=None``: ``path`` is the checkpoint (an existing checkpoint there is replaced atomically).
@@ -33,11 +34,16 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     hold (e.g. the data loader's position), returned by ``read_extra``. Under torchrun every rank calls ``save``
     with its own state (a rank that does not is named, see ``_collective``).
 
+    ``model``: the module the state trains; its frozen parameters (``requires_grad=False``, which stay in the module
+    and are not in the state) are saved too, as DeepSpeed saves them by default, and ``load(..., model=model)`` puts
+    them back (``_frozen``). Without it they are not saved: for a frozen base that comes from elsewhere.
+
     Ctrl-C during a save raises ``KeyboardInterrupt`` itself once torch is out of its C++ code, and the previous
     checkpoint stays (``_interrupts``).
     """
     api = "fzero.checkpoint.save"
     states, distributed = held(state, api)
+    frozen = None if model is None else _frozen.frozen_of(model, api=api)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{api}: keep must be None (path is the checkpoint) or an int >= 1 (checkpoints to keep in path), got {keep!r}.")
     try:
@@ -59,8 +65,12 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
             "saved_ns": time.time_ns(),  # keep=K and latest() go by the order of saving (a rollback saves lower steps)
             **describe(states[0], ents[0]), "param_groups": labels(states[0], step_of(states[0])), "extra": extra_json}
+    if frozen is not None:
+        info["frozen"] = _frozen.describe(frozen)
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
     todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
+    if frozen is not None and process == 0:
+        todo += _frozen.pieces(frozen)
     needed = size_lower_bound(states[0], ents[0], processes=processes, rng_bytes=torch.get_rng_state().numel())
     previous = final if is_complete(final) else None
     lock: list[int | None] = []  # rank 0's fd holding the lock on `partial` while it writes there

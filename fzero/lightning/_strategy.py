@@ -231,7 +231,8 @@ class FZeroStrategy(DDPStrategy):
         if self.is_global_zero:
             os.makedirs(path, exist_ok=True)
         self.barrier("FZeroStrategy.save_checkpoint")
-        fzero.checkpoint.save(os.path.join(path, _FZERO_DIR), self.state)
+        # with the module's frozen params, as DeepSpeed's strategy saves the whole module
+        fzero.checkpoint.save(os.path.join(path, _FZERO_DIR), self.state, model=self.lightning_module)
         if self.is_global_zero:
             own = {k: v for k, v in checkpoint.items() if k != "state_dict"}
             self.checkpoint_io.save_checkpoint(own, os.path.join(path, _LIGHTNING_FILE))
@@ -244,7 +245,7 @@ class FZeroStrategy(DDPStrategy):
                 f"{_LIGHTNING_FILE} and {_FZERO_DIR}/). Pass the path ModelCheckpoint or trainer.save_checkpoint gave."
             )
         checkpoint = self.checkpoint_io.load_checkpoint(os.path.join(path, _LIGHTNING_FILE), weights_only=weights_only)
-        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step)
+        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step, model=self.lightning_module)
         return {**checkpoint, "state_dict": {}}
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

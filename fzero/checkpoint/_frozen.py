@@ -1,0 +1,95 @@
+"""Frozen parameters in a checkpoint: ``save(..., model=model)`` and ``load(..., model=model)``.
+
+A state holds what trains; a frozen parameter (``requires_grad=False``) stays in the module and ``fzero.apply``
+reads it from there. So a checkpoint of the state alone does not hold it, and a run resumed in a fresh process
+trains on with whatever values that process built: a layer trained and then frozen resumes as its random init,
+silently. DeepSpeed saves frozen parameters with the module by default (``exclude_frozen_parameters=False``), and
+FSDP's ``model.state_dict()`` holds them. With ``model=`` a save writes them too, as ``frozen/<name>`` (rank 0's,
+as the buffers), and a load needs the module to put them back into. Without it nothing changes, for a frozen base
+that comes from elsewhere (a pretrained checkpoint under a LoRA adapter).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from fzero.checkpoint import _dcp
+from fzero.checkpoint._dcp import CheckpointError
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def frozen_of(model: Any, *, api: str) -> dict[str, torch.Tensor]:
+    """``model``'s frozen parameters by name (a tied one once, under its first name, as ``named_parameters``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{api}: model must be the nn.Module the state trains (its frozen parameters are saved with "
+                        f"it), got {type(model).__name__}.")
+    out = {name: p for name, p in model.named_parameters() if not p.requires_grad}
+    meta = [name for name, p in out.items() if p.is_meta]
+    if meta:
+        raise ValueError(f"{api}: the frozen parameters {meta[:4]} of {type(model).__name__} are meta tensors, with no "
+                         f"values to save. Give them values first (load the pretrained weights they come from), or save "
+                         f"without model= and rebuild them the same way when you resume.")
+    return out
+
+
+def describe(frozen: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """What ``fzero.json`` records of them: name, shape and dtype, in the model's order."""
+    return [{"name": n, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in frozen.items()]
+
+
+def pieces(frozen: dict[str, torch.Tensor]) -> list[_dcp.Piece]:
+    """Each whole, written by one process (rank 0), as the buffers are."""
+    return [_dcp.Piece(f"frozen/{n}", tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, _host(t)) for n, t in frozen.items()]
+
+
+def _host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t.detach().cpu()
+
+
+def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list[_dcp.Dest]], None], *, api: str) -> None:
+    """The checkpoint's frozen parameters into ``model``'s, by name, strict: the same names, shapes, and frozen.
+    ``read(dests)`` reads the checkpoint's tensors into the given views."""
+    saved = info.get("frozen")
+    if model is None:
+        if saved:
+            names = [f["name"] for f in saved]
+            raise CheckpointError(
+                f"{api}: {found} holds the frozen parameters {names[:4]}{' ...' if len(names) > 4 else ''} of the model it "
+                f"was saved with (save(..., model=model)); pass that model, load(path, like=..., model=model), so that they "
+                f"go back into it: without them a run resumes on whatever values the module was built with."
+            )
+        return
+    have = frozen_of(model, api=api)
+    if saved is None:
+        if have:
+            raise CheckpointError(
+                f"{api}: {found} was saved without model=, so it holds none of the frozen parameters of "
+                f"{type(model).__name__} ({list(have)[:4]}{' ...' if len(have) > 4 else ''}); load it without model= and "
+                f"give the module those values as when the checkpoint was saved (the pretrained weights they came from)."
+            )
+        return
+    want = {f["name"]: f for f in saved}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad} & set(missing)
+        raise CheckpointError(
+            f"{api}: the frozen parameters of {type(model).__name__} are not those {found} saved: "
+            + "; ".join(x for x in (f"saved but not frozen in the model: {missing[:4]}" + (" (trainable there)" if trainable else "") if missing else "",
+                                    f"frozen in the model but not saved: {extra[:4]}" if extra else "") if x)
+            + ". Build the model (and freeze it) as it was when the checkpoint was saved."
+        )
+    bad = [n for n, f in want.items() if list(have[n].shape) != f["shape"]]
+    if bad:
+        raise CheckpointError(f"{api}: frozen parameter {bad[0]!r} has shape {want[bad[0]]['shape']} in {found} but "
+                              f"{list(have[bad[0]].shape)} in {type(model).__name__}: another configuration of the model.")
+    values = {n: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"])) for n, f in want.items()}
+    read([_dcp.Dest(f"frozen/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in values.items()])
+    with torch.no_grad():
+        for n, t in values.items():
+            have[n].copy_(t)
