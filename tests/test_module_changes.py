@@ -202,3 +202,19 @@ def test_a_state_of_another_configuration_is_named_as_such(stages):
     with pytest.raises(ValueError, match=r"trainable now but not in the state \(.*a smaller configuration of the model\): "
                                          r"\['blocks.1.weight', 'blocks.1.bias'\]"):
         run(TiedNet(tie=True), larger)
+
+
+def test_a_copy_of_the_module_is_not_taken_for_a_write():
+    """The module's buffers carry a mark of the last read; a deepcopy of the module (an EMA or eval copy, a pickled
+    module) copies the mark while its version counter starts again: run with a resumed state, it is no write."""
+    model = Net()
+    with torch.no_grad():
+        for _ in range(3):  # writes before any step: the version the mark records is 3, a copy's starts lower
+            model.bn.running_var.add_(0.0)
+    step, state = _step(model, 0)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    twin = copy.deepcopy(model)  # its buffers hold the values at init, the state's have moved on
+    assert twin.bn.running_var._version != model.bn.running_var._version
+    step2, _ = _step(twin, 0)
+    step2(state, batches[1])

@@ -119,9 +119,20 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# On a module's persistent buffer: its version counter when a step last read it. A write to the buffer after that (in
-# place, as ``fill_``, ``copy_`` or ``reset_running_stats`` do) is one the state would not see (``Buffers``).
-_SEEN = "_fzero_seen_version"
+# On a module's persistent buffer: its version counter when a step last read it, with the tensor's identity and
+# memory. A write to the buffer after that (in place, as ``fill_``, ``copy_`` or ``reset_running_stats`` do) is one the
+# state would not see (``Buffers``). The identity, because a mark travels with a copy of the tensor (``deepcopy``, a
+# pickled module) whose version counter starts again: there it is no evidence of a write, only of a copy.
+_SEEN = "_fzero_seen"
+
+
+def _mark(b: torch.Tensor) -> None:
+    setattr(b, _SEEN, (b._version, id(b), b.untyped_storage().data_ptr()))
+
+
+def _written_since_read(b: torch.Tensor) -> bool:
+    mark = getattr(b, _SEEN, None)
+    return mark is not None and mark[1:] == (id(b), b.untyped_storage().data_ptr()) and mark[0] != b._version
 
 
 class Buffers:
@@ -158,11 +169,11 @@ class Buffers:
                     )
                 self.dtypes[name] = b.dtype
                 self.values[name] = self._live(b.detach())
-                setattr(b, _SEEN, b._version)
-            elif not b.is_meta and getattr(b, _SEEN, b._version) != b._version:
+                _mark(b)
+            elif not b.is_meta and _written_since_read(b):
                 self._check_unchanged(module, name, b)
             elif not b.is_meta:
-                setattr(b, _SEEN, b._version)
+                _mark(b)
             out[name] = self.values[name]
         return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
 
@@ -172,7 +183,7 @@ class Buffers:
         state carries the buffer, and the module's is not read again."""
         given = self._given.get(name)
         if given is not None and given.shape == b.shape and torch.equal(b.detach().to(given.device, given.dtype), given):
-            setattr(b, _SEEN, b._version)
+            _mark(b)
             return
         raise ValueError(
             f"fzero.apply: the buffer {name!r} of {type(module).__name__} was changed on the module after the state "
