@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is a test dependency: pip install -e '.[test]'")
 
@@ -197,8 +198,38 @@ class _CyclesMomentum(LitCNN):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
 
 
+class _FreezesMidFit(LitCNN):
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.net[0].requires_grad_(False)
+
+
+def _swa():
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return [StochasticWeightAveraging(swa_lrs=1e-2)]
+
+
+def _finetuning():
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Unfreezes(BaseFinetuning):  # as Lightning's docs write one
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.net[0])
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
+
+    return [Unfreezes()]
+
+
 REFUSED = [
     (_Manual, {}, r"automatic_optimization is False \(manual optimization\).*Set automatic_optimization = True"),
+    (_FreezesMidFit, {}, r"trainable parameters of _FreezesMidFit changed during fit \(frozen since: \['net.0.bias', "
+                         r"'net.0.weight'\]\).*Freeze before Trainer.fit"),
+    (LitCNN, {"callbacks": _swa}, r"StochasticWeightAveraging callback averages the LightningModule's own parameters"),
+    (LitCNN, {"callbacks": _finetuning}, r"Unfreezes callback freezes and unfreezes modules during fit"),
     (_TwoOptimizers, {}, r"multiple optimizers is only supported with manual optimization"),  # Lightning's own
     (_RMSprop, {}, r"torch.optim.rmsprop.RMSprop, which fzero has no counterpart for.*Return torch.optim.AdamW"),
     (_AdamL2, {}, r"torch.optim.Adam\(weight_decay=0.01\).*Use torch.optim.AdamW"),
@@ -216,8 +247,60 @@ REFUSED = [
 @LIGHTNING_NOISE[0]
 @LIGHTNING_NOISE[1]
 def test_what_cannot_map_is_refused_by_name(cls, settings, match):
+    settings = {k: v() if callable(v) else v for k, v in settings.items()}  # callbacks: made fresh per test
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         _trainer(**settings).fit(cls(), _loader(cnn_batches(3)))
+
+
+class _PaddedToItsOwnLength(LitCNN):
+    """A collate that pads each batch to its own longest sequence: micro-batches of different widths."""
+
+    def forward_loss(self, b):
+        return F.cross_entropy(self(b["x"]), b["y"]) + 0 * b["pad"].sum()
+
+    def training_step(self, batch, batch_idx):
+        return self.forward_loss(batch)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_micro_batches_of_different_shapes_are_named_not_left_to_torch_cat():
+    batches = [{**b, "pad": torch.zeros(b["x"].shape[0], 5 + i % 2)} for i, b in enumerate(cnn_batches(4))]
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) runs 2 micro-batches as one fzero step, whose batch "
+                                         r"entries must have one shape; batch\['pad'\] has rows of shapes \[\(5,\), \(6,\)\].*"
+                                         r"padding='max_length'"):
+        _trainer(accumulate_grad_batches=2).fit(_PaddedToItsOwnLength(), _loader(batches))
+
+
+class _StopsMidWindow(LitCNN):
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 3 and self.current_epoch == 0:
+            return -1  # Lightning: skip the rest of this epoch
+
+
+class _AdamDecoupled(LitCNN):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_an_epoch_ended_mid_window_drops_its_micro_batches_as_ddp_and_adam_decoupled_is_adamw():
+    """on_train_batch_start returning -1 mid-window: Lightning zeroes the gradients at a window's first batch, so the
+    unfinished window's micro-batches are dropped (they were kept into the next epoch, whose first step then had 3).
+    torch.optim.Adam(decoupled_weight_decay=True) is AdamW's update (it was refused as an L2 term). Both equal plain
+    PyTorch running the windows Lightning runs."""
+    batches = cnn_batches(3, micro=2)  # 6 batches an epoch, windows of 2
+    epoch0, epoch1 = batches[:2], batches  # epoch 0 stops at batch 3: its second window never steps
+    for cls in (_StopsMidWindow, _AdamDecoupled):
+        ref = cls()
+        windows = epoch0 + epoch1 if cls is _StopsMidWindow else batches
+        want, biggest = reference(ref, windows, micro=2)
+        lit = cls()
+        _trainer(accumulate_grad_batches=2, max_epochs=2 if cls is _StopsMidWindow else 1).fit(lit, _loader(batches))
+        _close(dict(lit.named_parameters()), want, _with_gradient(biggest))
 
 
 @pytest.mark.usefixtures("one_process")
@@ -368,3 +451,47 @@ def test_on_a_gpu_the_strategy_trains_as_plain_pytorch_on_that_gpu(strategy):
     # Lightning's teardown moves the module back to the CPU when fit ends (as for DDP): the training ran on the GPU
     assert trainer.strategy.step.mesh is None and trainer.strategy.root_device.type == "cuda"
     _close({n: p.detach().cuda() for n, p in lit.named_parameters()}, want, _with_gradient(biggest))
+
+
+class _WithMetric(LitCNN):
+    """Accuracy logged as Lightning's docs log it: a torchmetrics Metric object, updated by a call."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["x"])
+        self.train_acc(logits, batch["y"])
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, batch["y"])
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.parametrize("strategy", ["fzero_stage_1", "fzero_stage_3"])
+def test_a_torchmetrics_metric_logs_what_it_logs_without_fzero(strategy):
+    """A Metric wraps its update and compute at init, bound to itself; the step's clone of the module shared those
+    wrappers, so the metric was updated on the original and computed on the clone (a running value logged as the
+    batch's, wrong epoch values). Such a module is shared, not cloned: the values equal Lightning's own strategy's."""
+    pytest.importorskip("torchmetrics")
+    from lightning.pytorch import Callback
+
+    class Record(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps.append(float(trainer.callback_metrics["train_acc_step"]))
+
+    batches = cnn_batches(6)
+    got = {}
+    for name in ("auto", strategy):
+        record = Record()
+        trainer = _trainer(name, max_epochs=2, callbacks=[record])
+        trainer.fit(_WithMetric(), _loader(batches))
+        got[name] = (record.steps, float(trainer.callback_metrics["train_acc_epoch"]))
+    assert got[strategy] == got["auto"]

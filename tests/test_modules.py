@@ -62,3 +62,36 @@ def test_a_dropped_clone_is_freed_without_the_cyclic_collector():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_a_module_that_wraps_its_own_methods_is_shared_not_cloned():
+    """A module that keeps in its ``__dict__`` a wrapper of its own bound method (torchmetrics' Metric wraps update and
+    compute so) cannot be cloned faithfully: the clone would call the original's wrapper. Without tensors of its own
+    it is shared; a module that holds a parameter is cloned as before (the step binds its tensors into the clone)."""
+    import functools
+
+    from torch import nn
+
+    from fzero.layout import clone_structure
+
+    class Counting(nn.Module):
+        def __init__(self, width: int = 0):
+            super().__init__()
+            self.count = 0
+            self.update = functools.wraps(self.update)(self._counted(self.update))
+            if width:
+                self.lin = nn.Linear(width, width)
+
+        def _counted(self, fn):
+            def wrapped(*args):
+                return fn(*args)
+            return wrapped
+
+        def update(self):
+            self.count += 1
+
+    root = nn.Sequential(nn.Linear(2, 2), Counting(), Counting(width=2))
+    clone = clone_structure(root)
+    assert clone[1] is root[1] and clone[2] is not root[2] and clone[0] is not root[0]
+    clone[1].update()
+    assert root[1].count == 1

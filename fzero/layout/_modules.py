@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -218,6 +219,9 @@ class _Cloner:
         new = self.modules.get(id(m))
         if new is not None:
             return new
+        if _bound_to_itself(m) and not _holds_tensors(m):
+            self.modules[id(m)] = m  # shared, not cloned: see _bound_to_itself
+            return m
         cls = m.__class__
         new = cls.__new__(cls)
         self.modules[id(m)] = new
@@ -236,6 +240,28 @@ class _Cloner:
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
         d["_modules"] = {k: None if c is None else self.visit(c) for k, c in m._modules.items()}
         return new
+
+
+def _bound_to_itself(m: nn.Module) -> bool:
+    """Whether ``m`` keeps in its own ``__dict__`` a method bound to itself, or a wrapper of one (``functools.wraps``
+    sets ``__wrapped__``): torchmetrics' ``Metric`` wraps ``update`` and ``compute`` so at init. A clone would share
+    those callables, which act on the original object's state while the clone's own methods act on the clone's:
+    a metric updated on one and computed on the other (Lightning's ``self.log("acc", self.acc)`` logged a running
+    value for the batch's, and wrong epoch values). Such a module is shared instead, when nothing of a step is bound
+    into it (``_holds_tensors``)."""
+    for v in m.__dict__.values():
+        while v is not None:
+            if isinstance(v, types.MethodType):
+                if v.__self__ is m:
+                    return True
+                break
+            v = getattr(v, "__wrapped__", None) if callable(v) else None
+    return False
+
+
+def _holds_tensors(m: nn.Module) -> bool:
+    """Whether ``m`` or a module under it has a parameter or a buffer (what a step puts in its slots)."""
+    return any(sub.__dict__["_parameters"] or sub.__dict__["_buffers"] for _, sub in walk(m))
 
 
 _lock = threading.Lock()

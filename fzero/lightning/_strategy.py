@@ -78,6 +78,7 @@ class FZeroStrategy(DDPStrategy):
         self.compile_kwargs = dict(stages=stages, offload=offload, offload_params=offload_params, **compile_kwargs)
         self.load_trained = load_trained
         self.step: fzero.Step | None = None
+        self._trainable: tuple[str, ...] = ()  # the params the state trains, by name (set by setup when fitting)
         self.state: Any = None
         self._optimizer: Optimizer | None = None
         self._kept: list[tuple[Any, int]] = []  # micro-batches before the accumulation boundary
@@ -120,7 +121,9 @@ class FZeroStrategy(DDPStrategy):
                           clip_grad_norm=clip_of(trainer))
         mesh = fzero.dist_mesh() if self.world_size > 1 else None  # over the process group Lightning set up
         self.step = fzero.compile(self._loss_fn, mesh=mesh, **kwargs)
-        self.state = self.step.init(fzero.params_of(module, copy=False), buffers=fzero.buffers_of(module))
+        params = fzero.params_of(module, copy=False)
+        self._trainable = tuple(params)  # what the state trains: fixed for the fit (``_check_trainable``)
+        self.state = self.step.init(params, buffers=fzero.buffers_of(module))
         self.setup_precision_plugin()
 
     @property
@@ -159,11 +162,15 @@ class FZeroStrategy(DDPStrategy):
         if args or kwargs:
             raise TypeError("FZeroStrategy: training_step(batch, batch_idx) takes no other arguments here (a "
                             "dataloader_iter training_step is not supported); iterate the batches in the DataLoader.")
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        if batch_idx % k == 0 and self._kept:
+            # micro-batches of a window that never reached its step (on_train_batch_start returned -1, ending the epoch
+            # mid-window): Lightning zeroes the gradients at a window's first batch, so under DDP they are dropped too
+            self._kept = []
         self._kept.append((batch, batch_idx))
         if not self._at_boundary:  # accumulating: the step runs at the boundary, with every kept micro-batch
             return torch.tensor(float("nan"))  # a placeholder; Lightning only passes it on to on_train_batch_end
         kept, self._kept = self._kept, []
-        k = self.lightning_module.trainer.accumulate_grad_batches
         if len(kept) != k:
             raise ValueError(
                 f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) but this optimizer step has {len(kept)} micro-batches "
@@ -172,6 +179,7 @@ class FZeroStrategy(DDPStrategy):
                 f"drop_last=True with a dataset size to match)."
             )
         self._optimizer.check_unchanged()
+        self._check_trainable()
         self._calls.extend(_Call("training_step", (i,), {}) for _, i in kept)
         self.state, metrics = self.step(self.state, _join([b for b, _ in kept], k))
         self._calls.clear()
@@ -180,6 +188,23 @@ class FZeroStrategy(DDPStrategy):
         loss = torch.tensor(float(metrics["loss"]))  # the mean over ranks and micro-batches
         aux = metrics.get("aux")
         return {"loss": loss, **aux} if aux else loss
+
+    def _check_trainable(self) -> None:
+        """The LightningModule's trainable params are still those fit started with (a hook that freezes or unfreezes
+        a module mid-fit): said in Lightning's terms, before ``fzero.apply`` would say it in fzero's."""
+        module = self.lightning_module
+        now = {n for n, p in module.named_parameters() if p.requires_grad}
+        was = set(self._trainable)
+        if now == was:
+            return
+        frozen, new = sorted(was - now), sorted(now - was)
+        raise ValueError(
+            f"FZeroStrategy: the trainable parameters of {type(module).__name__} changed during fit ("
+            + "; ".join(x for x in (f"frozen since: {frozen[:4]}" if frozen else "", f"trainable now: {new[:4]}" if new else "") if x)
+            + "). The strategy's fzero state fixes which params train when fit starts, as DeepSpeed's engine fixes its "
+              "optimizer's groups. Freeze before Trainer.fit (in __init__ or configure_model), or run one fit per phase "
+              "and carry the weights between them (load_state_dict)."
+        )
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # the fzero step took the gradient and updated already
@@ -288,6 +313,11 @@ def _training_loss(out: Any, owner: str) -> Any:
                     f"Lightning's automatic optimization asks; got {type(out).__name__}.")
 
 
+def _path_of(batch: Any, i: int) -> str:
+    """How a user writes the ``i``-th leaf of ``batch``: ``["input_ids"]``, ``[0]``."""
+    return pytree.keystr(pytree.tree_flatten_with_path(batch)[0][i][0])
+
+
 def _join(batches: list[Any], k: int) -> Any:
     """k micro-batches as one batch that ``grad_accum=k`` splits back into them: tensors joined on dim 0."""
     if k == 1:
@@ -302,9 +332,18 @@ def _join(batches: list[Any], k: int) -> Any:
             f"every batch has batch_size rows."
         )
     joined = []
-    for leaves in zip(*(leaves for leaves, _ in flat)):
+    for i, leaves in enumerate(zip(*(leaves for leaves, _ in flat))):
         first = leaves[0]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
+            shapes = sorted({tuple(x.shape[1:]) for x in leaves})
+            if len(shapes) > 1:  # torch.cat would say only "Sizes of tensors must match except in dimension 0"
+                raise ValueError(
+                    f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) runs {k} micro-batches as one fzero step, whose "
+                    f"batch entries must have one shape; batch{_path_of(batches[0], i)} has rows of shapes {shapes} "
+                    f"across them (a collate that pads each batch to its own longest sequence?). Pad to a fixed "
+                    f"length in the collate function (e.g. a tokenizer's padding='max_length'), or use "
+                    f"accumulate_grad_batches=1."
+                )
             joined.append(torch.cat(leaves))
         elif all(x is first or (not isinstance(x, torch.Tensor) and x == first) for x in leaves):
             joined.append(first)

@@ -40,7 +40,7 @@ def precision_of(plugin: Any) -> str:
 def check_module(module: Any, trainer: Any) -> None:
     """Refuse, by name, what a LightningModule or the Trainer asks for that an fzero step cannot do."""
     from lightning.pytorch import Callback, LightningModule
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     if not module.automatic_optimization:
@@ -59,6 +59,20 @@ def check_module(module: Any, trainer: Any) -> None:
                 f"'fzero/grad_norm', and gradient surgery is an fzero.optim transform."
             )
     for callback in trainer.callbacks:
+        if isinstance(callback, StochasticWeightAveraging):  # as Lightning refuses it for DeepSpeed and FSDP
+            raise TypeError(
+                "FZeroStrategy: the StochasticWeightAveraging callback averages the LightningModule's own parameters, "
+                "which fzero does not train (the step's state does), so its average would be of the initial weights and "
+                "then be overwritten by the trained ones when fit ends. Remove the callback; average the states' params "
+                "(trainer.strategy.step.gather(trainer.strategy.state)) in your own callback, or use DDP for SWA."
+            )
+        if isinstance(callback, BaseFinetuning):
+            raise TypeError(
+                f"FZeroStrategy: the {type(callback).__name__} callback freezes and unfreezes modules during fit; fzero's "
+                f"state fixes which params train when fit starts (as DeepSpeed's engine fixes its optimizer's groups). Run "
+                f"one Trainer.fit per phase, freezing before each (in __init__ or configure_model), and carry the weights "
+                f"between them with load_state_dict."
+            )
         if isinstance(callback, GradientAccumulationScheduler):
             raise TypeError(
                 "FZeroStrategy: the GradientAccumulationScheduler callback changes accumulate_grad_batches during fit; an "
@@ -139,7 +153,7 @@ class Optimizer:
             b1, b2 = (float(b) for b in group["betas"])
             eps, wd = float(group["eps"]), float(group["weight_decay"])
             self._fixed += [(i, "betas", (b1, b2)), (i, "eps", eps), (i, "weight_decay", wd)]
-            if kind is torch.optim.AdamW:
+            if kind is torch.optim.AdamW or group.get("decoupled_weight_decay"):  # Adam(decoupled_weight_decay=True) is AdamW
                 return fzero.optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
             if wd:
                 raise ValueError(
