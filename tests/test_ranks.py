@@ -64,8 +64,9 @@ class _Plain(nn.Module):
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_each_rank_draws_what_a_separate_process_draws(stages, autodiff):
     """Rank 1 draws more numbers than rank 0 (its data says so), then both draw a dropout mask and a
-    permutation: each equals what a process of its own draws from the same seed. Between steps the
-    global generator goes on as rank 0's, and so does every rank's next step."""
+    permutation: each equals what a process of its own draws from the same seed, step after step, each rank going
+    on from its own stream as a torchrun process does (rank 1 used to restart from rank 0's state at every step,
+    which torchrun's rank 1 never does). Between steps the global generator goes on as rank 0's."""
     torch.manual_seed(0)
     model = _Plain()
     draws: dict[int, list] = {0: [], 1: []}
@@ -90,16 +91,16 @@ def test_each_rank_draws_what_a_separate_process_draws(stages, autodiff):
         state, _ = step(state, batch)
     after = torch.get_rng_state()
 
-    # the reference: two "processes" per step, each from the state the step started with
+    # the reference: two "processes" from one seed, each going on with its own generator
     torch.manual_seed(SEED)
+    own = {0: torch.get_rng_state(), 1: torch.get_rng_state()}
     expected: dict[int, list] = {0: [], 1: []}
     for _ in range(steps):
-        start = torch.get_rng_state()
-        expected[0].append(rank_draws(1))
-        rank0_end = torch.get_rng_state()
-        torch.set_rng_state(start)
-        expected[1].append(rank_draws(5))
-        torch.set_rng_state(rank0_end)
+        for rank, k in ((0, 1), (1, 5)):
+            torch.set_rng_state(own[rank])
+            expected[rank].append(rank_draws(k))
+            own[rank] = torch.get_rng_state()
+    torch.set_rng_state(own[0])
     assert torch.equal(after, torch.get_rng_state())
     for rank in (0, 1):
         assert len(draws[rank]) == steps
@@ -332,3 +333,19 @@ def test_units_that_name_modules_are_accepted():
     state = step.init(fzero.params_of(prob.model))
     assert {u.name for u in state[0].meta.layout.units} >= set(units)
     step(state, prob.batches[0])
+
+
+def test_a_reseed_between_steps_restarts_every_rank_from_it():
+    """Between two runs of a local mesh, ``torch.manual_seed`` (as every process of a torchrun job would run it) starts
+    every rank from the seed again; without it each rank goes on from its own stream (the test above)."""
+    mesh = fzero.local_mesh(2)
+
+    def draw(comm, k):
+        return torch.rand(k)
+
+    torch.manual_seed(3)
+    mesh.run(draw, [(1,), (5,)])  # the ranks end in different states
+    torch.manual_seed(4)
+    again = mesh.run(draw, [(2,), (2,)])
+    torch.manual_seed(4)
+    assert torch.equal(again[0], torch.rand(2)) and torch.equal(again[1], again[0])

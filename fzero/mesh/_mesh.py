@@ -27,7 +27,7 @@ import torch
 
 from fzero.mesh._comm import Counter, MeshTimeout, RanksDisagree
 from fzero.mesh._thread_comm import Rendezvous, ThreadComm
-from fzero.mesh._rank import own_stream, rank_streams
+from fzero.mesh._rank import Carry, own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -40,13 +40,16 @@ class LocalMesh:
     # Entered around each rank's program in its own thread: per-rank profilers and memory counters.
     rank_context: Callable[[int], ContextManager[Any]] | None = dataclasses.field(default=None, compare=False)
     wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
+    # each rank's RNG stream from one run to the next, as a torchrun rank's generator goes on (fzero.mesh._rank.Carry)
+    carry: Carry = dataclasses.field(default_factory=Carry, compare=False, repr=False)
 
     def run(self, fn: Callable[..., Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global
-        CPU generator; afterwards the global generator holds rank 0's final state, as if this process
-        were rank 0 of a torchrun job (``fzero.mesh._rank``). A single rank runs in the caller's thread on the
+        CPU generator, or where that rank's stream ended in the last run when nothing has drawn from the global
+        generator since (``fzero.mesh._rank.Carry``); afterwards the global generator holds rank 0's final state,
+        as if this process were rank 0 of a torchrun job (``fzero.mesh._rank``). A single rank runs in the caller's thread on the
         global generator itself, as plain PyTorch does.
 
         If a rank raises, the others are released from the barrier and the first real error is re-raised
@@ -82,7 +85,7 @@ class LocalMesh:
                 if not isinstance(e, RanksDisagree):
                     rv.abort()
 
-        with rank_streams(self.size) as streams:
+        with rank_streams(self.size, self.carry) as streams:
             threads = [threading.Thread(target=body, args=(r, streams[r]), name=f"fzero-rank{r}", daemon=True)
                        for r in range(self.size)]
             for t in threads:
@@ -120,6 +123,8 @@ class DistMesh:
     timeout: float = 300.0  # seconds a rank waits at a collective for the others (see dist_mesh)
     collectives: str = "auto"  # how gloo collectives run: see dist_mesh
     wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
+    # each rank's RNG stream from one run to the next, as a torchrun rank's generator goes on (fzero.mesh._rank.Carry)
+    carry: Carry = dataclasses.field(default_factory=Carry, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:

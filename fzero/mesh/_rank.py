@@ -151,10 +151,12 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 class _Stream:
     """One rank's generators: CPU, and one per CUDA device it has drawn on (made on first use, see the module docstring)."""
 
-    def __init__(self, cpu: torch.Generator, cuda_starts: dict[int, torch.Tensor]) -> None:
+    def __init__(self, cpu: torch.Generator, cuda_starts: dict[int, torch.Tensor],
+                 cuda_resume: dict[int, torch.Tensor] | None = None) -> None:
         self.cpu = cpu
         self.cuda: dict[int, torch.Generator] = {}
         self._starts = cuda_starts  # shared by the ranks of one mesh: each device's global state when first needed
+        self._resume = cuda_resume or {}  # this rank's own state per device, where it goes on from the last run (Carry)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if device.type == "cpu":
@@ -167,8 +169,38 @@ class _Stream:
             with _GLOBAL:
                 start = self._starts.setdefault(index, torch.cuda.default_generators[index].get_state())
             gen = self.cuda[index] = torch.Generator(device=f"cuda:{index}")
-            gen.set_state(start)
+            gen.set_state(self._resume.get(index, start))
         return gen
+
+
+class Carry:
+    """Where each rank's streams ended in a mesh's last run, and what the global generators were left holding.
+
+    A torchrun rank goes on from its own generator's state at its next step; a local mesh's rank thread is made
+    again for every run. So the next run starts rank r from its own end state, as long as the global generators
+    still hold what the last run left in them (rank 0's: nothing drew from them or reseeded them in between).
+    Where they do not, every rank starts from the global state, as after a ``torch.manual_seed`` in each process of
+    a torchrun job; a draw made between runs in the caller's thread (torchrun: a draw of each rank from its own
+    stream) cannot be replayed for the other ranks, so their streams then restart from rank 0's. Why it matters:
+    ranks that draw different amounts in a step (a mixture of experts dropping overflow tokens before a dropout,
+    data-dependent sampling, a smaller last batch split unevenly) ended the step in different states, and a
+    restart from rank 0's gave rank 1 rank 0's stream (found against torchrun: 1.7e-3 apart from step 1 on a
+    Switch Transformers model)."""
+
+    def __init__(self) -> None:
+        self.cpu: list[torch.Tensor] = []  # per rank, its CPU generator's state at the end of the last run
+        self.cuda: list[dict[int, torch.Tensor]] = []  # per rank, per CUDA device it drew on
+        self.left: torch.Tensor | None = None  # the global CPU generator's state the last run left (rank 0's)
+        self.left_cuda: dict[int, torch.Tensor] = {}
+
+    def resumes(self, n: int, start: torch.Tensor) -> bool:
+        return len(self.cpu) == n and self.left is not None and torch.equal(self.left, start)
+
+    def cuda_resume(self, rank: int) -> dict[int, torch.Tensor]:
+        """Rank ``rank``'s device states to go on from, for the devices whose global generator still holds what the
+        last run left."""
+        return {i: t for i, t in self.cuda[rank].items()
+                if i in self.left_cuda and torch.equal(torch.cuda.default_generators[i].get_state(), self.left_cuda[i])}
 
 
 def _global_generator(device: torch.device) -> torch.Generator:
@@ -285,17 +317,19 @@ def _rank_aware_state_functions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def rank_streams(n: int) -> Iterator[list[_Stream]]:
+def rank_streams(n: int, carry: Carry | None = None) -> Iterator[list[_Stream]]:
     """n streams, each a copy of the global CPU generator's state (and of a CUDA device's, when a rank first
-    draws there); on exit the global generators take rank 0's final states (the main thread continues as rank 0
-    would). Entered in the main thread."""
+    draws there), or, with ``carry`` from the mesh's last run and nothing drawn from the global generators since,
+    each rank's own state where that run ended (``Carry``); on exit the global generators take rank 0's final states
+    (the main thread continues as rank 0 would). Entered in the main thread."""
     start = torch.get_rng_state()
+    resume = carry is not None and carry.resumes(n, start)
     cuda_starts: dict[int, torch.Tensor] = {}
     streams = []
-    for _ in range(n):
+    for r in range(n):
         g = torch.Generator()
-        g.set_state(start)
-        streams.append(_Stream(g, cuda_starts))
+        g.set_state(carry.cpu[r] if resume else start)
+        streams.append(_Stream(g, cuda_starts, carry.cuda_resume(r) if resume else None))
     try:
         with _rank_aware_state_functions():
             yield streams
@@ -303,6 +337,12 @@ def rank_streams(n: int) -> Iterator[list[_Stream]]:
         torch.set_rng_state(streams[0].cpu.get_state())
         for index, gen in streams[0].cuda.items():
             torch.cuda.default_generators[index].set_state(gen.get_state())
+        if carry is not None:
+            carry.cpu = [st.cpu.get_state() for st in streams]
+            carry.cuda = [{**(carry.cuda[r] if resume else {}), **{i: g.get_state() for i, g in st.cuda.items()}}
+                          for r, st in enumerate(streams)]
+            carry.left = torch.get_rng_state()
+            carry.left_cuda = {i: torch.cuda.default_generators[i].get_state() for i in streams[0].cuda}
 
 
 @contextlib.contextmanager
