@@ -42,6 +42,18 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
 
 
 @pytest.mark.torchrun
+@pytest.mark.parametrize("stages", [0, 3])
+def test_torchrun_under_torch_func_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
+    """autodiff="func" runs the first step's structure check inside torch.func.grad, whose tensors have no storage:
+    under torchrun its exchange of the ranks' descriptions raised "Cannot access data pointer of Tensor that doesn't
+    have storage" at the first step (local_mesh never exchanges them)."""
+    dist = run_torchrun(tmp_path, "gpt", stages, "--autodiff", "func")
+    local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2), autodiff="func")
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
     # the default ("auto") runs all-gathers and reduce-scatters as point-to-point exchanges (the test above);

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--meta-init", action="store_true", help="ranks other than 0 pass meta params to init")
     parser.add_argument("--collectives", choices=("auto", "native", "p2p"), default="auto")
     parser.add_argument("--bucket-elements", type=int, default=0)
+    parser.add_argument("--autodiff", choices=("autograd", "func"), default=None)
     args = parser.parse_args()
     mesh = fzero.count_collectives(fzero.dist_mesh(collectives=args.collectives))
     prob = PROBLEMS[args.problem]()
@@ -36,6 +37,8 @@ def main() -> None:
     extra = {"offload": args.offload, "offload_dir": args.offload_dir, "offload_params": args.offload_params} if args.offload else {}
     if args.bucket_elements:
         extra["bucket_elements"] = args.bucket_elements
+    if args.autodiff:
+        extra["autodiff"] = args.autodiff
     history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, meta_params=args.meta_init and mesh.rank != 0, **extra)
     calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
     if mesh.rank == 0:

@@ -107,7 +107,16 @@ class DistComm(Recording):
             raise error
 
     def _all_gather_objects(self, obj: Any, *, what: str) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order: its length, then its bytes, each a waited all-gather."""
+        """Every rank's ``obj`` (picklable), in rank order: its length, then its bytes, each a waited all-gather.
+
+        Outside ``torch.func``'s transforms: the first step's structure check (``agree``) runs inside the forward, which
+        ``autodiff="func"`` runs under ``torch.func.grad``, where the byte tensors made here would be the transform's
+        wrappers, without storage (``.numpy()`` raised "Cannot access data pointer of Tensor that doesn't have
+        storage" at every first step under torchrun)."""
+        with torch._C._DisableFuncTorch():
+            return self._gather_objects(obj, what=what)
+
+    def _gather_objects(self, obj: Any, *, what: str) -> list[Any]:
         if self.board is None or "gloo" not in str(dist.get_backend(self.group)):
             described: list[Any] = [None] * self.size
             dist.all_gather_object(described, obj, group=self.group)
