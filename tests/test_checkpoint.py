@@ -309,6 +309,23 @@ def test_a_checkpoint_saved_without_the_model_is_not_loaded_into_a_model_with_fr
     fzero.checkpoint.load(ck, like=compile_for(model))  # the module's frozen values are the user's to give, as before
 
 
+def test_optimizer_false_loads_the_weights_into_a_step_of_another_optimizer(tmp_path):
+    """To evaluate a checkpoint with a step that has no (or another) optimizer: params, buffers and step, as saved; the
+    optimizer's state stays the step's own. Without optimizer=False such a load is refused, as before."""
+    prob = mlp_problem(steps=2)
+    adam = make_step(prob, stages=3, mesh=fzero.local_mesh(2))
+    state = adam.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, _ = adam(state, b)
+    ck = fzero.checkpoint.save(tmp_path / "ck", state)
+    sgd = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=1, mesh=None)
+    with pytest.raises(CheckpointError, match="optimizer state"):
+        fzero.checkpoint.load(ck, like=sgd)
+    weights = fzero.checkpoint.load(ck, like=sgd, optimizer=False)
+    assert_trees_equal(sgd.gather(weights), adam.gather(state))
+    assert weights.step_count == state.step_count
+
+
 def test_rng_state_is_restored(tmp_path):
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)

@@ -495,3 +495,21 @@ def test_a_torchmetrics_metric_logs_what_it_logs_without_fzero(strategy):
         trainer.fit(_WithMetric(), _loader(batches))
         got[name] = (record.steps, float(trainer.callback_metrics["train_acc_epoch"]))
     assert got[strategy] == got["auto"]
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_validate_with_a_checkpoint_path_after_fit_loads_the_weights(tmp_path):
+    """trainer.validate(ckpt_path=...) builds a step without the run's optimizer: the checkpoint's weights load into it
+    (its optimizer state was refused, as from another optimizer, with an error naming neither Lightning nor a fix)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    batches = gpt_batches(4)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = _trainer("fzero_stage_3", callbacks=[saver], enable_checkpointing=True)
+    lit = LitGPT()
+    trainer.fit(lit, _loader(batches), _loader(batches[:2]))
+    now = trainer.validate(lit, _loader(batches[:2]))  # the trained weights, loaded into the module when fit ended
+    from_file = trainer.validate(lit, _loader(batches[:2]), ckpt_path=saver.last_model_path)
+    assert from_file == now

@@ -13,7 +13,7 @@ from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
 from fzero.checkpoint._groups import check_labels, labels, step_of
-from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers
+from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers, without_optimizer
 from fzero.layout import pytrees as _tree
 from fzero.checkpoint._verify import MARKER, crc32_file
 from fzero.step import RankStates, TrainState, Step
@@ -21,7 +21,7 @@ from fzero.zero import DiskOptState
 
 
 def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify: bool = True,
-         model: Any = None) -> TrainState | RankStates:
+         model: Any = None, optimizer: bool = True) -> TrainState | RankStates:
     """The state saved at ``path`` (a checkpoint, or a ``keep=`` parent: its newest), laid out for ``like``.
 
     ``like``: the ``Step`` to resume with (its stage, mesh, precision and optimizer; the params pytree is
@@ -38,6 +38,10 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     ``model``: the module to put the frozen parameters a ``save(..., model=model)`` wrote back into (by name,
     strict); a checkpoint that holds them is refused without it, since the run would resume on whatever values the
     module was built with.
+
+    ``optimizer=False``: the params (and fp32 masters), buffers and step only, into a state of a step whose optimizer
+    may differ from the one that saved: to evaluate a checkpoint (Lightning's ``trainer.validate(ckpt_path=...)``),
+    not to resume training, which needs the optimizer's state too. The state keeps its own optimizer state.
     """
     api = "fzero.checkpoint.load"
     found, info, manifest = open_checkpoint(path, api, verify=verify)
@@ -49,8 +53,12 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if distributed:
         agree_on_checkpoint(Ranks(api, True), found, info, manifest, api=api)
     ents = [entries(s, api=api) for s in states]
+    if not optimizer:
+        ents = [without_optimizer(e) for e in ents]
+        info = {**info, "opt": []}
     check_fits(found, info, states[0], ents[0], api=api)
-    check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api)
+    if optimizer:
+        check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api)
     process, processes = which_process(distributed)
     rng = torch.empty(0, dtype=torch.uint8)
     todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]

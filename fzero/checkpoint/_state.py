@@ -116,6 +116,13 @@ def entries(state: TrainState, *, api: str) -> Entries:
     return Entries(per_param, tensors)
 
 
+def without_optimizer(e: Entries) -> Entries:
+    """``e`` without the optimizer's entries (``load(..., optimizer=False)``): params, masters, buffers and the step;
+    not the loss scale either, which is the optimizer step's business."""
+    return Entries({k: v for k, v in e.per_param.items() if k in ("params", "master")},
+                   {k: t for k, t in e.tensors.items() if not k.startswith(("opt/", "loss_scale/"))})
+
+
 def _is_skip_count(key: str) -> bool:
     """An optimizer's per-parameter skip counts (``ScaleByAdamState.skipped``: steps a param had no gradient)."""
     return key.startswith("opt/") and key.removeprefix("opt/").rpartition(".")[2] == "skipped"

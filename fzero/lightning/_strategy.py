@@ -270,7 +270,10 @@ class FZeroStrategy(DDPStrategy):
                 f"{_LIGHTNING_FILE} and {_FZERO_DIR}/). Pass the path ModelCheckpoint or trainer.save_checkpoint gave."
             )
         checkpoint = self.checkpoint_io.load_checkpoint(os.path.join(path, _LIGHTNING_FILE), weights_only=weights_only)
-        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step, model=self.lightning_module)
+        # outside fit (trainer.validate/test/predict with ckpt_path=) the step has no optimizer: the weights only
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step, model=self.lightning_module,
+                                           optimizer=fitting)
         return {**checkpoint, "state_dict": {}}
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
