@@ -279,6 +279,17 @@ class _StopsMidWindow(LitCNN):
             return -1  # Lightning: skip the rest of this epoch
 
 
+class _StepsEverySecondBatch(LitCNN):
+    """Lightning's docs: an optimizer_step that runs only the closure on some batches (forward and backward; the
+    gradient is zeroed at the next batch's window start, so under DDP that batch trains nothing)."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if batch_idx % 2 == 0:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
 class _AdamDecoupled(LitCNN):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
@@ -287,19 +298,20 @@ class _AdamDecoupled(LitCNN):
 @pytest.mark.usefixtures("one_process")
 @LIGHTNING_NOISE[0]
 @LIGHTNING_NOISE[1]
-def test_an_epoch_ended_mid_window_drops_its_micro_batches_as_ddp_and_adam_decoupled_is_adamw():
+def test_windows_that_never_step_are_dropped_as_under_ddp_and_adam_decoupled_is_adamw():
     """on_train_batch_start returning -1 mid-window: Lightning zeroes the gradients at a window's first batch, so the
-    unfinished window's micro-batches are dropped (they were kept into the next epoch, whose first step then had 3).
+    unfinished window's micro-batches are dropped (they were kept into the next epoch, whose first step then had 3);
+    so is a batch whose optimizer_step runs only the closure (the next step had 2 micro-batches for 1).
     torch.optim.Adam(decoupled_weight_decay=True) is AdamW's update (it was refused as an L2 term). Both equal plain
     PyTorch running the windows Lightning runs."""
     batches = cnn_batches(3, micro=2)  # 6 batches an epoch, windows of 2
     epoch0, epoch1 = batches[:2], batches  # epoch 0 stops at batch 3: its second window never steps
-    for cls in (_StopsMidWindow, _AdamDecoupled):
+    runs = {_StopsMidWindow: (epoch0 + epoch1, 2, 2), _AdamDecoupled: (batches, 2, 1), _StepsEverySecondBatch: (batches[1::2], 1, 1)}
+    for cls, (trained, micro, epochs) in runs.items():
         ref = cls()
-        windows = epoch0 + epoch1 if cls is _StopsMidWindow else batches
-        want, biggest = reference(ref, windows, micro=2)
+        want, biggest = reference(ref, trained, micro=micro)
         lit = cls()
-        _trainer(accumulate_grad_batches=2, max_epochs=2 if cls is _StopsMidWindow else 1).fit(lit, _loader(batches))
+        _trainer(accumulate_grad_batches=micro, max_epochs=epochs).fit(lit, _loader(batches))
         _close(dict(lit.named_parameters()), want, _with_gradient(biggest))
 
 
