@@ -64,6 +64,7 @@ deep in the model with torch's "Cannot copy out of meta tensor".
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 from collections import OrderedDict
@@ -219,22 +220,26 @@ class _Cloner:
         new = self.modules.get(id(m))
         if new is not None:
             return new
-        if _bound_to_itself(m) and not _holds_tensors(m):
-            self.modules[id(m)] = m  # shared, not cloned: see _bound_to_itself
-            return m
         cls = m.__class__
         new = cls.__new__(cls)
         self.modules[id(m)] = new
         d = new.__dict__
         containers = self.containers
+        own_callable = False
         for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
-            if type(v) in _CONTAINERS and k not in _TREE:
+            kind = type(v)
+            if kind in _CONTAINERS and k not in _TREE:
                 c = containers.get(id(v))
                 if c is None:
                     c = containers[id(v)] = v.copy()
                 d[k] = c
             else:
+                if kind in _CALLABLES and not own_callable:
+                    own_callable = _bound_to(v, m)
                 d[k] = v
+        if own_callable and not _holds_tensors(m):
+            self.modules[id(m)] = m  # shared, not cloned: see _bound_to
+            return m
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
@@ -242,20 +247,20 @@ class _Cloner:
         return new
 
 
-def _bound_to_itself(m: nn.Module) -> bool:
-    """Whether ``m`` keeps in its own ``__dict__`` a method bound to itself, or a wrapper of one (``functools.wraps``
-    sets ``__wrapped__``): torchmetrics' ``Metric`` wraps ``update`` and ``compute`` so at init. A clone would share
-    those callables, which act on the original object's state while the clone's own methods act on the clone's:
-    a metric updated on one and computed on the other (Lightning's ``self.log("acc", self.acc)`` logged a running
-    value for the batch's, and wrong epoch values). Such a module is shared instead, when nothing of a step is bound
-    into it (``_holds_tensors``)."""
-    for v in m.__dict__.values():
-        while v is not None:
-            if isinstance(v, types.MethodType):
-                if v.__self__ is m:
-                    return True
-                break
-            v = getattr(v, "__wrapped__", None) if callable(v) else None
+_CALLABLES = frozenset({types.MethodType, types.FunctionType, functools.partial})
+
+
+def _bound_to(v: Any, m: nn.Module) -> bool:
+    """Whether ``v``, an entry of ``m``'s own ``__dict__``, is a method bound to ``m`` or a wrapper of one
+    (``functools.wraps`` sets ``__wrapped__``): torchmetrics' ``Metric`` wraps ``update`` and ``compute`` so at init. A
+    clone would share those callables, which act on the original object's state while the clone's own methods act on
+    the clone's: a metric updated on one and computed on the other (Lightning's ``self.log("acc", self.acc)`` logged a
+    running value for the batch's, and wrong epoch values). Such a module is shared instead of cloned, when nothing
+    of a step is bound into it (``_holds_tensors``)."""
+    while v is not None:
+        if isinstance(v, types.MethodType):
+            return v.__self__ is m
+        v = getattr(v, "__wrapped__", None)
     return False
 
 
