@@ -157,3 +157,21 @@ def test_accelerate_launch_runs_an_fzero_script_with_the_same_config(tmp_path, o
     for k, b in enumerate(prob.batches):
         state, _ = step(state, b)
         assert_trees_equal(got["history"][k], step.gather(state))
+
+
+def test_what_accelerate_fills_in_is_filled_in_alike(tmp_path):
+    """Where the yaml leaves something to Accelerate, the settings are what Accelerate's DeepSpeedPlugin makes of it
+    (found against accelerate 1.15): no zero_stage is ZeRO-2; num_processes already counts every machine's processes;
+    gradient_clipping 0.0 is left out of the DeepSpeed config, so DeepSpeed clips at its default 1.0; and a
+    deepspeed_config_file without a block for mixed_precision's dtype gets {"enabled": true} (it trained in fp32)."""
+    fields = {"distributed_type": "DEEPSPEED", "num_machines": 2, "num_processes": 16,
+              "deepspeed_config": {"gradient_accumulation_steps": 1, "gradient_clipping": 0.0}}
+    got = from_accelerate(fields)
+    assert (got.stages, got.world_size, got.clip_grad_norm) == (2, 16, 1.0)
+    assert any(n.startswith("gradient_clipping=0.0") and "default (1.0)" in n for n in got.notes)
+    file = tmp_path / "ds.json"
+    file.write_text('{"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2}')
+    for mixed, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16"), ("no", "torch.float32")):
+        got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": mixed, "num_processes": 2,
+                               "deepspeed_config": {"deepspeed_config_file": str(file)}})
+        assert str(got.precision.compute) == dtype, mixed

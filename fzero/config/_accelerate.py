@@ -57,21 +57,29 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def _auto_precision(path: str) -> bool:
+def _with_launcher_precision(path: str, precision: str, keywords: dict[str, Any]) -> Any:
+    """The DeepSpeed JSON as Accelerate's ``mixed_precision`` leaves it (``DeepSpeedPlugin.set_mixed_precision``): an
+    ``"auto"`` precision is resolved by it (``precision=``), and a JSON without a block for that dtype gets
+    ``{"enabled": true}`` (read as the JSON alone, it trained in fp32, silently). The path itself where neither."""
     import json
 
     try:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return False  # from_deepspeed names what is wrong with the file
-    return any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == "auto" for k in ("fp16", "bf16"))
+        return path  # from_deepspeed names what is wrong with the file
+    if any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == "auto" for k in ("fp16", "bf16")):
+        keywords.setdefault("precision", precision)
+        return path
+    if isinstance(cfg, dict) and precision != "fp32" and precision not in cfg:
+        return {**cfg, precision: {"enabled": True}}
+    return path
 
 
 def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: Any) -> Settings:
     """Read an Accelerate config (a YAML path or a dict) with ``distributed_type: DEEPSPEED`` into fzero ``Settings``.
     ``keywords``: as ``from_deepspeed``'s (``learning_rate=`` and the rest resolve the DeepSpeed file's ``"auto"``);
-    ``world_size`` defaults to the file's ``num_processes`` (x ``num_machines``)."""
+    ``world_size`` defaults to the file's ``num_processes``, which Accelerate counts over every machine."""
     source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "dict"
     data = _load_yaml(source) if source != "dict" else dict(config)
     kind = data.get("distributed_type")
@@ -98,6 +106,14 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
         if unknown:
             raise ValueError(f"{API}: unknown deepspeed_config keys {unknown}; fzero reads {sorted({*_FIELDS, *_NOTED})} "
                              f"and deepspeed_config_file.")
+        section.setdefault("zero_stage", 2)  # DeepSpeedPlugin's default when the file names none
+        clip = section.get("gradient_clipping")
+        if clip is not None and clip != "auto" and not float(clip):
+            # DeepSpeedPlugin writes gradient_clipping only when it is truthy, so DeepSpeed clips at its default
+            del section["gradient_clipping"]
+            notes.append(f"gradient_clipping={clip!r}: Accelerate leaves a zero out of the DeepSpeed config, so "
+                         f"DeepSpeed's default (1.0) clips, as here; remove the key and set gradient_clipping in a "
+                         f"deepspeed_config_file to turn clipping off")
         ds = {}
         for key, value in section.items():
             path, cast = _FIELDS[key]
@@ -112,10 +128,10 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
                 del ds["zero_optimization"][which]
         if precision != "fp32":
             ds[precision] = {"enabled": True}
-    world = int(data.get("num_processes", 1)) * int(data.get("num_machines", 1))
+    world = int(data.get("num_processes", 1))  # Accelerate's num_processes counts every machine's (its total)
     keywords.setdefault("world_size", world)
-    if file is not None and _auto_precision(ds):  # the JSON leaves its precision "auto": the launcher's fills it
-        keywords.setdefault("precision", precision)
+    if file is not None:
+        ds = _with_launcher_precision(ds, precision, keywords)
     settings = from_deepspeed(ds, **keywords)
     mapped = {"distributed_type", "deepspeed_config", "mixed_precision", "num_processes", "num_machines"}
     launcher = sorted(set(data) - mapped)
