@@ -382,3 +382,13 @@ def test_settings_are_frozen_and_replaceable():
         s.stages = 2
     assert isinstance(s, Settings) and s.replace(stages=2).compile_kwargs()["stages"] == 2
     assert math.isclose(s.learning_rate, 1.5e-4)
+
+
+def test_fp16_hysteresis_is_deepspeeds_per_stage():
+    """DeepSpeed's stage-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) have no hysteresis: every overflow
+    halves the scale; ZeRO's (stages 1-3) read fp16.hysteresis. The same config gives each stage its DeepSpeed rule."""
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2}
+    at0 = from_deepspeed({"fp16": fp16})
+    at1 = from_deepspeed({"fp16": fp16, "zero_optimization": {"stage": 1}})
+    assert (at0.precision.loss_scale.hysteresis, at1.precision.loss_scale.hysteresis) == (1, 2)
+    assert any(n.startswith("fp16.hysteresis=2") and "stage 0" in n for n in at0.notes)

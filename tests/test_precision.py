@@ -123,17 +123,42 @@ def test_loss_scale_follows_deepspeeds_dynamic_rule():
     cfg = DynamicLossScale(initial=2.0**4, window=3, hysteresis=2, min_scale=1.0)
     s = init_loss_scale(cfg)
     seen = []
-    for step, overflow in enumerate([False, False, False, True, True, False, False, False, True], start=1):
+    for step, overflow in enumerate([False, False, False, False, True, True, False, False, False, False, True], start=1):
         s = next_loss_scale(cfg, s, overflow=overflow, step=step)
         seen.append(float(s.scale))
-    # grows after 3 good steps; the first overflow only uses up hysteresis, the second halves; growth
+    # grows at the 4th good step (window + 1); the first overflow only uses up hysteresis, the second halves; growth
     # restores hysteresis
-    assert seen == [16, 16, 32, 32, 16, 16, 16, 32, 32]
+    assert seen == [16, 16, 16, 32, 32, 16, 16, 16, 16, 32, 32]
     with pytest.raises(FloatingPointError, match=r"fp16 gradients overflowed at step 7 with the loss scale already at its minimum \(1\)"):
         cfg = DynamicLossScale(initial=2.0, hysteresis=1, min_scale=1.0)
         s = init_loss_scale(cfg)
         for step in range(1, 10):
             s = next_loss_scale(cfg, s, overflow=step >= 6, step=step)
+
+
+@pytest.mark.parametrize("window, hysteresis", [(1, 1), (2, 2), (3, 1), (4, 3)])
+def test_loss_scale_equals_deepspeeds_scaler_step_by_step(window, hysteresis):
+    """Against DeepSpeed's own DynamicLossScaler (0.19: it grows at the (window + 1)-th clean step, then every window;
+    fzero grew one step earlier, DeepSpeed 0.14's rule, and a run with overflows drifted further apart: 512 against
+    DeepSpeed's 64 after 11 steps), over random overflow sequences."""
+    scaler_module = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    import deepspeed.comm
+
+    cfg = DynamicLossScale(initial=2.0**8, window=window, hysteresis=hysteresis, min_scale=1.0)
+    gen = torch.Generator().manual_seed(window * 10 + hysteresis)
+    overflows = (torch.rand(60, generator=gen) < 0.25).tolist()
+    theirs = scaler_module.DynamicLossScaler(init_scale=2.0**8, scale_window=window, min_scale=1.0,
+                                             delayed_shift=hysteresis, consecutive_hysteresis=False,
+                                             raise_error_at_min_scale=False)
+    ours = init_loss_scale(cfg)
+    with pytest.MonkeyPatch.context() as patch:  # its overflow message asks for a rank; no process group here
+        patch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+        for step, overflow in enumerate(overflows, start=1):
+            theirs.update_scale(overflow)
+            if overflow and float(ours.scale) <= 1.0 and int(ours.hysteresis) <= 1:
+                break  # fzero raises at the minimum scale; DeepSpeed (told not to) stays there
+            ours = next_loss_scale(cfg, ours, overflow=overflow, step=step)
+            assert float(ours.scale) == theirs.cur_scale, (step, overflows[:step])
 
 
 @pytest.mark.parametrize("stages", [0, 2, 3])

@@ -20,7 +20,7 @@ def to_settings(cfg: dict, ctx: Ctx, source: str, world_size: int | None) -> Set
     zero = cfg.get("zero_optimization") or {}
     stages = as_int("zero_optimization.stage", zero.get("stage", 0))
     _rules.check_stage(stages, api=API, stage_key="zero_optimization.stage")
-    precision = _precision(cfg, ctx)
+    precision = _precision(cfg, ctx, stages)
     grad_accum, micro, total = _batch(cfg, ctx, world_size)
     clip = _clip(cfg, ctx)
     offload = _offload(zero, stages, ctx)
@@ -90,7 +90,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
 
 
-def _precision(cfg: dict, ctx: Ctx) -> Precision:
+def _precision(cfg: dict, ctx: Ctx, stages: int) -> Precision:
     fp16 = cfg.get("fp16") or {}
     bf16 = cfg.get("bf16") or cfg.get("bfloat16") or {}
     if "bf16" in cfg and "bfloat16" in cfg:
@@ -120,10 +120,17 @@ def _precision(cfg: dict, ctx: Ctx) -> Precision:
         if scale > 0:
             loss_scale: Any = StaticLossScale(scale)
         else:
+            hysteresis = as_int("fp16.hysteresis", fp16.get("hysteresis", 2), low=1)
+            if stages == 0 and hysteresis != 1:
+                # DeepSpeed's stage-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) halve the scale at every
+                # overflow; only ZeRO's optimizers (stages 1-3) read hysteresis
+                ctx.notes.append(f"fp16.hysteresis={hysteresis}: DeepSpeed's fp16 optimizer at stage 0 has none (every "
+                                 f"overflow halves the scale), and so has this step; stages 1-3 use it")
+                hysteresis = 1
             loss_scale = DynamicLossScale(
                 initial=2.0 ** power,
                 window=as_int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000), low=1),
-                hysteresis=as_int("fp16.hysteresis", fp16.get("hysteresis", 2), low=1),
+                hysteresis=hysteresis,
                 min_scale=as_float("fp16.min_loss_scale", fp16.get("min_loss_scale", 1)),
             )
         prec = Precision(compute=torch.float16, reduce=reduce, loss_scale=loss_scale)

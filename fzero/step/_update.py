@@ -77,7 +77,7 @@ def _check_scale(api: str, name: str, value: float) -> None:
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     initial: float = 2.0**16
-    window: int = 1000  # steps without overflow before the scale grows by ``factor``
+    window: int = 1000  # the scale grows after window + 1 steps without overflow, then every window (DeepSpeed 0.19)
     hysteresis: int = 2  # overflows tolerated (skipped without shrinking) before the scale shrinks
     min_scale: float = 1.0
     factor: float = 2.0
@@ -144,7 +144,7 @@ def policy(precision: str | Precision, *, api: str) -> Precision:
 
 class LossScaleState(NamedTuple):
     scale: torch.Tensor  # float32 0-d: the current loss scale
-    good_steps: torch.Tensor  # int64 0-d: steps since the last overflow or growth
+    good_steps: torch.Tensor  # int64 0-d: steps without overflow since the last overflow (or the start)
     hysteresis: torch.Tensor  # int64 0-d: overflows left before the scale shrinks
 
 
@@ -159,7 +159,13 @@ def init_loss_scale(config: DynamicLossScale | StaticLossScale | None) -> LossSc
 
 
 def next_loss_scale(config, state: LossScaleState, *, overflow: bool, step: int) -> LossScaleState:
-    """The scale after a step (DeepSpeed's dynamic rule). Raises when the minimum scale still overflows."""
+    """The scale after a step (DeepSpeed's dynamic rule, ``DynamicLossScaler.update_scale`` as of 0.19). Raises when
+    the minimum scale still overflows.
+
+    The scale grows at the ``window + 1``-th step without overflow since the last overflow (or the start), and every
+    ``window`` steps after that: DeepSpeed counts the steps after the first clean one (``stable_interval``), and does
+    not restart the count when it grows. (DeepSpeed 0.14 and before grew after ``window`` clean steps, restarting at
+    each growth; checkpoints of that count resume here with their growth up to one window later.)"""
     if isinstance(config, StaticLossScale):
         return state
     scale, good, hyst = float(state.scale), int(state.good_steps), int(state.hysteresis)
@@ -177,12 +183,12 @@ def next_loss_scale(config, state: LossScaleState, *, overflow: bool, step: int)
         good = 0
     else:
         good += 1
-        if good % config.window == 0:
+        stable = good - 1  # DeepSpeed's stable_interval
+        if stable > 0 and stable % config.window == 0:
             # capped where the next growth would leave the state's dtype (2**127 in float32): an inf scale would
             # turn every later step into an overflow that halving never undoes
             scale = min(scale * config.factor, max_scale(state.scale.dtype))
             hyst = config.hysteresis
-            good = 0
     return LossScaleState(torch.tensor(scale), torch.tensor(good, dtype=torch.int64), torch.tensor(hyst, dtype=torch.int64))
 
 
