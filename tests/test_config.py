@@ -392,3 +392,12 @@ def test_fp16_hysteresis_is_deepspeeds_per_stage():
     at1 = from_deepspeed({"fp16": fp16, "zero_optimization": {"stage": 1}})
     assert (at0.precision.loss_scale.hysteresis, at1.precision.loss_scale.hysteresis) == (1, 2)
     assert any(n.startswith("fp16.hysteresis=2") and "stage 0" in n for n in at0.notes)
+
+
+def test_an_auto_warmup_of_zero_steps_is_one_as_the_hf_trainer_fills_it():
+    """The HF Trainer's default warmup_steps=0 fills "warmup_num_steps": "auto" with max(1, 0) = 1
+    (transformers' trainer_config_finalize); it was passed through as 0 and refused by the schedule."""
+    s = from_deepspeed(HF_ZERO2, world_size=2, precision="fp16", **{**HF_ARGS, "warmup_steps": 0})
+    assert dict((p, v) for p, v, _ in s.resolved)["scheduler.params.warmup_num_steps"] == 1
+    expected = fo.warmup_decay_lr(warmup_min_lr=0.0, warmup_max_lr=3e-4, warmup_num_steps=1, total_num_steps=100)
+    assert [s.learning_rate(k) for k in range(5)] == [expected(k) for k in range(5)]

@@ -26,7 +26,7 @@ AUTO_RULES: dict[str, tuple[str | None, Callable[[Any], Any], str]] = {
     "scheduler.params.warmup_min_lr": (None, lambda _: 0.0, "0, as the HF Trainer fills it"),
     "scheduler.params.warmup_max_lr": ("learning_rate", _lr, "learning_rate"),
     "scheduler.params.cycle_max_lr": ("learning_rate", _lr, "learning_rate"),
-    "scheduler.params.warmup_num_steps": ("warmup_steps", int, "warmup steps"),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", lambda v: max(1, int(v)), "max(1, warmup steps)"),
     "scheduler.params.total_num_steps": ("total_steps", int, "optimizer steps of the run"),
     "gradient_clipping": ("clip_grad_norm", lambda v: 0.0 if v is None else float(v), "max_grad_norm"),
     "fp16.enabled": ("precision", lambda v: _precision_name(v) == "fp16", "precision == 'fp16'"),
