@@ -38,9 +38,11 @@ def from_deepspeed(
     The keywords resolve ``"auto"`` values (see ``AUTO_RULES``): ``learning_rate``, ``betas``, ``eps``,
     ``weight_decay`` (optimizer), ``warmup_steps``, ``total_steps`` (scheduler), ``batch_size`` (per rank per
     micro-batch), ``grad_accum``, ``clip_grad_norm``, ``precision`` ("fp32", "bf16", "fp16"), ``hidden_size``
-    (bucket sizes). ``no_decay``: Hugging Face's list of name substrings whose params get no weight decay
-    (``["bias", "LayerNorm.weight"]``, the Trainer's groups), mapped onto the optimizer as a mask
-    (``fzero.optim.no_decay_names``). ``world_size`` checks ``train_batch_size = micro batch * accumulation * world size`` and
+    (bucket sizes). ``no_decay``: a list of name substrings whose params get no weight decay
+    (``["bias", "LayerNorm.weight"]``, the groups the HF Trainer makes for its own optimizer), mapped onto the
+    optimizer as a mask (``fzero.optim.no_decay_names``). Not what the HF Trainer does with a config that has an
+    ``"optimizer"`` block: it hands DeepSpeed one group of every trainable param, so biases and norms are decayed
+    there; leave ``no_decay`` out to train as that run does. ``world_size`` checks ``train_batch_size = micro batch * accumulation * world size`` and
     derives the missing one. A keyword given for a value the config sets itself is an error (it would be
     ignored); ``world_size`` is always accepted.
     """
