@@ -139,6 +139,13 @@ def test_init_holds_the_state_and_about_one_unit_never_the_model_twice(tmp_path)
 # -- what from_pretrained handles -------------------------------------------------------------------------------
 
 
+def _read(directory, key):
+    """One tensor of a one-file checkpoint, as safetensors stores it."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))[key]
+
+
 def _rewrite(src_dir, dst, change):
     """dst/model.safetensors: the tensors of src_dir's file, changed by ``change(dict)``."""
     with safe_open(os.path.join(src_dir, "model.safetensors"), "pt") as f:
@@ -198,8 +205,15 @@ def test_missing_and_unexpected_keys_are_named(saved, tmp_path):
     with pytest.raises(ValueError, match=r"pretrained: .* the model has 1 key\(s\) the checkpoint lacks: \['model.layers.1.mlp.up_proj.weight'\]"):
         fzero.checkpoint.pretrained(lacks, model=meta)
     extra = _rewrite(whole, tmp_path / "extra", lambda t: t.update({"model.adapter.weight": torch.zeros(2)}))
-    with pytest.raises(ValueError, match=r"the checkpoint has 1 key\(s\) the model lacks: \['model.adapter.weight'\].*AutoConfig.from_pretrained"):
+    with pytest.raises(ValueError, match=r"the checkpoint has 1 key\(s\) the model lacks: \['model.adapter.weight'\].*"
+                                         r"AutoConfig.from_pretrained.*pass unexpected='ignore'"):
         fzero.checkpoint.pretrained(extra, model=meta)
+    # as from_pretrained (which warns): the key is left out, listed, and every other value is the checkpoint's
+    source = fzero.checkpoint.pretrained(extra, model=meta, unexpected="ignore")
+    assert source.ignored == ("model.adapter.weight",)
+    assert torch.equal(source("model.norm.weight", meta.model.norm.weight), _read(whole, "model.norm.weight"))
+    with pytest.raises(ValueError, match=r"unexpected='warn'; pass 'error'"):
+        fzero.checkpoint.pretrained(extra, model=meta, unexpected="warn")
 
 
 def test_a_shape_mismatch_names_the_key_and_both_shapes(saved, tmp_path):
@@ -271,8 +285,48 @@ def test_a_frozen_param_is_named_not_taken_for_an_unexpected_key(saved):
     whole, _ = saved["gpt2"]
     meta = _empty("gpt2")
     meta.transformer.wpe.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"frozen params \['transformer.wpe.weight'\] are meta tensors; step.init makes only the params it trains"):
+    with pytest.raises(ValueError, match=r"frozen params \['transformer.wpe.weight'\] are meta tensors; step.init makes only "
+                                         r"the params it trains.*load_state_dict\(\{name: tensor, ...\}, strict=False, assign=True\)"):
         fzero.checkpoint.pretrained(whole, model=meta)
+    # the fix it names: the frozen param given its value in the module (a real frozen param is read from there)
+    wpe = torch.nn.Parameter(_read(whole, "transformer.wpe.weight"), requires_grad=False)
+    meta.load_state_dict({"transformer.wpe.weight": wpe}, strict=False, assign=True)
+    source = fzero.checkpoint.pretrained(whole, model=meta)
+    assert "transformer.wpe.weight" not in fzero.params_of(meta, copy=False) and source.keys
+
+
+def test_missing_init_runs_the_initializers_of_the_modules_above_the_param(tmp_path):
+    """from_pretrained initializes a missing weight with _init_weights over the whole model, children first, so a
+    parent's branch has the last word: GPT-2's attention scales its c_proj.weight to initializer_range / sqrt(2 *
+    n_layer). missing='init' ran the owner's branch alone (std 0.02 here, where from_pretrained's is 0.01)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(3)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "full")
+    lacks = _rewrite(str(tmp_path / "full"), tmp_path / "lacks", lambda t: t.pop("transformer.h.0.attn.c_proj.weight"))
+    with fzero.empty_params():
+        meta = GPT2LMHeadModel(cfg)
+    source = fzero.checkpoint.pretrained(lacks, model=meta, missing="init")
+    made = source("transformer.h.0.attn.c_proj.weight", meta.transformer.h[0].attn.c_proj.weight)
+    assert 0.008 < float(made.std()) < 0.012  # 0.02 / sqrt(2 * 2), as from_pretrained draws it
+
+
+def test_missing_init_refuses_a_param_it_cannot_initialize():
+    """A weight-norm conv's parametrized weight (Wav2Vec2's positional conv): its init reads the other half of the
+    parametrization. It came back as uninitialised memory (1e5, or inf/NaN); it is named now, with the fix."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    cfg = Wav2Vec2Config(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                         conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                         num_conv_pos_embedding_groups=2)
+    with fzero.empty_params():
+        meta = Wav2Vec2ForCTC(cfg)
+    init = fzero.checkpoint._pretrained._initializer(meta, "init")
+    path = "wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original1"
+    with pytest.raises(ValueError, match=r"missing='init' could not run Wav2Vec2ForCTC._init_weights .* for "
+                                         r"'wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original1'.*missing=fn"):
+        init(path, meta.get_parameter(path))
 
 
 def test_a_new_head_on_a_pretrained_body_is_initialized_as_from_pretrained_does(tmp_path):
@@ -361,3 +415,18 @@ def test_a_converted_checkpoint_of_another_configuration_is_named_before_anythin
                                          r"'model.layers.0.block_sparse_moe.experts.0.w1.weight', converted as transformers "
                                          r"converts them\) has shape \(4, 96, 32\) in the checkpoint .* but \(4, 80, 32\)"):
         fzero.checkpoint.pretrained(tmp_path, model=meta)
+
+
+def test_a_converted_group_missing_a_stored_tensor_is_named(tmp_path):
+    """One expert's tensor missing from a mixture-of-experts checkpoint: the fused param's conversion (on values, at
+    step.init) raised torch's bare "Sizes of tensors must match"; it names the group and the stored tensors now."""
+    torch.manual_seed(7)
+    _mixtral().save_pretrained(tmp_path / "full")
+    lacks = _rewrite(str(tmp_path / "full"), tmp_path / "lacks", lambda t: t.pop("model.layers.0.block_sparse_moe.experts.1.w1.weight"))
+    with fzero.empty_params():
+        meta = _mixtral()
+    source = fzero.checkpoint.pretrained(lacks, model=meta)
+    step = fzero.compile(lambda p, b: fzero.apply(meta, p, input_ids=b).logits.sum(), optimizer=fzero.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"converting the checkpoint's 7 tensors .* into 'model.layers.0.mlp.experts.gate_up_proj'.*"
+                                         r"failed.*one expert of a layer"):
+        step.init(fzero.params_of(meta, copy=False), materialize=source)

@@ -29,8 +29,12 @@ byte of weights is read; each is an error naming the key:
   whose non-persistent buffers are meta (built under ``torch.device("meta")``; no checkpoint holds them).
 
 Params the checkpoint lacks on purpose (a new head over a pretrained body) are made by ``missing="init"`` (the
-model's own initializer, as ``from_pretrained`` runs it) or a ``missing=`` function, and listed in
-``Pretrained.initialized``; without ``missing=`` they are an error.
+model's own initializer, as ``from_pretrained`` runs it: ``_init_weights`` of the param's module and of every module
+above it, the model's last) or a ``missing=`` function, and listed in ``Pretrained.initialized``; without
+``missing=`` they are an error. Keys the model lacks on purpose (a base checkpoint's pooler or LM head under a
+classification model) are left out with ``unexpected="ignore"``, as ``from_pretrained`` leaves them, and listed in
+``Pretrained.ignored``. Frozen params are the module's: give them values before ``pretrained`` (a real frozen param
+is read from the module by every forward).
 
 A stored dtype other than the param's (bf16 files, an fp32 model) is cast to the param's dtype, as
 ``from_pretrained`` casts to the model's; ``Pretrained.casts`` lists each key cast. Persistent buffers the
@@ -92,6 +96,7 @@ class Pretrained:
     initialized: tuple[str, ...] = ()  # params the checkpoint lacks, made by ``missing`` (see ``pretrained``)
     missing: Any = None
     conversions: Any = None  # ``_Conversions``: keys that transformers renames or converts at load time
+    ignored: tuple[str, ...] = ()  # checkpoint keys the model lacks, left out (``unexpected="ignore"``)
 
     def __call__(self, path: str, meta: torch.Tensor) -> torch.Tensor:
         if path in self.initialized:
@@ -156,7 +161,8 @@ class Pretrained:
             return f.get_tensor(key)
 
 
-def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu", missing: Any = None) -> Pretrained:
+def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch.device = "cpu", missing: Any = None,
+               unexpected: str = "error") -> Pretrained:
     """Stream a Hugging Face checkpoint directory (``model.safetensors``, or shards and
     ``model.safetensors.index.json``, as ``save_pretrained`` writes them) into ``step.init``, one tensor at a time.
 
@@ -169,7 +175,14 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
     initializer (``from_pretrained``'s: a Hugging Face model's ``_init_weights`` on that module, else the module's
     ``reset_parameters``), or any ``(path, meta) -> tensor``. They are listed in ``Pretrained.initialized``. Without
     it a missing param is an error that names it: nothing is made up silently.
+
+    ``unexpected``: what to do with keys the checkpoint has and the model lacks: ``"error"`` (names them), or
+    ``"ignore"``, as ``from_pretrained`` does (it warns): a base checkpoint's pooler or LM head under a classification
+    model (roberta-base into ``RobertaForSequenceClassification``). The ones left out are listed in ``Pretrained.ignored``.
     """
+    if unexpected not in ("error", "ignore"):
+        raise ValueError(f"{API}: unexpected={unexpected!r}; pass 'error' (the default: name them) or 'ignore' (leave them "
+                         f"out, as from_pretrained does).")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{API}: model must be the nn.Module (built under fzero.empty_params()) whose params step.init makes, got {type(model).__name__}.")
     _check_model(model)
@@ -197,20 +210,24 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
             missing_keys.append(name)  # from_pretrained keeps a buffer's initial value only where the class says so
     known = set(model.state_dict(keep_vars=True))  # frozen params too: _check_model names them
     ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
-    unexpected = [k for k in shapes if ckpt_to_model[k] not in known and not any(p.search(k) for p in ignore_unexpected)]
+    extra = [k for k in shapes if ckpt_to_model[k] not in known and not any(p.search(k) for p in ignore_unexpected)]
+    ignored, extra = (tuple(extra), []) if unexpected == "ignore" else ((), extra)
     make = _initializer(model, missing)
     initialized = tuple(n for n in missing_keys if n not in buffers) if make is not None else ()
     lacking = [n for n in missing_keys if n not in initialized]
-    if lacking or unexpected:
+    if lacking or extra:
         raise ValueError(
             f"{API}: the checkpoint in {directory!r} does not fit {type(model).__name__}: "
             + (f"the model has {len(lacking)} key(s) the checkpoint lacks: {_few(lacking)}" if lacking else "")
-            + ("; " if lacking and unexpected else "")
-            + (f"the checkpoint has {len(unexpected)} key(s) the model lacks: {_few(unexpected)}" if unexpected else "")
-            + ". It was saved from another model or configuration: build the model from the checkpoint's own config "
+            + ("; " if lacking and extra else "")
+            + (f"the checkpoint has {len(extra)} key(s) the model lacks: {_few(extra)}" if extra else "")
+            + ". If it was saved from another model or configuration, build the model from the checkpoint's own config "
               "(AutoConfig.from_pretrained(dir)), or rename the keys"
             + ("; for params that are new on purpose (a new head), pass missing='init' to initialize them as "
-               "from_pretrained does." if any(n not in buffers for n in lacking) else ".")
+               "from_pretrained does" if any(n not in buffers for n in lacking) else "")
+            + ("; for a checkpoint of a model with more (a base model's pooler or LM head under a classification "
+               "head), pass unexpected='ignore' to leave those out, as from_pretrained does" if extra else "")
+            + "."
         )
     tensors = dict(model.state_dict(keep_vars=True))
     casts = {}
@@ -232,7 +249,8 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
         if dtype != t.dtype:
             casts[key] = (dtype, t.dtype)
     return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
-                      casts=casts, device=torch.device(device), initialized=initialized, missing=make, conversions=conversions)
+                      casts=casts, device=torch.device(device), initialized=initialized, missing=make, conversions=conversions,
+                      ignored=ignored)
 
 
 class _Conversions:
@@ -320,7 +338,15 @@ class _Conversions:
         converter = copy.deepcopy(self.converters[group])
         for key, pattern in self.sources[group]:
             converter.add_tensor(group, key, pattern, read(key))
-        made = converter.convert(group, model=self.model, config=getattr(self.model, "config", None))
+        try:
+            made = converter.convert(group, model=self.model, config=getattr(self.model, "config", None))
+        except Exception as e:  # noqa: BLE001 - transformers' own error, named with what it was converting
+            keys = [k for k, _ in self.sources[group]]
+            raise ValueError(
+                f"{API}: converting the checkpoint's {len(keys)} tensors {_few(keys)} into {group!r}, as transformers "
+                f"converts them while loading, failed ({type(e).__name__}: {e}). A tensor of that group missing from the "
+                f"checkpoint (one expert of a layer?), or one of another shape; from_pretrained refuses it too."
+            ) from e
         return {k: v for k, v in made.items()}
 
 
@@ -335,20 +361,51 @@ def _initializer(model: nn.Module, missing: Any) -> Any:
     def init(path: str, meta: torch.Tensor) -> torch.Tensor:
         owner, _, name = path.rpartition(".")
         module = model.get_submodule(owner)
-        real = copy.deepcopy(module).to_empty(device="cpu")  # the module alone, with memory: what its init writes
         hf_init = getattr(model, "_init_weights", None)
         if callable(hf_init):  # a Hugging Face model: the initializer from_pretrained runs for missing weights
-            for m in real.modules():
-                hf_init(m)
-        elif callable(getattr(real, "reset_parameters", None)):
+            value = _hf_init(model, hf_init, path, meta)
+        elif callable(getattr(module, "reset_parameters", None)):
+            real = copy.deepcopy(module).to_empty(device="cpu")  # the module alone, with memory: what its init writes
             real.reset_parameters()
+            value = getattr(real, name).detach()
         else:
             raise ValueError(
                 f"{API}: missing='init' cannot initialize {path!r}: {type(model).__name__} has no _init_weights and "
                 f"{type(module).__name__} no reset_parameters. Pass missing=fn(path, meta_tensor) -> its initial value.")
-        return getattr(real, name).detach()
+        if value.is_floating_point() and bool(value.isnan().any()):
+            raise ValueError(
+                f"{API}: missing='init' found no initializer that writes {path!r} ({type(module).__name__}.{name}: "
+                f"{type(model).__name__}._init_weights has no branch for it, and from_pretrained would leave it "
+                f"uninitialised too). Pass missing=fn(path, meta_tensor) -> its initial value, or a checkpoint that holds it.")
+        return value
 
     return init
+
+
+def _hf_init(model: nn.Module, hf_init: Any, path: str, meta: torch.Tensor) -> torch.Tensor:
+    """The value a Hugging Face model's ``_init_weights`` gives the param at ``path``, as ``from_pretrained`` runs it
+    for a missing weight: over the modules children first, so the param's owner, then each module above it up to the
+    model, the later ones overriding (GPT-2's attention and MLP scale their ``c_proj.weight``, T5's attention sizes
+    its ``q`` by the model's width). Each is a copy on the meta device with only this param real (starting as NaN,
+    so that a param no branch writes is found): the other params' inits write nothing, and nothing of the model is
+    allocated."""
+    parts = path.split(".")
+    value = torch.full(meta.shape, float("nan"), dtype=meta.dtype) if meta.is_floating_point() else torch.zeros(meta.shape, dtype=meta.dtype)
+    for depth in range(len(parts) - 1, -1, -1):  # the owner (depth len - 1), then its ancestors, the model last
+        here = ".".join(parts[:depth])
+        copied = copy.deepcopy(model.get_submodule(here) if here else model)
+        holder = copied.get_submodule(".".join(parts[depth:-1]))
+        holder._parameters[parts[-1]] = nn.Parameter(value, requires_grad=meta.requires_grad)
+        try:
+            hf_init(copied)
+        except Exception as e:  # noqa: BLE001 - an init that needs the module's other params real (a weight norm's)
+            raise ValueError(
+                f"{API}: missing='init' could not run {type(model).__name__}._init_weights on {type(copied).__name__} "
+                f"({here or 'the model'}) for {path!r} with only that param made ({type(e).__name__}: {e}). Pass "
+                f"missing=fn(path, meta_tensor) -> its initial value, or a checkpoint that holds it."
+            ) from e
+        value = holder._parameters[parts[-1]].detach()
+    return value
 
 
 def _files(directory: str) -> dict[str, str]:
@@ -424,7 +481,7 @@ def _prefix_map(model: nn.Module, shapes: dict[str, Any], known: set[str]) -> di
 
 def _check_model(model: nn.Module) -> None:
     """What ``step.init`` cannot fix: params it would not make (real ones, frozen meta ones), meta constants."""
-    real = [n for n, p in model.named_parameters() if not p.is_meta]
+    real = [n for n, p in model.named_parameters() if not p.is_meta and p.requires_grad]  # frozen ones: read from the module
     if real:
         raise ValueError(
             f"{API}: {type(model).__name__}'s params {_few(real)} are real tensors, and step.init makes only meta params, "
@@ -434,8 +491,9 @@ def _check_model(model: nn.Module) -> None:
     if frozen:
         raise ValueError(
             f"{API}: {type(model).__name__}'s frozen params {_few(frozen)} are meta tensors; step.init makes only the params "
-            f"it trains (fzero.params_of leaves frozen ones out). Set requires_grad=True so that step.init makes them, or "
-            f"load them into the module (load_state_dict(..., assign=True))."
+            f"it trains (fzero.params_of leaves frozen ones out), and a forward reads frozen ones from the module. Give "
+            f"them their values first: model.load_state_dict({{name: tensor, ...}}, strict=False, assign=True) with the "
+            f"checkpoint's tensors (safetensors' safe_open(...).get_tensor(name)); or set requires_grad=True, and they train."
         )
     meta = [f"{path}.{n}" if path else n for path, sub in model.named_modules() for n, b in sub._buffers.items()
             if b is not None and b.is_meta and n in sub._non_persistent_buffers_set]
