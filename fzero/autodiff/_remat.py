@@ -227,6 +227,14 @@ def _replay_autocast(state) -> contextlib.ExitStack:
     return stack
 
 
+def under_remat() -> bool:
+    """Whether this thread runs a function ``remat`` recomputes, under its watch (``_NoCapturedGrad``, a
+    TorchFunctionMode): ``jit`` refuses to compile there, where torch.compile would fall back to eager silently."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, _NoCapturedGrad) for m in _get_current_function_mode_stack())
+
+
 class _NoCapturedGrad(TorchFunctionMode):
     """Raises when ``fn`` makes a tensor out of a tensor that requires grad but is not an argument.
 

@@ -56,7 +56,7 @@ class UnitSettings:
     wrap_params: Callable[[Any], Any] | None = None
     # under ``jit``: each unit class's compiled forward, made once for the step's life (``fzero.zero._jit``); made by
     # ``shard_grads(jit=True)``, one per step built that way, never a default shared between steps
-    compiled: dict[type, Callable[..., Any]] | None = dataclasses.field(default=None, compare=False, repr=False)
+    compiled: dict[Any, Callable[..., Any]] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.jit and self.compiled is None:  # settings made with jit=True get a cache of their own

@@ -6,7 +6,13 @@ custom Functions around the unit, so a compiled unit is sharded, prefetched and 
 The unit's params reach the compiled forward as the module's attributes (rebound to the gathered views for the
 call); torch.compile lifts them as graph inputs, so one compiled graph serves every block of the same code
 (measured: the first block compiles in about 30 s on this 2-core CPU through inductor's C++ backend, the next
-blocks reuse it).
+blocks reuse it). A block whose inner modules carry other hooks gets graphs of its own (``_inner_hooks``).
+
+Dropout draws from torch's generator as in eager (inductor's ``fallback_random``), so a jit step equals an eager one
+within rounding and every rank draws its own stream. ``step.evaluate`` runs compiled units at stage 3 and the whole
+model eagerly at stage 2 (whose evaluation has no units). Refused by name where torch.compile would run a unit
+eagerly without a word: under ``torch.func``, a dispatch mode, ``fzero.remat``'s watch, an RNN in the unit, and a
+Hugging Face cache handed to each layer (``use_cache=True``).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ class UnitCompileError(RuntimeError):
     """torch.compile failed on a unit: names the unit and keeps the compiler's error as the cause."""
 
 
-def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callable[..., Any]:
+def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callable[..., Any]:
     """What to call for a unit's forward under ``jit``: ``inner`` itself, its hooks eager, with its class's forward
-    compiled (``cache``: the step's, one compiled forward per class for the step's life). A compiler failure becomes
+    compiled (``cache``: the step's, one compiled forward per class, and per set of hooks inside the unit
+    (``_inner_hooks``), for the step's life). A compiler failure becomes
     ``UnitCompileError`` naming ``unit``; errors of the model itself pass as they are.
 
     Why the class's forward, compiled once, and not ``torch.compile(inner)``: each step runs a new skeleton, so
@@ -37,12 +44,21 @@ def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callab
     does not start tracing at a ``torch.nn`` frame, and ``torch.compile(module)`` does the same for such a module."""
     _refuse_silent_eager(unit)
     cls = type(inner)
-    fn = cache.get(cls)
+    _refuse_uncompiled_modules(inner, unit, cls)
+    hooks = _inner_hooks(inner)
+    key = (cls, hooks)
+    fn = cache.get(key)
     if fn is None:
         forward = cls.forward
-        fn = cache[cls] = torch.compile(_inline(forward) if getattr(forward, "__module__", "").startswith("torch.") else forward)
+        frame = _inline(forward) if getattr(forward, "__module__", "").startswith("torch.") else forward
+        if hooks:  # a code object of its own: torch keeps compiled graphs per code object, with no guard on inner hooks
+            frame = _own_code(frame, len(cache))
+        # fallback_random: dropout draws from torch's generator, as eager does, not inductor's own (whose masks differ:
+        # 1.3e-2 off the eager step after one step); the ranks' streams stay fzero's
+        fn = cache[key] = torch.compile(frame, options={"fallback_random": True})
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        _refuse_hf_cache(unit, args, kwargs)
         d = inner.__dict__
         had, before = "forward" in d, d.get("forward")
         d["forward"] = types.MethodType(fn, inner)  # nn.Module.__call__ calls self.forward: hooks eager, forward compiled
@@ -55,6 +71,57 @@ def compiled(inner: nn.Module, unit: str, cache: dict[type, Callable]) -> Callab
                 del d["forward"]
 
     return _named(call, unit, cls.__name__)
+
+
+def _inner_hooks(inner: nn.Module) -> tuple:
+    """The hooks of the modules inside a unit, by path and identity. Why in the key of the compiled forward: the
+    unit's own hooks run eagerly around it, but those of the modules inside are traced into its graph, and torch does
+    not guard on them (``skip_nnmodule_hook_guards``): one graph for the class, traced on a block without a hook, ran
+    for a block with one, and the hook never ran (found: 1.5e-3 off eager after two steps). Blocks without inner hooks,
+    the common case, still share one graph."""
+    out = []
+    for path, m in inner.named_modules():
+        if not path:
+            continue
+        d = m.__dict__
+        for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            hooks = d.get(kind)
+            if hooks:
+                out.append((path, kind, tuple(id(h) for h in hooks.values())))
+    return tuple(out)
+
+
+def _own_code(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """``fn`` as a function with a code object of its own (renamed): torch.compile's graphs and their guards are kept
+    on the code object, so a unit whose inner hooks differ gets graphs of its own rather than another unit's."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_hooks{n}")
+    out = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def _refuse_uncompiled_modules(inner: nn.Module, unit: str, cls: type) -> None:
+    """torch.compile runs an RNN, LSTM or GRU eagerly (a graph break, no error): refuse a unit holding one."""
+    rnn = next((type(m).__name__ for m in inner.modules() if isinstance(m, nn.RNNBase)), None)
+    if rnn is not None:
+        raise UnitCompileError(
+            f"fzero (jit=True): unit {unit!r} ({cls.__name__}) holds an {rnn}, which torch.compile does not compile (it "
+            f"runs it eagerly, silently). Build the step without jit=True, or keep that module out of the units."
+        )
+
+
+def _refuse_hf_cache(unit: str, args: tuple, kwargs: dict) -> None:
+    """A Hugging Face cache object handed to a unit (``use_cache=True``, transformers' default even in training):
+    torch.compile guards on each layer's entry of it, so it compiles once per layer and, past its recompile limit
+    (8), runs the other layers eagerly with only a log line."""
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind.__module__.startswith("transformers") and kind.__name__.endswith("Cache"):
+            raise UnitCompileError(
+                f"fzero (jit=True): unit {unit!r} is given a Hugging Face {kind.__name__} (use_cache=True, the default): "
+                f"torch.compile would compile it once per layer and run the layers past its recompile limit eagerly. "
+                f"Train with use_cache=False (model(..., use_cache=False), or model.config.use_cache = False)."
+            )
 
 
 def _inline(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,6 +142,14 @@ def _refuse_silent_eager(unit: str) -> None:
             f"fzero (jit=True): unit {unit!r} runs inside torch.func.grad (autodiff='func'), where torch.compile does "
             f"not compile the unit's frame and would silently run it eagerly. Build the step with "
             f"autodiff='autograd' (plain torch.autograd, which torch.compile supports)."
+        )
+    from fzero.autodiff import under_remat
+
+    if under_remat():  # fzero.remat's recompute watch: torch.compile falls back to eager under it, silently
+        raise UnitCompileError(
+            f"fzero (jit=True): unit {unit!r} runs under fzero.remat (remat=True), where torch.compile does not compile "
+            f"the unit (it falls back to eager, silently). Use one of them: remat=True to save memory, or jit=True for "
+            f"speed (HF's gradient_checkpointing_enable() composes with torch.compile)."
         )
     mode = _get_current_dispatch_mode()
     if mode is not None:  # torch.compile would skip the frame and run the unit eagerly, silently

@@ -44,7 +44,7 @@ class UnitParams(Mapping):
     """
 
     def __init__(self, inputs: dict[str, torch.Tensor], layout: Layout, comm: Any, *, reduce_dtype: torch.dtype | None = None,
-                 jit_cache: dict[type, Any] | None = None, pool: Pool | None = None) -> None:
+                 jit_cache: dict[Any, Any] | None = None, pool: Pool | None = None) -> None:
         self.inputs = inputs  # the differentiable per-unit tensors (this rank's shards)
         self.pool = pool  # plain autograd: where the units' flat gradients and reduced shards are made (fzero.step._pool)
         self.jit_cache = jit_cache  # jit: each unit class's compiled forward, the step's (fzero.zero._jit); None: eager

@@ -431,7 +431,8 @@ class ParamsSharded:
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
         schedule = Schedule(comm, layout, state.params, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device)
-        return _GatheredView([], lambda xs, sink: ShardedParams(dict(state.params), layout, comm, schedule), schedule)
+        return _GatheredView([], lambda xs, sink: ShardedParams(dict(state.params), layout, comm, schedule,
+                                                                jit_cache=settings.compiled if settings.jit else None), schedule)
 
     def gather_back(self, comm: Any, flats: dict[str, torch.Tensor], layout: Layout, *, bucket_elements: int = 0,
                     pool: Any = None) -> None:
