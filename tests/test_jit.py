@@ -135,24 +135,27 @@ def test_jit_compiles_each_unit_class_once_for_the_steps_life(monkeypatch):
     assert counters["frames"]["total"] == frames  # later steps reuse the first step's compiled frame
 
 
+class _SequentialNet(torch.nn.Module):
+    """Two units that are nn.Sequential blocks of one class (Linear, optional Dropout, GELU) between two Linears."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        extra = [torch.nn.Dropout(dropout)] if dropout else []
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), *extra, torch.nn.GELU()) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
 def test_jit_compiles_a_torch_nn_block_once_and_equals_eager(monkeypatch):
     """Units that are ``nn.Sequential`` blocks (their forward is torch's own, which torch.compile does not start
     tracing at) are compiled once too, through a frame of fzero's, and train as eager."""
     torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(2)])
-
-        def forward(self, x):
-            h = self.inp(x)
-            for block in self.blocks:
-                h = block(h)
-            return self.out(h)
-
-    net = Net()
+    net = _SequentialNet()
 
     def loss_fn(p, b):
         return fzero.apply(net, p, b).square().mean()
@@ -179,21 +182,7 @@ def test_a_hook_inside_one_unit_and_dropout_train_as_eager():
     (1.3e-2 off). Now a unit whose inner hooks differ has graphs of its own, and dropout draws from torch's
     generator as eager does."""
     torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.3), torch.nn.GELU())
-                                               for _ in range(2)])
-
-        def forward(self, x):
-            h = self.inp(x)
-            for block in self.blocks:
-                h = block(h)
-            return self.out(h)
-
-    net = Net()
+    net = _SequentialNet(dropout=0.3)
     ran = []
 
     def halve(module, args, out):
