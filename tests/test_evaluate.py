@@ -1,5 +1,6 @@
 """Step.evaluate: the loss without a gradient or an update, at every stage, from the sharded state."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -66,3 +67,110 @@ def test_evaluate_checks_its_state():
     other = fzero.compile(prob.loss_fn, stages=2, mesh=fzero.local_mesh(2))
     with pytest.raises(ValueError, match=r"fzero.Step.evaluate: state was made for stage 3"):
         other.evaluate(step.init(fzero.params_of(prob.model)), prob.batches[0])
+
+
+class _Blocks(torch.nn.Module):
+    """A root Linear, two units, a head; ``blocks[i]`` may return a dataclass holding its own param."""
+
+    def __init__(self, dataclass_out: bool = False):
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_Block(dataclass_out) for _ in range(2)])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.emb(x)
+        scales = []
+        for b in self.blocks:
+            out = b(x)
+            x, scale = (out.h, out.scale) if isinstance(out, _Out) else (out, None)
+            scales.append(scale)
+        return self.head(x), scales
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+    scale: torch.Tensor
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dataclass_out: bool):
+        super().__init__()
+        self.lin, self.scale, self.dataclass_out = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.randn(8)), dataclass_out
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)) * self.scale
+        return _Out(h, self.scale) if self.dataclass_out else h
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_forward_without_grad_before_one_with_it_leaves_the_gradient_whole(stages):
+    """A loss_fn that runs the model under torch.no_grad() first (a teacher pass, model.generate) and with its graph
+    after: the unit views made without a graph were reused, so stage 2's gradient was all zero and stage 3's lacked the
+    root unit's (grad_norm 1.39 where torch's is 2.26). Equal to plain PyTorch now."""
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(4, 8)
+
+    def body(run, b):
+        with torch.no_grad():
+            target = run(b)[0] + 1.0
+        return torch.nn.functional.mse_loss(run(b)[0], target * 0.5)
+
+    ref = copy.deepcopy(model)
+    body(ref, x).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    step = fzero.compile(lambda p, b: body(lambda x: fzero.apply(model, p, x), b), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(1))
+    state, _ = step(step.init(fzero.params_of(model)), x)
+    got = step.gather(state)
+    for name, want in ref.named_parameters():
+        torch.testing.assert_close(got[name], want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_stage3_evaluate_copies_a_param_a_unit_returns_in_a_dataclass():
+    """A unit returning a dataclass holding its own param: the tensor handed back pointed at the unit's freed
+    gathered buffer (0 bytes; reading it crashed the process). It is a copy now, equal to the param."""
+    torch.manual_seed(0)
+    model = _Blocks(dataclass_out=True).eval()
+    grabbed = {}
+
+    def keep(p, b):
+        y, scales = fzero.apply(model, p, b)
+        grabbed["scales"] = scales
+        return y.mean()
+
+    step = fzero.compile(keep, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(1))
+    step.evaluate(step.init(fzero.params_of(model)), torch.randn(4, 8))
+    for i, scale in enumerate(grabbed["scales"]):
+        assert scale.untyped_storage().nbytes() > 0 and torch.equal(scale, model.blocks[i].scale.detach())
+
+
+def test_inference_mode_inside_loss_fn_at_stage_3_on_two_ranks():
+    """torch.inference_mode() around fzero.apply inside loss_fn, after a step (prefetch follows the recorded order):
+    the prefetched gather wrote into an inference tensor outside inference mode (torch's raw "Inplace update to
+    inference tensor outside InferenceMode"). It runs as under no_grad now, with PyTorch's loss."""
+    torch.manual_seed(0)
+    model, x, y = _Blocks(), torch.randn(4, 8), torch.randn(4, 1)
+    evaluating = []
+
+    def loss_fn(p, b):
+        if evaluating:
+            with torch.inference_mode():
+                out = fzero.apply(model, p, b[0])[0]
+            return torch.nn.functional.mse_loss(out, b[1])
+        return torch.nn.functional.mse_loss(fzero.apply(model, p, b[0])[0], b[1])
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=3, mesh=fzero.local_mesh(2))
+    state, _ = step(step.init(fzero.params_of(model)), (x, y))
+    evaluating.append(True)
+    got = step.evaluate(state, (x, y))["loss"]
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(step.state_dict(state, model))
+    with torch.no_grad():
+        want = float(torch.nn.functional.mse_loss(fresh(x)[0], y))
+    assert got == pytest.approx(want, rel=1e-6)
+    evaluating.clear()
+    state, _ = step(state, (x, y))  # and training goes on

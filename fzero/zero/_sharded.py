@@ -54,7 +54,7 @@ class UnitParams(Mapping):
         self.compute_dtype = current_compute_dtype()
         self.units = {u.name: u for u in layout.units}
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
-        self._views: dict[str, dict[str, torch.Tensor]] = {}
+        self._views: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}  # (unit, grad enabled) -> its views
         self._skeletons: dict[int, nn.Module] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
 
@@ -90,11 +90,16 @@ class UnitParams(Mapping):
         return f"{type(self).__name__}(units={list(self.units)}, rank={self.comm.rank}/{self.comm.size})"
 
     def views(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """``{path: tensor}`` of a whole unit, made once per step (its autograd node is created here)."""
-        if unit.name not in self._views:
+        """``{path: tensor}`` of a whole unit, made once per step and grad mode (its autograd node is created here).
+
+        Per grad mode: a ``loss_fn`` may run the model under ``torch.no_grad()`` first (``model.generate``, a teacher
+        pass) and with its graph after; views made without a graph, reused by the second forward, gave it no gradient
+        (stage 2: all zero; stage 3: the root unit's missing, grad_norm 1.39 where torch's is 2.26)."""
+        key = (unit.name, torch.is_grad_enabled())
+        if key not in self._views:
             split = functools.partial(_usage.split, pool=self.pool)
-            self._views[unit.name] = self.layout.unit_views(unit, self._whole(unit), split)
-        return self._views[unit.name]
+            self._views[key] = self.layout.unit_views(unit, self._whole(unit), split)
+        return self._views[key]
 
     def _whole(self, unit: Unit) -> torch.Tensor:
         raise NotImplementedError
@@ -108,9 +113,11 @@ class UnitParams(Mapping):
         unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
         self._skeletons.clear()
-        root, self._root = getattr(self, "_root", None), None
-        if root is not None and self.pool is not None:
-            self.pool.give(root)
+        roots: list[torch.Tensor] = getattr(self, "_roots", [])
+        self._roots: list[torch.Tensor] = []
+        if self.pool is not None:
+            for root in roots:
+                self.pool.give(root)
 
     def skeleton(self, module: nn.Module) -> nn.Module:
         skel = self._skeletons.get(id(module))
@@ -184,8 +191,9 @@ class ShardedParams(UnitParams):
         if shard.device != device:  # params offloaded to the host: gathered on the device, as every unit is (the copy
             shard = shard.to(device, non_blocking=True)  # is differentiable: the gradient goes back to the host shard)
             cast = cast.to(device, non_blocking=True) if cast is not None else None
-        self._root = AllGather.apply(shard, self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
-        return self._root
+        root = AllGather.apply(shard, self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
+        self._roots = [*getattr(self, "_roots", []), root]  # one per grad mode the step's forwards ran in (``views``)
+        return root
 
     def run_unit(self, inner, unit, args, kwargs):
         return run_unit(inner, unit, self, args, kwargs)
@@ -251,7 +259,14 @@ def _remat_skin(cls: type) -> type:
 
 
 def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
-    """``fzero.apply`` at stages 2 and 3: the skeleton, with the root unit's params, unit calls inside."""
+    """``fzero.apply`` at stages 2 and 3: the skeleton, with the root unit's params, unit calls inside.
+
+    Under ``torch.inference_mode()`` it runs as under ``torch.no_grad()``: the step's buffers (gathers, the prefetch in
+    flight) live past the call, and an inference tensor may not be written outside inference mode (torch's raw
+    "Inplace update to inference tensor outside InferenceMode" when the prefetched gather landed)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            return apply_units(module, params, args, kwargs, method=method)
     skel = params.skeleton(module)
     root = params.units.get(ROOT)
     views = params.views(root) if root is not None else {}

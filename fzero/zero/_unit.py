@@ -20,7 +20,6 @@ import functools
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from fzero.autodiff import remat
@@ -393,11 +392,14 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
 
 
 def _unalias(out: Any, full: torch.Tensor) -> Any:
-    """``out`` with any tensor that shares the gathered buffer's memory copied (the buffer is about to be freed)."""
+    """``out`` with any tensor that shares the gathered buffer's memory copied (the buffer is about to be freed).
+    Searched as ``_before_backward`` searches (dataclasses and ``ModelOutput``s too): a dataclass holding a view of a
+    param was handed back over the freed buffer, and reading it crashed the process."""
     ptr = full.untyped_storage().data_ptr()
-    return torch_pytree.tree_map(
-        lambda t: t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr else t, out
-    )
+    found, rebuild = _tree.tensors_and_rebuild(out)
+    if not any(t.untyped_storage().data_ptr() == ptr for t in found):
+        return out
+    return rebuild([t.clone() if t.untyped_storage().data_ptr() == ptr else t for t in found])
 
 
 def _before_backward(out: Any, call: UnitCall) -> Any:
