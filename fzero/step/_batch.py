@@ -254,9 +254,10 @@ def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
         f"fzero.Step: the loss depends on the module's own parameters ({', '.join(described[:4])}{more}), not on the "
         f"params loss_fn was given: outside fzero.apply(model, params, ...) the module holds its own tensors, which this "
         f"step neither differentiates nor updates, so such a term would count in the loss but not in the gradient. "
-        f"Compute it from params, e.g. an L2 term as sum((p ** 2).sum() for p in params.values()) (or weight decay in "
-        f"the optimizer: fzero.optim.adamw(lr, weight_decay=...)); a tensor that should not train goes in as a constant "
-        f"(.detach())."
+        f"(Inside a method that fzero.apply runs, self.parameters() at stage 3 holds a unit's params only while that "
+        f"unit runs; read elsewhere, they are not the step's.) Compute it from params, e.g. an L2 term as "
+        f"sum((p ** 2).sum() for p in params.values()) (or weight decay in the optimizer: fzero.optim.adamw(lr, "
+        f"weight_decay=...)); a tensor that should not train goes in as a constant (.detach())."
     )
 
 
