@@ -174,3 +174,20 @@ def test_inference_mode_inside_loss_fn_at_stage_3_on_two_ranks():
     assert got == pytest.approx(want, rel=1e-6)
     evaluating.clear()
     state, _ = step(state, (x, y))  # and training goes on
+
+
+def test_stage3_evaluate_names_a_method_reading_params_outside_their_unit():
+    """A method fzero.apply runs that reads a unit's params outside that unit's call (an L2 term over
+    self.parameters() in a validation_step) gets their meta stand-ins at stage 3; the meta loss failed in torch's
+    ".item() cannot be called on meta tensors". Named now, with the fixes."""
+
+    class WithL2(_Blocks):
+        def validation_step(self, b):
+            return self(b)[0].square().mean() + 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
+
+    torch.manual_seed(0)
+    model = WithL2()
+    step = fzero.compile(lambda p, b: fzero.apply(model.validation_step, p, b), optimizer=fzero.optim.sgd(0.1),
+                         stages=3, mesh=fzero.local_mesh(1))
+    with pytest.raises(ValueError, match=r"(?s)fzero.Step.evaluate: loss_fn returned a meta tensor.*self.parameters\(\) for an L2 term"):
+        step.evaluate(step.init(fzero.params_of(model)), torch.randn(4, 8))

@@ -281,9 +281,11 @@ UNIT_OUTSIDE_ITS_CALL = (
     "  A meta tensor (a shape without a value) was used. At stages 2-3 a unit's params are meta tensors except while "
     "the unit itself is called (fzero.units_of(model) lists the units), so a module inside a unit that runs without "
     "its unit's own call reads them: a forward that calls a unit's submodule directly (self.blocks[0][0](x) where "
-    "the unit is 'blocks.0'), or an autograd Function that calls a unit's layers again in its backward (reversible "
-    "layers). Choose units the model calls as a whole (units=fzero.units_of(model, module_types=...)), leave that "
-    "module in the root unit (units=... without it), or train at stage 1."
+    "the unit is 'blocks.0'), an autograd Function that calls a unit's layers again in its backward (reversible "
+    "layers), or a method fzero.apply runs that reads params outside their unit's call (self.parameters() for an L2 "
+    "term, self.blocks[0][0].weight). Choose units the model calls as a whole (units=fzero.units_of(model, "
+    "module_types=...)), leave that module in the root unit (units=... without it), compute such a term from the "
+    "params loss_fn was given, or train at stage 1."
 )
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.step._batch import PARAM_WRITE_FIX, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
+from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.step._module import Buffers, broadcast_buffers
@@ -503,6 +503,10 @@ def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[st
     bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low)
     with torch.no_grad(), compute_dtype(low), step_buffers(bank):
         loss, aux = split_loss(step.loss_fn(view.build([]), batch))
+    if isinstance(loss, torch.Tensor) and loss.is_meta:  # torch would say only that .item() cannot read a meta tensor
+        view.release()
+        view.finish(state.meta)
+        raise ValueError(f"fzero.Step.evaluate: loss_fn returned a meta tensor (a shape without a value).\n{UNIT_OUTSIDE_ITS_CALL}")
     view.release()
     view.finish(state.meta)  # the order a step records is not changed by an evaluation
     for t in state.params.values() if release is not None else ():  # the root unit's shard too
