@@ -67,7 +67,7 @@ stage-3 state) at a time, never the whole model twice.
 Modules: ``_files`` (the directory format, finding and opening checkpoints, the atomic publish, the lock of
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
 failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
-``_frozen`` (frozen parameters), ``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
+``_frozen`` (frozen parameters), ``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader) and ``_initializers`` (its ``missing=``), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
 exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """

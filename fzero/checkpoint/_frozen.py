@@ -18,10 +18,7 @@ from torch import nn
 
 from fzero.checkpoint import _dcp
 from fzero.checkpoint._dcp import CheckpointError
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from fzero.checkpoint._state import dtype_name
 
 
 def frozen_of(model: Any, *, api: str) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import fzero
 from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
+from fzero.step import trainable_changes
 
 # Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
 _SET_BY_LIGHTNING = {
@@ -193,11 +194,10 @@ class FZeroStrategy(DDPStrategy):
         """The LightningModule's trainable params are still those fit started with (a hook that freezes or unfreezes
         a module mid-fit): said in Lightning's terms, before ``fzero.apply`` would say it in fzero's."""
         module = self.lightning_module
-        now = {n for n, p in module.named_parameters() if p.requires_grad}
-        was = set(self._trainable)
-        if now == was:
+        frozen, new = trainable_changes(list(module.named_parameters(remove_duplicate=False)), set(self._trainable))
+        if not frozen and not new:
             return
-        frozen, new = sorted(was - now), sorted(now - was)
+        frozen, new = sorted(frozen), sorted(new)
         raise ValueError(
             f"FZeroStrategy: the trainable parameters of {type(module).__name__} changed during fit ("
             + "; ".join(x for x in (f"frozen since: {frozen[:4]}" if frozen else "", f"trainable now: {new[:4]}" if new else "") if x)

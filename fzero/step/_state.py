@@ -322,6 +322,21 @@ def check_params_fit_module(module: Any, params: Any, *, api: str,
     return named
 
 
+def trainable_changes(named: list[tuple[str, torch.Tensor]], names: set[str]) -> tuple[list[str], list[str]]:
+    """(params in ``names`` that are frozen now, params trainable now that ``names`` lacks), from the module's
+    ``named`` parameters (a tied one under each of its names; the first is the one ``params_of`` uses)."""
+    frozen, seen, new = [], set(), []
+    for name, p in named:
+        if name in names and not p.requires_grad:
+            frozen.append(name)
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad and name not in names:
+            new.append(name)
+    return frozen, new
+
+
 def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any, module: Any, *, api: str) -> None:
     """Raise a ``ValueError`` when the module's trainable parameters are no longer those the state was made with.
 
@@ -346,15 +361,7 @@ def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any,
                 f"model without that tie (e.g. tie_word_embeddings=False). Build the model as the state was made, or make "
                 f"the state from this model (step.init(fzero.params_of(model)))."
             )
-    frozen, seen, new = [], set(), []
-    for name, p in named:
-        if name in names and not p.requires_grad:
-            frozen.append(name)
-        if id(p) in seen:
-            continue  # a tied param: its first name is the one params_of (and so the state) uses
-        seen.add(id(p))
-        if p.requires_grad and name not in names:
-            new.append(name)
+    frozen, new = trainable_changes(named, names)
     if not frozen and not new:
         return
     what = []

@@ -44,11 +44,11 @@ def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callabl
     does not start tracing at a ``torch.nn`` frame, and ``torch.compile(module)`` does the same for such a module."""
     _refuse_silent_eager(unit)
     cls = type(inner)
-    _refuse_uncompiled_modules(inner, unit, cls)
     hooks = _inner_hooks(inner)
     key = (cls, hooks)
     fn = cache.get(key)
     if fn is None:
+        _refuse_uncompiled_modules(inner, unit, cls)  # once per compiled forward: a class's modules are its own
         forward = cls.forward
         frame = _inline(forward) if getattr(forward, "__module__", "").startswith("torch.") else forward
         if hooks:  # a code object of its own: torch keeps compiled graphs per code object, with no guard on inner hooks
