@@ -272,3 +272,41 @@ def test_reduce_dtype_sums_bf16_gradients_in_fp32(stages):
     assert params <= {2}  # params travel in bf16
     assert state[0].meta.layout.units[0].dtype == torch.bfloat16
     assert m["loss"] < 6 and m["grad_norm"] > 0
+
+
+_ROTARY_SEEN = []  # the inv_freq dtype each forward read (a list outside the module: each rank runs a copy of it)
+
+
+class _Rotary(torch.nn.Module):
+    """A rotary table from a non-persistent fp32 ``inv_freq`` (a Llama's), applied to bf16 activations."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), persistent=False)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        _ROTARY_SEEN.append(self.inv_freq.dtype)
+        pos = torch.arange(x.shape[1], dtype=torch.float)
+        angle = pos[:, None] * self.inv_freq.float()[None]  # as transformers' LlamaRotaryEmbedding: in fp32
+        cos = torch.cat([angle.cos(), angle.cos()], -1).to(x.dtype)
+        return self.proj(x * cos)
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_bf16_keeps_non_persistent_buffers_in_their_dtype_as_fsdp2_and_deepspeed(stages):
+    # FSDP2's MixedPrecisionPolicy casts params only; DeepSpeed (0.19.8) casts params and keeps buffers. A rotary
+    # inv_freq rounded to bf16 puts an angle error of up to pos * 2**-9 * inv_freq into every position.
+    torch.manual_seed(0)
+    _ROTARY_SEEN.clear()
+    model = _Rotary()
+    x = torch.randn(2, 2048, 16)
+
+    def loss_fn(params, batch):
+        return fzero.apply(model, params, batch).pow(2).mean()
+
+    step = fzero.compile(loss_fn, stages=stages, mesh=fzero.local_mesh(1), precision="bf16")
+    state = step.init(fzero.params_of(model))
+    state, _ = step(state, x)
+    step.evaluate(state, x)
+    assert _ROTARY_SEEN and set(_ROTARY_SEEN) == {torch.float32}

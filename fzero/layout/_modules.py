@@ -87,14 +87,17 @@ def walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         stack.extend((f"{prefix}{key}.", c) for key, c in reversed(m.__dict__["_modules"].items()) if c is not None)
 
 
-def named_tensors(module: nn.Module, kind: str, *, remove_duplicate: bool = True) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(module: nn.Module, kind: str, *, remove_duplicate: bool = True,
+                  persistent_only: bool = False) -> list[tuple[str, torch.Tensor]]:
     """``module.named_parameters()`` (``kind="_parameters"``) or ``named_buffers()`` (``"_buffers"``), the same names in
-    the same order, from one ``walk``: torch's nested generators cost a step's host time (fzero runs this per step)."""
+    the same order, from one ``walk``: torch's nested generators cost a step's host time (fzero runs this per step).
+    ``persistent_only``: the buffers ``state_dict()`` holds, without the non-persistent ones (rotary tables, masks)."""
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for prefix, m in walk(module):
+        skip = m.__dict__["_non_persistent_buffers_set"] if persistent_only else ()
         for key, t in m.__dict__[kind].items():
-            if t is None or id(t) in seen:
+            if t is None or id(t) in seen or key in skip:
                 continue
             if remove_duplicate:
                 seen.add(id(t))

@@ -94,8 +94,10 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
         check_trainable_set(named, params, module, api="fzero.apply")
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
         params = {**bank.for_module(module), **params}
-    if dtype is not None:  # buffers and frozen params meet the low-precision params in the compute dtype
-        extra = {n: t for n, t in (*named_tensors(target, "_parameters"), *named_tensors(target, "_buffers")) if n not in params}
+    if dtype is not None:  # frozen params and persistent buffers meet the low-precision params in the compute dtype;
+        # non-persistent buffers (rotary inv_freq, masks: constants) keep their own, as FSDP2 and DeepSpeed keep them
+        extra = {n: t for n, t in (*named_tensors(target, "_parameters"), *named_tensors(target, "_buffers", persistent_only=True))
+                 if n not in params}
         params = {**cast_floating(extra, dtype), **params}
     return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target))
 

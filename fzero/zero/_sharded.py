@@ -288,7 +288,10 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             return torch.Tensor._make_subclass(nn.Parameter, meta, True)  # what nn.Parameter(meta) runs, minus its Python
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
-    skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype))
+    # persistent buffers in the compute dtype (the step's bank replaces them); non-persistent ones (rotary inv_freq,
+    # masks: constants) keep their own dtype, as FSDP2 and DeepSpeed keep them
+    persistent = {id(b) for _, b in named_tensors(module, "_buffers", persistent_only=True)} if dtype is not None else set()
+    skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype) if id(b) in persistent else b)
     # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
     every = named_tensors(skel, "_parameters", remove_duplicate=False)
     layout = params.layout
