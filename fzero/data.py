@@ -163,7 +163,8 @@ class Curriculum:
     - ``fixed_linear`` / ``fixed_root``: ``min + (max - min) * (t / total_curriculum_step) ** (1 / root_degree)``
       at step ``t`` (counted from 1), floored, then down to a multiple of ``difficulty_step`` (at least the first
       multiple at or above ``min``), at most ``max``; linear is root degree 1;
-    - ``fixed_discrete``: ``difficulty[i]`` up to step ``max_step[i]``, the last difficulty after the last max step.
+    - ``fixed_discrete``: ``difficulty[i]`` up to step ``max_step[i]``, the last difficulty after the last max step;
+      as in DeepSpeed, the first difficulty at or above ``max_difficulty`` holds from its step on.
 
     A frozen value: use it in a loop as ``step(state, curriculum.apply(batch, state.step_count))``, or read it from
     a DeepSpeed config (``fzero.config.from_deepspeed(...).curriculum``)."""
@@ -209,9 +210,12 @@ class Curriculum:
     def difficulty(self, step: int) -> int:
         """The sequence length after ``step`` optimizer steps (DeepSpeed's ``update_difficulty(global_steps + 1)``)."""
         t = int(step) + 1
+        if self.min_difficulty >= self.max_difficulty:  # DeepSpeed starts at the min and updates only below the max
+            return self.min_difficulty
         if self.schedule_type == "fixed_discrete":
             for limit, value in zip(self.max_steps, self.difficulties):
-                if t <= limit:
+                # DeepSpeed stops updating once a difficulty reaches max_difficulty: that one holds from then on
+                if t <= limit or value >= self.max_difficulty:
                     return value
             return self.difficulties[-1]
         degree = 1.0 if self.schedule_type == "fixed_linear" else float(self.root_degree)

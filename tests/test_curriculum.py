@@ -30,6 +30,29 @@ def test_the_schedules_equal_deepspeeds_step_by_step(schedule_type, min_difficul
     assert got[0] < 64 and got[-1] == 64  # it grows, and ends at the max
 
 
+def test_fixed_discrete_holds_the_first_difficulty_at_the_max_as_deepspeed_does():
+    """DeepSpeed updates the difficulty only while it is below max_difficulty: a fixed_discrete list that goes past the
+    max (or a min equal to the max) stays where DeepSpeed stays. fzero went on to 64 tokens with max_difficulty 32."""
+    import random
+
+    scheduler = pytest.importorskip("deepspeed.runtime.data_pipeline.curriculum_scheduler")
+    cases = [([16, 32, 64], [2, 4], 8, 32), ([40, 50, 54], [21, 27], 6, 6)]
+    rng = random.Random(0)
+    for _ in range(300):
+        k = rng.randint(1, 4)
+        low = rng.randint(1, 40)
+        cases.append((sorted(rng.randint(1, 80) for _ in range(k + 1)), sorted(rng.sample(range(1, 30), k)), low,
+                      rng.randint(low, 80)))
+    for difficulty, max_step, low, high in cases:
+        block = {"curriculum_type": "seqlen", "min_difficulty": low, "max_difficulty": high,
+                 "schedule_type": "fixed_discrete", "schedule_config": {"difficulty": difficulty, "max_step": max_step}}
+        theirs = scheduler.CurriculumScheduler(block)
+        ours = Curriculum.from_deepspeed(block)
+        assert [ours.difficulty(t) for t in range(40)] == [theirs.update_difficulty(t + 1) for t in range(40)], block
+    assert Curriculum.from_deepspeed({"min_difficulty": 8, "max_difficulty": 32, "schedule_type": "fixed_discrete",
+                                      "schedule_config": {"difficulty": [16, 32, 64], "max_step": [2, 4]}}).difficulty(10) == 32
+
+
 def test_apply_cuts_the_sequence_dimension_of_every_tensor():
     c = Curriculum(min_difficulty=4, max_difficulty=16, schedule_type="fixed_linear", total_curriculum_step=4, difficulty_step=4)
     batch = {"x": torch.arange(32).reshape(2, 16), "y": torch.arange(32).reshape(2, 16) + 1, "n": 3,
