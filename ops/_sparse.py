@@ -20,9 +20,14 @@ applies them); the token-level causal mask inside a block is ``sparse_attention(
 come from a generator seeded by ``seed`` (DeepSpeed drew them from Python's global ``random``), so every rank builds
 the same layout. A sequence that is not a whole number of blocks is padded to one: the padding is masked out.
 
-``sparse_attention(q, k, v, layout, causal=False)`` runs PyTorch's FlexAttention on CUDA (a ``BlockMask`` built from
-the layout, compiled to Triton kernels) and, elsewhere, a torch reference that computes only the layout's blocks
-(FlexAttention has no backward on the CPU). Both equal dense attention with the same mask to rounding.
+``sparse_attention(q, k, v, layout, causal=False, attn_mask=None)`` runs PyTorch's FlexAttention on CUDA (a
+``BlockMask`` built from the layout, compiled to Triton kernels) and, elsewhere, a torch reference that computes only
+the layout's blocks (FlexAttention has no backward on the CPU). Both equal dense attention with the same mask to
+rounding. ``attn_mask`` is the model's own mask (a Hugging Face padding mask, DeepSpeed's ``key_padding_mask``), ANDed
+with the layout: bool, broadcastable to ``(batch, heads, seq, seq)``, True where a query may attend, as SDPA takes it;
+a query left with no key gives zeros, as SDPA does. A layout with ``different_layout_per_head`` and the default
+``num_heads=1`` (as a DeepSpeed config block gives it: DeepSpeed takes the head count from the model) is made for the
+heads of ``q``.
 """
 
 from __future__ import annotations
@@ -273,9 +278,36 @@ def from_deepspeed(block: dict[str, Any], *, num_heads: int = 1) -> Any:
     return cls(**{"num_heads": num_heads, **settings})
 
 
+def _for_heads(layout: Any, heads: int) -> Any:
+    """``layout`` for ``heads`` heads: a per-head layout left at the default ``num_heads=1`` (a DeepSpeed config block's,
+    which has no head count: DeepSpeed's sparse attention takes it from the model) gets the model's head count, so that
+    each head takes its own pattern instead of every head taking head 0's."""
+    if (heads > 1 and getattr(layout, "different_layout_per_head", False) is True and getattr(layout, "num_heads", None) == 1
+            and dataclasses.is_dataclass(layout)):
+        return dataclasses.replace(layout, num_heads=heads)
+    return layout
+
+
+def _mask_4d(attn_mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The caller's mask checked and viewed as ``(batch or 1, heads or 1, seq, seq)`` (a view: broadcast, not copied)."""
+    B, H, T = q.shape[:3]
+    name = "fzero.ops.sparse_attention"
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        raise ValueError(f"{name}: attn_mask must be a bool tensor, True where a query may attend (as SDPA takes it); got "
+                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}. From an additive float mask: "
+                         f"attn_mask > torch.finfo(attn_mask.dtype).min / 2; from a (batch, seq) padding mask: "
+                         f"attention_mask[:, None, None, :].bool().")
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() <= 4 else None
+    if m is None or m.shape[0] not in (1, B) or m.shape[1] not in (1, H) or m.shape[2] not in (1, T) or m.shape[3] not in (1, T):
+        raise ValueError(f"{name}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, heads, seq, seq) "
+                         f"= {(B, H, T, T)}.")
+    return m.to(q.device).expand(m.shape[0], m.shape[1], T, T)
+
+
 def token_mask(layout: Any, seq_len: int, *, causal: bool = False, heads: int = 1) -> torch.Tensor:
     """The layout at token level for ``seq_len`` tokens: bool ``(heads or 1, seq_len, seq_len)``, True where a query
     attends a key (the dense mask the block-sparse computation equals)."""
+    layout = _for_heads(layout, heads)
     nb = -(-seq_len // layout.block)
     blocks = layout.blocks(nb)
     mask = blocks.repeat_interleave(layout.block, 1).repeat_interleave(layout.block, 2)[:, :seq_len, :seq_len]
@@ -285,15 +317,22 @@ def token_mask(layout: Any, seq_len: int, *, causal: bool = False, heads: int = 
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, *, causal: bool = False,
-                     scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+                     scale: float | None = None, impl: str = "auto", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q, k, v`` (batch, heads, seq, head_dim) over the blocks of ``layout`` (see the module docstring).
-    ``impl``: "flex" (CUDA: FlexAttention), "torch" (the block-sparse reference), or "auto" (flex on CUDA)."""
+    ``impl``: "flex" (CUDA: FlexAttention), "torch" (the block-sparse reference), or "auto" (flex on CUDA).
+    ``attn_mask``: the model's mask (padding), bool and broadcastable to (batch, heads, seq, seq), True where a query
+    may attend (as SDPA's); it is ANDed with the layout. A query with no key left gives zeros, as with SDPA."""
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        gqa = (q.dim() == 4 and k.dim() == 4 and k.shape[1] != q.shape[1] and k.shape[::2] == q.shape[::2])
         raise ValueError(f"fzero.ops.sparse_attention: q, k, v must be (batch, heads, seq, head_dim) alike; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+                         + (" For grouped-query attention repeat k and v to the query heads first (Hugging Face's "
+                            "repeat_kv)." if gqa else ""))
     if impl not in ("auto", "flex", "torch"):
         raise ValueError(f"fzero.ops.sparse_attention: impl={impl!r}; use 'auto', 'flex' or 'torch'.")
     heads, seq = q.shape[1], q.shape[2]
+    layout = _for_heads(layout, heads)
+    mask = None if attn_mask is None else _mask_4d(attn_mask, q)
     nb = -(-seq // layout.block)
     blocks = layout.blocks(nb).to(q.device)
     if blocks.shape[0] not in (1, heads):
@@ -307,12 +346,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         try:
             hash(layout)
         except TypeError:  # a layout that is not a frozen config: its mask is made for this call
-            return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+            return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale, attn_mask=mask)
+        if mask is not None:  # the caller's mask is data: the block mask is made for this call
+            return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale, attn_mask=mask)
         return _flex(q, k, v, blocks, layout.block, causal=causal, scale=scale, layout=layout)
-    return _reference(q, k, v, blocks, layout.block, causal=causal, scale=scale)
+    return _reference(q, k, v, blocks, layout.block, causal=causal, scale=scale, attn_mask=mask)
 
 
-def _reference(q, k, v, blocks, bs, *, causal, scale):
+def _reference(q, k, v, blocks, bs, *, causal, scale, attn_mask=None):
     """Only the layout's blocks: each query block against the key blocks of its row (padded to the longest row)."""
     B, H, T, D = q.shape
     nb = blocks.shape[1]
@@ -325,7 +366,7 @@ def _reference(q, k, v, blocks, bs, *, causal, scale):
     order = order.expand(H, nb, width) if order.shape[0] == 1 else order
     valid = valid.expand(H, nb, width) if valid.shape[0] == 1 else valid
     heads = torch.arange(H, device=q.device)[:, None, None]
-    kb, vb = k.view(B, H, nb, bs, D)[:, heads, order], v.view(B, H, nb, bs, D)[:, heads, order]  # (B, H, nb, width, bs, D)
+    kb, vb = k.view(B, H, nb, bs, D)[:, heads, order], v.view(B, H, nb, bs, v.shape[-1])[:, heads, order]  # (B, H, nb, width, bs, D)
     qb = q.view(B, H, nb, bs, D)
     scores = torch.einsum("bhnsd,bhnwtd->bhnswt", qb, kb) * scale
     key_pos = order[..., None] * bs + torch.arange(bs, device=q.device)  # (H, nb, width, bs)
@@ -334,10 +375,23 @@ def _reference(q, k, v, blocks, bs, *, causal, scale):
     allowed = allowed[:, :, None].expand(H, nb, bs, width, bs)
     if causal:
         allowed = allowed & (key_pos[:, :, None] <= query_pos[None, :, :, None, None])
+    if attn_mask is not None:  # the caller's (batch or 1, heads or 1, T, T) mask, at the layout's blocks
+        m = F.pad(attn_mask, (0, pad, 0, pad), value=False) if pad else attn_mask
+        m = m.view(m.shape[0], m.shape[1], nb, bs, nb, bs).permute(0, 1, 2, 4, 3, 5)  # (b, h, q block, k block, bs, bs)
+        m = m.expand(m.shape[0], H, *m.shape[2:])
+        rows = torch.arange(nb, device=q.device)[None, :, None]
+        m = m[:, heads, rows, order].permute(0, 1, 2, 4, 3, 5)  # (b, H, nb, bs, width, bs)
+        allowed = allowed[None] & m
     scores = scores.masked_fill(~allowed, float("-inf")).flatten(-2)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, H, nb, bs, width, bs)
+    if attn_mask is not None:  # a query with no key left: zeros, as SDPA gives (and no NaN in the backward)
+        empty = ~allowed.flatten(-2).any(-1, keepdim=True)
+        scores = scores.masked_fill(empty, 0.0)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if attn_mask is not None:
+        probs = probs.masked_fill(empty, 0.0)
+    probs = probs.view(B, H, nb, bs, width, bs)
     out = torch.einsum("bhnswt,bhnwtd->bhnsd", probs, vb)
-    return out.reshape(B, H, nb * bs, D)[:, :, :T]
+    return out.reshape(B, H, nb * bs, v.shape[-1])[:, :, :T]
 
 
 @functools.cache
@@ -347,9 +401,9 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention)
 
 
-def _flex(q, k, v, blocks, bs, *, causal, scale, layout=None):
+def _flex(q, k, v, blocks, bs, *, causal, scale, layout=None, attn_mask=None):
     mask = (_block_mask(layout, q.shape[2], causal, str(q.device)) if layout is not None
-            else _make_block_mask(blocks, bs, q.shape[2], causal, q.device))
+            else _make_block_mask(blocks, bs, q.shape[2], causal, q.device, attn_mask=attn_mask))
     return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)
 
 
@@ -368,15 +422,20 @@ def _compiled_block_mask() -> Any:
     return torch.compile(create_block_mask)
 
 
-def _make_block_mask(blocks, bs, seq_len, causal, device):
+def _make_block_mask(blocks, bs, seq_len, causal, device, attn_mask=None):
     layout_heads = blocks.shape[0]
+    mask_b = 1 if attn_mask is None else attn_mask.shape[0]
+    mask_h = 1 if attn_mask is None else attn_mask.shape[1]
 
     def mask_mod(b, h, qi, ki):
         keep = blocks[h if layout_heads > 1 else 0, qi // bs, ki // bs]
+        if attn_mask is not None:
+            keep = keep & attn_mask[b if mask_b > 1 else 0, h if mask_h > 1 else 0, qi, ki]
         return keep & (ki <= qi) if causal else keep
 
     # compiled (torch's advice; its _compile=True flag is deprecated): the mask is made block by block; uncompiled,
     # create_block_mask evaluates mask_mod at every (query, key) pair at once: measured on an H200, 25.6 GB and 133 ms
     # at 32k tokens, where SDPA took 18 ms (compiled: 261 MiB)
-    return _compiled_block_mask()(mask_mod, B=None, H=layout_heads if layout_heads > 1 else None, Q_LEN=seq_len,
+    heads = max(layout_heads, mask_h)
+    return _compiled_block_mask()(mask_mod, B=mask_b if mask_b > 1 else None, H=heads if heads > 1 else None, Q_LEN=seq_len,
                                   KV_LEN=seq_len, device=device)

@@ -122,6 +122,127 @@ def test_block_sparse_equals_dense_masked_attention_forward_and_backward(name, c
     assert err_sparse <= 2 * err_dense + 1e-3
 
 
+def _padding(batch: int, seq: int, side: str) -> torch.Tensor:
+    """A (batch, seq) bool padding mask: row 0 unpadded, the others padded on ``side`` by 3, 7, ... tokens."""
+    keep = torch.ones(batch, seq, dtype=torch.bool)
+    for r in range(1, batch):
+        n = min(4 * r - 1, seq - 1)
+        keep[r, seq - n:] = False if side == "right" else keep[r, seq - n:]
+        keep[r, :n] = False if side == "left" else keep[r, :n]
+    return keep
+
+
+@pytest.mark.parametrize("form", ["keys", "hf-4d"])  # (batch, 1, 1, seq) key padding; Hugging Face's (batch, 1, seq, seq)
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["fixed", "fixed-uni-4heads", "variable", "bigbird"])
+def test_a_padding_mask_is_honoured_with_the_layout_forward_and_backward(name, causal, side, form):
+    """A model's padding mask (``attn_mask``, as SDPA takes it) is ANDed with the layout: the result is SDPA's with the
+    layout's mask AND the padding mask, forward and gradients, a query with no key left included (zeros, as SDPA).
+    Without it a Hugging Face model's padded batch attended its pad tokens (left padding: about 1.0 off at the real
+    tokens of a tiny GPT-2 / Llama)."""
+    layout = LAYOUTS[name]
+    seq = 21  # not a whole number of blocks
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 3, seq, 8, generator=gen, requires_grad=True) for _ in range(3))
+    grad = torch.randn(3, 3, seq, 8, generator=gen)
+    keys = _padding(3, seq, side)
+    if form == "keys":
+        mask = keys[:, None, None, :]
+    else:  # what transformers' sdpa_mask hands an attention function: padding and, for a decoder, causality
+        mask = keys[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+    out = ops.sparse_attention(q, k, v, layout, causal=causal, attn_mask=mask)
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    dense_mask = ops.token_mask(layout, seq, causal=causal) & mask
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
+    theirs = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    unmasked = ops.sparse_attention(q, k, v, layout, causal=causal)
+    assert (unmasked - ref).abs().max() > 1e-2  # the mask changes the result: it is not silently dropped
+
+
+def test_bad_attention_masks_are_named_and_v_may_have_another_head_dim():
+    q = torch.randn(2, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"attn_mask must be a bool tensor.*torch.float32"):
+        ops.sparse_attention(q, q, q, ops.FixedLayout(block=4), attn_mask=torch.zeros(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 1, 1, 8\) does not broadcast to"):
+        ops.sparse_attention(q, q, q, ops.FixedLayout(block=4), attn_mask=torch.ones(3, 1, 1, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"grouped-query attention repeat k and v"):
+        ops.sparse_attention(q, q[:, :1], q[:, :1], ops.FixedLayout(block=4))
+    v = torch.randn(2, 2, 7, 6)
+    q7 = torch.randn(2, 2, 7, 4)
+    out = ops.sparse_attention(q7, q7, v, ops.FixedLayout(block=4))  # v's head_dim need not be q's (as SDPA)
+    ref = F.scaled_dot_product_attention(q7, q7, v, attn_mask=ops.token_mask(ops.FixedLayout(block=4), 7))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_per_head_layout_from_a_config_block_gives_each_head_its_pattern():
+    """DeepSpeed's block has no head count (its sparse attention takes the model's), so the layout the config gives has
+    num_heads=1; with different_layout_per_head, each of the model's heads still takes its own global pattern."""
+    block = {"mode": "fixed", "block": 4, "different_layout_per_head": True, "num_local_blocks": 4,
+             "num_global_blocks": 1, "num_different_global_patterns": 4}
+    layout = fzero.config.from_deepspeed({"sparse_attention": block}).sparse_attention
+    per_head = ops.FixedLayout(block=4, num_heads=4, different_layout_per_head=True, num_local_blocks=4,
+                               num_different_global_patterns=4)
+    assert torch.equal(ops.token_mask(layout, 32, heads=4), ops.token_mask(per_head, 32))
+    assert not torch.equal(ops.token_mask(per_head, 32)[0], ops.token_mask(per_head, 32)[1])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 8, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ops.token_mask(per_head, 32))
+    torch.testing.assert_close(ops.sparse_attention(q, k, v, layout), ref, rtol=1e-5, atol=1e-5)  # was 0.7 off
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama-gqa"])
+def test_sparse_attention_in_a_hugging_face_model_honours_its_padding(kind):
+    """A tiny random-init Hugging Face model with fzero's sparse attention in its attention (transformers'
+    AttentionInterface, the mask made as for "sdpa"), on a left- and a right-padded batch: its output at the real tokens
+    equals the same model's with SDPA under the layout's mask AND the padding mask."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    layout = ops.FixedLayout(block=4, num_local_blocks=2)
+
+    def heads(query, key, value):
+        n = query.shape[1] // key.shape[1]  # grouped-query attention: k and v repeated to the query heads
+        return key.repeat_interleave(n, 1), value.repeat_interleave(n, 1)
+
+    def sparse(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        key, value = heads(query, key, value)
+        out = ops.sparse_attention(query, key, value, layout, causal=module.is_causal, scale=scaling, attn_mask=attention_mask)
+        return out.transpose(1, 2), None
+
+    def dense(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        key, value = heads(query, key, value)
+        mask = ops.token_mask(layout, query.shape[2], causal=module.is_causal)
+        mask = mask if attention_mask is None else mask & attention_mask
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2), None
+
+    for name, fn in (("fzero_test_sparse", sparse), ("fzero_test_dense", dense)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+    def model(impl):
+        torch.manual_seed(0)
+        if kind == "bert":
+            cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                          vocab_size=100, attn_implementation=impl)
+            return transformers.BertModel(cfg).eval()
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=100, attn_implementation=impl)
+        return transformers.LlamaModel(cfg).eval()
+
+    ids = torch.randint(1, 100, (3, 14), generator=torch.Generator().manual_seed(0))
+    for side in ("right", "left"):
+        keep = _padding(3, 14, side)
+        with torch.no_grad():
+            got = model("fzero_test_sparse")(input_ids=ids, attention_mask=keep.long()).last_hidden_state
+            want = model("fzero_test_dense")(input_ids=ids, attention_mask=keep.long()).last_hidden_state
+        torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
 def test_a_gpt_with_sparse_attention_trains_at_every_stage_as_with_dense_masked_attention(monkeypatch):
     layout = ops.FixedLayout(block=4, num_local_blocks=2, attention="unidirectional")
     gen = torch.Generator().manual_seed(0)
@@ -180,18 +301,43 @@ def test_the_flex_block_mask_is_made_compiled_and_equals_torchs_eager_one(layout
     assert torch.equal(got.kv_indices, want.kv_indices) and torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
 
 
+@_COMPILE_NOISE[0]
+@_COMPILE_NOISE[1]
+def test_the_flex_block_mask_with_a_padding_mask_equals_torchs_eager_one():
+    """The CPU twin of the GPU path's mask with a caller's padding mask: per batch row, the layout AND the padding."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fzero.ops import _sparse
+
+    layout, seq_len = ops.FixedLayout(block=16, num_local_blocks=2, attention="unidirectional"), 100
+    blocks = layout.blocks(-(-seq_len // layout.block))
+    keep = _padding(2, seq_len, "left")
+    keep[1, :40] = False
+    pad = keep[:, None, None, :].expand(2, 1, seq_len, seq_len)
+    got = _sparse._make_block_mask(blocks, layout.block, seq_len, True, torch.device("cpu"), attn_mask=pad)
+
+    def mask_mod(b, h, qi, ki):
+        return blocks[0, qi // layout.block, ki // layout.block] & (ki <= qi) & keep[b, ki]
+
+    want = create_block_mask(mask_mod, B=2, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device="cpu")
+    assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+    assert torch.equal(got.kv_indices, want.kv_indices) and torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twin: the reference tests above)")
 @_COMPILE_NOISE[0]
 @_COMPILE_NOISE[1]
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_flex_attention_equals_the_block_sparse_reference(causal):
+def test_gpu_flex_attention_equals_the_block_sparse_reference(causal, padded):
     layout = ops.FixedLayout(block=16, num_local_blocks=4, attention="unidirectional" if causal else "bidirectional")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 4, 200, 64, device="cuda", generator=gen, requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 4, 200, 64, device="cuda", generator=gen)
-    out = ops.sparse_attention(q, k, v, layout, causal=causal, impl="flex")
-    ref = ops.sparse_attention(q, k, v, layout, causal=causal, impl="torch")
+    mask = _padding(2, 200, "right").cuda()[:, None, None, :] if padded else None
+    out = ops.sparse_attention(q, k, v, layout, causal=causal, impl="flex", attn_mask=mask)
+    ref = ops.sparse_attention(q, k, v, layout, causal=causal, impl="torch", attn_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # two kernels' fp32 orders of summation
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
