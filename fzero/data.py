@@ -229,6 +229,15 @@ class Curriculum:
         """``batch`` with each tensor of at least ``dim + 1`` dimensions cut to ``difficulty(step)`` along ``dim`` (a
         view); other leaves, and tensors already as short, are left as they are. Dicts, lists and tuples are walked."""
         length = self.difficulty(step)
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and self.dim == 1 and mask.shape[1] > length:
+            left = (mask[:, 0] == 0) & mask.bool().any(1)  # a row that starts with padding and has tokens after it
+            if bool(left.any()):
+                raise ValueError(
+                    f"fzero.data.Curriculum.apply: the batch is left-padded (attention_mask row "
+                    f"{int(left.nonzero()[0])} starts with padding), and the curriculum keeps the first {length} "
+                    f"positions, as DeepSpeed's does: a short row would keep only its padding. Pad on the right for "
+                    f"training (tokenizer.padding_side = 'right').")
 
         def cut(x: Any) -> Any:
             if isinstance(x, torch.Tensor):

@@ -63,6 +63,19 @@ def test_apply_cuts_the_sequence_dimension_of_every_tensor():
     assert c.apply(batch, 10)["x"] is batch["x"]  # at the max: as it was
 
 
+def test_a_left_padded_batch_is_refused_a_right_padded_one_is_cut():
+    # the curriculum keeps the first positions (DeepSpeed's too): a left-padded short row would keep only its padding
+    c = Curriculum(min_difficulty=4, max_difficulty=16, schedule_type="fixed_linear", total_curriculum_step=4, difficulty_step=4)
+    right = torch.ones(2, 16, dtype=torch.long)
+    right[1, 10:] = 0
+    batch = {"input_ids": torch.arange(32).reshape(2, 16), "attention_mask": right}
+    assert c.apply(batch, 0)["attention_mask"].shape == (2, 4)
+    left = right.flip(1)
+    with pytest.raises(ValueError, match=r"Curriculum.apply: the batch is left-padded \(attention_mask row 1 starts with padding\)"):
+        c.apply({**batch, "attention_mask": left}, 0)
+    assert c.apply({**batch, "attention_mask": left}, 10)["attention_mask"] is left  # at the max nothing is cut
+
+
 def test_a_gpt_trains_on_the_curriculum_at_every_stage_as_on_the_cut_batches():
     # the loop applies the curriculum; each stage trains on it, and equals stage 0 (bitwise on one rank of a local mesh)
     c = Curriculum(min_difficulty=4, max_difficulty=16, schedule_type="fixed_linear", total_curriculum_step=3, difficulty_step=4)

@@ -93,6 +93,9 @@ def test_the_deepspeed_config_block_gives_the_layout():
         fzero.config.from_deepspeed({"sparse_attention": {"mode": "bigbird", "num_local_blocks": 4}})
     with pytest.raises(ValueError, match=r"sparse_attention: mode='sparse'; DeepSpeed's modes are"):
         fzero.config.from_deepspeed({"sparse_attention": {"mode": "sparse"}})
+    # DeepSpeed reads a present block with its default mode, "fixed", and that mode's defaults: not dense attention
+    assert fzero.config.from_deepspeed({"sparse_attention": {}}).sparse_attention == ops.FixedLayout()
+    assert fzero.config.from_deepspeed({}).sparse_attention is None
 
 
 # -- the computation against dense attention with the same mask -------------------------------------------------------

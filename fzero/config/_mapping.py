@@ -58,7 +58,7 @@ def _curriculum(cfg: dict) -> Any:
 def _sparse_attention(cfg: dict) -> Any:
     """The "sparse_attention" block as a layout of ``fzero.ops`` (``FixedLayout``, ``BigBirdLayout``, ...), or None."""
     block = cfg.get("sparse_attention")
-    if not block:
+    if block is None:  # absent. An empty block is DeepSpeed's default mode ("fixed") with that mode's defaults
         return None
     if not isinstance(block, dict):
         raise ValueError(f"{API}: sparse_attention must be a JSON object with a \"mode\", got {json.dumps(block)}.")
