@@ -5,7 +5,10 @@ Progressive Layer Dropping"), as DeepSpeed configures it: ``"progressive_layer_d
 Two pure functions of the step:
 
 - the keep ratio ``theta(t) = (1 - theta_bar) * exp(-gamma * t) + theta_bar``, ``t`` the optimizer steps taken
-  (DeepSpeed's ``ProgressiveLayerDrop.update_state(global_steps)``: 1 at the first step, falling to ``theta_bar``);
+  (DeepSpeed's ``ProgressiveLayerDrop.update_state(global_steps)``: 1 at the first step, falling to ``theta_bar``).
+  DeepSpeed's engine calls ``update_state`` in ``step()`` before it counts that step, so its forward after ``t`` steps
+  reads ``theta(t - 1)`` (1 for the first two steps): one step behind this, the paper's ``theta(t)``, a difference of
+  at most ``gamma * (1 - theta_bar)`` (0.0005 with DeepSpeed's defaults);
 - over depth, layer ``l`` of ``L`` (1-based) is kept with probability ``p_l = 1 - l / L * (1 - theta(t))``, the
   paper's rule; a kept layer's residual branches are scaled by ``1 / p_l`` (so their expected contribution does not
   change), a dropped layer is the identity. DeepSpeed's BERT example draws layer ``l`` with the previous layer's
