@@ -262,3 +262,115 @@ def test_disk_offload_sub_group_rounds_up_to_the_shard_alignment(tmp_path):
     from fzero.layout._layout import SHARD_ALIGN
 
     assert fzero.DiskOffload(str(tmp_path), sub_group_size=SHARD_ALIGN + 1).sub_group_size == 2 * SHARD_ALIGN
+
+
+class _BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.bn(self.inp(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h).squeeze(-1)
+
+
+@pytest.mark.parametrize("where", [None, "cpu", "disk"])
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_state_given_to_with_buffers_is_spent_with_its_result(tmp_path, where, stages, ranks):
+    """``step.with_buffers(state, ...)`` shares ``state``'s params and optimizer state (disk offload: its files), which a
+    step updates in place. Before, stepping the new state moved the old one silently (``gather`` of it was 0.01 off,
+    at every stage and offload); now either one stepped spends both, and the other is refused by name."""
+    model = _BNNet()
+    kw = {"offload": where, "offload_dir": str(tmp_path)} if where == "disk" else {"offload": where} if where else {}
+    step = fzero.compile(lambda p, b: (fzero.apply(model, p, b["x"]) - b["y"]).pow(2).mean(),
+                         optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(ranks), **kw)
+    gen = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(8, 4, generator=gen), "y": torch.randn(8, generator=gen)}
+    state, _ = step(step.init(fzero.params_of(model), buffers=fzero.buffers_of(model)), batch)
+    before = step.gather(state)
+    reset = step.with_buffers(state, {"bn.running_var": torch.ones(8)})
+    assert_trees_equal(step.gather(reset), before)  # both readable until a step spends them
+    step.evaluate(state, batch)
+    step(reset, batch)
+    for call in (step.gather, lambda s: step.evaluate(s, batch), lambda s: step(s, batch),
+                 lambda s: fzero.checkpoint.save(str(tmp_path / "ckpt"), s)):
+        with pytest.raises(ValueError, match=r"already passed to a step.*step.with_buffers' result and the state it was given"):
+            call(state)
+    # the other way round: stepping the source spends the result
+    reset = step.with_buffers(step.init(fzero.params_of(model), buffers=fzero.buffers_of(model)), {"bn.running_var": torch.ones(8)})
+    source_state = reset  # a state made from one with_buffers gives its marks on to the next one
+    again = step.with_buffers(source_state, {"bn.running_mean": torch.zeros(8)})
+    step(source_state, batch)
+    with pytest.raises(ValueError, match=r"already passed to a step"):
+        step.gather(again)
+
+
+def test_a_dead_runs_directory_is_swept_when_its_files_hold_the_root_unit(tmp_path):
+    """The next run in offload_dir removes the directories of dead runs that hold only fzero's files. Before, a file of
+    the root unit (``opt__0__1__<root>.bin``: at stage 3 the params outside the blocks, as every Hugging Face LM's
+    embeddings) did not look like fzero's, so a killed run's directory stayed for good."""
+    import subprocess
+    import sys
+
+    from fzero.zero import _offload_dir
+
+    prob = PROBLEMS["gpt"]()
+    live_dir = tmp_path / "live"
+    live_dir.mkdir()
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, precision="bf16",
+                         offload=fzero.DiskOffload(str(live_dir), params=True))
+    state = step.init(fzero.params_of(prob.model))
+    (made,) = os.listdir(live_dir)
+    names = os.listdir(live_dir / made)
+    assert any("<root>" in n for n in names), names  # the root unit's files, as a killed run leaves them
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"fzero-rank0-p{gone.pid}-0123abcd-x1"
+    dead.mkdir()
+    for n in names:
+        (dead / n).write_bytes(b"\0" * 8)
+    assert _offload_dir.sweep(str(tmp_path)) == [str(dead)]
+    assert os.listdir(tmp_path) == ["live"]
+    del state
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_step_interrupted_in_its_disk_update_spends_the_state(tmp_path, monkeypatch, ranks):
+    """Disk offload updates the files unit by unit, sub-group by sub-group, in place. Before, a Ctrl-C (or any error)
+    there left the state it was given half-updated (one unit's params moved by 0.01, the others not; step count not
+    advanced) and still accepted, so re-running ``state, m = step(state, b)`` trained on from it silently. Now the
+    state is spent once its update begins; a step that raises before (a non-finite gradient) leaves it whole."""
+    import fzero.optim
+
+    model = _BNNet()
+    step = fzero.compile(lambda p, b: (fzero.apply(model, p, b["x"]) - b["y"]).pow(2).mean(), optimizer=fzero.optim.adamw(1e-2),
+                         stages=3, mesh=fzero.local_mesh(ranks), offload="disk", offload_dir=str(tmp_path), sub_group_size=64)
+    gen = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(8, 4, generator=gen), "y": torch.randn(8, generator=gen)}
+    state, _ = step(step.init(fzero.params_of(model)), batch)
+    before = step.gather(state)
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):  # raised before any write: the state is whole
+        step(state, {"x": batch["x"], "y": torch.full((8,), float("nan"))})
+    assert_trees_equal(step.gather(state), before)
+    real, calls = fzero.optim.apply_inplace, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fzero.optim, "apply_inplace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(state, batch)
+    monkeypatch.undo()
+    for call in (step.gather, lambda s: step(s, batch)):
+        with pytest.raises(ValueError, match=r"already passed to a step.*raised \(or was interrupted\) while it updated"):
+            call(state)

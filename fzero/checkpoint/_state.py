@@ -320,7 +320,8 @@ def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
 def held(state: Any, api: str) -> tuple[list[TrainState], bool]:
     """The rank states this process holds, and whether they are one rank of a torch.distributed job."""
     if is_donated(state):
-        raise ValueError(f"{api}: this state was passed to a step, which reused its buffers; save the state that step returned.")
+        raise ValueError(f"{api}: this state was already passed to a step, which reused its buffers, or a state sharing them "
+                         f"was (step.with_buffers' result and the state it was given are one); save the state that step returned.")
     if isinstance(state, RankStates):
         return list(state.states), False
     if not isinstance(state, TrainState) or state.meta is None:

@@ -111,8 +111,20 @@ def mark_donated(state: TrainState | RankStates) -> None:
         s.marks.donated = True
 
 
+def share_marks(new: TrainState | RankStates, old: TrainState | RankStates) -> None:
+    """``new`` holds ``old``'s buffers (params, optimizer state, disk offload's files: ``Step.with_buffers``), so it takes
+    ``old``'s marks, on every rank: a step that reuses the buffers of either marks both spent, and the other is then
+    refused by name instead of read with the values that step wrote into them."""
+    object.__setattr__(new, "marks", old.marks)
+    if isinstance(new, RankStates) and isinstance(old, RankStates):
+        for n, o in zip(new.states, old.states):
+            object.__setattr__(n, "marks", o.marks)
+
+
 def is_donated(state: Any) -> bool:
     marks = getattr(state, "marks", None)
+    if isinstance(state, RankStates) and any(is_donated(s) for s in state.states):
+        return True  # a rank's update began in place (a step that raised part-way marks the ranks it reached)
     return isinstance(marks, Marks) and marks.donated
 
 

@@ -40,7 +40,7 @@ from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, Para
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
-                               meta_of)
+                               meta_of, share_marks)
 from fzero.step._update import MasterState, Precision, finish
 
 
@@ -232,7 +232,11 @@ class Step:
         """A new state whose persistent buffers ``buffers`` (name -> value, as ``model.state_dict()`` names them) replace
         the state's, on every rank this process holds: how a buffer is set between steps (BatchNorm's statistics reset,
         a registered mask changed). Once a state holds a buffer, the module's own is not read again (a write to it is
-        refused at the next step). Each value is copied, in the dtype and onto the device of the buffer it replaces."""
+        refused at the next step). Each value is copied, in the dtype and onto the device of the buffer it replaces.
+
+        The new state shares everything else with ``state`` (the params, the optimizer state and, with disk offload, its
+        files), as views of one state: once a step has reused the buffers of either, both are spent, and passing the
+        other to a step, ``evaluate``, ``gather`` or ``checkpoint.save`` raises (a step updates those buffers in place)."""
         api = "fzero.Step.with_buffers"
         self._check_state(state, api=api)
         if not isinstance(buffers, dict):
@@ -254,7 +258,9 @@ class Step:
                                      f"has {tuple(value.shape)}.")
                 new[name] = value.detach().to(old.device, old.dtype, copy=True)
             out.append(dataclasses.replace(s, buffers=new))
-        return RankStates(tuple(out)) if isinstance(state, RankStates) else out[0]
+        result = RankStates(tuple(out)) if isinstance(state, RankStates) else out[0]
+        share_marks(result, state)  # the same params and optimizer state: one step spends both
+        return result
 
     def state_dict(self, state: TrainState | RankStates, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Params and buffers as ``model.state_dict()`` names them, for ``model.load_state_dict(sd, strict=True)``.
@@ -292,8 +298,11 @@ class Step:
     def _check_state(self, state: Any, *, api: str = "fzero.Step.__call__") -> None:
         if is_donated(state):
             raise ValueError(
-                f"{api}: this state was already passed to a step, which reused its buffers (donation). Use the "
-                f"state that step returned: `state, metrics = step(state, batch)`; build steps with donate=False to keep old states."
+                f"{api}: this state was already passed to a step, which reused its buffers (donation), or a state sharing "
+                f"its buffers was (step.with_buffers' result and the state it was given are one). Use the state that step "
+                f"returned: `state, metrics = step(state, batch)`; build steps with donate=False to keep old states. A "
+                f"step that raised (or was interrupted) while it updated the state in place returned none: resume from a "
+                f"checkpoint."
             )
         local = isinstance(self.mesh, LocalMesh)
         expected = f"RankStates of {self.world_size} ranks (from this step's init)" if local else "TrainState (from this step's init)"
@@ -370,7 +379,8 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
-    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool)
+    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool,
+                                spend=lambda: mark_donated(state))
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step
         for t in state.params.values():

@@ -39,7 +39,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -364,10 +364,13 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
 
 
 def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
-           usage: Usage | None = None, *, pool: Pool | None = None):
+           usage: Usage | None = None, *, pool: Pool | None = None, spend: Callable[[], None] | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
     gradients used (``fzero.step._context``); None: all of them. ``pool``: where the gradients' buffers go when
-    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs."""
+    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs. ``spend``:
+    called just before the update writes the state's buffers in place (marks the state given to the step spent, so
+    that a step interrupted from there on, by Ctrl-C or an error, leaves a half-updated state that is refused, not
+    trained on)."""
     layout, n, prec = state.meta.layout, comm.size, step.precision
     units = layout.units
     ranges = [u.shard_range(comm.rank, n) for u in units]
@@ -435,6 +438,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
         before = {k: p.detach().float().clone() for k, p in params.items()} if zero else None
         # per-parameter norms, and which params skip the update
         segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=comm.rank, comm=comm, active=active)
+        if spend is not None:
+            spend()
         opt_state = step.opt_state.apply(step.optimizer, grad_tree, opt_state, params, segments)
         if before is not None:
             moved = max((float((params[k].float() - b).abs().max()) for k, b in before.items() if b.numel()), default=0.0)

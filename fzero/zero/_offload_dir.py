@@ -22,7 +22,7 @@ import tempfile
 import uuid
 
 _NAME = re.compile(r"^fzero-rank\d+-p(\d+)-[0-9a-f]{8}-")  # what make() names; older names (no pid) are never swept
-_FILE = re.compile(r"^[\w.-]+\.bin$")  # DiskStore.path's files
+_FILE = re.compile(r"^(?:[\w.-]|<root>)+\.bin$")  # DiskStore.path's files: unit names are module paths, or the root unit's <root>
 
 
 def make(root: str, rank: int) -> tuple[str, int | None]:
