@@ -175,6 +175,26 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_backs_off(stages):
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
+@pytest.mark.parametrize("stages", [0, 3])
+def test_fp16_grad_accum_scales_each_micro_batch_by_scale_over_k_as_deepspeed(stages):
+    # DeepSpeed divides each micro-batch's loss by the accumulation steps before the loss scale multiplies it: k fp16
+    # micro-batch gradients of 0.6 * 2**16 each sum to 0.6 * 2**16, not to k times that (inf in fp16: a skipped step)
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.constant_(model.weight, 0.5)
+    x = torch.full((4, 4), 0.6)
+
+    def loss_fn(params, batch):
+        return fzero.apply(model, params, batch).float().mean()  # d loss / d w = the mean of x's rows: 0.6 each
+
+    policy = fzero.Precision(compute=torch.float16, loss_scale=DynamicLossScale(initial=2.0**16))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.5), stages=stages, mesh=fzero.local_mesh(1),
+                         precision=policy, grad_accum=2)
+    state, m = step(step.init(fzero.params_of(model)), x)
+    assert not m["skipped"] and m["loss_scale"] == 2.0**16
+    w = step.gather(state)["weight"]
+    torch.testing.assert_close(w, torch.full((1, 4), 0.5 - 0.5 * 0.6), rtol=0, atol=1e-3)  # the fp16 gradient rounds
+
+
 def test_fp16_at_minimum_scale_raises_with_the_step_instead_of_looping():
     prob = _poisoned(mlp_problem(steps=4), bad_steps={0, 1, 2, 3})
     policy = fzero.Precision(compute=torch.float16, loss_scale=DynamicLossScale(initial=2.0, hysteresis=1, min_scale=1.0))

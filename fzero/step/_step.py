@@ -359,6 +359,10 @@ def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tens
 def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, release: Any) -> tuple[TrainState, dict[str, Any]]:
     prec = step.precision
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+    # fp16: each micro-batch's loss is multiplied by scale / k, as DeepSpeed divides the loss by its accumulation steps
+    # before scaling it, so that the sum of k scaled micro-batch gradients in fp16 overflows where DeepSpeed's does, not
+    # at a k-times smaller gradient (the step then divides by n * k * seed: the same mean)
+    seed = scale / step.grad_accum if state.loss_scale is not None else scale
     acc: list[torch.Tensor] | None = None
     losses, aux = [], None
     low = None if prec.compute == torch.float32 else prec.compute
@@ -368,7 +372,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
         micros = split_micro(batch, step.grad_accum)
         for k, micro in enumerate(micros):
             view.begin_micro(last=k == len(micros) - 1)
-            grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, scale, step.autodiff, buffers, low,
+            grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, seed, step.autodiff, buffers, low,
                                                  into=view.grad_into, on_written=written)
             view.release()
             # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
@@ -379,7 +383,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
-    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool,
+    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool, seed=seed,
                                 spend=lambda: mark_donated(state))
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step

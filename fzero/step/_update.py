@@ -364,10 +364,12 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
 
 
 def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
-           usage: Usage | None = None, *, pool: Pool | None = None, spend: Callable[[], None] | None = None):
+           usage: Usage | None = None, *, pool: Pool | None = None, spend: Callable[[], None] | None = None,
+           seed: float | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
     gradients used (``fzero.step._context``); None: all of them. ``pool``: where the gradients' buffers go when
-    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs. ``spend``:
+    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs. ``seed``: the
+    factor each micro-batch's loss was multiplied by before its backward (default ``scale``; fp16: ``scale / k``). ``spend``:
     called just before the update writes the state's buffers in place (marks the state given to the step spent, so
     that a step interrupted from there on, by Ctrl-C or an error, leaves a half-updated state that is refused, not
     trained on)."""
@@ -378,7 +380,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
 
     # Sum over ranks in rank order, round to the compute dtype, then average: the same numbers at every
     # stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN).
-    divisor = n * step.grad_accum * scale
+    divisor = n * step.grad_accum * (scale if seed is None else seed)
     owned_grads, returned = [], []
     for i, g in enumerate(grads):
         grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
