@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 
 import pytest
+import torch
 
 import fzero
 from fzero.estimate import main as estimate_cli
@@ -173,3 +174,68 @@ def test_estimate_counts_state_shared_by_param_groups_once():
     shared = fzero.estimate_memory(1_000_000, stages=0, world_size=1, optimizer=groups)
     plain = fzero.estimate_memory(1_000_000, stages=0, world_size=1, optimizer="adamw")
     assert shared.device == plain.device and shared.model_states == plain.model_states
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding, 4 small blocks and a head: most parameters sit in the root unit (no block holds them), as in a
+    Hugging Face LM; ``tied``: the head's weight is the embedding's (reached under two names)."""
+
+    def __init__(self, tied: bool, vocab: int = 4096, d: int = 64) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(4))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_estimate_counts_the_root_units_gradient_and_tied_pieces(stages, tied, precision):
+    """A large root unit (embedding and head): at stages 2-3 its gradient comes through autograd and is reduced
+    after backward, its per-parameter pieces beside the flat gradient they are joined into (and at stage 3 beside the
+    gathered root); a tied weight's two pieces live beside their sum. The estimate missed both (measured up to 1.8x)."""
+    ranks = 2
+    torch.manual_seed(0)
+    model = _TiedLM(tied)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 4096, (ranks, 8), generator=gen) for _ in range(3)]
+
+    def loss_fn(params, x):
+        logits = fzero.apply(model, params, x)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+
+    calls = {r: [] for r in range(ranks)}
+
+    @contextlib.contextmanager
+    def per_call(rank):
+        with LiveBytes() as lb:
+            calls[rank].append(lb)
+            yield
+
+    mesh = dataclasses.replace(fzero.local_mesh(ranks), rank_context=per_call)
+    step = fzero.compile(loss_fn, stages=stages, mesh=mesh, precision=precision)
+    state = step.init(fzero.params_of(model))
+    measured = {r: 0 for r in range(ranks)}
+    for i, x in enumerate(batches):
+        held = [state_bytes(state[r]) for r in range(ranks)]
+        start = [len(calls[r]) for r in range(ranks)]
+        state, _ = step(state, x)
+        if i:  # Adam's state exists from the first step on
+            for r in range(ranks):
+                peak = max(lb.peak for lb in calls[r][start[r]:])
+                measured[r] = max(measured[r], held[r]["params"] + held[r]["optimizer"] + peak)
+    est = fzero.estimate_memory(model, stages=stages, world_size=ranks, precision=precision)
+    if stages == 1 and not tied:  # known: stage 1 counts a whole bucket beside the whole gradient; the bucket is
+        # filled from the pieces as they come, so the peak is about a reduce-scatter's output more (estimate 12 % over)
+        assert all(m <= est.device.total for m in measured.values()), (measured, est.device)
+        return
+    for r in range(ranks):
+        assert measured[r] == pytest.approx(est.device.total, rel=0.05), (r, measured[r], est.device)

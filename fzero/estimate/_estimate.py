@@ -13,7 +13,12 @@ Given a model or a params pytree (not just a count) the estimate uses fzero's ow
   (parameters outside every unit, gathered for the whole step);
 * ``transient``: what else the step's peak holds. In backward, one unit's whole gradient before it is reduced
   (stages 0-1: a size bucket; stage 2: the unit's gradient and its per-parameter pieces before they are joined;
-  stage 3: the gradient of the unit recomputed). In the update, the fp32 gradient the optimizer reads: fzero
+  stage 3: the gradient of the unit recomputed). At stages 2-3 the root unit's gradient comes through autograd
+  and is reduced after backward: its per-parameter pieces and the flat gradient they are joined into (two root
+  units), beside the other units' shards and, at stage 3, the gathered root. A parameter reached under several
+  names (tied embeddings: ``named_parameters(remove_duplicate=False)``) has one gradient piece per name alive
+  beside their sum, so its gradient counts once per name more (given a module; a params pytree has no tying).
+  In the update, the fp32 gradient the optimizer reads: fzero
   converts the reduced gradient of what a rank owns to fp32 (4 bytes per owned element), which under a
   master-weight policy outgrows the 2-byte gradients it replaces (the paper counts 2).
   The peak is the larger of the two phases; activations are not counted (they depend on the batch).
@@ -161,19 +166,22 @@ def estimate_memory(
     sizes = _unit_sizes(model_or_params_or_count, stages, n, units, unit_elements)
     if isinstance(sizes, int):  # a count: Ψ itself, no layout
         psi = numel = sizes
-        largest, second, root, n_units = 0, 0, 0, None
+        largest, second, root, root_tie, tie, n_units = 0, 0, 0, 0, 0, None
     else:
-        psi = sum(s for _, s, _ in sizes)
-        numel = sum(p for _, _, p in sizes)  # padded, as the state holds it
-        others = sorted((p for name, _, p in sizes if name != ROOT), reverse=True) + [0, 0]
-        root = next((p for name, _, p in sizes if name == ROOT), 0)
+        psi = sum(s for _, s, _, _ in sizes)
+        numel = sum(p for _, _, p, _ in sizes)  # padded, as the state holds it
+        others = sorted((p for name, _, p, _ in sizes if name != ROOT), reverse=True) + [0, 0]
+        root, root_tie = next(((p, t) for name, _, p, t in sizes if name == ROOT), (0, 0))
         largest, second, n_units = others[0], others[1], len(sizes)
+        tie = max(t for *_, t in sizes)
         if _rules.accepts("unit_elements", stages):  # size buckets: no root unit, the largest bucket is the largest unit
-            largest = max(p for _, _, p in sizes)
+            largest = max(p for _, _, p, _ in sizes)
 
     params_e, grads_e, owned_e = per_rank(numel, stage=stages, world_size=n)  # elements held per rank; owned: optimizer's
     gathered = p_bytes * (largest + (second if prefetch else 0) + root) if _rules.sharded("params", stages) else 0.0
     backward_extra = p_bytes * largest * {0: 1, 1: 1, 2: 2, 3: 1}[stages]
+    if stages <= 1:  # a tied parameter's pieces (one per name) beside their sum, all gradients alive
+        backward_extra = max(backward_extra, p_bytes * tie)
     opt_grad = 4 * owned_e  # the optimizer's fp32 gradient of what this rank owns
 
     params, grads, opt = p_bytes * params_e, p_bytes * grads_e, k_bytes * owned_e
@@ -194,6 +202,10 @@ def estimate_memory(
             host["transient"] = copies
     held = device.get("params", 0.0) + device.get("optimizer", 0.0)
     backward_peak = held + grads + gathered + backward_extra
+    if root and stages >= 2:  # the root unit's gradient, reduced after backward: its pieces and their join (or sum)
+        gathered_root = p_bytes * root if _rules.sharded("params", stages) else 0.0
+        backward_peak = max(backward_peak, held + grads - p_bytes * root / n + gathered_root
+                            + p_bytes * (root + max(root, root_tie)))
     bucket = p_bytes * largest if stages == 0 else 0.0  # the all-reduce's output next to its input
     update_peak = held + max(grads, opt_grad if prec.has_master else grads) + bucket
     device["gathered"] = gathered
@@ -241,14 +253,19 @@ def _optimizer_bytes(optimizer: Any, dtype: torch.dtype) -> tuple[str, float]:
     return name, total / n
 
 
-def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int) -> int | list[tuple[str, int, int]]:
-    """A count, or the layout's units as (name, numel, padded numel), as ``Step.init`` would build them."""
+def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int) -> int | list[tuple[str, int, int, int]]:
+    """A count, or the layout's units as (name, numel, padded numel, tie), as ``Step.init`` would build them; ``tie``:
+    the largest of uses x numel over the unit's parameters that a module reaches under several names (0: none), one
+    more for a size bucket that holds other params too."""
     if isinstance(source, (int, float)) and not isinstance(source, bool):
         if not (source >= 1 and math.isfinite(source)):
             raise ValueError(f"{API}: a parameter count must be >= 1, got {source!r}.")
         return int(round(source))
+    uses: dict[int, int] = {}
     if isinstance(source, nn.Module):
         named = [(k, p) for k, p in source.named_parameters() if p.requires_grad]
+        for _, p in source.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
     else:
         paths, leaves, _ = _tree.flatten_with_paths(source)
         named = list(zip(paths, leaves))
@@ -268,5 +285,9 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
     out = []
     for name, idx in groups:
         numel = sum(leaves[i].numel() for i in idx)
-        out.append((name, numel, math.ceil(numel / quantum) * quantum))
+        # a size bucket of several params is lent at its first gradient, so it is alive beside the pieces and their sum
+        more = 1 if len(idx) > 1 and _rules.accepts("unit_elements", stages) else 0
+        tie = max(((uses.get(id(leaves[i]), 1) + more) * leaves[i].numel() for i in idx if uses.get(id(leaves[i]), 1) > 1),
+                  default=0)
+        out.append((name, numel, math.ceil(numel / quantum) * quantum, tie))
     return out
