@@ -238,7 +238,33 @@ def test_sgd_lamb_lion_blocks():
     s = from_deepspeed({"optimizer": {"type": "Lamb", "params": {"lr": 0.01}}})
     assert "eps=1e-08" in s.optimizer_description  # FusedLamb's default, not fzero.optim.lamb's 1e-6
     s = from_deepspeed({"optimizer": {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.1}}})
-    assert "lion(lr=0.0001, b1=0.9, b2=0.99, weight_decay=0.1)" in s.optimizer_description
+    assert "lion(lr=0.0001, b1=0.9, b2=0.999, weight_decay=0.1)" in s.optimizer_description  # FusedLion's default betas
+
+
+def test_lion_block_without_betas_steps_as_deepspeeds_lion():
+    """DeepSpeed builds FusedLion (DeepSpeedCPULion with offload) with its default betas (0.9, 0.999), not the Lion
+    paper's (0.9, 0.99): b2 decides the momentum from the second step on, so compare several steps."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) + 0.3 * k for k in range(6)]
+    ref, m = p0.clone(), torch.zeros_like(p0)
+    for g in grads:  # DeepSpeed's Lion: p -= lr * sign(b1 * m + (1 - b1) * g), then m = b2 * m + (1 - b2) * g
+        ref -= 1e-3 * torch.sign(0.9 * m + (1 - 0.9) * g)
+        m = 0.999 * m + (1 - 0.999) * g
+    opt = from_deepspeed({"optimizer": {"type": "Lion", "params": {"lr": 1e-3}}}).optimizer
+    params = {"w": p0.clone()}
+    state = opt.init(params)
+    for g in grads:
+        state = fo.apply_inplace(opt, {"w": g}, state, params)
+    torch.testing.assert_close(params["w"], ref, rtol=0, atol=0)
+    try:  # and that is what DeepSpeed defaults to, where it is installed
+        import inspect
+        from deepspeed.ops.lion.cpu_lion import DeepSpeedCPULion
+        from deepspeed.ops.lion.fused_lion import FusedLion
+    except ImportError:
+        return
+    for cls in (FusedLion, DeepSpeedCPULion):
+        assert inspect.signature(cls.__init__).parameters["betas"].default == (0.9, 0.999)
 
 
 # -- schedules: against DeepSpeed's own classes, given the same config block ----------------------------------------
@@ -374,6 +400,33 @@ def test_compile_keywords_win_over_the_config():
         fzero.compile(prob.loss_fn, config=s, mesh=fzero.local_mesh(4))
     with pytest.raises(ValueError, match=r"total_steps= given, but the config has no \"auto\""):
         fzero.compile(prob.loss_fn, config=DS_START, mesh=mesh, total_steps=10)
+
+
+def test_an_optimizer_keyword_does_not_drop_the_configs_scheduler():
+    """fzero's schedule lives in the optimizer, so optimizer= would drop a config's "scheduler" block without a word
+    (it trained at the given optimizer's constant lr); DeepSpeed applies the config's scheduler to a client optimizer.
+    Refused, unless the given optimizer scales by the config's own schedule."""
+    prob = mlp_problem(steps=4)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_max_lr": 0.01, "warmup_num_steps": 3}}}
+    with pytest.raises(ValueError, match=r"optimizer= replaces the config's optimizer, and with it the schedule of its "
+                                         r"\"scheduler\" block \(WarmupDecayLR\).*settings\.learning_rate"):
+        fzero.compile(prob.loss_fn, config=config, optimizer=fo.adamw(0.01, mask=fo.decay_mask))
+    settings = from_deepspeed(config)
+    with pytest.raises(ValueError, match=r"the schedule of its \"scheduler\" block"):
+        fzero.compile(prob.loss_fn, config=settings, optimizer=fo.sgd(0.1))
+    # the way that keeps it: the optimizer built on settings.learning_rate, with those settings
+    step = fzero.compile(prob.loss_fn, config=settings, optimizer=fo.adamw(settings.learning_rate, mask=fo.decay_mask))
+    state = step.init(fzero.params_of(prob.model))
+    lrs = []
+    for b in prob.batches:
+        state, metrics = step(state, b)
+        lrs.append(metrics["lr"])
+    assert lrs == [settings.learning_rate(k) for k in range(4)] and lrs[0] == 0.0 and lrs[3] == 0.01
+    # a config without a scheduler: the keyword wins, as every keyword does
+    no_schedule = {k: v for k, v in config.items() if k != "scheduler"}
+    assert fzero.compile(prob.loss_fn, config=no_schedule, optimizer=fo.sgd(0.1)).optimizer.learning_rate == 0.1
 
 
 def test_settings_are_frozen_and_replaceable():

@@ -43,6 +43,7 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
     if settings.world_size is not None and world is not None and settings.world_size != world:
         raise ValueError(f"fzero.compile: the config's settings were checked for world_size={settings.world_size}, but the "
                          f"mesh has {world} ranks. Read the config again with world_size={world}.")
+    _check_given_optimizer_keeps_the_schedule(explicit.get("optimizer"), settings)
     named = explicit.get("precision")
     if isinstance(named, str) and named in ("fp32", "bf16", "fp16") and named == dtype_name(settings.precision.compute):
         del explicit["precision"]  # the same dtype: keep the config's policy (its loss scale, its reduce dtype)
@@ -58,6 +59,25 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
     out.update(details)
     out["mesh"] = mesh
     return out
+
+
+def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings) -> None:
+    """``optimizer=`` replaces the config's optimizer, and fzero's schedule lives inside the optimizer: a config's
+    ``"scheduler"`` block would be dropped without a word. DeepSpeed applies the config's scheduler to a client
+    optimizer, so refuse, unless the given optimizer scales by the config's own schedule (``settings.learning_rate``)."""
+    sched = (settings.config or {}).get("scheduler")
+    if optimizer is None or not sched or getattr(optimizer, "learning_rate", None) is settings.learning_rate:
+        return
+    kind = sched.get("type") if isinstance(sched, dict) else None
+    raise ValueError(
+        f"fzero.compile: optimizer= replaces the config's optimizer, and with it the schedule of its \"scheduler\" block "
+        f"({kind}): an fzero optimizer holds its own learning rate, so that schedule would not run (DeepSpeed applies "
+        f"the config's scheduler to a client optimizer). To keep it, build your optimizer on the config's schedule: "
+        f"settings = fzero.config.from_deepspeed(config, world_size=...), then fzero.compile(loss_fn, config=settings, "
+        f"optimizer=fzero.optim.adamw(settings.learning_rate, ...)) (for a no-decay group with the config's optimizer: "
+        f"from_deepspeed(..., no_decay=[...]) and no optimizer=). To train without it, remove the \"scheduler\" block "
+        f"from the config."
+    )
 
 
 def _is_default(value: Any, default: Any) -> bool:

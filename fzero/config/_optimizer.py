@@ -33,7 +33,9 @@ def build_optimizer(cfg: dict, ctx: Ctx) -> tuple[Any, str | None, Any]:
     schedule, momentum, sched_desc = _schedule(sched, lr, kind, ctx) if sched is not None else (lr, None, None)
     if sched is not None and "lr" in p and sched["type"] != "WarmupCosineLR" and not (sched["type"] == "WarmupLR" and "warmup_max_lr" not in (sched.get("params") or {})):
         ctx.notes.append(f"optimizer.params.lr={p['lr']}: replaced by the {sched['type']} schedule, as in DeepSpeed.")
-    betas = p.get("betas", [0.9, 0.99] if kind == "lion" else [0.9, 0.999])
+    # DeepSpeed's defaults for every type it builds here, Lion included: FusedLion and DeepSpeedCPULion take
+    # betas=(0.9, 0.999), not the Lion paper's (0.9, 0.99) that fzero.optim.lion defaults to
+    betas = p.get("betas", [0.9, 0.999])
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
         raise ValueError(f"{API}: {path}.betas must be a pair like [0.9, 0.999], got {json.dumps(betas)}.")
     b1, b2 = (as_float(f"{path}.betas[{i}]", b) for i, b in enumerate(betas))
