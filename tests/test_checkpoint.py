@@ -326,6 +326,33 @@ def test_optimizer_false_loads_the_weights_into_a_step_of_another_optimizer(tmp_
     assert weights.step_count == state.step_count
 
 
+@pytest.mark.parametrize("offload", [None, "disk"])
+def test_optimizer_false_resumes_the_schedule_at_the_checkpoints_step(tmp_path, offload):
+    """The kept optimizer state's schedule goes on from the loaded step (as DeepSpeed loads the scheduler's position
+    without the optimizer's states), so the lr a step applies is the one its metrics report."""
+    prob = mlp_problem(steps=4)
+    schedule = lambda t: 0.1 * (t + 1)  # noqa: E731  (a linear warm-up)
+    (tmp_path / "off").mkdir()
+
+    def compile_():
+        return fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(schedule), stages=2, mesh=fzero.local_mesh(2),
+                             **({"offload": fzero.DiskOffload(str(tmp_path / "off"))} if offload else {}))
+
+    step = compile_()
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches[:3]:
+        state, _ = step(state, b)
+    ck = fzero.checkpoint.save(tmp_path / "ck", state)
+    fresh = compile_()
+    weights = fzero.checkpoint.load(ck, like=fresh, optimizer=False)
+    after, m = fresh(weights, prob.batches[3])
+    assert m["lr"] == pytest.approx(0.4)
+    # SGD without momentum holds no state: the run that kept its optimizer is the reference, step for step
+    ref, m_ref = step(state, prob.batches[3])
+    assert m_ref["lr"] == pytest.approx(0.4)
+    assert_trees_close(fresh.gather(after), step.gather(ref), rtol=1e-6, atol=1e-7)
+
+
 def test_rng_state_is_restored(tmp_path):
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)

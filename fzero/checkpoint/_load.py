@@ -15,6 +15,7 @@ from fzero.checkpoint._files import open_checkpoint
 from fzero.checkpoint._groups import check_labels, labels, step_of
 from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers, without_optimizer
 from fzero.layout import pytrees as _tree
+from fzero.optim import ScaleByScheduleState
 from fzero.checkpoint._verify import MARKER, crc32_file
 from fzero.step import RankStates, TrainState, Step
 from fzero.zero import DiskOptState
@@ -41,7 +42,10 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
 
     ``optimizer=False``: the params (and fp32 masters), buffers and step only, into a state of a step whose optimizer
     may differ from the one that saved: to evaluate a checkpoint (Lightning's ``trainer.validate(ckpt_path=...)``),
-    not to resume training, which needs the optimizer's state too. The state keeps its own optimizer state.
+    not to resume training, which needs the optimizer's state too. The state keeps its own optimizer state (moments),
+    but its learning-rate schedules go on from the checkpoint's step, as DeepSpeed's ``load_checkpoint(...,
+    load_optimizer_states=False)`` loads the scheduler's position: so the lr a step applies is the ``metrics["lr"]``
+    it reports, a schedule of that step.
     """
     api = "fzero.checkpoint.load"
     found, info, manifest = open_checkpoint(path, api, verify=verify)
@@ -68,7 +72,30 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     _dcp.load(found, metadata, todo, check=manifest.check)
     if rng.numel():
         torch.set_rng_state(rng)
+    if not optimizer:
+        target = _schedules_at_step(target)
     return _with_gather_order(target, info)
+
+
+def _schedules_at_step(state: Any) -> Any:
+    """``state`` with every learning-rate schedule's count (``ScaleByScheduleState``, in the optimizer state it kept)
+    set to the state's step: the step reports ``metrics["lr"]`` as the schedule at ``state.step``, and the optimizer
+    applies the schedule at its own count, so the two must agree."""
+    def at(x: Any, step: int) -> Any:
+        if isinstance(x, ScaleByScheduleState):
+            return ScaleByScheduleState(torch.full_like(x.count, step))
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(at(v, step) for v in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(at(v, step) for v in x)
+        if isinstance(x, dict):
+            return {k: at(v, step) for k, v in x.items()}
+        return x
+
+    def fix(s: TrainState) -> TrainState:
+        return dataclasses.replace(s, opt_state=at(s.opt_state, int(s.step)))
+
+    return RankStates(tuple(fix(s) for s in state.states)) if isinstance(state, RankStates) else fix(state)
 
 
 def agree_on_checkpoint(ranks: Ranks, found: str, info: dict[str, Any], manifest: Any, *, api: str) -> None:
