@@ -11,35 +11,46 @@ Given a model or a params pytree (not just a count) the estimate uses fzero's ow
 
 * ``gathered`` (stage 3): the unit that runs and the one prefetched (the two largest units), and the root unit
   (parameters outside every unit, gathered for the whole step);
-* ``transient``: what else the step's peak holds. In backward, one unit's whole gradient before it is reduced
-  (stages 0-1: a size bucket; stage 2: the unit's gradient and its per-parameter pieces before they are joined;
-  stage 3: the gradient of the unit recomputed). At stages 2-3 the root unit's gradient comes through autograd
+* ``transient``: what else the step's peak holds. In backward, beside the whole gradient: at stages 0-1 the largest
+  of a parameter's gradient before it is copied into its size bucket (lent at its first gradient), and the
+  collective's output (stage 0: an all-reduced bucket; stage 1: a bucket's reduce-scattered shard; none on one rank);
+  stage 2: the unit's gradient and its per-parameter pieces before they are joined; stage 3: the gradient of the
+  unit recomputed. At stages 2-3 the root unit's gradient comes through autograd
   and is reduced after backward: its per-parameter pieces and the flat gradient they are joined into (two root
   units), beside the other units' shards and, at stage 3, the gathered root. A parameter reached under several
-  names (tied embeddings: ``named_parameters(remove_duplicate=False)``) has one gradient piece per name alive
-  beside their sum, so its gradient counts once per name more (given a module; a params pytree has no tying).
-  In the update, the fp32 gradient the optimizer reads: fzero
-  converts the reduced gradient of what a rank owns to fp32 (4 bytes per owned element), which under a
-  master-weight policy outgrows the 2-byte gradients it replaces (the paper counts 2).
+  names (tied embeddings: ``named_parameters(remove_duplicate=False)``) gets one gradient piece per use, which
+  autograd sums pairwise: the sum so far, the next piece and their sum are alive at once, so its gradient counts
+  twice more however many names it has (T5's shared embedding: four names, three uses), once more again in a size
+  bucket that other params' gradients lent already (given a module; a params pytree has no tying).
+  In the update, the fp32 gradient the optimizer reads: fzero converts the reduced gradient of what a rank owns
+  to fp32 unit by unit, in the layout's order (4 bytes per owned element), each unit's copy made while its own
+  compute-dtype gradient and those of the units after it are alive: under a master-weight policy that outgrows
+  the 2-byte gradients it replaces (the paper counts 2), most where a large unit (the root) comes first.
   The peak is the larger of the two phases; activations are not counted (they depend on the batch).
 
 Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads
 (one copy, kept from step to step) and, without fp32 masters, a copy of the param shards it updates;
-``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in files
-and two sub-groups of it in host memory, beside one sub-group's gradient (and params, without masters); with ``offload_params=True`` the param shards are files too (mapped:
+``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in mapped
+files, updated a sub-group at a time (``sub_group_size`` elements of one unit's owned shard, the root unit's
+included): the pages of the sub-group being updated are resident in the process (the next one is read ahead into
+the page cache, which is not the process's memory, and updated ones are given back), beside that sub-group's fp32
+gradient (and params, without masters); with ``offload_params=True`` the param shards are files too (mapped:
 their pages are resident only while a gather or the update uses them, which this estimate does not count).
 
 ``one_memory``: the same run where device and host are one memory (a CPU-only machine, where fzero's tests and
 benchmarks measure): each category summed over device and host, less the host's copies of device tensors (the
 gradient the host optimizer reads is the device's own there). Its ``total`` is the peak of one rank's live tensor
-bytes (``fzero.memory``: state plus a step's peak), and with activations about the process's peak RSS.
+bytes (``fzero.memory``: state plus a step's peak), and with activations about the process's peak RSS. With disk
+offload it is the process's peak RSS (the resident pages of the mapped sub-group are no tensor's): the update's
+live bytes, the sub-group's pages and, at stage 3, the gathered units the step's host buffer pool keeps through
+the update (``fzero.step._pool``), when that outgrows backward's peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -166,37 +177,50 @@ def estimate_memory(
     sizes = _unit_sizes(model_or_params_or_count, stages, n, units, unit_elements)
     if isinstance(sizes, int):  # a count: Ψ itself, no layout
         psi = numel = sizes
-        largest, second, root, root_tie, tie, n_units = 0, 0, 0, 0, 0, None
+        largest, second, root, root_tie, tie, piece, n_units = 0, 0, 0, 0, 0, 0, None
+        padded_units = None  # no layout: the update's casts are counted as if each unit were small
     else:
-        psi = sum(s for _, s, _, _ in sizes)
-        numel = sum(p for _, _, p, _ in sizes)  # padded, as the state holds it
-        others = sorted((p for name, _, p, _ in sizes if name != ROOT), reverse=True) + [0, 0]
-        root, root_tie = next(((p, t) for name, _, p, t in sizes if name == ROOT), (0, 0))
+        psi = sum(u.numel for u in sizes)
+        numel = sum(u.padded for u in sizes)  # padded, as the state holds it
+        others = sorted((u.padded for u in sizes if u.name != ROOT), reverse=True) + [0, 0]
+        root, root_tie = next(((u.padded, u.tie) for u in sizes if u.name == ROOT), (0, 0))
         largest, second, n_units = others[0], others[1], len(sizes)
-        tie = max(t for *_, t in sizes)
+        tie = max(u.tie for u in sizes)
+        piece = max(u.largest_param for u in sizes)
+        padded_units = [u.padded for u in sizes]  # in the layout's order, the order the update walks them
         if _rules.accepts("unit_elements", stages):  # size buckets: no root unit, the largest bucket is the largest unit
-            largest = max(p for _, _, p, _ in sizes)
+            largest = max(u.padded for u in sizes)
 
     params_e, grads_e, owned_e = per_rank(numel, stage=stages, world_size=n)  # elements held per rank; owned: optimizer's
     gathered = p_bytes * (largest + (second if prefetch else 0) + root) if _rules.sharded("params", stages) else 0.0
-    backward_extra = p_bytes * largest * {0: 1, 1: 1, 2: 2, 3: 1}[stages]
-    if stages <= 1:  # a tied parameter's pieces (one per name) beside their sum, all gradients alive
-        backward_extra = max(backward_extra, p_bytes * tie)
-    opt_grad = 4 * owned_e  # the optimizer's fp32 gradient of what this rank owns
+    if stages <= 1:  # beside the whole gradient (every size bucket lent): the largest of
+        backward_extra = p_bytes * max(
+            piece,  # a param's gradient, before it is copied into its bucket (the bucket is lent at its first)
+            tie,  # a tied parameter's accumulated pieces: the sum so far, the next piece and their sum
+            # the collective's output: stage 0 the all-reduced bucket, stage 1 its reduce-scattered shard (1 rank: none)
+            (largest if stages == 0 else largest / n) if n > 1 else 0)
+    else:
+        backward_extra = p_bytes * largest * {2: 2, 3: 1}[stages]
 
     params, grads, opt = p_bytes * params_e, p_bytes * grads_e, k_bytes * owned_e
     device, host, disk = {"params": params, "grads": grads, "optimizer": opt}, {}, {}
     copies = 0.0  # host bytes that copy a device tensor (none of them where host and device are one memory)
+    mapped = 0.0  # disk offload: resident pages of the mapped state files, during the update only
     if offload is not None:
         (disk if KINDS[offload] == "disk" else host)["optimizer"] = device.pop("optimizer")
         if offload_params:
             (disk if KINDS[offload] == "disk" else host)["params"] = device.pop("params")
         no_master = 0 if prec.has_master else p_bytes  # without masters the host updates a copy of the params
         if KINDS[offload] == "disk":
-            owned_unit = largest / n if largest else owned_e  # the largest unit's shard; all of it for a count
-            group = min(sub_group_size, owned_unit)
+            # sub-groups are cut from each unit's owned shard, the root unit's (often the largest) included
+            biggest = max(padded_units) if padded_units else numel  # all of it for a count
+            owned_unit = biggest / n if _rules.sharded("optimizer", stages) else biggest
+            group = min(math.ceil(sub_group_size / SHARD_ALIGN) * SHARD_ALIGN, owned_unit)  # as DiskOffload rounds it
             copies = (4 + no_master) * group  # one sub-group's fp32 gradient (and params) on the host at a time
-            host["transient"] = 2 * k_bytes * group + copies  # + two sub-groups of the state: updated, read ahead
+            # + the sub-group of the state being updated: its pages of the mapped files (the next one is read ahead
+            # into the page cache, MADV_WILLNEED, not into this process; released ones leave it, MADV_DONTNEED)
+            mapped = k_bytes * group
+            host["transient"] = mapped + copies
         else:
             copies = (4 + no_master) * owned_e  # the fp32 gradient (and params), kept on the host for the optimizer
             host["transient"] = copies
@@ -206,13 +230,28 @@ def estimate_memory(
         gathered_root = p_bytes * root if _rules.sharded("params", stages) else 0.0
         backward_peak = max(backward_peak, held + grads - p_bytes * root / n + gathered_root
                             + p_bytes * (root + max(root, root_tie)))
-    bucket = p_bytes * largest if stages == 0 else 0.0  # the all-reduce's output next to its input
-    update_peak = held + max(grads, opt_grad if prec.has_master else grads) + bucket
+    bucket = p_bytes * largest if stages == 0 and n > 1 else 0.0  # the all-reduce's output next to its input
+    update_peak = held + grads + bucket
+    if prec.has_master and padded_units is None:
+        update_peak = max(update_peak, held + 4 * owned_e)  # the fp32 gradient of what this rank owns
+    elif prec.has_master:  # the update casts unit by unit, in layout order: the fp32 gradients of the units before
+        # it, this unit's reduced gradient and its fp32 copy, and the compute-dtype gradients of the units after it
+        owned = [p / n if _rules.sharded("optimizer", stages) else p for p in padded_units]
+        before, after = 0.0, sum(owned)
+        for o in owned:
+            after -= o
+            update_peak = max(update_peak, held + 4 * (before + o) + p_bytes * (o + after))
+            before += o
     device["gathered"] = gathered
     device["transient"] = max(backward_peak, update_peak) - held - grads - gathered
     # One memory (a CPU-only machine): the host's copies of device tensors are those tensors themselves
     one = {c: device.get(c, 0.0) + host.get(c, 0.0) for c in CATEGORIES}
     one["transient"] -= copies
+    if mapped:  # the mapped sub-group is resident in the update, not beside backward's peak; on a CPU-only machine
+        # the step's buffer pool (fzero.step._pool) keeps stage 3's gathered units through the update too
+        # (the fp32 gradient the optimizer reads: the compute-dtype ones are freed as they are converted)
+        opt_grads = 4 * owned_e if prec.has_master else grads
+        one["transient"] = max(backward_peak, update_peak, held + opt_grads + gathered + mapped) - held - grads - gathered
     return MemoryEstimate(
         num_params=psi, stages=stages, world_size=n, precision=_precision_name(prec), optimizer=opt_name,
         offload=offload, offload_params=offload_params, device=Bytes(**device), host=Bytes(**host), disk=Bytes(**disk),
@@ -253,10 +292,19 @@ def _optimizer_bytes(optimizer: Any, dtype: torch.dtype) -> tuple[str, float]:
     return name, total / n
 
 
-def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int) -> int | list[tuple[str, int, int, int]]:
-    """A count, or the layout's units as (name, numel, padded numel, tie), as ``Step.init`` would build them; ``tie``:
-    the largest of uses x numel over the unit's parameters that a module reaches under several names (0: none), one
-    more for a size bucket that holds other params too."""
+class _Unit(NamedTuple):
+    name: str
+    numel: int
+    padded: int
+    tie: int  # see _unit_sizes
+    largest_param: int  # elements of the unit's largest parameter
+
+
+def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int) -> int | list[_Unit]:
+    """A count, or the layout's units in its order, as ``Step.init`` would build them; ``tie``: the largest, over
+    the unit's parameters that a module reaches under several names, of the gradient pieces autograd holds at once
+    for it, in elements: it sums them pairwise (the sum so far, the next piece, their sum: the third replaces the
+    first), so 2 x numel however many names, one more for a size bucket that holds other params too (0: none)."""
     if isinstance(source, (int, float)) and not isinstance(source, bool):
         if not (source >= 1 and math.isfinite(source)):
             raise ValueError(f"{API}: a parameter count must be >= 1, got {source!r}.")
@@ -278,8 +326,9 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
     else:
         unit_of = by_container_child if units is None else by_prefixes(units, api=API)
         by_name: dict[str, list[int]] = {}
-        for i, path in enumerate(paths):
-            by_name.setdefault(unit_of(path), []).append(i)
+        # in the order of the params pytree's flattening (sorted keys, as ``build_layout`` groups them)
+        for i in sorted(range(len(paths)), key=lambda i: paths[i]) if isinstance(source, nn.Module) else range(len(paths)):
+            by_name.setdefault(unit_of(paths[i]), []).append(i)
         groups = list(by_name.items())
     quantum = n * SHARD_ALIGN
     out = []
@@ -287,7 +336,6 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
         numel = sum(leaves[i].numel() for i in idx)
         # a size bucket of several params is lent at its first gradient, so it is alive beside the pieces and their sum
         more = 1 if len(idx) > 1 and _rules.accepts("unit_elements", stages) else 0
-        tie = max(((uses.get(id(leaves[i]), 1) + more) * leaves[i].numel() for i in idx if uses.get(id(leaves[i]), 1) > 1),
-                  default=0)
-        out.append((name, numel, math.ceil(numel / quantum) * quantum, tie))
+        tie = max(((2 + more) * leaves[i].numel() for i in idx if uses.get(id(leaves[i]), 1) > 1), default=0)
+        out.append(_Unit(name, numel, math.ceil(numel / quantum) * quantum, tie, max(leaves[i].numel() for i in idx)))
     return out
