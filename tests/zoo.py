@@ -215,6 +215,34 @@ def _pixels_loss(call, b):
     return call(pixel_values=b["x"], labels=b["y"]).loss
 
 
+def regnet():
+    from transformers import RegNetConfig, RegNetForImageClassification
+
+    # a convnet (torchvision-like, no torchvision here): BatchNorm statistics, grouped convs, squeeze-and-excitation
+    # (the default layer_type "y"); its stages sit in encoder.stages, the default stage-3 units
+    return RegNetForImageClassification(RegNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2],
+                                                     groups_width=8, num_labels=10))
+
+
+def convnextv2():
+    from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
+
+    # LayerNorm, depthwise convs and global response norm; drop_path_rate=0.5 (default 0): stochastic depth draws one
+    # torch.rand per sample in each layer, so each rank's drops come from its own RNG stream, as under DDP. (ConvNext v1
+    # trains as PyTorch too, but its layer scale, 1e-6 by default, puts a quarter of its gradients under NOISE.)
+    return ConvNextV2ForImageClassification(ConvNextV2Config(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[8, 16],
+                                                             depths=[1, 2], image_size=32, num_labels=10, drop_path_rate=0.5))
+
+
+def _images_of(size: int, seed: int) -> Callable[[], list[dict[str, torch.Tensor]]]:
+    def batches():
+        gen = torch.Generator().manual_seed(seed)
+        return [{"x": torch.randn(GLOBAL_BATCH, 3, size, size, generator=gen),
+                 "y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen)} for _ in range(STEPS)]
+
+    return batches
+
+
 def whisper():
     from transformers import WhisperConfig, WhisperForAudioClassification
 
@@ -541,6 +569,11 @@ ZOO: dict[str, Entry] = {
     "mamba": Entry(_seeded(mamba), _tokens(128, seed=19), _hf_loss, hf=True),
     "vit": Entry(_seeded(vit), _images, _pixels_loss, hf=True),
     "whisper_encoder": Entry(_seeded(whisper), _audio, _audio_loss, hf=True),
+    # from a sweep of Hugging Face vision models (ResNet, RegNet, MobileNetV2, EfficientNet, ConvNext(V2), Swin, DINOv2,
+    # MobileViT, SegFormer, BEiT): BatchNorm with grouped convs and SE, and stochastic depth
+    "regnet": Entry(_seeded(regnet), _images_of(16, seed=25), _pixels_loss, buffers=True, hf=True),
+    # 32x32 images: the second stage's 7x7 depthwise kernels see a 4x4 map (a 2x2 one leaves most taps without gradient)
+    "convnextv2_drop_path": Entry(_seeded(convnextv2), _images_of(32, seed=26), _pixels_loss, hf=True),
     # from a sweep of 43 models nobody here wrote (2026-11-26): layers shared across depth, ALiBi
     "albert": Entry(_seeded(albert), _tokens(128, seed=22, labels="mlm"), _hf_loss, check=_one_shared_layer, hf=True),
     "bloom": Entry(_seeded(bloom), _tokens(128, seed=23), _hf_loss, hf=True),

@@ -379,7 +379,10 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
     reduce_dtype = prec.reduce_dtype
 
     # Sum over ranks in rank order, round to the compute dtype, then average: the same numbers at every
-    # stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN).
+    # stage, so stages 1-3 equal stage 0 bitwise (with shards aligned, see SHARD_ALIGN), with one micro-batch. With
+    # grad_accum > 1, stages 2-3 reduce each micro-batch's gradient in its backward and add the rounded shards (as
+    # DeepSpeed's ZeRO-2 reduces per micro-batch), where stages 0-1 add the micro-batches first and reduce once: in
+    # bf16 the two differ in their last bits.
     divisor = n * step.grad_accum * (scale if seed is None else seed)
     owned_grads, returned = [], []
     for i, g in enumerate(grads):
