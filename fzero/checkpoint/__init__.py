@@ -56,7 +56,7 @@ are checked against the model from the headers before anything is read.
 
 **From DeepSpeed.** ``from_deepspeed(save_dir, like=step)`` resumes a checkpoint of DeepSpeed's ``engine.save_checkpoint``
 (ZeRO stage 1, 2 or 3, any world size) at any fzero stage and world size: fp32 masters, Adam's moments and step
-count, buffers (``fzero/checkpoint/_deepspeed.py`` says how each parameter is found in DeepSpeed's partitions). Its
+count, buffers, an fp16 run's loss scale, and with ``model=`` the frozen parameters (``fzero/checkpoint/_deepspeed.py`` says how each parameter is found in DeepSpeed's partitions). Its
 files are read with ``torch.load(weights_only=True)``, DeepSpeed's own pickled classes as inert stand-ins.
 
 **Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or

@@ -59,7 +59,7 @@ class _Stub:
         self.__dict__.update(state if isinstance(state, dict) else {"state": state})
 
     def __repr__(self) -> str:
-        return f"<{self.ds_name} {self.args or self.__dict__}>"
+        return f"<{self.ds_name} {getattr(self, 'args', None) or self.__dict__}>"  # unpickled: no __init__, no args
 
 
 _DS_CLASSES = (
@@ -93,6 +93,7 @@ def find_tag_folder(path: str | os.PathLike, tag: str | None) -> str:
                                 f"or one of its global_step* folders.")
     if tag is None and glob.glob(os.path.join(path, "*_optim_states.pt")):
         return path
+    _refuse_other_formats(path)
     if tag is None:
         latest = os.path.join(path, "latest")
         if not os.path.isfile(latest):
@@ -102,10 +103,33 @@ def find_tag_folder(path: str | os.PathLike, tag: str | None) -> str:
             )
         with open(latest) as f:
             tag = f.read().strip()
+        if not tag:
+            raise CheckpointError(f"{API}: {latest} is empty (a save interrupted while writing it?); pass tag='global_stepN' "
+                                  f"naming one of the folders in {path!r}.")
     folder = os.path.join(path, tag)
-    if not os.path.isdir(folder):
+    if not tag or not os.path.isdir(folder):
         raise FileNotFoundError(f"{API}: the tag {tag!r} has no folder in {path!r}.")
+    _refuse_other_formats(folder)
     return folder
+
+
+def _refuse_other_formats(path: str) -> None:
+    """DeepSpeed's other outputs, named: a universal checkpoint (``ds_to_universal.py``: one folder per parameter under
+    ``zero/``) and the weights-only files of ``zero_to_fp32.py``."""
+    if os.path.isdir(os.path.join(path, "zero")) and not glob.glob(os.path.join(path, "*_optim_states.pt")):
+        raise NotImplementedError(
+            f"{API}: {path!r} is a DeepSpeed universal checkpoint (ds_to_universal.py: a zero/<param>/ folder per "
+            f"parameter), which fzero does not read. Pass the global_stepN folder it was converted from (fzero reshards "
+            f"that to any stage and world size itself)."
+        )
+    weights = [f for f in ("pytorch_model.bin", "model.safetensors", "pytorch_model.bin.index.json",
+                           "model.safetensors.index.json") if os.path.isfile(os.path.join(path, f))]
+    if weights and not glob.glob(os.path.join(path, "*_model_states.pt")):
+        raise CheckpointError(
+            f"{API}: {path!r} holds weights only ({weights[0]}: zero_to_fp32.py's output, or save_pretrained's), no "
+            f"optimizer state to resume. Load them into the model (model.load_state_dict / from_pretrained) and start "
+            f"with step.init(fzero.params_of(model)), or pass the DeepSpeed checkpoint they were converted from."
+        )
 
 
 # -- where each parameter's elements are ------------------------------------------------------------------------------
@@ -133,6 +157,7 @@ class DeepSpeedCheckpoint:
                 f"*_optim_states.pt); it is not a ZeRO checkpoint of engine.save_checkpoint (a ZeRO stage 0 run keeps its "
                 f"optimizer in the model-states file: load the weights into the model and start the optimizer afresh)."
             )
+        self.model_files = model_files
         self.model = _read(model_files[0])
         for key in ("param_shapes", "buffer_names", "module"):
             if key not in self.model:
@@ -169,12 +194,19 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{API}: rank {rank}'s optimizer-states file in {self.folder} has no base optimizer state.")
         return base["state"]
 
+    def _not_stepped(self) -> bool:
+        """No rank's optimizer has stepped yet: an fp16 run saved while every step so far overflowed (and was skipped).
+        Adam's state is then made at its first step: moments 0, count 0."""
+        return all(not self._base_state(r) for r in range(self.world))
+
     def flat(self, kind: str, rank: int, group: int) -> torch.Tensor:
         if kind == "fp32":
             o = self.optim[rank]
             flats = o.get("single_partition_of_fp32_groups") if self.stage < 3 else o.get("fp32_flat_groups")
             return flats[group].reshape(-1)
         state = self._base_state(rank).get(group, {})
+        if kind in ("exp_avg", "exp_avg_sq") and self._not_stepped():
+            return torch.zeros_like(self.flat("fp32", rank, group))
         if kind not in state:
             have = sorted({k for s in self._base_state(rank).values() for k in s})
             raise NotImplementedError(
@@ -185,16 +217,30 @@ class DeepSpeedCheckpoint:
 
     def _stage12_pieces(self) -> dict[str, list[_Piece]]:
         pads = self.optim[0].get("param_alignment_paddings")
+        flats = self.optim[0].get("single_partition_of_fp32_groups") or ()
+        if len(self.groups) != len(flats):
+            raise CheckpointError(f"{API}: {self.folder}'s model-states file has {len(self.groups)} parameter groups, its "
+                                  f"optimizer-states files {len(flats)}: the files do not belong together (another run's, "
+                                  f"or another model's, are mixed in).")
         out = {}
         for g, shapes in enumerate(self.groups):
             lengths = [self.flat("fp32", r, g).numel() for r in range(self.world)]
             starts = [sum(lengths[:r]) for r in range(self.world)]
+            pad = pads[g] if pads and g < len(pads) and pads[g] else [0] * len(shapes)
+            need = sum(math.prod(x) for x in shapes.values()) + sum(pad)
+            # DeepSpeed pads a group's flat buffer to a multiple of 2 x ranks (its NCCL alignment), at the end
+            if len(pad) != len(shapes) or not sum(lengths) - 2 * self.world < need <= sum(lengths):
+                raise CheckpointError(
+                    f"{API}: in {self.folder}, parameter group {g}'s {len(shapes)} parameters (model-states file) need "
+                    f"{need} elements, and its optimizer-states files hold {sum(lengths)} ({len(pad)} parameters): the "
+                    f"files do not belong together (another run's, or another model's, are mixed in)."
+                )
             at = 0
             for i, (name, shape) in enumerate(shapes.items()):
                 n = math.prod(shape)
                 out[name] = [_Piece(r, g, max(at, s) - s, min(at + n, s + length) - s)
                              for r, (s, length) in enumerate(zip(starts, lengths)) if max(at, s) < min(at + n, s + length)]
-                at += n + (pads[g][i] if pads and g < len(pads) and pads[g] else 0)
+                at += n + pad[i]
         return out
 
     def _stage3_pieces(self) -> dict[str, list[_Piece]]:
@@ -232,9 +278,28 @@ class DeepSpeedCheckpoint:
             for s in self._base_state(r).values():
                 if "step" in s:
                     steps.add(int(s["step"]))
+        if not steps and self._not_stepped():
+            return 0
         if len(steps) != 1:
             raise CheckpointError(f"{API}: the Adam step counts in {self.folder} differ between groups or ranks ({sorted(steps)}).")
         return steps.pop()
+
+    def frozen(self) -> dict[str, torch.Tensor]:
+        """The parameters the optimizer does not hold (``requires_grad=False``), whole, by name. Stages 2-3 save them
+        apart (``frozen_param_fragments``: the whole tensor at stage 2, each rank's partition in its own model-states
+        file at stage 3); stage 1 only in the module's state dict, beside the trainable ones, the tied aliases
+        (``shared_params``) and the buffers."""
+        shapes = self.model.get("frozen_param_shapes")
+        if shapes:
+            if self.stage == 3:
+                parts = [self.model["frozen_param_fragments"]] + [_read(f)["frozen_param_fragments"] for f in self.model_files[1:]]
+                return {n: torch.cat([p[n].reshape(-1) for p in parts])[:math.prod(s)].reshape(tuple(s)).clone()
+                        for n, s in shapes.items()}
+            return {n: self.model["frozen_param_fragments"][n].reshape(tuple(s)).clone() for n, s in shapes.items()}
+        if self.stage == 3:
+            return {}  # saved with exclude_frozen_parameters=True (or none frozen): the module holds placeholders only
+        skip = set(self.shapes) | set(self.model["buffer_names"]) | set(self.model.get("shared_params") or ())
+        return {k: v.clone() for k, v in self.model["module"].items() if k not in skip and isinstance(v, torch.Tensor)}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         names = set(self.model["buffer_names"])
@@ -249,7 +314,7 @@ def _rank_of(path: str) -> int:
 # -- the fzero state -----------------------------------------------------------------------------------------------
 
 
-def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None) -> TrainState | RankStates:
+def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None, model: Any = None) -> TrainState | RankStates:
     """The state of a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world size; ``engine.save_checkpoint``), laid
     out for ``like``: the ``Step`` to go on with (its stage, mesh and precision; the params are rebuilt from
     DeepSpeed's names and shapes, in DeepSpeed's order), or a state from its ``init`` (``step.init(fzero.params_of(
@@ -259,11 +324,18 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
     folder. The fp32 masters (the params in the step's compute dtype are their cast), Adam's moments and step count,
     the step and the buffers come from the checkpoint. The optimizer must be Adam or AdamW on both sides (its
     hyper-parameters are the step's), and the step count is the optimizer's: steps DeepSpeed skipped for an fp16
-    overflow are not counted, as fzero does not count them. Under torchrun every rank calls it; each reads the pieces
-    it holds. DeepSpeed need not be installed.
+    overflow are not counted, as fzero does not count them. An fp16 run's dynamic loss scale resumes whole (the scale,
+    the clean steps since the last overflow and the hysteresis left); a run without one leaves the step's own initial
+    loss scale. Under torchrun every rank calls it; each reads the pieces it holds. DeepSpeed need not be installed.
+
+    ``model``: the module the step runs, to put the checkpoint's frozen parameters (``requires_grad=False``, which
+    DeepSpeed saves with the module and fzero reads from the module) into, by name, strict. A checkpoint that holds
+    frozen parameters is refused without it: the run would resume on whatever values the module was built with.
     """
     folder = find_tag_folder(path, tag)
     ds = DeepSpeedCheckpoint(folder)
+    _load_frozen(ds, model, folder)
+    fresh = _fresh_loss_scale(like)
     info = {"params_tree": "dict", "params": [{"name": n, "shape": list(s)} for n, s in ds.shapes.items()],
             "packing_order": list(ds.shapes), "master": True}
     target = _target(like, info, folder, API)
@@ -275,7 +347,7 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
     step = ds.adam_step()
     first = entries(states[0], api=API)
     kinds = _kinds(first, folder)  # every rank state holds the same entries
-    scale = _loss_scale(ds, states[0])
+    scale = _loss_scale(ds, states[0], fresh)
     info.update({"loss_scale": list(scale) or None, "opt": [{"key": k} for k in first.tensors if k.startswith("opt/")],
                  "buffers": [{"name": k} for k in buffers]})
     for state in states:
@@ -329,12 +401,66 @@ def _check_names(ds: DeepSpeedCheckpoint, state: TrainState, folder: str) -> Non
         )
 
 
-def _loss_scale(ds: DeepSpeedCheckpoint, state: TrainState) -> dict[str, torch.Tensor]:
-    """fp16 with a dynamic loss scale: the current scale from DeepSpeed's loss scaler (the rest of the state starts afresh)."""
-    scaler = ds.optim[0].get("loss_scaler")
-    if state.loss_scale is None or not isinstance(scaler, _Stub) or "cur_scale" not in scaler.__dict__:
+def _fresh_loss_scale(like: Any) -> dict[str, torch.Tensor]:
+    """The loss-scale state of ``like`` when it is a state (its init values; the target copied from it is zeros)."""
+    first = like.states[0] if isinstance(like, RankStates) else like
+    ls = first.loss_scale if isinstance(first, TrainState) else None
+    return {} if ls is None else {f: t.clone() for f, t in zip(ls._fields, ls)}
+
+
+def _loss_scale(ds: DeepSpeedCheckpoint, state: TrainState, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's loss-scale state: from DeepSpeed's scaler where its run was fp16, the step's initial one elsewhere.
+
+    DeepSpeed's ``DynamicLossScaler`` (0.19) counts iterations (``cur_iter``, skipped ones too) and remembers the last
+    overflow; at the next update the clean steps since it are ``cur_iter - last_overflow_iter - 1``, fzero's
+    ``good_steps`` (``fzero.step._update.next_loss_scale``). An fp32 or bf16 run pickles a ``LossScaler`` of scale 1
+    too, which is no loss scale to resume an fp16 step with."""
+    if state.loss_scale is None:
         return {}
-    return {"scale": torch.tensor(float(scaler.cur_scale), dtype=torch.float32)}
+    scaler = ds.optim[0].get("loss_scaler")
+    out = dict(fresh)
+    fp16 = ((ds.model.get("ds_config") or {}).get("fp16") or {}).get("enabled") is True
+    if isinstance(scaler, _Stub) and "cur_scale" in scaler.__dict__ and (scaler.ds_name.endswith(".DynamicLossScaler") or fp16):
+        out["scale"] = torch.tensor(float(scaler.cur_scale), dtype=torch.float32)
+        d = scaler.__dict__
+        if scaler.ds_name.endswith(".DynamicLossScaler") and all(k in d for k in ("cur_iter", "last_overflow_iter", "cur_hysteresis")):
+            out["good_steps"] = torch.tensor(int(d["cur_iter"]) - int(d["last_overflow_iter"]) - 1, dtype=torch.int64)
+            out["hysteresis"] = torch.tensor(int(d["cur_hysteresis"]), dtype=torch.int64)
+    return out
+
+
+def _load_frozen(ds: DeepSpeedCheckpoint, model: Any, folder: str) -> None:
+    """The checkpoint's frozen parameters into ``model``'s (``fzero.checkpoint._frozen``'s rules: same names, shapes)."""
+    from fzero.checkpoint._frozen import frozen_of
+
+    saved = {n: t for n, t in ds.frozen().items() if t.numel() > 0}
+    if model is None:
+        if saved:
+            names = list(saved)
+            raise CheckpointError(
+                f"{API}: {folder} holds the frozen parameters {names[:4]}{' ...' if len(names) > 4 else ''} (requires_grad=False, "
+                f"saved by DeepSpeed with the module); pass the model, from_deepspeed(path, like=..., model=model), so that "
+                f"they go into it: fzero reads frozen parameters from the module, and without them the run would resume on "
+                f"whatever values the module was built with."
+            )
+        return
+    have = {n: p for n, p in frozen_of(model, api=API).items() if p.numel() > 0}
+    missing, extra = sorted(set(saved) - set(have)), sorted(set(have) - set(saved))
+    if missing or extra:
+        raise CheckpointError(
+            f"{API}: the frozen parameters of {type(model).__name__} are not those {folder} holds: "
+            + "; ".join(x for x in (f"saved frozen but not frozen in the model: {missing[:4]}" if missing else "",
+                                    f"frozen in the model but not in the checkpoint: {extra[:4]}" if extra else "") if x)
+            + ". Build the model (and freeze it) as the DeepSpeed run did (a checkpoint saved with "
+              "exclude_frozen_parameters=True holds none: load it without model= and give the module those values)."
+        )
+    bad = [n for n in saved if tuple(saved[n].shape) != tuple(have[n].shape)]
+    if bad:
+        raise CheckpointError(f"{API}: frozen parameter {bad[0]!r} has shape {list(saved[bad[0]].shape)} in {folder} but "
+                              f"{list(have[bad[0]].shape)} in {type(model).__name__}: another configuration of the model.")
+    with torch.no_grad():
+        for n, t in saved.items():
+            have[n].copy_(t)
 
 
 def _tensor_value(key: str, ds: DeepSpeedCheckpoint, step: int, buffers: dict, scale: dict, folder: str) -> torch.Tensor:
