@@ -353,6 +353,25 @@ def test_optimizer_false_resumes_the_schedule_at_the_checkpoints_step(tmp_path, 
     assert_trees_close(fresh.gather(after), step.gather(ref), rtol=1e-6, atol=1e-7)
 
 
+def test_an_fp32_checkpoint_resumed_in_fp16_takes_the_steps_initial_loss_scale(tmp_path):
+    """The checkpoint holds no loss scale: the fp16 state keeps its own initial one, with like=step and like=state (a
+    like state's copy was zeros: a loss scale of 0, which zeroes every gradient and never grows)."""
+    prob = mlp_problem(steps=1)
+    fp32 = make_step(prob, stages=1, mesh=fzero.local_mesh(2))
+    ck = fzero.checkpoint.save(tmp_path / "ck", fp32.init(fzero.params_of(prob.model)))
+    fp16 = make_step(prob, stages=1, mesh=fzero.local_mesh(2), precision="fp16")
+    fresh = fp16.init(fzero.params_of(prob.model))
+    for like in (fp16, fresh):
+        state = fzero.checkpoint.load(ck, like=like)
+        for s, f in zip(state.states, fresh.states):
+            assert [float(t) for t in s.loss_scale] == [float(t) for t in f.loss_scale] and float(s.loss_scale.scale) == 2.0**16
+        before = {k: v.clone() for k, v in fp16.gather(state).items()}
+        for _ in range(2):  # the schedule's lr is 0 at its first step
+            state, m = fp16(state, prob.batches[0])
+            assert not m["skipped"]
+        assert any(not torch.equal(a, b) for a, b in zip(fp16.gather(state).values(), before.values()))
+
+
 def test_rng_state_is_restored(tmp_path):
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)

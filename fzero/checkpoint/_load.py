@@ -145,7 +145,10 @@ def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState 
         first = like.states[0] if isinstance(like, RankStates) else like
         if isinstance(first.opt_state, DiskOptState):
             raise TypeError(f"{api}: like is a disk-offloaded state, whose files a copy would share; pass like=step instead.")
-        return _tree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, like)
+        # a copy, not zeros: what the checkpoint does not hold keeps like's own values (its initial loss scale when
+        # the checkpoint ran without one, buffers saved before a step adopted them, its optimizer state under
+        # optimizer=False); zeros there were a loss scale of 0, which zeroes every gradient for good
+        return _tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, like)
     raise TypeError(f"{api}: like must be the Step to resume with, or a TrainState/RankStates from its init; got {type(like).__name__}.")
 
 
