@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fzero.layout import pytrees as _tree, Unit
 from fzero.checkpoint._dcp import CheckpointError, Dest, Piece
 from fzero.zero import DiskOptState
-from fzero.step import RankStates, TrainState, is_donated, MasterState
+from fzero.step import RankStates, TrainState, is_busy, is_donated, MasterState
 
 PARAM = "param"  # an optimizer-state entry shaped like the params (one tensor per unit)
 TENSOR = "tensor"  # any other optimizer-state tensor
@@ -319,6 +319,9 @@ def dests(state: TrainState, e: Entries, info: dict[str, Any]) -> list[Dest]:
 
 def held(state: Any, api: str) -> tuple[list[TrainState], bool]:
     """The rank states this process holds, and whether they are one rank of a torch.distributed job."""
+    if is_busy(state) and not is_donated(state):
+        raise ValueError(f"{api}: a step is running on this state now, in another thread, and updating its buffers in place; "
+                         f"save the state that step returns.")
     if is_donated(state):
         raise ValueError(f"{api}: this state was already passed to a step, which reused its buffers, or a state sharing them "
                          f"was (step.with_buffers' result and the state it was given are one); save the state that step returned.")

@@ -391,9 +391,10 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             raise
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
-        in_place = into is not None and into(leaves)
         versions = [x._version for x in leaves] if on_written is not None else []  # (a detached alias shares the counter)
         with torch.enable_grad(), step_scope():  # modules keep their params until backward is done (checkpoint)
+            # (under enable_grad: the hooks note usage only where a gradient is being built, fzero.step._context.active)
+            in_place = into is not None and into(leaves)
             scaled, (loss, tensors, new_buffers) = objective(leaves)
             written = [i for i, (x, v) in enumerate(zip(leaves, versions)) if x._version != v]
             if written and on_written is not None:

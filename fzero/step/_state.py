@@ -12,8 +12,10 @@ per-rank states side by side, a pytree node too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import optree
 import torch
@@ -39,11 +41,12 @@ class Marks:
     compares a state it did not make once. A field of the state, made fresh for every new state object (never
     copied by ``dataclasses.replace`` or a tree map), in place of registries keyed by the state's identity."""
 
-    __slots__ = ("donated", "made_by")
+    __slots__ = ("donated", "made_by", "busy")
 
     def __init__(self) -> None:
         self.donated = False
         self.made_by: Any = None
+        self.busy = False  # a donating step is running on the state now (``claimed``)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -126,6 +129,40 @@ def is_donated(state: Any) -> bool:
     if isinstance(state, RankStates) and any(is_donated(s) for s in state.states):
         return True  # a rank's update began in place (a step that raised part-way marks the ranks it reached)
     return isinstance(marks, Marks) and marks.donated
+
+
+def _all_marks(state: Any) -> list[Marks]:
+    marks = [getattr(state, "marks", None)] + [s.marks for s in (state.states if isinstance(state, RankStates) else ())]
+    return [m for m in marks if isinstance(m, Marks)]
+
+
+def is_busy(state: Any) -> bool:
+    """A step that reuses ``state``'s buffers is running on it now (in another thread): its values are being
+    written in place."""
+    return any(m.busy for m in _all_marks(state))
+
+
+_CLAIMS = threading.Lock()
+
+
+@contextlib.contextmanager
+def claimed(state: Any, *, refuse: Any) -> Iterator[None]:
+    """Hold ``state`` for a step that will reuse its buffers: a second step given the same state meanwhile (another
+    thread: two threads sharing one state, a step called from a ``loss_fn`` that each rank thread of a ``local_mesh``
+    runs) is refused instead of running beside it, each updating the one set of buffers in place (both accepted, both
+    results were one lr off, silently). Checked and taken under one lock; ``refuse()`` raises the error for a state
+    spent or held meanwhile."""
+    marks = _all_marks(state)
+    with _CLAIMS:
+        if any(m.donated or m.busy for m in marks):
+            refuse()
+        for m in marks:
+            m.busy = True
+    try:
+        yield
+    finally:
+        for m in marks:
+            m.busy = False
 
 
 # -- a state against the step it enters ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ reduces them in backward), and ``fzero.step._update.finish`` synchronises, check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -39,8 +40,8 @@ from fzero.step._module import Buffers, broadcast_buffers
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
-from fzero.step._state import (RankStates, TrainState, check_state_matches, is_donated, is_verified, mark_donated, mark_verified,
-                               meta_of, share_marks)
+from fzero.step._state import (RankStates, TrainState, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
+                               mark_verified, meta_of, share_marks)
 from fzero.step._update import MasterState, Precision, finish
 
 
@@ -119,9 +120,19 @@ class Step:
 
     # -- step --------------------------------------------------------------------------------------
     def __call__(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
-        """One optimizer step. Returns the new state and metrics: loss (mean over ranks), grad_norm, lr, step."""
+        """One optimizer step. Returns the new state and metrics: loss (mean over ranks), grad_norm, lr, step.
+
+        The gradient is taken whatever the caller's grad mode, as ``torch.func.grad`` ignores a ``torch.no_grad()``
+        around it: under ``no_grad`` stages 0-1 updated no param (their gradient hooks read the caller's mode and
+        recorded every param as unused) while stages 2-3 trained, and under ``inference_mode`` every stage did nothing
+        or raised torch's error on an inference tensor."""
         self._check_state(state)
         self._check_rows(batch)
+        hold = claimed(state, refuse=lambda: self._check_state(state)) if self.donate else contextlib.nullcontext()
+        with hold, torch.inference_mode(False), torch.enable_grad():
+            return self._call(state, batch)
+
+    def _call(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
         if not self.donate:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
@@ -296,6 +307,13 @@ class Step:
 
     # -- checks ------------------------------------------------------------------------------------
     def _check_state(self, state: Any, *, api: str = "fzero.Step.__call__") -> None:
+        if is_busy(state) and not is_donated(state):
+            raise ValueError(
+                f"{api}: a step is running on this state now, in another thread, and updating its buffers in place "
+                f"(one state passed to two steps at once: threads sharing a state, or a step called in a loss_fn that "
+                f"each rank thread of a local_mesh runs). Give each thread its own state (step.init), or wait for the "
+                f"step and use the state it returns."
+            )
         if is_donated(state):
             raise ValueError(
                 f"{api}: this state was already passed to a step, which reused its buffers (donation), or a state sharing "
