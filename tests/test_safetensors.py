@@ -246,6 +246,60 @@ def test_weights_errors(tmp_path):
     assert os.path.exists(tmp_path / "cli" / "model.safetensors.index.json") and {v.dtype for v in saved.values()} == {torch.bfloat16}
 
 
+def test_exports_refuse_a_model_of_another_configuration(tmp_path):
+    """A model whose names cover the state's but that was not its model: a deeper one (its extra layer was exported as
+    its random init, silently, by step.state_dict, save_weights and consolidate, and load_state_dict(strict=True)
+    took it), or one that ties two params the state trained apart (the state dict carried both values for one tensor:
+    the one loaded last won). A frozen extra param comes from the module, as fzero.apply reads it, unless the
+    checkpoint was saved with model= and so holds every param of its model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, step, state = trained("llama", stages=3, steps=1)
+    ck = fzero.checkpoint.save(tmp_path / "ck", state)
+    ck_model = fzero.checkpoint.save(tmp_path / "ck_model", state, model=model)
+    config = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=32)
+    deeper = LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, **config))
+    tied = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **config))
+    exports = [
+        ("Step.state_dict", lambda m: step.state_dict(state, m)),
+        ("save_weights", lambda m: fzero.checkpoint.save_weights(step, state, tmp_path / "hf", model=m)),
+        ("consolidate", lambda m: fzero.checkpoint.consolidate(ck, tmp_path / "m.pt", model=m)),
+        ("consolidate", lambda m: fzero.checkpoint.consolidate(ck, tmp_path / "st", model=m, format="safetensors")),
+    ]
+    for api, export in exports:
+        with pytest.raises((ValueError, fzero.checkpoint.CheckpointError),
+                           match=rf"{api}: LlamaForCausalLM has parameters the state does not hold: \['model.layers.2.self_attn"):
+            export(deeper)
+        with pytest.raises((ValueError, fzero.checkpoint.CheckpointError),
+                           match=rf"{api}: the state holds separate values for \['model.embed_tokens.weight', 'lm_head.weight'\]"):
+            export(tied)
+    deeper.model.layers[2].requires_grad_(False)  # frozen: the module's values are the ones fzero.apply would read
+    assert step.state_dict(state, deeper)["model.layers.2.mlp.up_proj.weight"] is not None
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"holds every parameter of that model, frozen ones included"):
+        fzero.checkpoint.consolidate(ck_model, tmp_path / "m.pt", model=deeper)
+    MODELS["llama"]().load_state_dict(step.state_dict(state, MODELS["llama"]()), strict=True)  # another instance: fine
+
+
+def test_save_weights_names_the_prefix_of_a_model_trained_inside_a_wrapper(tmp_path):
+    """Trained as part of a wrapper, the state's names carry its attribute ("net."); model=inner was refused with
+    "has no 'net.lm_head.weight'", not saying why or what to do instead."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = MODELS["llama"]()
+
+        def forward(self, ids):
+            return self.net(input_ids=ids, labels=ids).loss
+
+    wrapper = Wrapper()
+    step = fzero.compile(lambda p, ids: fzero.apply(wrapper, p, ids),
+                         optimizer=fzero.optim.adamw(1e-2), stages=0)
+    state = step.init(fzero.params_of(wrapper))
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"the state's names carry the prefix 'net.': it was trained as part "
+                                                               r"of a module holding LlamaForCausalLM"):
+        fzero.checkpoint.save_weights(step, state, tmp_path / "hf", model=wrapper.net)
+
+
 @pytest.mark.torchrun
 def test_save_weights_under_torchrun_matches_the_local_mesh(tmp_path, one_thread):
     """Every rank gathers unit by unit (collectives), rank 0 writes: the same files as the same run on local_mesh(2)."""

@@ -15,6 +15,7 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import fsync_dir, open_checkpoint
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
 from fzero.checkpoint._safetensors import out_dtype, parse_size
+from fzero.step import check_export_model
 from fzero.checkpoint._weights import DEFAULT_SHARD, check_format, items_for, names, prepare_dir, writing
 
 
@@ -63,7 +64,7 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
         _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in buffers.items()],
                   check=manifest.check)
         tensors.update({n: t for (_, n), t in buffers.items()})
-        out = tensors if model is None else _as_model_state_dict(tensors, model, found, api)
+        out = tensors if model is None else _as_model_state_dict(tensors, model, found, api, complete=_complete(info))
         torch.save({k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}, f)
     os.replace(tmp, out_file)
     fsync_dir(os.path.dirname(out_file))
@@ -82,7 +83,7 @@ def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: A
     held = {n: (shapes[n], torch.float32) for n in order}
     buffers = {(kind, b["name"]): (tuple(b["shape"]), getattr(torch, b["dtype"])) for kind, b in _module_tensors(info)}
     held.update({n: v for (_, n), v in buffers.items()})
-    rename, extras = names(held, model, api=api)
+    rename, extras = names(held, model, api=api, complete=_complete(info))
     items = items_for(held, rename, extras, dtype)
     prepare_dir(out_dir, api=api, needed=sum(i.nbytes for i in items))
     with writing(out_dir, items, max_shard_size=max_bytes, api=api) as w:
@@ -158,9 +159,17 @@ def _writing(tmp: str, out_file: str, *, api: str, needed: int) -> Iterator[Bina
         raise
 
 
-def _as_model_state_dict(tensors: dict[str, torch.Tensor], model: torch.nn.Module, path: str, api: str) -> dict[str, torch.Tensor]:
+def _complete(info: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds every parameter of the model it was saved with: ``save(..., model=model)``
+    recorded its frozen ones (``_frozen``), which the checkpoint holds beside the params."""
+    return info.get("frozen") is not None
+
+
+def _as_model_state_dict(tensors: dict[str, torch.Tensor], model: torch.nn.Module, path: str, api: str, *,
+                         complete: bool) -> dict[str, torch.Tensor]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{api}: model must be an nn.Module (the one the checkpoint trained), got {type(model).__name__}.")
+    check_export_model(model, tensors, api=api, complete=complete, error=CheckpointError)
     saved_as = {}  # id of a parameter object -> its saved name: tied aliases share the object
     for n, p in model.named_parameters(remove_duplicate=False):
         if n in tensors:

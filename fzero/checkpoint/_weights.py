@@ -23,6 +23,7 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
 from fzero.checkpoint._safetensors import Item, Writer, out_dtype, parse_size
 from fzero.layout import pytrees as _tree
+from fzero.step import check_export_model
 
 DEFAULT_SHARD = "5GB"  # save_pretrained's default until transformers 5 (now 50GB): files any loader and hub take
 
@@ -30,8 +31,8 @@ DEFAULT_SHARD = "5GB"  # save_pretrained's default until transformers 5 (now 50G
 # -- names: model.state_dict()'s, without tied aliases ------------------------------------------------------------
 
 
-def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module | None, *, api: str
-          ) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
+def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module | None, *, api: str,
+          complete: bool = False) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
     """(held name -> name in the file, [(name, tensor)] the model adds) for tensors the state or checkpoint holds.
 
     Without ``model``: the held names. With ``model``: every tensor of ``model.state_dict()`` once. Tensors that
@@ -39,12 +40,15 @@ def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module
     are written once, as Hugging Face does (safetensors refuses shared storage, ``save_pretrained`` drops the
     tied name and ``from_pretrained`` ties it again): under the first name that the model does not declare tied
     (``_tied_weights_keys``), in ``state_dict`` order. What the state lacks (frozen parameters, buffers a step
-    never adopted) comes from ``model``.
+    never adopted) comes from ``model``. A model the tensors were not made from is refused where it would make the
+    output silently wrong (``check_export_model``); ``complete``: ``held`` is every parameter of the model it came
+    from (a checkpoint saved with ``model=``, which holds the frozen ones too).
     """
     if model is None:
         return {n: n for n in held}, []
     if not isinstance(model, nn.Module):
         raise TypeError(f"{api}: model must be the nn.Module the params came from, got {type(model).__name__}.")
+    check_export_model(model, held, api=api, complete=complete, error=CheckpointError)
     tied = _declared_tied(model)
     groups: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -62,10 +66,27 @@ def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module
             raise CheckpointError(f"{api}: {source} has shape {list(tensors[key].shape)} in the model but {list(held[source][0])} in the state.")
         rename[source] = keep
         used.add(source)
+    prefix = _wrapper_prefix([n for n in held if n not in used], model)
+    if prefix:
+        raise CheckpointError(
+            f"{api}: the state's names carry the prefix {prefix!r}: it was trained as part of a module holding "
+            f"{type(model).__name__} (a wrapper, a LightningModule), which model= must be. That module's names keep the prefix, "
+            f"which from_pretrained does not strip (unless it is the model's base_model_prefix); to write the inner model's "
+            f"files, load its weights into it, inner.load_state_dict({{k[{len(prefix)}:]: v for k, v in "
+            f"step.state_dict(state, wrapper).items() if k.startswith({prefix!r})}}), and call inner.save_pretrained(dir).")
     for n in held:  # a tied name that params_of did not list first, or a buffer under its own name
         if n not in used:
             raise CheckpointError(f"{api}: {type(model).__name__}.state_dict() has no {n!r}, which the state holds; pass the model it was trained from.")
     return rename, extras
+
+
+def _wrapper_prefix(unknown: list[str], model: nn.Module) -> str | None:
+    """The prefix ("net.") shared by ``unknown`` names that ``model`` has without it: a state of a module holding it."""
+    if not unknown or "." not in unknown[0]:
+        return None
+    prefix = unknown[0].split(".", 1)[0] + "."
+    known = set(model.state_dict(keep_vars=True))
+    return prefix if all(n.startswith(prefix) and n[len(prefix):] in known for n in unknown) else None
 
 
 def _declared_tied(model: nn.Module) -> set[str]:

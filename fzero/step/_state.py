@@ -430,6 +430,48 @@ def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any,
     )
 
 
+def check_export_model(module: Any, held: Any, *, api: str, complete: bool = False, error: type = ValueError) -> None:
+    """Refuse to name a state's (or a checkpoint's) tensors by ``module`` where the result would be silently wrong:
+    ``module`` is not the model they were made from, yet every name they hold is one of its names.
+
+    - two names the state holds separately are one tied tensor in ``module`` (a state of an untied configuration,
+      ``tie_word_embeddings=False``): a state dict would carry both values for one tensor, and whichever loads last wins;
+    - a parameter of ``module`` that the state lacks and that is trainable there (``complete``: any, frozen or not):
+      an export takes it from the module, which holds its initial values (a state of a configuration with fewer
+      layers exported with a deeper one). A frozen parameter comes from the module by design, as ``fzero.apply`` reads
+      it. ``complete``: ``held`` lists every parameter of the model it was made from (a checkpoint saved with
+      ``model=``, which names its frozen parameters too).
+
+    ``held``: the names of the params held (buffers among them are ignored). Names ``module`` lacks are the
+    caller's to report (another model altogether), so nothing is checked then."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    held = set(held)
+    if not held <= {n for n, _ in named} | {n for n, _ in module.named_buffers(remove_duplicate=False)}:
+        return
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, p in named:
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    for _, aliases in groups.values():
+        separate = [a for a in aliases if a in held]
+        if len(separate) > 1:
+            raise error(
+                f"{api}: the state holds separate values for {separate}, which are one tied parameter in "
+                f"{type(module).__name__}: it was made from a configuration of the model without that tie (e.g. "
+                f"tie_word_embeddings=False), and one of the values would be lost. Pass the model the state was made from."
+            )
+    lacking = [aliases[0] for p, aliases in groups.values() if not any(a in held for a in aliases) and (complete or p.requires_grad)]
+    if lacking:
+        why = ("the checkpoint was saved with model= and holds every parameter of that model, frozen ones included"
+               if complete else "they are trainable there, so they are not frozen values the module holds by design")
+        raise error(
+            f"{api}: {type(module).__name__} has parameters the state does not hold: {lacking[:4]}"
+            f"{' ...' if len(lacking) > 4 else ''}; {why}. They would be exported as the module's own (initial) values: "
+            f"the state was made from another configuration of the model (fewer layers, another head). Pass the model it "
+            f"was made from" + ("." if complete else "; or, if the module's values of these are the ones wanted (parameters "
+            f"frozen in training and unfrozen since), freeze them (requires_grad_(False)) first.")
+        )
+
+
 # A state's optimizer state and buffers are checked against a step (``check_state_matches``) unless that step made
 # it or checked it already: ``Marks.made_by``. A step's new states are marked by the step itself.
 def mark_verified(state: TrainState | RankStates, step: Any) -> None:

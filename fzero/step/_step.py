@@ -40,7 +40,7 @@ from fzero.step._module import Buffers, broadcast_buffers
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
-from fzero.step._state import (RankStates, TrainState, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
+from fzero.step._state import (RankStates, TrainState, check_export_model, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
                                mark_verified, meta_of, share_marks)
 from fzero.step._update import MasterState, Precision, finish
 
@@ -291,6 +291,7 @@ class Step:
             return own
         if not isinstance(model, nn.Module):
             raise TypeError(f"fzero.Step.state_dict: model must be the nn.Module the params came from, got {type(model).__name__}.")
+        check_export_model(model, own, api="fzero.Step.state_dict")
         alias = {}  # id of a parameter -> the name it has in the state (tied parameters are held once)
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in own:
