@@ -402,7 +402,7 @@ def _check_names(ds: DeepSpeedCheckpoint, state: TrainState, folder: str) -> Non
 
 
 def _fresh_loss_scale(like: Any) -> dict[str, torch.Tensor]:
-    """The loss-scale state of ``like`` when it is a state (its init values; the target copied from it is zeros)."""
+    """The loss-scale state of ``like`` when it is a state (its own values, taken before the load writes the target)."""
     first = like.states[0] if isinstance(like, RankStates) else like
     ls = first.loss_scale if isinstance(first, TrainState) else None
     return {} if ls is None else {f: t.clone() for f, t in zip(ls._fields, ls)}
