@@ -129,6 +129,20 @@ def test_consolidate_a_checkpoint_to_safetensors(tmp_path, name):
     assert set(read_all(bare)) == set(fzero.params_of(model))
 
 
+def test_a_tied_models_checkpoint_consolidates_without_the_model_into_a_strict_state_dict(tmp_path):
+    """The command line's consolidate has no model: a checkpoint saved with model= records the tied aliases
+    (GPT-2's lm_head.weight is transformer.wte.weight), so its .pt loads strictly, as zero_to_fp32's output does."""
+    model, step, state = trained("gpt2", stages=3)
+    ck = fzero.checkpoint.save(tmp_path / "ck", state, model=model)
+    subprocess.run([sys.executable, "-m", "fzero.checkpoint", "consolidate", str(ck), str(tmp_path / "model.pt")],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    fresh = MODELS["gpt2"]()
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still one tensor after the load
+    expected = step.state_dict(state, model)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
 def test_sharded_output_is_named_and_indexed_as_hugging_face_does(tmp_path):
     model, step, state = trained("llama", stages=3)
     out = str(tmp_path / "hf")

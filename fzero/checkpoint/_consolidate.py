@@ -64,7 +64,10 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
         _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in buffers.items()],
                   check=manifest.check)
         tensors.update({n: t for (_, n), t in buffers.items()})
-        out = tensors if model is None else _as_model_state_dict(tensors, model, found, api, complete=_complete(info))
+        if model is None:  # tied aliases, as save(..., model=model) recorded them: the file loads strictly
+            out = {**tensors, **{alias: tensors[name] for alias, name in (info.get("ties") or {}).items() if name in tensors}}
+        else:
+            out = _as_model_state_dict(tensors, model, found, api, complete=_complete(info))
         torch.save({k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}, f)
     os.replace(tmp, out_file)
     fsync_dir(os.path.dirname(out_file))

@@ -40,6 +40,21 @@ def describe(frozen: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return [{"name": n, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in frozen.items()]
 
 
+def ties(model: Any, held: list[str]) -> dict[str, str]:
+    """``{alias: held name}`` for every other name of a parameter the checkpoint holds under one name (tied weights:
+    a GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight``), so that a consolidation without the model (the
+    command line's) writes each name ``model.state_dict()`` has, as DeepSpeed's ``zero_to_fp32`` restores shared
+    parameters, and the file loads strictly."""
+    held_set, first_of, out = set(held), {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first_of.setdefault(id(p), []).append(name)
+    for names in first_of.values():
+        kept = [n for n in names if n in held_set]
+        if len(kept) == 1:
+            out.update({n: kept[0] for n in names if n != kept[0]})
+    return out
+
+
 def pieces(frozen: dict[str, torch.Tensor]) -> list[_dcp.Piece]:
     """Each whole, written by one process (rank 0), as the buffers are."""
     return [_dcp.Piece(f"frozen/{n}", tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, _host(t)) for n, t in frozen.items()]

@@ -67,6 +67,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
             **describe(states[0], ents[0]), "param_groups": labels(states[0], step_of(states[0])), "extra": extra_json}
     if frozen is not None:
         info["frozen"] = _frozen.describe(frozen)
+        info["ties"] = _frozen.ties(model, [p["name"] for p in info["params"]] + list(frozen))
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
     todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
     if frozen is not None and process == 0:
