@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import fzero
 import fzero.optim as fo
 
 
@@ -193,3 +194,24 @@ def test_equals_deepspeed(case):
             assert ours.momentum(k) == group["betas"][0], f"{case}: momentum at step {k}"
             assert group["betas"][1] == 0.99  # DeepSpeed's fixed second beta (fzero leaves b2 alone)
         scheduler.step()  # after optimizer.step(), as DeepSpeed's engine does
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_an_lr_the_loop_sets_between_steps_is_the_one_applied_and_reported(stages):
+    """docs/migrating.md: a schedule is called on the host at every step, so one that reads a value the loop sets
+    (ReduceLROnPlateau's way, torch's param_group["lr"] = x) applies that value: SGD moves each param by lr * grad."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    lr = {"now": 0.1}
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(lambda t: lr["now"]),
+                         stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(4, 4)
+    moved = []
+    for value in (0.1, 0.0, 0.05):
+        lr["now"] = value
+        before = {k: t.clone() for k, t in step.gather(state).items()}
+        state, m = step(state, x)
+        assert m["lr"] == value
+        moved.append(max(float((step.gather(state)[k] - before[k]).abs().max()) for k in before))
+    assert moved[0] > 0 and moved[1] == 0.0 and moved[2] > 0
