@@ -22,7 +22,8 @@ from fzero.config import from_deepspeed
 from fzero.mesh._comm import RanksDisagree
 from fzero.models import MLP
 from fzero.step._update import MAX_LOSS_SCALE, LossScaleState, next_loss_scale
-from fzero.step._state import check_params_fit_module, tree_difference
+from fzero.step._module import check_params_fit_module
+from fzero.step._state import tree_difference
 from fzero.step._update import ZeroGradientWarning, schedule_name
 
 O = fzero.optim

@@ -335,7 +335,6 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
     folder = find_tag_folder(path, tag)
     ds = DeepSpeedCheckpoint(folder)
     _load_frozen(ds, model, folder)
-    fresh = _fresh_loss_scale(like)
     info = {"params_tree": "dict", "params": [{"name": n, "shape": list(s)} for n, s in ds.shapes.items()],
             "packing_order": list(ds.shapes), "master": True}
     target = _target(like, info, folder, API)
@@ -347,7 +346,7 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
     step = ds.adam_step()
     first = entries(states[0], api=API)
     kinds = _kinds(first, folder)  # every rank state holds the same entries
-    scale = _loss_scale(ds, states[0], fresh)
+    scale = _loss_scale(ds, states[0])
     info.update({"loss_scale": list(scale) or None, "opt": [{"key": k} for k in first.tensors if k.startswith("opt/")],
                  "buffers": [{"name": k} for k in buffers]})
     for state in states:
@@ -401,15 +400,9 @@ def _check_names(ds: DeepSpeedCheckpoint, state: TrainState, folder: str) -> Non
         )
 
 
-def _fresh_loss_scale(like: Any) -> dict[str, torch.Tensor]:
-    """The loss-scale state of ``like`` when it is a state (its own values, taken before the load writes the target)."""
-    first = like.states[0] if isinstance(like, RankStates) else like
-    ls = first.loss_scale if isinstance(first, TrainState) else None
-    return {} if ls is None else {f: t.clone() for f, t in zip(ls._fields, ls)}
-
-
-def _loss_scale(ds: DeepSpeedCheckpoint, state: TrainState, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The step's loss-scale state: from DeepSpeed's scaler where its run was fp16, the step's initial one elsewhere.
+def _loss_scale(ds: DeepSpeedCheckpoint, state: TrainState) -> dict[str, torch.Tensor]:
+    """The loss-scale fields the checkpoint gives: from DeepSpeed's scaler where its run was fp16. The fields it does
+    not give keep the target's own (``like``'s values, or a fresh init's: ``fzero.checkpoint._load._target``).
 
     DeepSpeed's ``DynamicLossScaler`` (0.19) counts iterations (``cur_iter``, skipped ones too) and remembers the last
     overflow; at the next update the clean steps since it are ``cur_iter - last_overflow_iter - 1``, fzero's
@@ -418,7 +411,7 @@ def _loss_scale(ds: DeepSpeedCheckpoint, state: TrainState, fresh: dict[str, tor
     if state.loss_scale is None:
         return {}
     scaler = ds.optim[0].get("loss_scaler")
-    out = dict(fresh)
+    out: dict[str, torch.Tensor] = {}
     fp16 = ((ds.model.get("ds_config") or {}).get("fp16") or {}).get("enabled") is True
     if isinstance(scaler, _Stub) and "cur_scale" in scaler.__dict__ and (scaler.ds_name.endswith(".DynamicLossScaler") or fp16):
         out["scale"] = torch.tensor(float(scaler.cur_scale), dtype=torch.float32)

@@ -16,6 +16,10 @@ such: ``anchor.new_empty(...).copy_(value)``, where ``anchor`` is a detached inp
 function, gives a tensor of that level with the value's exact bits and no gradient bookkeeping (passing
 buffers as differentiated inputs instead would cost a zero gradient per buffer and cannot carry integer
 ones). The values come out of the transform as auxiliary outputs.
+
+At the end, the checks of a module against the params a state holds: at every ``fzero.apply`` (a state of another
+model width, trainable params changed since ``step.init``) and before an export names a state's tensors by a module
+(``check_export_model``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from torch import nn
 
 from fzero.layout import check_no_meta, named_tensors
 from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
-from fzero.step._state import check_params_fit_module, check_trainable_set
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -218,3 +221,146 @@ def broadcast_buffers(comm, buffers: dict[str, torch.Tensor], *, copy: bool = Fa
         for name in sorted(out):
             comm.broadcast(out[name], src=0, tag="buffers", label=name)
     return out
+
+
+# -- a module against the params a state holds: the checks fzero.apply and the exports make ----------------------------
+
+
+def check_params_fit_module(module: Any, params: Any, *, api: str,
+                            units: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Raise a ``ValueError`` when a param of ``params`` (name -> tensor, as ``fzero.params_of`` names them) has
+    another shape than the parameter of that name in ``module``: the state was made from another model (an
+    MLP(4, 8, 2) state run by an MLP(4, 16, 2)), and ``torch.func.functional_call`` would run it anyway, as the
+    smaller model. ``units``: name -> unit, to name the unit too. Names the module lacks are refused too, with
+    the names missing on either side: ``functional_call`` would fail deep inside torch ("Sequential has no
+    attribute layers") or set an attribute the forward never reads.
+
+    Meant for ``fzero.apply`` (stages 0-1) and the stage 2-3 skeleton, once per module and layout (a dict lookup
+    per param). Returns the module's ``(name, parameter)`` pairs it walked, for ``check_trainable_set``."""
+    named = named_tensors(module, "_parameters", remove_duplicate=False)  # per step: one walk, not torch's generators
+    own = dict(named)
+    unexpected = [name for name in params if name not in own]
+    if unexpected:
+        known = {*own, *(n for n, _ in module.named_buffers(remove_duplicate=False))}
+        unexpected = [name for name in unexpected if name not in known]
+    if unexpected:
+        missing = [name for name, q in own.items() if name not in params and q.requires_grad]
+        raise ValueError(
+            f"{api}: params has {len(unexpected)} name(s) that {type(module).__name__} does not have: "
+            f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}; the model has {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} that params lacks. The params (or the state) were made from another "
+            f"model, or a module renamed its layers. Make the state from this model's params "
+            f"(step.init(fzero.params_of(model))), run the model it came from, or rename the keys to this model's names."
+        )
+    for name, p in params.items():
+        q = own.get(name)
+        if q is None or not isinstance(p, torch.Tensor) or p.shape == q.shape:
+            continue
+        unit = f"unit {units[name]!r} " if units and name in units else ""
+        raise ValueError(
+            f"{api}: {unit}param {name!r} has shape {tuple(p.shape)} in the state but {tuple(q.shape)} in the model "
+            f"({type(module).__name__}): the state was made from another model or another configuration of it. Make "
+            f"the state from this model's params (step.init(fzero.params_of(model))), or run the model it came from."
+        )
+    return named
+
+
+def trainable_changes(named: list[tuple[str, torch.Tensor]], names: set[str]) -> tuple[list[str], list[str]]:
+    """(params in ``names`` that are frozen now, params trainable now that ``names`` lacks), from the module's
+    ``named`` parameters (a tied one under each of its names; the first is the one ``params_of`` uses)."""
+    frozen, seen, new = [], set(), []
+    for name, p in named:
+        if name in names and not p.requires_grad:
+            frozen.append(name)
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad and name not in names:
+            new.append(name)
+    return frozen, new
+
+
+def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any, module: Any, *, api: str) -> None:
+    """Raise a ``ValueError`` when the module's trainable parameters are no longer those the state was made with.
+
+    ``named``: the module's parameters as ``named_parameters(remove_duplicate=False)`` lists them (a tied one under
+    each of its names); ``state_names``: the names of the state's params. A state fixes at ``step.init`` which params
+    train (as a DeepSpeed engine or an FSDP module fixes them when it is made); a ``requires_grad`` changed on the
+    module afterwards, or a trainable module attached, would otherwise be ignored (stages 0-1: a frozen param kept
+    training, a new one never trained) or, at stages 2-3, run on the uninitialised memory of a stand-in. Once per
+    ``fzero.apply`` in a step: a pass over names the caller has already collected."""
+    names = set(state_names)
+    if not names <= {name for name, _ in named}:
+        return  # the state names params this module lacks: another model, which the callers name as such
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in named:
+        by_tensor.setdefault(id(p), []).append(name)
+    for aliases in by_tensor.values():
+        held = [a for a in aliases if a in names]
+        if len(held) > 1:  # torch's functional_call would say "Consider using tie_weights=False"
+            raise ValueError(
+                f"{api}: the state holds separate values for {held}, which are one tied parameter in "
+                f"{type(module).__name__}: the state (or a checkpoint loaded into it) was made from a configuration of the "
+                f"model without that tie (e.g. tie_word_embeddings=False). Build the model as the state was made, or make "
+                f"the state from this model (step.init(fzero.params_of(model)))."
+            )
+    frozen, new = trainable_changes(named, names)
+    if not frozen and not new:
+        return
+    what = []
+    if frozen:
+        what.append(f"frozen since (requires_grad=False now): {frozen[:4]}{' ...' if len(frozen) > 4 else ''}")
+    if new:
+        what.append(f"trainable now but not in the state (unfrozen, a module attached, or the state, or a checkpoint "
+                    f"loaded into it, made from a smaller configuration of the model): {new[:4]}{' ...' if len(new) > 4 else ''}")
+    raise ValueError(
+        f"{api}: the trainable parameters of {type(module).__name__} are not those the state was made with; "
+        f"{'; '.join(what)}. A state fixes which params train when it is made (step.init), and fzero would otherwise "
+        f"train the old set silently. Undo the change, or start a state with the new set: write the trained values "
+        f"into the model (model.load_state_dict(step.state_dict(state, model))), change requires_grad or attach the "
+        f"modules, then state = step.init(fzero.params_of(model)) (the optimizer's moments start again). To stop "
+        f"training some params for a while without a new state, give them zero updates with "
+        f"fzero.optim.multi_transform({{..., 'frozen': fzero.optim.set_to_zero()}}, labels) from the start."
+    )
+
+
+def check_export_model(module: Any, held: Any, *, api: str, complete: bool = False, error: type = ValueError) -> None:
+    """Refuse to name a state's (or a checkpoint's) tensors by ``module`` where the result would be silently wrong:
+    ``module`` is not the model they were made from, yet every name they hold is one of its names.
+
+    - two names the state holds separately are one tied tensor in ``module`` (a state of an untied configuration,
+      ``tie_word_embeddings=False``): a state dict would carry both values for one tensor, and whichever loads last wins;
+    - a parameter of ``module`` that the state lacks and that is trainable there (``complete``: any, frozen or not):
+      an export takes it from the module, which holds its initial values (a state of a configuration with fewer
+      layers exported with a deeper one). A frozen parameter comes from the module by design, as ``fzero.apply`` reads
+      it. ``complete``: ``held`` lists every parameter of the model it was made from (a checkpoint saved with
+      ``model=``, which names its frozen parameters too).
+
+    ``held``: the names of the params held (buffers among them are ignored). Names ``module`` lacks are the
+    caller's to report (another model altogether), so nothing is checked then."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    held = set(held)
+    if not held <= {n for n, _ in named} | {n for n, _ in module.named_buffers(remove_duplicate=False)}:
+        return
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, p in named:
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    for _, aliases in groups.values():
+        separate = [a for a in aliases if a in held]
+        if len(separate) > 1:
+            raise error(
+                f"{api}: the state holds separate values for {separate}, which are one tied parameter in "
+                f"{type(module).__name__}: it was made from a configuration of the model without that tie (e.g. "
+                f"tie_word_embeddings=False), and one of the values would be lost. Pass the model the state was made from."
+            )
+    lacking = [aliases[0] for p, aliases in groups.values() if not any(a in held for a in aliases) and (complete or p.requires_grad)]
+    if lacking:
+        why = ("the checkpoint was saved with model= and holds every parameter of that model, frozen ones included"
+               if complete else "they are trainable there, so they are not frozen values the module holds by design")
+        raise error(
+            f"{api}: {type(module).__name__} has parameters the state does not hold: {lacking[:4]}"
+            f"{' ...' if len(lacking) > 4 else ''}; {why}. They would be exported as the module's own (initial) values: "
+            f"the state was made from another configuration of the model (fewer layers, another head). Pass the model it "
+            f"was made from" + ("." if complete else "; or, if the module's values of these are the ones wanted (parameters "
+            "frozen in training and unfrozen since), freeze them (requires_grad_(False)) first.")
+        )

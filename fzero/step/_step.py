@@ -36,13 +36,13 @@ from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
-from fzero.step._module import Buffers, broadcast_buffers
+from fzero.step._module import Buffers, broadcast_buffers, check_export_model
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
-from fzero.step._state import (RankStates, TrainState, check_export_model, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
+from fzero.step._state import (RankStates, TrainState, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
                                mark_verified, meta_of, share_marks)
-from fzero.step._update import MasterState, Precision, finish
+from fzero.step._update import MasterState, Precision, finish, loss_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,10 +378,7 @@ def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tens
 def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, release: Any) -> tuple[TrainState, dict[str, Any]]:
     prec = step.precision
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
-    # fp16: each micro-batch's loss is multiplied by scale / k, as DeepSpeed divides the loss by its accumulation steps
-    # before scaling it, so that the sum of k scaled micro-batch gradients in fp16 overflows where DeepSpeed's does, not
-    # at a k-times smaller gradient (the step then divides by n * k * seed: the same mean)
-    seed = scale / step.grad_accum if state.loss_scale is not None else scale
+    seed = loss_seed(scale, step.grad_accum, scaled=state.loss_scale is not None)  # fp16: scale / k, as DeepSpeed
     acc: list[torch.Tensor] | None = None
     losses, aux = [], None
     low = None if prec.compute == torch.float32 else prec.compute
@@ -402,7 +399,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
-    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool, seed=seed,
+    new_state, metrics = finish(step, comm, view.for_update(state), acc, loss, scale, meta, aux, usage, pool=step.pool,
                                 spend=lambda: mark_donated(state))
     new_state = dataclasses.replace(new_state, buffers=buffers)
     if release is not None:  # e.g. the root unit's shard, or every shard of a skipped step

@@ -363,13 +363,19 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
     )
 
 
+def loss_seed(scale: float, grad_accum: int, *, scaled: bool) -> float:
+    """What each micro-batch's loss is multiplied by before its backward. Under a loss scale (fp16), ``scale / k``, as
+    DeepSpeed divides the loss by its accumulation steps before scaling it: the sum of k scaled fp16 micro-batch
+    gradients then overflows where DeepSpeed's does, not at a k-times smaller gradient. ``finish`` divides by
+    ``n * k * loss_seed(...)``: the same mean either way."""
+    return scale / grad_accum if scaled else scale
+
+
 def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tensor, scale: float, meta: Any, aux: Any,
-           usage: Usage | None = None, *, pool: Pool | None = None, spend: Callable[[], None] | None = None,
-           seed: float | None = None):
+           usage: Usage | None = None, *, pool: Pool | None = None, spend: Callable[[], None] | None = None):
     """Everything after the gradient; returns (new state, metrics). ``usage``: which params this rank's
     gradients used (``fzero.step._context``); None: all of them. ``pool``: where the gradients' buffers go when
-    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs. ``seed``: the
-    factor each micro-batch's loss was multiplied by before its backward (default ``scale``; fp16: ``scale / k``). ``spend``:
+    the update is done with them (``fzero.step._pool``), and the reduce-scatters of stage 1 take theirs. ``spend``:
     called just before the update writes the state's buffers in place (marks the state given to the step spent, so
     that a step interrupted from there on, by Ctrl-C or an error, leaves a half-updated state that is refused, not
     trained on)."""
@@ -383,7 +389,7 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
     # grad_accum > 1, stages 2-3 reduce each micro-batch's gradient in its backward and add the rounded shards (as
     # DeepSpeed's ZeRO-2 reduces per micro-batch), where stages 0-1 add the micro-batches first and reduce once: in
     # bf16 the two differ in their last bits.
-    divisor = n * step.grad_accum * (scale if seed is None else seed)
+    divisor = n * step.grad_accum * loss_seed(scale, step.grad_accum, scaled=state.loss_scale is not None)
     owned_grads, returned = [], []
     for i, g in enumerate(grads):
         grads[i] = None  # drop the whole gradient as soon as its shard exists (stage 1)
