@@ -121,6 +121,27 @@ def test_a_buffer_written_on_the_module_after_the_state_took_it_is_refused(stage
         step(state, batches[1])
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_buffer_write_is_refused_whichever_state_read_the_module_last(stages, ranks):
+    """Two states on one module (two runs, or a train and a probe step): a write to the module's buffer after the first
+    state took it over is refused for that state even when the second adopted the new value in between. The module
+    kept one record of the last read, so the second state's adoption hid the write from the first, which trained on
+    with its own statistics silently."""
+    model = Net()
+    step, first = _step(model, stages, ranks)
+    other, second = _step(model, stages, ranks)
+    batches = _batches()
+    first, _ = step(first, batches[0])
+    with torch.no_grad():
+        model.bn.running_var.fill_(4.0)
+    second, _ = other(second, batches[1])  # a new state: takes the module's value now, as a first step does
+    with pytest.raises(ValueError, match=r"buffer 'bn.running_var' of Net was changed on the module after the state "
+                                         r"took it over"):
+        step(first, batches[2])
+    second, _ = other(second, batches[2])  # the one that took the written value trains on
+
+
 @pytest.mark.parametrize("stages", [0, 3])
 def test_loading_the_states_own_values_into_the_module_is_not_a_change(stages):
     """``model.load_state_dict(step.state_dict(state, model))`` between steps (to evaluate or save the module) writes

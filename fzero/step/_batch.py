@@ -359,13 +359,14 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
              buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None,
-             on_written: Callable[[list[int]], None] | None = None):
+             on_written: Callable[[list[int]], None] | None = None, reader: Any = None):
     """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
     and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
     compute dtype floating buffers meet the params in; ``into``: under plain autograd, a function that gives the
     leaves ``.grad`` buffers to accumulate into, in place, returning True if it did: see
     ``fzero.step._parts.ParamView``; ``on_written``: under plain autograd, called before the backward with the
-    indices of the inputs the forward wrote in place, if it wrote any).
+    indices of the inputs the forward wrote in place, if it wrote any; ``reader``: the state's record of what it
+    read of the module's buffers, ``StateMeta.reader``).
 
     By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
     unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
@@ -373,7 +374,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
     box: dict[str, Any] = {}
 
     def objective(xs):
-        bank = Buffers(buffers, lift=lift_for(autodiff, xs[0].detach() if xs else None), dtype=dtype)
+        bank = Buffers(buffers, lift=lift_for(autodiff, xs[0].detach() if xs else None), dtype=dtype, reader=reader)
         with step_buffers(bank):
             loss, aux = split_loss(loss_fn(as_params(xs), batch))
         leaves, box["spec"] = optree.tree_flatten(aux)

@@ -124,20 +124,20 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# On a module's persistent buffer: its version counter when a step last read it, with the tensor's identity and
-# memory. A write to the buffer after that (in place, as ``fill_``, ``copy_`` or ``reset_running_stats`` do) is one the
-# state would not see (``Buffers``). The identity, because a mark travels with a copy of the tensor (``deepcopy``, a
-# pickled module) whose version counter starts again: there it is no evidence of a write, only of a copy.
-_SEEN = "_fzero_seen"
+# What a state's lineage last read of a module's persistent buffer (``fzero.step._state.Reader``): its version counter,
+# by the tensor's identity, with its memory. A write to the buffer after that (in place, as ``fill_``, ``copy_`` or
+# ``reset_running_stats`` do) is one the state would not see (``Buffers``). The identity, because a copy of the tensor
+# (``deepcopy``, a pickled module) starts its version counter again: there a count is no evidence of a write.
 
 
-def _mark(b: torch.Tensor) -> None:
-    setattr(b, _SEEN, (b._version, id(b), b.untyped_storage().data_ptr()))
+def _mark(reader: Any, b: torch.Tensor) -> None:
+    if reader is not None:
+        reader.seen[id(b)] = (b._version, b.untyped_storage().data_ptr())
 
 
-def _written_since_read(b: torch.Tensor) -> bool:
-    mark = getattr(b, _SEEN, None)
-    return mark is not None and mark[1:] == (id(b), b.untyped_storage().data_ptr()) and mark[0] != b._version
+def _written_since_read(reader: Any, b: torch.Tensor) -> bool:
+    mark = reader.seen.get(id(b)) if reader is not None else None
+    return mark is not None and mark[1] == b.untyped_storage().data_ptr() and mark[0] != b._version
 
 
 class Buffers:
@@ -150,8 +150,9 @@ class Buffers:
     """
 
     def __init__(self, values: dict[str, torch.Tensor], *, lift: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, reader: Any = None) -> None:
         self._lift, self._dtype = lift, dtype
+        self._reader = reader  # the state's ``Reader``: what it last read of the module's buffers (None: no record)
         self._given = values  # the state's values as the step got them (to tell an edit of the module's from a copy)
         self.dtypes = {k: v.dtype for k, v in values.items()}
         self.values = {k: self._live(v) for k, v in values.items()}
@@ -174,11 +175,11 @@ class Buffers:
                     )
                 self.dtypes[name] = b.dtype
                 self.values[name] = self._live(b.detach())
-                _mark(b)
-            elif not b.is_meta and _written_since_read(b):
+                _mark(self._reader, b)
+            elif not b.is_meta and _written_since_read(self._reader, b):
                 self._check_unchanged(module, name, b)
             elif not b.is_meta:
-                _mark(b)
+                _mark(self._reader, b)
             out[name] = self.values[name]
         return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
 
@@ -188,7 +189,7 @@ class Buffers:
         state carries the buffer, and the module's is not read again."""
         given = self._given.get(name)
         if given is not None and given.shape == b.shape and torch.equal(b.detach().to(given.device, given.dtype), given):
-            _mark(b)
+            _mark(self._reader, b)
             return
         raise ValueError(
             f"fzero.apply: the buffer {name!r} of {type(module).__name__} was changed on the module after the state "

@@ -33,6 +33,25 @@ class StateMeta:
     rank: int
     gather_order: tuple[str, ...] = ()  # stage 3: the units the last step gathered, in order (for prefetch)
     device: torch.device = torch.device("cpu")  # where the params compute (param shards offloaded to the host come here to be gathered)
+    # this state's lineage as a reader of the module's persistent buffers: made by init, one per rank, kept by the steps
+    # that follow (``dataclasses.replace``), so that another state's read never hides a write from this one. Not compared.
+    reader: "Reader" = dataclasses.field(default_factory=lambda: Reader(), compare=False, repr=False)
+
+
+class Reader:
+    """What one state lineage last read of a module's persistent buffers: by the buffer tensor's ``id``, its version
+    counter and memory then (``fzero.step._module.Buffers``). Kept here, not on the module's tensors: a record on the
+    tensor is one for every state, and a second state's read (adopting a value written on the module since) hid the
+    write from the first, which then trained on without it, silently."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[int, int]] = {}
+
+    def __reduce__(self) -> tuple:
+        """A copy (``deepcopy``, a pickled state) reads afresh: the ids it holds name this process's tensors of now."""
+        return (Reader, ())
 
 
 class Marks:

@@ -389,7 +389,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
         for k, micro in enumerate(micros):
             view.begin_micro(last=k == len(micros) - 1)
             grads, loss, aux, buffers = gradient(step.loss_fn, view.build, view.inputs, micro, seed, step.autodiff, buffers, low,
-                                                 into=view.grad_into, on_written=written)
+                                                 into=view.grad_into, on_written=written, reader=meta_of(state).reader)
             view.release()
             # accumulate over micro-batches: whole gradients, or this rank's shards where reduced in backward
             # (or nothing to do: the view accumulated them in place)
@@ -450,7 +450,8 @@ def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[st
     release = step.opt_state.release(state.opt_state)
     view = step.params.eval_view(comm, state, release=release, settings=step.unit_settings)
     # the state's buffers as the step would broadcast them; what the forward writes is dropped
-    bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low)
+    bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low,
+                   reader=meta_of(state).reader)
     with torch.no_grad(), compute_dtype(low), step_buffers(bank):
         loss, aux = split_loss(step.loss_fn(view.build([]), batch))
     if isinstance(loss, torch.Tensor) and loss.is_meta:  # torch would say only that .item() cannot read a meta tensor
