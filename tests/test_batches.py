@@ -121,3 +121,37 @@ def test_the_loss_metric_of_bf16_micro_batches_is_their_mean_in_fp32():
     gen = torch.Generator().manual_seed(3)
     _, metrics = step(step.init(fzero.params_of(model)), torch.randn(8, 4, generator=gen) * 3)
     assert metrics["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("ranks, accum", [(1, 2), (2, 1), (2, 2)])
+def test_the_rows_strings_go_with_their_rows(ranks, accum):
+    """default_collate makes a string field a list of one string per row: each rank and micro-batch reads its own
+    rows' (as a torchrun process reads its own loader's), not every row's beside its share of the tensors. A list
+    of another length, or one that holds tensors, is not the rows' and is given whole / looked into as before."""
+    model = torch.nn.Linear(2, 1)
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append((list(b["id"]), b["x"][:, 0].long().tolist(), b["names"], b["pair"][0].shape[0], b["tags"]))
+        return fzero.apply(model, params, b["x"]).sum()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    x = torch.stack([torch.arange(8.0), torch.zeros(8)], 1)  # row i holds i
+    batch = {"x": x, "id": [str(i) for i in range(8)], "names": ["cat", "dog", "eel"],
+             "pair": [torch.ones(8), torch.ones(8)], "tags": ("a",) * 8}
+    step(step.init(fzero.params_of(model)), batch)
+    per = 8 // (ranks * accum)
+    assert sorted(r for ids, rows, *_ in seen for r in rows) == list(range(8))
+    for ids, rows, names, pair, tags in seen:
+        assert ids == [str(r) for r in rows] and len(ids) == per
+        assert names == ["cat", "dog", "eel"] and pair == per and tags == ("a",) * per
+    assert batch["id"] == [str(i) for i in range(8)]  # the caller's list is left whole
+
+
+def test_rows_strings_that_do_not_divide_are_named():
+    model = torch.nn.Linear(2, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b["x"]).sum(), stages=0, mesh=fzero.local_mesh(2), grad_accum=2)
+    with pytest.raises(ValueError, match=r"under local_mesh\(2\) the global batch is split on dim 0 across 2 ranks, and "
+                                         r"each rank's share into grad_accum=2 micro-batches, but batch leaf 'id' has 6 items, "
+                                         r"which does not divide by 4\. Pass a batch whose dim 0 is a multiple of 4"):
+        step(step.init(fzero.params_of(model)), {"x": torch.randn(6, 2), "id": list("abcdef")})

@@ -191,3 +191,16 @@ def test_stage3_evaluate_names_a_method_reading_params_outside_their_unit():
                          stages=3, mesh=fzero.local_mesh(1))
     with pytest.raises(ValueError, match=r"(?s)fzero.Step.evaluate: loss_fn returned a meta tensor.*self.parameters\(\) for an L2 term"):
         step.evaluate(step.init(fzero.params_of(model)), torch.randn(4, 8))
+
+
+def test_evaluate_names_itself_in_the_errors_of_its_batch():
+    """The split of evaluate's batch on a local mesh refused with the step's name (fzero.Step.__call__), which the
+    caller never called."""
+    model = torch.nn.Linear(4, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b["x"]).sum() + b["y"].sum(), stages=0, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=r"^fzero\.Step\.evaluate: under local_mesh\(2\) .* 'x' has dim 0 of size 5, which "
+                                         r"does not divide by 2"):
+        step.evaluate(state, {"x": torch.randn(5, 4), "y": torch.randn(5)})
+    with pytest.raises(ValueError, match=r"^fzero\.Step\.evaluate: .* row counts differ: 'x' has 4, 'y' has 6"):
+        step.evaluate(state, {"x": torch.randn(4, 4), "y": torch.randn(6)})

@@ -50,9 +50,10 @@ def register_dataclass(cls: type, *, leaves: tuple[str, ...], static: tuple[str,
     return cls
 
 
-def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """Flatten ``tree`` into (dotted paths, leaves, treespec); ``None`` counts as an empty subtree."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+def flatten_with_paths(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[str], list[Any], Any]:
+    """Flatten ``tree`` into (dotted paths, leaves, treespec); ``None`` counts as an empty subtree. ``is_leaf``: a
+    node taken whole, as optree's."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, namespace=NAMESPACE)
     return [".".join(str(p) for p in path) for path in paths], leaves, spec
 
 

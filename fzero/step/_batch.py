@@ -4,7 +4,10 @@ the gradient of a micro-batch.
 
 How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every tensor leaf of dim >= 1 holds rows
 of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
-loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. Containers are
+loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A list or tuple
+that holds no tensor and has one item per row (what ``torch.utils.data.default_collate`` makes of a string field:
+the texts, ids or file names of the rows) is split as rows, as the per-rank loaders of a torchrun job and a DeepSpeed
+engine's micro-batches give each their own. Containers are
 looked into: dicts, lists, tuples, named tuples, and also dataclasses and mappings that are not dicts (Hugging
 Face's ``BatchEncoding``), which optree takes as leaves. Each rank of a local mesh gets tensors of its own, as a
 torchrun process does. A tensor that is not
@@ -40,24 +43,30 @@ _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup tabl
                 "given whole to every rank")
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
+def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_accum: int = 1) -> list[Any]:
     """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring). Each rank
     gets tensors of its own (copies): the ranks of a local mesh run at once, and views of one tensor share its version
     counter, so one rank's in-place write (labels masked with ``y[y == 0] = -100``) would break another's backward, or
-    (a 0-d leaf) change what the other rank reads, as no two torchrun processes can."""
-    return _split_rows(batch, n, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
-        f"fzero.Step.__call__: under local_mesh({n}) the global batch is split on dim 0 across {n} ranks, but "
-        f"batch leaf {path!r} has {size}, which does not divide by {n}. Pass a batch whose dim 0 "
-        f"is a multiple of {n} (e.g. drop the last partial batch)."
-    ), copy=True)
+    (a 0-d leaf) change what the other rank reads, as no two torchrun processes can. ``api``: whose batch it is, for
+    the errors (a step's, or ``evaluate``'s); ``grad_accum``: the micro-batches each rank's share is split into next,
+    so that rows that do not divide by ``n * grad_accum`` are named as the global batch the caller passed, not as a
+    rank's share the caller never saw."""
+    parts = n * grad_accum
+    accum = f", and each rank's share into grad_accum={grad_accum} micro-batches" if grad_accum > 1 else ""
+    return _split_rows(batch, n, api, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
+        f"{api}: under local_mesh({n}) the global batch is split on dim 0 across {n} ranks{accum}, but "
+        f"batch leaf {path!r} has {size}, which does not divide by {parts}. Pass a batch whose dim 0 "
+        f"is a multiple of {parts} (e.g. drop the last partial batch)."
+    ), copy=True, multiple=parts)
 
 
 def split_micro(batch: Any, k: int) -> list[Any]:
     """This rank's batch as k micro-batches, split on its rows (see the module's docstring)."""
     if k == 1:
         return [batch]
-    return _split_rows(batch, k, f"grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0", lambda path, size: (
-        f"fzero.Step.__call__: grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0, but "
+    api = "fzero.Step.__call__"
+    return _split_rows(batch, k, api, f"grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0", lambda path, size: (
+        f"{api}: grad_accum={k} splits each rank's batch into {k} micro-batches on dim 0, but "
         f"batch leaf {path!r} has {size} on this rank. Pass a per-rank batch whose dim 0 is a multiple of {k}."
     ))
 
@@ -111,33 +120,53 @@ def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
     return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more
 
 
-def _split_rows(batch: Any, k: int, why: str, message: Callable[[str, str], str], *, copy: bool = False) -> list[Any]:
+def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, str], str], *, copy: bool = False,
+                multiple: int | None = None) -> list[Any]:
     rows = row_leaves(batch)
     if len({n for _, n in rows}) > 1:  # split as they are, the ranks would pair rows of one leaf with others'
         raise ValueError(
-            f"fzero.Step.__call__: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
+            f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
             f"row counts differ: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
         )
-    return _split_tree(batch, k, message, copy=copy)
+    return _split_tree(batch, k, message, copy=copy, rows=rows[0][1] if rows else None, multiple=multiple or k)
 
 
-def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, prefix: str = "") -> list[Any]:
-    """``batch`` as k parts on its rows; ``copy``: each part's tensors its own (see ``split_batch``)."""
-    paths, leaves, spec = _tree.flatten_with_paths(batch)
+def _per_row_items(x: Any, rows: int | None) -> bool:
+    """Whether ``x`` is a list or tuple of one item per row and no tensor (``default_collate``'s list of the rows'
+    strings): split as rows, where given whole every rank and micro-batch would read every row's item (each rank's
+    texts paired with another rank's tensors), unlike a torchrun process with its own loader. Only a row count that
+    the batch's tensors give is trusted; a list of another length is given whole, as any leaf that is not a tensor."""
+    if rows is None or type(x) not in (list, tuple) or len(x) != rows:
+        return False
+    return not any(isinstance(leaf, torch.Tensor) or _children(leaf) is not None for leaf in optree.tree_leaves(x, namespace=_tree.NAMESPACE))
+
+
+def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, rows: int | None = None,
+                multiple: int | None = None, prefix: str = "") -> list[Any]:
+    """``batch`` as k parts on its rows; ``copy``: each part's tensors its own (see ``split_batch``); ``rows``: the
+    tensors' row count, by which lists of one item per row are told (``_per_row_items``); ``multiple``: what the rows
+    must divide by (k, or more where each part is split again)."""
+    multiple = multiple or k
+    paths, leaves, spec = _tree.flatten_with_paths(batch, is_leaf=lambda x: _per_row_items(x, rows))
     parts: list[list[Any]] = [[] for _ in range(k)]
     for path, leaf in zip(paths, leaves):
         path = _joined(prefix, path)
         children = _children(leaf)
         if children is not None:  # a dataclass or a BatchEncoding: its fields split, the container rebuilt per part
-            split = {name: _split_tree(child, k, message, copy=copy, prefix=_joined(path, name))
+            split = {name: _split_tree(child, k, message, copy=copy, rows=rows, multiple=multiple, prefix=_joined(path, name))
                      for name, child in children.items()}
             chunks: Any = [_rebuilt(leaf, {name: pieces[i] for name, pieces in split.items()}) for i in range(k)]
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            if leaf.shape[0] % k:
+            if leaf.shape[0] % multiple:
                 raise ValueError(message(path or "<root>", f"dim 0 of size {leaf.shape[0]}"))
             chunks = [c.clone() for c in leaf.chunk(k)] if copy else leaf.chunk(k)
         elif isinstance(leaf, torch.Tensor) and copy:  # a 0-d tensor: the same value, a tensor of its own per rank
             chunks = [leaf.clone() for _ in range(k)]
+        elif _per_row_items(leaf, rows):  # the rows' strings (ids, texts): each part its own rows, in a list of its own
+            if len(leaf) % multiple:
+                raise ValueError(message(path or "<root>", f"{len(leaf)} items"))
+            n = len(leaf) // k
+            chunks = [type(leaf)(leaf[i * n:(i + 1) * n]) for i in range(k)]
         else:  # a 0-d tensor or a leaf that is not a tensor: the same for every rank and micro-batch
             chunks = (leaf,) * k
         for i in range(k):

@@ -136,7 +136,7 @@ class Step:
         if not self.donate:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
-            batches = split_batch(batch, self.mesh.size)
+            batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum)
             results = self.mesh.run(self._rank_step, [(s, b) for s, b in zip(state.states, batches)])
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
@@ -205,7 +205,7 @@ class Step:
         """
         self._check_state(state, api="fzero.Step.evaluate")
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
-            batches = split_batch(batch, self.mesh.size)
+            batches = split_batch(batch, self.mesh.size, api="fzero.Step.evaluate")
             return self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b),
                                  [(s, b) for s, b in zip(state.states, batches)])[0]
         comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)

@@ -39,7 +39,8 @@ def train_step(
     into k micro-batches on dim 0 and makes one update with the mean of their gradients, as DeepSpeed and a DDP loop
     with ``loss / k`` do: for a ``loss_fn`` that averages over its rows (the usual mean), that is one k-times-larger
     batch; for a summed loss it is 1/k of the large batch's, and a loss averaged over valid tokens
-    (``ignore_index``) is a mean of the micro-batches' means. The step's metrics: "loss" (the mean over ranks and
+    (``ignore_index``) is a mean of the micro-batches' means (docs/migrating.md shows the Hugging Face Trainer's mean over
+    the step's tokens, ``num_items_in_batch``). The step's metrics: "loss" (the mean over ranks and
     micro-batches), and "aux" as rank 0's last micro-batch returned it.
     ``clip_grad_norm=c``: scale the gradient by min(1, c / (global norm + 1e-6)), as
     ``torch.nn.utils.clip_grad_norm_``. Details: ``unit_elements`` (size of the flat buffers that
