@@ -248,6 +248,27 @@ def test_a_schedule_turning_inf_later_raises_at_that_step():
         step(state, _batch())
 
 
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_groups_schedule_turning_nan_or_negative_raises_and_writes_nothing(stages):
+    """Layer-wise lr decay: each group's schedule reads the lr the loop sets. A group's schedule that turned NaN wrote
+    NaN into that group's params silently (multi_transform reports no single lr, so nothing checked it), and the next
+    step blamed the gradients; now it is refused as a single schedule is, naming the group."""
+    model = _model()
+    now = {"lr": 0.1}
+    groups = {"body": O.adamw(0.1), "head": O.adamw(lambda t: now["lr"] * 0.5)}
+    step = fzero.compile(_loss_of(model), stages=stages, optimizer=O.multi_transform(
+        groups, lambda params: {name: "head" if name.startswith("layers.1") else "body" for name in params}))
+    state, metrics = step(step.init(fzero.params_of(model)), _batch())
+    assert math.isnan(metrics["lr"])  # the groups' rates differ: no one lr to report
+    for value, error, match in ((math.nan, FloatingPointError, "returned nan"), (-0.1, ValueError, "returned -0.05")):
+        now["lr"] = value
+        before = step.gather(state)
+        with pytest.raises(error, match=r"schedule .*<lambda> \(defined at .*\) \(of the parameter group 'head'\) " + match
+                           + r" at step 1 .*[Tt]he params were not updated"):
+            step(state, _batch())
+        assert _params_equal(step.gather(state), before)
+
+
 def test_a_schedule_returning_none():
     model = _model()
     step = fzero.compile(_loss_of(model), optimizer=O.sgd(lambda n: None))

@@ -147,3 +147,82 @@ def test_errors_name_the_api_and_the_fix():
         step.state_dict(state, nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"fzero.buffers_of: expected an nn.Module"):
         fzero.buffers_of({})
+
+
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.bn = nn.Linear(4, 8), nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.bn(self.inp(x))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _student_and_teacher():
+    torch.manual_seed(0)
+    student, teacher = _BNNet(), _BNNet()
+    with torch.no_grad():  # a trained teacher's statistics, unlike the student's
+        teacher.bn.running_mean.uniform_(-1, 1)
+        teacher.bn.running_var.uniform_(0.5, 2.0)
+    return student, teacher.eval().requires_grad_(False)
+
+
+def _distill(s, t):
+    return torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean")
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_teacher_run_by_apply_is_refused_where_it_would_share_the_students_buffers(stages):
+    """A teacher (or a GAN's discriminator) built from the same code has buffers of the same names as the model: run
+    by fzero.apply in the model's step, it read the state's values and wrote its own into them, silently (the teacher's
+    output 4% off at the second step, the student's statistics started from the teacher's)."""
+    student, teacher = _student_and_teacher()
+
+    def loss_fn(params, x):
+        with torch.no_grad():
+            t = fzero.apply(teacher, {}, x)  # the teacher's frozen params come from the module
+        return _distill(fzero.apply(student, params, x), t)
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages)
+    state = step.init(fzero.params_of(student))
+    with pytest.raises(ValueError, match=r"fzero.apply: two modules run in this step, a _BNNet and then a _BNNet "
+                                         r"\(another instance of the same class\), have a persistent buffer 'bn.running_mean'"
+                                         r".*fzero.apply\(other, \{\*\*other_params, \*\*other_buffers\}, x\)"):
+        step(state, torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_teacher_given_its_own_buffers_distills_as_in_pytorch(stages):
+    """The error's fix: the teacher's buffers beside its params; the student then trains as plain PyTorch with the
+    teacher called directly, and under bf16 the teacher's fp32 tensors meet the cast input (before: a dtype error)."""
+    student, teacher = _student_and_teacher()
+    own = {**dict(teacher.named_parameters()), **fzero.buffers_of(teacher)}
+
+    def loss_fn(params, x):
+        with torch.no_grad():
+            t = fzero.apply(teacher, own, x)
+        return _distill(fzero.apply(student, params, x).float(), t.float())
+
+    ref = copy.deepcopy(student)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages)
+    state = step.init(fzero.params_of(student))
+    for x in [torch.randn(8, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]:
+        opt.zero_grad()
+        with torch.no_grad():
+            t = teacher(x)
+        _distill(ref(x), t).backward()
+        opt.step()
+        state, _ = step(state, x)
+    got, want = step.state_dict(state, student), ref.state_dict()
+    for name in want:  # inp.bias comes before BatchNorm: no effect on the loss, rounding noise for a gradient
+        if name != "inp.bias":
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    bf16 = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, precision="bf16")
+    _, metrics = bf16(bf16.init(fzero.params_of(student)), torch.randn(8, 4))
+    assert torch.isfinite(torch.as_tensor(metrics["loss"]))

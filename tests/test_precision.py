@@ -50,7 +50,9 @@ def test_grad_accum_stage2_accumulates_shards_and_reduces_per_micro_batch():
 def test_grad_accum_batch_must_divide():
     prob = mlp_problem(steps=1)
     step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.sgd(0.1), stages=1, mesh=fzero.local_mesh(2), grad_accum=3)
-    with pytest.raises(ValueError, match=r"grad_accum=3 splits each rank's batch into 3 micro-batches.*'x' has dim 0 of size 4"):
+    # named as the global batch the caller passed: 8 rows into 2 ranks x 3 micro-batches (a rank's share of 4 is never seen)
+    with pytest.raises(ValueError, match=r"across 2 ranks, and each rank's share into grad_accum=3 micro-batches, but batch "
+                                         r"leaf 'x' has dim 0 of size 8, which does not divide by 6"):
         step(step.init(fzero.params_of(prob.model)), prob.batches[0])
     with pytest.raises(ValueError, match=r"fzero.train_step: grad_accum must be an int >= 1.*got 0"):
         fzero.compile(prob.loss_fn, grad_accum=0)

@@ -186,6 +186,45 @@ def test_unsupported_modules_get_an_error_naming_the_module_path(model, match):
         step(step.init(fzero.params_of(model)), torch.randn(2, 4))
 
 
+class _ReadsInsideAUnitFromOutside(torch.nn.Module):
+    """A weight of a module inside a unit, shared with the model's own forward (ALBERT-style reuse, a tied output layer
+    written as F.linear(h, self.blocks[0].embed.weight)): not an attribute of the unit itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        h = h + torch.nn.functional.linear(h, self.blocks[0][0].weight)  # blocks.0's weight outside blocks.0's call
+        return self.blocks[1](h)
+
+
+def test_a_weight_inside_a_unit_used_outside_it_is_refused_in_the_step_and_in_evaluate():
+    """The meta stand-in of blocks.0.0.weight met a real tensor in F.linear and torch's CPU kernel read its missing memory
+    as values: step.evaluate gave a wrong loss, silently (3.729 for 3.755 on a probe model), and a step blamed "the module's own parameters". Now both
+    name the use and the fix; the same model runs at stage 2, and at stage 3 with that block in the root unit."""
+    model = _ReadsInsideAUnitFromOutside()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3)
+    state = step.init(fzero.params_of(model))
+    match = (r"fzero.Step: loss_fn\(params, batch\) raised RuntimeError: linear\(\) was given a unit's parameter of shape "
+             r"\(4, 4\) outside that unit's call(.|\n)*self.blocks\[0\]\[0\].weight(.|\n)*units=fzero.units_of")
+    with pytest.raises(RuntimeError, match=match):
+        step.evaluate(state, x)
+    with pytest.raises(RuntimeError, match=match):
+        step(state, x)
+    expected = loss_fn(dict(model.named_parameters()), x).item()
+    for stages, units in ((2, None), (3, ("blocks.1",))):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, units=units)
+        assert step.evaluate(step.init(fzero.params_of(model)), x)["loss"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_units_must_not_nest_and_must_be_paths():
     step = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(lambda p, b: 0, fzero.optim.sgd(0.1)), fzero.local_mesh(2)))
     with pytest.raises(ValueError, match=r"units must not nest: 'blocks.0.mlp' is inside 'blocks.0'"):

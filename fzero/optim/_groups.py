@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import optree
@@ -314,6 +315,22 @@ def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransfor
     return GradientTransformation(init, update, fused, getattr(inner, "learning_rate", None))
 
 
+class GroupRates:
+    """The ``learning_rate`` of a ``multi_transform`` whose groups' rates differ (layer-wise lr decay): there is no one
+    rate to report (called as a schedule it gives NaN, the ``lr`` metric), but the step checks each group's
+    (``group_rates``: label -> float, schedule or None) before the update, as it checks a single schedule, so that a
+    group's schedule that turns NaN, inf or negative is refused by name instead of writing NaN into that group's params."""
+
+    def __init__(self, group_rates: dict[str, Any]) -> None:
+        self.group_rates = group_rates
+
+    def __call__(self, step: int) -> float:
+        return math.nan
+
+    def __repr__(self) -> str:
+        return f"GroupRates({self.group_rates!r})"
+
+
 def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) -> GradientTransformation:
     """Each group of params gets its own transform: ``transforms[label]`` for the params labelled ``label``
     (optax's ``multi_transform``; torch.optim's param groups).
@@ -327,7 +344,8 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
 
     State: ``MultiTransformState({label: state})``; groups whose param-shaped state is alike share its tensors,
     so ``{"a": adamw(1e-3), "b": adamw(1e-4)}`` holds one Adam state, as torch's two param groups do. The
-    ``learning_rate`` (the ``lr`` metric) is the groups' common one, or None when they differ.
+    ``learning_rate`` (the ``lr`` metric) is the groups' common one, or a ``GroupRates`` when they differ (the metric is
+    NaN, and the step checks each group's schedule).
     """
     api = "fzero.optim.multi_transform"
     if not isinstance(transforms, dict) or not transforms:
@@ -348,7 +366,7 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
     inners = [transforms[n] for n in names]
     groups = Groups(api, "labels", _checked_rule(api, "labels", labels), _label_group(api, names), len(names), names=names)
     rates = [getattr(t, "learning_rate", None) for t in inners]
-    rate = rates[0] if all(r is not None and (r is rates[0] or r == rates[0]) for r in rates) else None
+    rate = rates[0] if all(r is not None and (r is rates[0] or r == rates[0]) for r in rates) else GroupRates(dict(zip(names, rates)))
 
     def init(params: Any) -> MultiTransformState:
         groups.check(params)

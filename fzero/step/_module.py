@@ -96,13 +96,22 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
     if bank is not None:  # in a step: its params are the state's, whose trainable set must still be the module's
         check_trainable_set(named, params, module, api="fzero.apply")
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
-        params = {**bank.for_module(module), **params}
+        params = {**bank.for_module(module, given=params), **params}
     if dtype is not None:  # frozen params and persistent buffers meet the low-precision params in the compute dtype;
-        # non-persistent buffers (rotary inv_freq, masks: constants) keep their own, as FSDP2 and DeepSpeed keep them
+        # non-persistent buffers (rotary inv_freq, masks: constants) keep their own, as FSDP2 and DeepSpeed keep them.
+        # What params gives is cast too: the step's own are in that dtype already (a no-op), and another model's
+        # (a teacher's fp32 params and buffers, fzero.apply(teacher, {**tparams, **tbuffers}, x)) must meet the cast x
         extra = {n: t for n, t in (*named_tensors(target, "_parameters"), *named_tensors(target, "_buffers", persistent_only=True))
                  if n not in params}
-        params = {**cast_floating(extra, dtype), **params}
+        params = {**cast_floating(extra, dtype), **_in_dtype(params, dtype)}
     return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target))
+
+
+def _in_dtype(tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``cast_floating`` of a flat dict, without a pytree walk: the step's own params are in ``dtype`` already, and this
+    runs at every ``fzero.apply`` of a step under a low-precision policy."""
+    return {k: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+            for k, t in tensors.items()}
 
 
 def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -156,16 +165,28 @@ class Buffers:
         self._given = values  # the state's values as the step got them (to tell an edit of the module's from a copy)
         self.dtypes = {k: v.dtype for k, v in values.items()}
         self.values = {k: self._live(v) for k, v in values.items()}
+        self._users: dict[str, nn.Module] = {}  # buffer name -> the module this forward handed it to first
 
     def _live(self, t: torch.Tensor) -> torch.Tensor:
         if self._dtype is not None and t.is_floating_point():
             t = t.to(self._dtype)
         return self._lift(t)
 
-    def for_module(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The bank's tensors for ``module``'s persistent buffers, adopting (copying) those it lacks."""
+    def for_module(self, module: nn.Module, *, given: Any = ()) -> dict[str, torch.Tensor]:
+        """The bank's tensors for ``module``'s persistent buffers, adopting (copying) those it lacks. ``given``: names
+        the caller passes values for itself (``fzero.apply(teacher, {**params, **buffers}, x)``), left out of the bank.
+
+        The bank holds one model's buffers by name, so a second module whose buffer has a name the bank has handed
+        to another module in this forward (a teacher, or a GAN's discriminator inside the generator's loss, built
+        from the same code as the model) is refused: it would read and write the model's values (a BatchNorm
+        running on the student's statistics, and writing its own into them), silently."""
         out = {}
         for name, b in persistent_buffers(module).items():
+            if name in given:
+                continue
+            first = self._users.setdefault(name, module)
+            if first is not module:
+                raise ValueError(_shared_buffer_message(module, first, name))
             if name not in self.values:
                 if b.is_meta:
                     raise ValueError(
@@ -201,6 +222,21 @@ class Buffers:
     def result(self) -> dict[str, torch.Tensor]:
         """The values after the forward, each in its own dtype."""
         return {k: v.to(self.dtypes[k]) for k, v in self.values.items()}
+
+
+def _shared_buffer_message(module: nn.Module, first: nn.Module, name: str) -> str:
+    same = " (another instance of the same class)" if type(first) is type(module) else ""
+    return (
+        f"fzero.apply: two modules run in this step, a {type(first).__name__} and then a {type(module).__name__}{same}, "
+        f"have a persistent buffer "
+        f"{name!r}, and a step's state holds the buffers of one model by name (state.buffers, as model.state_dict() "
+        f"names them): the second would read and write the first one's values (a teacher's or a discriminator's "
+        f"BatchNorm running on the trained model's statistics and writing its own into them), silently. Give the "
+        f"other model (a frozen teacher, a GAN's discriminator) its own buffers beside its params: "
+        f"fzero.apply(other, {{**other_params, **other_buffers}}, x), with other_buffers = fzero.buffers_of(other) "
+        f"(or the buffers of its own step's state, its_step.state_dict(its_state)); or call it directly (other(x) "
+        f"under torch.no_grad()), which reads and writes the module's own."
+    )
 
 
 def lift_for(autodiff: str, anchor: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -319,9 +355,10 @@ def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any,
         f"{'; '.join(what)}. A state fixes which params train when it is made (step.init), and fzero would otherwise "
         f"train the old set silently. Undo the change, or start a state with the new set: write the trained values "
         f"into the model (model.load_state_dict(step.state_dict(state, model))), change requires_grad or attach the "
-        f"modules, then state = step.init(fzero.params_of(model)) (the optimizer's moments start again). To stop "
-        f"training some params for a while without a new state, give them zero updates with "
-        f"fzero.optim.multi_transform({{..., 'frozen': fzero.optim.set_to_zero()}}, labels) from the start."
+        f"modules, then state = step.init(fzero.params_of(model)) (the optimizer's moments start again). To freeze "
+        f"some params for a while and train them later as torch.optim does, keep them in the state and detach what "
+        f"they compute while frozen (h = backbone(x).detach()): a param with no gradient is skipped, as torch.optim "
+        f"skips grad=None (docs/migrating.md, \"The module after step.init\")."
     )
 
 

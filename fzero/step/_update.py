@@ -258,6 +258,17 @@ def current_lr(optimizer: Any, step: int) -> float:
     lr = getattr(optimizer, "learning_rate", None)
     if lr is None:
         return math.nan
+    groups = getattr(lr, "group_rates", None)
+    if groups is not None:  # multi_transform's groups of different rates (layer-wise decay): each checked, none reported
+        for label, rate in groups.items():
+            if rate is not None:
+                _checked_lr(rate, step, group=f" (of the parameter group {label!r})")
+        return math.nan
+    return _checked_lr(lr, step)
+
+
+def _checked_lr(lr: Any, step: int, *, group: str = "") -> float:
+    """``lr`` (a float or a schedule) at ``step``, refused when a schedule gives no float, a NaN, an inf or a negative."""
     if not callable(lr):
         return float(lr)
     value = lr(step)
@@ -265,18 +276,18 @@ def current_lr(optimizer: Any, step: int) -> float:
         out = float(value)
     except (TypeError, ValueError):
         raise TypeError(
-            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {type(value).__name__} {value!r} at step "
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)}{group} returned {type(value).__name__} {value!r} at step "
             f"{step}; a schedule returns a float (steps already taken -> learning rate). The params were not updated."
         ) from None
     if not math.isfinite(out):
         raise FloatingPointError(
-            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {out} at step {step} (schedules are "
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)}{group} returned {out} at step {step} (schedules are "
             f"called with the steps already taken, so this is optimizer step {step + 1}); the params were not updated. "
             f"Fix the schedule for that step (a division by zero warmup or decay length? a log or power of 0?)."
         )
     if out < 0:  # the optimizer would step up the gradient: gradient ascent, with every metric looking normal
         raise ValueError(
-            f"fzero.Step: the learning-rate schedule {schedule_name(lr)} returned {out} at step {step} (optimizer step "
+            f"fzero.Step: the learning-rate schedule {schedule_name(lr)}{group} returned {out} at step {step} (optimizer step "
             f"{step + 1}); a negative learning rate runs gradient ascent. The params were not updated. Fix the "
             f"schedule for that step (a linear decay past its end? clamp it: max(0.0, ...))."
         )

@@ -285,63 +285,101 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     def skeleton_param(p):
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
             meta = p.detach() if p.is_meta else torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device="meta")
-            return torch.Tensor._make_subclass(nn.Parameter, meta, True)  # what nn.Parameter(meta) runs, minus its Python
+            return torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     # persistent buffers in the compute dtype (the step's bank replaces them); non-persistent ones (rotary inv_freq,
     # masks: constants) keep their own dtype, as FSDP2 and DeepSpeed keep them
     persistent = {id(b) for _, b in named_tensors(module, "_buffers", persistent_only=True)} if dtype is not None else set()
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype) if id(b) in persistent else b)
-    # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
-    every = named_tensors(skel, "_parameters", remove_duplicate=False)
-    layout = params.layout
-    # first: a requires_grad changed since init would otherwise be blamed on the params' names or on ties below, and a
-    # param made trainable since would run as the meta stand-in above, whose memory torch's CPU kernels read as values
-    check_trainable_set(every, [s.path for unit in layout.units for s in unit.slots], module, api=api)
-    shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
-    trainable = set(shapes)
-    owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
-    for unit in layout.units:
-        unknown = [s.path for s in unit.slots if s.path not in trainable]
-        if unknown:
-            raise ValueError(
-                f"{api}: the params name {unknown[:3]} (unit {unit.name!r}), which {type(module).__name__} has no trainable "
-                f"parameter for. Pass the params of this model, e.g. step.init(fzero.params_of(model))."
-            )
-        for s in unit.slots:  # a state of another model width must not run (functional_call would run it anyway)
-            if shapes[s.path] != s.shape:
+    # the checks read every stand-in's metadata (requires_grad, shape): with torch functions of subclasses off, at C
+    # speed (through _StandIn.__torch_function__ each read costs ~6 us, ~5 ms a step at GPT-2 124M's 148 params)
+    with torch._C.DisableTorchFunctionSubclass():
+        # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
+        every = named_tensors(skel, "_parameters", remove_duplicate=False)
+        layout = params.layout
+        # first: a requires_grad changed since init would otherwise be blamed on the params' names or on ties below, and a
+        # param made trainable since would run as the meta stand-in above, whose memory torch's CPU kernels read as values
+        check_trainable_set(every, [s.path for unit in layout.units for s in unit.slots], module, api=api)
+        shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
+        trainable = set(shapes)
+        owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
+        for unit in layout.units:
+            unknown = [s.path for s in unit.slots if s.path not in trainable]
+            if unknown:
                 raise ValueError(
-                    f"{api}: unit {unit.name!r} param {s.path!r} has shape {s.shape} in the state but {shapes[s.path]} in "
-                    f"the model ({type(module).__name__}): the state was made from another model or another configuration "
-                    f"of it. Make the state from this model's params (step.init(fzero.params_of(model))), or run the model "
-                    f"it came from."
+                    f"{api}: the params name {unknown[:3]} (unit {unit.name!r}), which {type(module).__name__} has no trainable "
+                    f"parameter for. Pass the params of this model, e.g. step.init(fzero.params_of(model))."
                 )
-        if unit.name == ROOT:
-            continue
-        try:
-            sub = skel.get_submodule(unit.name)
-        except AttributeError:
-            raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
-        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):  # never called itself: its params would never be gathered
-            raise ValueError(
-                f"{api}: unit {unit.name!r} of {type(module).__name__} is a {type(sub).__name__}, which a model never calls "
-                f"(it calls the modules inside it), so the unit's params would never be gathered and its layers would run "
-                f"on meta tensors. The default units are the children of the first ModuleList/Sequential in each "
-                f"parameter's path, and here that child is a container of layers itself. Pass "
-                f"units=fzero.units_of(model), which goes into nested containers, to fzero.compile or fzero.shard_params "
-                f"(or name the layers: units=fzero.units_of(model, module_types=...))."
-            )
-        own = owned[unit.name + "."]
-        missing = sorted(own - {s.path for s in unit.slots})
-        if missing:
-            raise ValueError(
-                f"{api}: unit {unit.name!r} uses parameter {missing[0]!r}, which is shared with (tied to) a parameter "
-                f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
-                f"in the root unit (units=... without {unit.name!r})."
-            )
-        sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
-        sub.__dict__["_fz"] = (unit, params)
+            for s in unit.slots:  # a state of another model width must not run (functional_call would run it anyway)
+                if shapes[s.path] != s.shape:
+                    raise ValueError(
+                        f"{api}: unit {unit.name!r} param {s.path!r} has shape {s.shape} in the state but {shapes[s.path]} in "
+                        f"the model ({type(module).__name__}): the state was made from another model or another configuration "
+                        f"of it. Make the state from this model's params (step.init(fzero.params_of(model))), or run the model "
+                        f"it came from."
+                    )
+            if unit.name == ROOT:
+                continue
+            try:
+                sub = skel.get_submodule(unit.name)
+            except AttributeError:
+                raise ValueError(f"{api}: unit {unit.name!r} is not a submodule of {type(module).__name__}; pass units=fzero.units_of(model).") from None
+            if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):  # never called itself: its params would never be gathered
+                raise ValueError(
+                    f"{api}: unit {unit.name!r} of {type(module).__name__} is a {type(sub).__name__}, which a model never calls "
+                    f"(it calls the modules inside it), so the unit's params would never be gathered and its layers would run "
+                    f"on meta tensors. The default units are the children of the first ModuleList/Sequential in each "
+                    f"parameter's path, and here that child is a container of layers itself. Pass "
+                    f"units=fzero.units_of(model), which goes into nested containers, to fzero.compile or fzero.shard_params "
+                    f"(or name the layers: units=fzero.units_of(model, module_types=...))."
+                )
+            own = owned[unit.name + "."]
+            missing = sorted(own - {s.path for s in unit.slots})
+            if missing:
+                raise ValueError(
+                    f"{api}: unit {unit.name!r} uses parameter {missing[0]!r}, which is shared with (tied to) a parameter "
+                    f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
+                    f"in the root unit (units=... without {unit.name!r})."
+                )
+            sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
+            sub.__dict__["_fz"] = (unit, params)
     return skel
+
+
+# What a stand-in may be asked outside its unit's call (its shape, dtype, ``requires_grad``: properties, read by
+# ``model.dtype`` and by fzero itself); anything that computes with its values is refused (``_StandIn``).
+_STAND_IN_METADATA = frozenset({torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel,
+                                torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+                                torch.Tensor.__repr__, torch.Tensor.__format__})
+
+
+class _StandIn(nn.Parameter):
+    """A trainable parameter of a stage 2-3 skeleton between its unit's calls: a meta tensor of its shape. The unit's
+    own attributes are guarded by ``_UnitSkin``, but a parameter of a module inside a unit (``self.blocks[0].fc.weight``
+    read by the model's forward, a weight shared across layers) is reached without it, and torch's CPU kernels take a
+    meta operand beside real ones and read its missing memory as values (``F.linear(h, meta)`` returns numbers): under
+    ``step.evaluate`` a silently wrong loss, in a step an error about "the module's own parameters". So an op that
+    meets a stand-in with a real tensor raises, and the step's wrapper names the batch and the fix (``UNIT_OUTSIDE_ITS_CALL``); its metadata
+    (shape, dtype, device) stays readable."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        # properties (.shape, .dtype, ...), and ops on meta tensors alone, whose result is meta too (named downstream)
+        if getattr(func, "__name__", None) == "__get__" or func in _STAND_IN_METADATA or all(t.is_meta for t in tensors):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        shape = next((tuple(a.shape) for a in tensors if isinstance(a, _StandIn)), "?")
+        # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
+        raise RuntimeError(f"{getattr(func, '__name__', func)}() was given a unit's parameter of shape {shape} outside that "
+                           f"unit's call, where it is a meta tensor with no values to compute with")
+
+
+def _leaves(tree: Any) -> list:
+    import torch.utils._pytree as torch_pytree
+
+    return torch_pytree.tree_leaves(tree)
 
 
 def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -> dict[str, set[str]]:
