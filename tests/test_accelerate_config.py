@@ -108,6 +108,26 @@ def test_what_cannot_map_is_named(tmp_path):
         from_accelerate(str(tmp_path / "missing.yaml"))
 
 
+
+def test_a_plugin_field_that_does_not_cast_is_named_and_a_null_clipping_is_deepspeeds_default():
+    """Accelerate's plugin casts the launcher's strings back (float() for gradient_clipping): a value that cast refuses
+    was a bare "could not convert string to float" from fzero; it names the field now. A null gradient_clipping reaches
+    DeepSpeed as "auto", which Accelerate fills with 1.0 (it was refused as from_deepspeed's "got null")."""
+    def read(**section):
+        return from_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": section})
+
+    with pytest.raises(ValueError, match=r"^fzero.config.from_accelerate: deepspeed_config.gradient_clipping must be a "
+                                         r"number or \"auto\", got 'none' \(0 leaves it to DeepSpeed's default"):
+        read(gradient_clipping="none")
+    with pytest.raises(ValueError, match=r"deepspeed_config.gradient_clipping must be a number or \"auto\", got True"):
+        read(gradient_clipping=True)
+    with pytest.raises(ValueError, match=r"deepspeed_config.zero_stage must be an integer or \"auto\", got 'two'\.$"):
+        read(zero_stage="two")
+    got = read(gradient_clipping=None)
+    assert got.clip_grad_norm == 1.0
+    assert any(n.startswith("gradient_clipping=None") and "default (1.0)" in n for n in got.notes)
+    assert read(gradient_clipping="0.5", zero_stage="3").clip_grad_norm == 0.5  # strings that cast, as the plugin's
+
 LAUNCHED = """compute_environment: LOCAL_MACHINE
 deepspeed_config:
   gradient_accumulation_steps: 2

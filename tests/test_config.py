@@ -148,6 +148,7 @@ def with_(**changes):
     (with_(scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 10}}), r"'scheduler.params.warmup_num_step'.*'warmup_num_steps'"),
     (with_(scheduler={"type": "WarmupDecay", "params": {}}), r"unknown scheduler.type 'WarmupDecay'. Did you mean 'WarmupDecayLR'"),
     (with_(optimizer__params={"lr": 1e-3, "max_grad_norm": 1.0}), r"max_grad_norm is not how DeepSpeed clips.*gradient_clipping"),
+    (with_(gradient_clipping=float("inf")), r"gradient_clipping must be a finite number >= 0, got Infinity\."),
     (with_(train_batch_size=10), r"train_batch_size.*needs the world size: pass world_size="),
     (with_(zero_optimization__stage="auto"), r"zero_optimization.stage: nothing resolves it in fzero; write a value"),
     (with_(fp16={"enabled": True}, bf16={"enabled": True}), r"fp16.enabled and bf16.enabled are both true"),

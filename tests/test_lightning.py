@@ -237,6 +237,9 @@ REFUSED = [
     (_ReturnsNone, {}, r"training_step returned None.*Return the loss"),
     (_CyclesMomentum, {}, r"param_groups\[0\]\['betas'\] changed.*cycle_momentum=False"),
     (LitCNN, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='value'.*Use gradient_clip_algorithm='norm'"),
+    # plain Lightning flips the gradients (torch's clip factor max_norm / norm < 0); compile's error named clip_grad_norm
+    (LitCNN, {"gradient_clip_val": -1.0}, r"^FZeroStrategy: Trainer\(gradient_clip_val=-1.0\) is not a norm to clip at: it "
+                                          r"must be > 0 \(None or 0: no clipping\)"),
     (LitCNN, {"precision": "64-true"}, r"Trainer\(precision='64-true'\).*Use precision='32-true', 'bf16-mixed'"),
     (LitCNN, {"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2\) but this optimizer step has 1 micro-batches.*multiple of 2"),
 ]

@@ -118,6 +118,27 @@ def test_nonfinite_gradient_can_skip_the_step_on_every_rank(stages):
     assert all(int(s.step) == 2 for s in state.states)
 
 
+
+def test_nonfinite_gradient_under_clipping_is_not_told_to_clip():
+    # clipping cannot scale an inf or NaN gradient back (torch's clip_grad_norm_ writes NaN into it): the error of a
+    # step that already clips advised "clip (clip_grad_norm=...)"
+    prob = _poisoned(mlp_problem(steps=3), bad_steps={1})
+    with pytest.raises(FloatingPointError, match=r"the params were not updated\. Clipping \(clip_grad_norm=0\.5\) cannot "
+                                                 r"scale an inf or NaN back: lower the learning rate"):
+        run(prob, stages=2, ranks=2, clip_grad_norm=0.5)
+    with pytest.raises(FloatingPointError, match=r"Lower the learning rate or clip \(clip_grad_norm=\.\.\.\)"):
+        run(prob, stages=2, ranks=2)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, float("nan"), "auto"])
+def test_clip_grad_norm_that_is_no_norm_says_none_is_no_clipping(value):
+    # DeepSpeed's gradient_clipping: 0 and Lightning's gradient_clip_val=0 are "no clipping"; torch's
+    # clip_grad_norm_(max_norm=0) zeroes the gradient instead: refused, with the spelling of "off" here
+    prob = mlp_problem(steps=1)
+    with pytest.raises(ValueError, match=r"clip_grad_norm must be a number > 0 or None, got .*None is no clipping "
+                                         r"\(what DeepSpeed's gradient_clipping: 0 and Lightning's gradient_clip_val=0 mean\)"):
+        fzero.compile(prob.loss_fn, stages=1, clip_grad_norm=value)
+
 # -- fp16 and the loss scale ----------------------------------------------------------------------------
 
 

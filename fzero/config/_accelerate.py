@@ -41,6 +41,24 @@ _NOTED = {
 _PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 
+def _field(key: str, value: Any) -> Any:
+    """The plugin field ``key``'s ``value`` as the DeepSpeed config gets it ("auto" and None kept): Accelerate's
+    launcher passes the fields as strings through the environment and the plugin casts them back, so a value that
+    cast refuses (``gradient_clipping: none``) is refused here, by name, instead of a bare ``float()`` error."""
+    if value == "auto" or value is None:
+        return value
+    cast = _FIELDS[key][1]
+    try:
+        if isinstance(value, bool) and cast is not str:  # float(True) is 1.0: a yes/no where a number belongs
+            raise ValueError
+        return cast(value)
+    except (TypeError, ValueError):
+        kind = {int: "an integer", float: "a number", str: "a string"}[cast]
+        hint = (" (0 leaves it to DeepSpeed's default, clipping at 1.0, as Accelerate does; to turn clipping off, set "
+                "gradient_clipping: 0 in a deepspeed_config_file)") if key == "gradient_clipping" else ""
+        raise ValueError(f"{API}: deepspeed_config.{key} must be {kind} or \"auto\", got {value!r}{hint}.") from None
+
+
 def _load_yaml(path: str) -> dict[str, Any]:
     try:
         import yaml
@@ -107,21 +125,23 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
             raise ValueError(f"{API}: unknown deepspeed_config keys {unknown}; fzero reads {sorted({*_FIELDS, *_NOTED})} "
                              f"and deepspeed_config_file.")
         section.setdefault("zero_stage", 2)  # DeepSpeedPlugin's default when the file names none
-        clip = section.get("gradient_clipping")
-        if clip is not None and clip != "auto" and not float(clip):
-            # DeepSpeedPlugin writes gradient_clipping only when it is truthy, so DeepSpeed clips at its default
+        section = {key: _field(key, value) for key, value in section.items()}
+        clip = section.get("gradient_clipping", "auto")
+        if clip != "auto" and not clip:
+            # DeepSpeedPlugin writes gradient_clipping only when it is truthy, so DeepSpeed clips at its default (a
+            # null in the yaml: the launcher passes nothing, the plugin writes "auto", and Accelerate fills in 1.0)
             del section["gradient_clipping"]
-            notes.append(f"gradient_clipping={clip!r}: Accelerate leaves a zero out of the DeepSpeed config, so "
+            notes.append(f"gradient_clipping={clip!r}: Accelerate leaves a zero or null out of the DeepSpeed config, so "
                          f"DeepSpeed's default (1.0) clips, as here; remove the key and set gradient_clipping in a "
                          f"deepspeed_config_file to turn clipping off")
         ds = {}
         for key, value in section.items():
-            path, cast = _FIELDS[key]
+            path = _FIELDS[key][0]
             node = ds
             *parents, leaf = path.split(".")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = value if value == "auto" or value is None else cast(value)
+            node[leaf] = value
         for which in ("offload_optimizer", "offload_param"):  # Accelerate writes "none" for no offload
             block = ds.get("zero_optimization", {}).get(which)
             if block is not None and block.get("device") == "none":

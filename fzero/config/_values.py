@@ -42,7 +42,8 @@ def as_int(path: str, value: Any, *, low: int = 0) -> int:
 
 def as_float(path: str, value: Any, *, low: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
-        raise ValueError(f"{API}: {path} must be a number >= {low:g}, got {json.dumps(value)}.")
+        finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""  # Infinity is >= 0 too
+        raise ValueError(f"{API}: {path} must be a {finite}number >= {low:g}, got {json.dumps(value)}.")
     return float(value)
 
 

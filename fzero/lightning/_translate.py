@@ -94,8 +94,20 @@ def check_module(module: Any, trainer: Any) -> None:
 
 
 def clip_of(trainer: Any) -> float | None:
+    """``compile``'s ``clip_grad_norm`` from ``Trainer(gradient_clip_val=...)``: None or 0 is no clipping, as in Lightning.
+
+    A negative value or NaN is refused here, by the Trainer's name: Lightning passes it on to ``clip_grad_norm_``, whose
+    factor ``max_norm / norm`` is then negative and flips every gradient (gradient ascent, silently), and NaN makes every
+    gradient NaN (torch 2.13). ``compile``'s own error would name a keyword the script never wrote."""
     value = trainer.gradient_clip_val
-    return float(value) if value else None  # Lightning: None or 0 is no clipping
+    if not value:
+        return None
+    if not float(value) > 0:
+        raise ValueError(
+            f"FZeroStrategy: Trainer(gradient_clip_val={value!r}) is not a norm to clip at: it must be > 0 (None or 0: no "
+            f"clipping). Plain Lightning would multiply the gradients by max_norm / norm: a negative factor (gradient ascent) or NaN."
+        )
+    return float(value)
 
 
 def _live(optimizer: torch.optim.Optimizer, index: int, key: str) -> Callable[[int], float]:

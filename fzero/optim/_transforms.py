@@ -177,7 +177,9 @@ def scale(factor: float) -> GradientTransformation:
 
 def set_to_zero() -> GradientTransformation:
     """Updates of zero: the params it applies to stay as they are (to freeze a group of ``multi_transform``). Its
-    fused step does nothing at all, so a frozen group costs no arithmetic."""
+    fused step does nothing at all, so a frozen group costs no arithmetic. Their gradients are still taken and count in
+    the step's global gradient norm (``clip_grad_norm``, ``metrics["grad_norm"]``), as a torch param group with
+    ``lr=0`` does; unlike ``requires_grad=False``, whose params torch's ``clip_grad_norm_`` never sees."""
 
     def init(params: Any) -> EmptyState:
         del params

@@ -62,7 +62,8 @@ def train_step(
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"fzero.train_step: grad_accum must be an int >= 1 (micro-batches per step), got {grad_accum!r}.")
     if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0):
-        raise ValueError(f"fzero.train_step: clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}.")
+        raise ValueError(f"fzero.train_step: clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}. None is no "
+                         f"clipping (what DeepSpeed's gradient_clipping: 0 and Lightning's gradient_clip_val=0 mean).")
     step = Step(
         loss_fn, optimizer, mesh, precision=policy(precision, api="fzero.train_step"), grad_accum=grad_accum,
         clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),

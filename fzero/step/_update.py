@@ -374,6 +374,15 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
     )
 
 
+def _nonfinite_fix(clip: float | None) -> str:
+    """What the error for an inf/NaN gradient norm advises. Clipping bounds later steps, but cannot scale an inf or NaN
+    gradient back (torch's clip_grad_norm_ writes NaN into it), so a step that already clips is not told to clip."""
+    if clip is None:
+        return "Lower the learning rate or clip (clip_grad_norm=...)"
+    return (f"Clipping (clip_grad_norm={clip:g}) cannot scale an inf or NaN back: lower the learning rate, or look for "
+            f"what overflows in the loss (a log or a division of 0, an fp32 overflow)")
+
+
 def loss_seed(scale: float, grad_accum: int, *, scaled: bool) -> float:
     """What each micro-batch's loss is multiplied by before its backward. Under a loss scale (fp16), ``scale / k``, as
     DeepSpeed divides the loss by its accumulation steps before scaling it: the sum of k scaled fp16 micro-batch
@@ -439,8 +448,8 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
     if skipped and loss_scale is None and step.on_nonfinite == "error":
         raise FloatingPointError(
             f"fzero.Step: the gradient norm is {grad_norm} at step {step_no} (loss {float(reduced[0]) / n:.6g}): the "
-            f"gradients hold inf or NaN. Lower the learning rate or clip (clip_grad_norm=...); pass on_nonfinite='skip' "
-            f"to skip such steps instead (the metrics say 'skipped')."
+            f"gradients hold inf or NaN; the params were not updated. {_nonfinite_fix(step.clip_grad_norm)}; pass "
+            f"on_nonfinite='skip' to skip such steps instead (the metrics say 'skipped')."
         )
     if loss_scale is not None and not isinstance(prec.loss_scale, StaticLossScale) or loss_scale is not None and skipped:
         loss_scale = next_loss_scale(prec.loss_scale, loss_scale, overflow=skipped, step=step_no)
