@@ -258,3 +258,47 @@ def test_fzero_remat_writes_buffers_once_at_stages_0_to_2():
         assert int(rematted["1.num_batches_tracked"]) == 3
         for k in plain:
             torch.testing.assert_close(rematted[k], plain[k], rtol=0, atol=0)
+
+
+class ReentrantCheckpointed(nn.Module):
+    """An embedding, two blocks each run under ``torch.utils.checkpoint(use_reentrant=True)`` (as Hugging Face's
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})`` runs its layers) and a
+    head. ``adapter``: the embedding frozen and its output made to require grad by a forward hook (Hugging Face's
+    ``enable_input_require_grads``, which its checkpointing turns on), so that only the blocks and the head train, as
+    a LoRA adapter with a trained classifier (peft's ``modules_to_save``) does."""
+
+    def __init__(self, *, adapter: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+        if adapter:
+            self.embed.weight.requires_grad_(False)
+            self.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return self.head(h).mean()
+
+
+@pytest.mark.parametrize("ranks, stages", [(1, 0), (1, 1), (1, 2), (1, 3), (2, 3)])
+@pytest.mark.parametrize("adapter", [True, False], ids=["frozen_embedding", "all_trainable"])
+def test_reentrant_torch_checkpoint_is_refused_naming_the_fix(adapter, stages, ranks):
+    """fzero takes the gradient with respect to the state's params only, so a reentrant checkpoint's backward
+    (which recomputes the block and adds into each param's ``.grad``) cannot give it the block's gradients. Where the
+    backward reaches it, torch refused with its own words (it knows neither fzero nor the Hugging Face switch);
+    behind a frozen embedding (peft's LoRA under ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    "use_reentrant": True})``) autograd skipped it: the blocks got no gradient while the head trained, with no
+    error and no warning (plain PyTorch trains both). Both now stop before any update, naming the non-reentrant
+    switches and compile(remat=True)."""
+    torch.manual_seed(0)
+    model = ReentrantCheckpointed(adapter=adapter)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.adamw(1e-2), stages=stages,
+                         mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    named = r"so these params got no gradient: blocks\.0\.\w+, blocks\.0\.\w+, blocks\.1\.\w+ and 1 more" if adapter else ""
+    with pytest.raises(RuntimeError, match=r"(?s)fzero\.Step: the model runs torch\.utils\.checkpoint with use_reentrant=True"
+                                           rf"[,.] ?{named}.*before any update.*use_reentrant.: False.*remat=True"):
+        step(state, torch.randint(0, 16, (4, 5)))

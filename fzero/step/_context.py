@@ -216,6 +216,10 @@ class Usage:
         by the step's metrics all-reduce, an entry > 0 says some rank used the slot."""
         return torch.tensor([float(x) for u in self.layout.units for x in self.used[u.name]], dtype=torch.float32)
 
+    def unused(self) -> list[str]:
+        """The paths of the params no gradient of this step has reached so far on this rank, in layout order."""
+        return [s.path for u in self.layout.units for s, used in zip(u.slots, self.used[u.name]) if not used]
+
 
 @contextlib.contextmanager
 def recording_usage(layout: Layout) -> Iterator[Usage]:
