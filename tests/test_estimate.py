@@ -71,6 +71,37 @@ def test_estimate_agrees_with_live_bytes(stages, precision, width):
         assert measured >= est.device.total  # what is not estimated (activations) only adds
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_estimate_counts_a_frozen_base_whole_on_every_rank(stages, precision):
+    """A LoRA-shaped run: most of the module frozen. fzero shards what trains; the frozen params stay the module's,
+    whole on every rank, and under bf16 a step casts the fp32 ones for its length. The estimate counted the trainable
+    params alone (here 1/32 of the model), so it was several times under what a rank holds."""
+    ranks, width = 2, WIDTH
+    unit = width * width + width
+    prob = mlp_problem(steps=2, sizes=[width] * (LAYERS + 1), batch=ranks)
+    linears = [m for m in prob.model.layers if isinstance(m, torch.nn.Linear)]
+    frozen = [p for layer in linears[:-1] for p in layer.parameters()]  # all but the last layer
+    for p in frozen:
+        p.requires_grad_(False)
+    counters = {}
+    mesh = dataclasses.replace(fzero.local_mesh(ranks), rank_context=lambda r: counters.setdefault(r, LiveBytes()))
+    buckets = {"unit_elements": unit} if stages <= 1 else {}
+    step = fzero.compile(prob.loss_fn, stages=stages, mesh=mesh, precision=precision, **buckets)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, _ = step(state, b)
+    est = fzero.estimate_memory(prob.model, stages=stages, world_size=ranks, precision=precision, unit_elements=unit)
+    base = sum(p.numel() * p.element_size() for p in frozen)
+    assert est.device.frozen == base and est.frozen_params == sum(p.numel() for p in frozen)
+    assert base > 2 * est.device.model_states  # the point of the test: most of what a rank holds is the base
+    for rank in range(ranks):
+        held = state_bytes(state[rank])
+        measured = held["params"] + held["optimizer"] + base + counters[rank].peak
+        assert measured == pytest.approx(est.device.total, rel=0.025), (rank, measured, est.device)
+    assert "frozen" in str(est) and f"+ {est.frozen_params:,} frozen" in str(est)
+
+
 @pytest.mark.parametrize("width", [WIDTH, 2 * WIDTH])
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -74,6 +74,7 @@ class Bytes:
     optimizer: float = 0.0  # the optimizer's state, fp32 master weights included
     gathered: float = 0.0  # stage 3: gathered units (running + prefetched + root)
     transient: float = 0.0  # the rest of the step's peak (see the module docstring)
+    frozen: float = 0.0  # the module's frozen parameters (requires_grad=False): whole on every rank, at every stage
 
     @property
     def model_states(self) -> float:
@@ -82,8 +83,8 @@ class Bytes:
 
     @property
     def total(self) -> float:
-        """The peak of a step: model states + gathered + transient."""
-        return self.model_states + self.gathered + self.transient
+        """The peak of a step: model states + gathered + transient + frozen."""
+        return self.model_states + self.gathered + self.transient + self.frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ class MemoryEstimate:
     disk: Bytes
     units: int | None  # units of the layout, when a model or params were given
     one_memory: Bytes | None = None  # device and host as one memory (a CPU-only machine); see estimate_memory
+    frozen_params: int = 0  # the module's frozen parameters (not in num_params): held whole, see Bytes.frozen
 
     @property
     def model_states(self) -> float:
@@ -110,21 +112,23 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("num_params", "stages", "world_size", "precision", "optimizer", "offload",
-                                             "offload_params", "units")}
+                                             "offload_params", "units", "frozen_params")}
         for place in ("device", "host", "disk", "one_memory"):
             b = getattr(self, place)
-            out[place] = {**{c: getattr(b, c) for c in CATEGORIES}, "model_states": b.model_states, "total": b.total}
+            out[place] = {**{c: getattr(b, c) for c in (*CATEGORIES, "frozen")}, "model_states": b.model_states, "total": b.total}
         return out
 
     def __str__(self) -> str:
         where = "none" if self.offload is None else self.offload + (" + params" if self.offload_params else "")
-        head = (f"estimated memory per rank: {self.num_params:,} params, stage {self.stages}, {self.world_size} ranks, "
+        frozen = f" (+ {self.frozen_params:,} frozen)" if self.frozen_params else ""
+        head = (f"estimated memory per rank: {self.num_params:,} params{frozen}, stage {self.stages}, {self.world_size} ranks, "
                 f"{self.precision}, {self.optimizer}, offload {where}")
-        lines = [head, f"{'':8s}" + "".join(f"{c:>12s}" for c in (*CATEGORIES, "total"))]
+        cats = (*CATEGORIES, "frozen") if self.frozen_params else CATEGORIES
+        lines = [head, f"{'':8s}" + "".join(f"{c:>12s}" for c in (*cats, "total"))]
         for place in ("device", "host", "disk"):
             b = getattr(self, place)
             if place == "device" or b.total:
-                lines.append(f"{place:8s}" + "".join(f"{_fmt(getattr(b, c)):>12s}" for c in CATEGORIES) + f"{_fmt(b.total):>12s}")
+                lines.append(f"{place:8s}" + "".join(f"{_fmt(getattr(b, c)):>12s}" for c in cats) + f"{_fmt(b.total):>12s}")
         return "\n".join(lines)
 
 
@@ -151,8 +155,9 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-rank bytes of ZeRO stage ``stages`` on ``world_size`` ranks, by category, on device, host and disk.
 
-    ``model_or_params_or_count``: an ``nn.Module`` (its trainable parameters; meta-device models work, nothing
-    is allocated), a params pytree (e.g. ``fzero.params_of(model)``) or a parameter count. ``precision``: "fp32",
+    ``model_or_params_or_count``: an ``nn.Module`` (its trainable parameters; its frozen ones, which fzero does not
+    shard, in ``frozen``, whole on every rank, with the compute-dtype copy a bf16/fp16 step makes of them in
+    ``transient``; meta-device models work, nothing is allocated), a params pytree (e.g. ``fzero.params_of(model)``) or a parameter count. ``precision``: "fp32",
     "bf16", "fp16" or a ``fzero.Precision``. ``optimizer``: "adamw", "adam", "lamb", "lion", "sgd" (momentum), a
     ``fzero.optim`` transform (its state is measured on meta tensors), or bytes of optimizer state per parameter.
     ``offload``: None, "cpu", "disk"/"nvme"; ``offload_params`` (stage 3, with either offload). ``units``, ``unit_elements`` and
@@ -243,20 +248,47 @@ def estimate_memory(
             update_peak = max(update_peak, held + 4 * (before + o) + p_bytes * (o + after))
             before += o
     device["gathered"] = gathered
-    device["transient"] = max(backward_peak, update_peak) - held - grads - gathered
+    # a module's frozen params: whole on every rank at every stage (fzero shards what trains), and under a bf16/fp16
+    # policy a copy in the compute dtype of those of another dtype, made for each step and held through it
+    frozen, frozen_cast = _frozen_bytes(model_or_params_or_count, prec.compute)
+    device["frozen"] = frozen
+    device["transient"] = max(backward_peak, update_peak) - held - grads - gathered + frozen_cast
     # One memory (a CPU-only machine): the host's copies of device tensors are those tensors themselves
-    one = {c: device.get(c, 0.0) + host.get(c, 0.0) for c in CATEGORIES}
+    one = {c: device.get(c, 0.0) + host.get(c, 0.0) for c in (*CATEGORIES, "frozen")}
     one["transient"] -= copies
     if mapped:  # the mapped sub-group is resident in the update, not beside backward's peak; on a CPU-only machine
         # the step's buffer pool (fzero.step._pool) keeps stage 3's gathered units through the update too
         # (the fp32 gradient the optimizer reads: the compute-dtype ones are freed as they are converted)
         opt_grads = 4 * owned_e if prec.has_master else grads
-        one["transient"] = max(backward_peak, update_peak, held + opt_grads + gathered + mapped) - held - grads - gathered
+        one["transient"] = (max(backward_peak, update_peak, held + opt_grads + gathered + mapped) - held - grads - gathered
+                            + frozen_cast)
     return MemoryEstimate(
         num_params=psi, stages=stages, world_size=n, precision=_precision_name(prec), optimizer=opt_name,
         offload=offload, offload_params=offload_params, device=Bytes(**device), host=Bytes(**host), disk=Bytes(**disk),
-        units=n_units, one_memory=Bytes(**one),
+        units=n_units, one_memory=Bytes(**one), frozen_params=_frozen_count(model_or_params_or_count),
     )
+
+
+def _frozen_of(source: Any) -> list[torch.Tensor]:
+    """A module's frozen parameters, each once (a params pytree or a count has none: they are the module's)."""
+    if not isinstance(source, nn.Module):
+        return []
+    return [p for p in source.parameters() if not p.requires_grad]
+
+
+def _frozen_bytes(source: Any, compute: torch.dtype) -> tuple[float, float]:
+    """(bytes of a module's frozen parameters, bytes of the compute-dtype copies a step makes of them): under a
+    bf16/fp16 policy ``fzero.apply`` casts a floating frozen param of another dtype for the step (an fp32 base under a
+    LoRA adapter: one bf16 copy of it per step), as it casts the inputs."""
+    frozen = _frozen_of(source)
+    held = float(sum(p.numel() * p.element_size() for p in frozen))
+    size = torch.empty((), dtype=compute).element_size()
+    cast = float(sum(p.numel() * size for p in frozen if p.is_floating_point() and p.dtype != compute)) if compute != torch.float32 else 0.0
+    return held, cast
+
+
+def _frozen_count(source: Any) -> int:
+    return sum(p.numel() for p in _frozen_of(source))
 
 
 def _precision_name(prec) -> str:
