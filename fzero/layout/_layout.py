@@ -247,6 +247,13 @@ def build_layout(
                 f"{api}: params must be a pytree (dict/list/tuple) of tensors; the leaf at {path or '<root>'!r} is a "
                 f"{type(leaf).__name__}. Pass fzero.params_of(model), or a dict of torch.Tensor."
             )
+        if leaf.is_complex():  # not "keep integer tensors out": a learnable complex filter is a parameter
+            raise TypeError(
+                f"{api}: the parameter {path!r} has dtype {leaf.dtype}; fzero trains real floating-point tensors only "
+                f"(its flat buffers, collectives and optimizers are real). Hold it as real and imaginary parts: "
+                f"nn.Parameter(torch.view_as_real(z)) (shape (..., 2)) and torch.view_as_complex(p) in forward, which "
+                f"is how torch.optim's Adam, AdamW and SGD update a complex parameter anyway."
+            )
         if not leaf.is_floating_point():
             raise TypeError(
                 f"{api}: the parameter {path!r} has dtype {leaf.dtype}; only floating-point tensors are trained. "

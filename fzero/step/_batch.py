@@ -34,7 +34,7 @@ from torch import nn
 
 from fzero.mesh import current_context
 from fzero.layout import pytrees as _tree
-from fzero.step._module import Buffers, lift_for
+from fzero.step._module import Buffers, check_module_features, lift_for
 from fzero.step._context import step_buffers, step_scope
 
 
@@ -211,7 +211,8 @@ class LossFnInContext:
     Errors that already name fzero's API pass unchanged. ``split``: the batch was split (mesh ranks, micro-batches).
 
     Its first call with a graph (the first micro-batch of the first step) also checks what only a forward shows:
-    that the loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
+    that the modules run hold nothing a step cannot train (``check_module_features``: a ``torch.compile`` wrapper,
+    sparse gradients), that the loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
     every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing for it."""
 
     __slots__ = ("fn", "split", "units", "checked")
@@ -230,6 +231,7 @@ class LossFnInContext:
         with watching_apply() as modules:
             out = self._run(params, batch)
         self.checked = True  # once per step object: ranks of a local mesh run one module, checked alike
+        check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
         loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             check_own_params(loss, modules)

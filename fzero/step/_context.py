@@ -293,12 +293,13 @@ def _chunk_cat_into(flat: torch.Tensor, grads: tuple[torch.Tensor | None, ...], 
     ``torch._chunk_cat`` (FSDP2's copy-in for its reduce-scatter) flattens each into its place, and the pieces
     without a view (the padding) are zeroed. Why: the per-piece narrow, view and copy cost about 5 us of host time
     per parameter, paid for every unit in every backward; this is one call. False (nothing written): the general
-    path, which also names a gradient of the wrong size, must do it."""
+    path, which also names a gradient of the wrong size, must do it. A 0-element gradient (a parameter of shape
+    (0, 4)) goes that way too: ``_chunk_cat`` refuses empty tensors ("expects non-empty tensor", at stages 2-3)."""
     n = len(grads)
     if n == 0 or n > len(sizes):
         return False
     for g, size in zip(grads, sizes):
-        if g is None or g.dim() == 0 or g.dtype != dtype or g.numel() != size:
+        if g is None or g.dim() == 0 or g.dtype != dtype or g.numel() != size or size == 0:
             return False
     filled = sum(sizes[:n])
     torch._chunk_cat(cast("tuple[torch.Tensor, ...]", grads), 0, 1, out=flat[:filled].view(1, filled))  # none is None

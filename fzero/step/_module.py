@@ -19,11 +19,13 @@ ones). The values come out of the transform as auxiliary outputs.
 
 At the end, the checks of a module against the params a state holds: at every ``fzero.apply`` (a state of another
 model width, trainable params changed since ``step.init``) and before an export names a state's tensors by a module
-(``check_export_model``).
+(``check_export_model``); and the modules a step cannot run as a torchrun job of DDP runs them (a ``torch.compile``
+wrapper, sparse gradients, ``SyncBatchNorm`` on simulated ranks), refused by name.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from fzero.layout import check_no_meta, named_tensors
+from fzero.mesh import current_context
 from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
 
 
@@ -45,6 +48,7 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.params_of: expected an nn.Module, got {type(module).__name__}.")
+    check_not_compiled(module, api="fzero.params_of")
     if not isinstance(copy, bool):
         raise TypeError(f"fzero.params_of: copy must be True or False, got {copy!r}.")
     return {name: p.detach().clone() if copy else p.detach() for name, p in module.named_parameters() if p.requires_grad}
@@ -70,7 +74,10 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.apply: expected an nn.Module (or a bound method of one) as the first argument, got "
                         f"{type(module).__name__}.")
+    check_not_compiled(module, api="fzero.apply")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
+    if current_context().stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
+        check_no_sync_batchnorm(module, api="fzero.apply")
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
     bank = current_buffers()
@@ -402,3 +409,84 @@ def check_export_model(module: Any, held: Any, *, api: str, complete: bool = Fal
             f"was made from" + ("." if complete else "; or, if the module's values of these are the ones wanted (parameters "
             "frozen in training and unfrozen since), freeze them (requires_grad_(False)) first.")
         )
+
+
+# -- modules a step cannot run as a torchrun job of DDP runs them ----------------------------------------------------
+
+COMPILE_FIX = ("Pass the module it wraps (model._orig_mod, or the model before torch.compile) to fzero.params_of and "
+               "fzero.apply; to compile, give fzero.compile(..., jit=True) at stages 2-3, which compiles each unit's forward.")
+
+
+def compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``). Read without importing
+    ``torch._dynamo`` (seconds of import): no such wrapper exists before dynamo is imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def check_not_compiled(module: nn.Module, *, api: str) -> None:
+    """Refuse a ``torch.compile`` wrapper given as the model. Its parameters are named ``_orig_mod.*`` and its
+    ``forward`` is the compiled call of the module it wraps, bound to that module: the step's copy of the model
+    (``fzero.step._context``) would run the original with its own tensors, not the step's params (measured: every
+    stage refused the loss as depending on the module's own parameters, which named no cause)."""
+    if compiled_wrapper(module):
+        raise TypeError(
+            f"{api}: the module is a torch.compile wrapper (OptimizedModule of "
+            f"{type(getattr(module, '_orig_mod', None)).__name__}): its parameters are named '_orig_mod.*' and its "
+            f"compiled forward runs the wrapped module with that module's own tensors, so a step's params would not "
+            f"reach it. {COMPILE_FIX}"
+        )
+
+
+def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
+    """Refuse a ``SyncBatchNorm`` in training mode on a rank thread of a ``local_mesh`` of several ranks.
+
+    Under torchrun it all-reduces the batch statistics over the process group in its forward, so every rank
+    normalizes with the global batch's mean and variance. The ranks of a local mesh are threads of one process with
+    no process group between them, and torch's ``SyncBatchNorm`` then falls back to ``BatchNorm`` on this rank's
+    share alone: params and running statistics would differ from the torchrun job's (measured on a Conv-BN net,
+    local_mesh(2), 4 AdamW steps at lr 1e-2: params 0.07 off the global-batch statistics), silently. In eval mode
+    it reads its running statistics and syncs nothing, so it runs as under torchrun."""
+    for path, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and m.training:
+            raise ValueError(
+                f"{api}: the SyncBatchNorm {path or '<root>'!r} of {type(module).__name__} is in training mode on a rank "
+                f"of a local_mesh of several ranks. Those ranks are threads of one process with no process group "
+                f"between them, so it would normalize with this rank's share of the batch only, where under torchrun "
+                f"it all-reduces the statistics of every rank's share: params and running statistics would differ "
+                f"from the torchrun job's. Run it under torchrun with fzero.dist_mesh() (torch's SyncBatchNorm needs "
+                f"CUDA tensors there), on local_mesh(1) or without a mesh (one rank: it is BatchNorm there), or "
+                f"simulate the ranks with BatchNorm layers in its place (per-rank statistics, as DDP without "
+                f"SyncBatchNorm). In eval mode (model.eval()) it syncs nothing and runs."
+            )
+
+
+def check_module_features(modules: list[nn.Module]) -> None:
+    """At the first forward with a graph, before its backward: refuse what ``fzero.apply`` ran but a step cannot
+    train. A ``torch.compile`` wrapper inside the model runs the original submodule's own tensors (see
+    ``check_not_compiled``). An ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` and a trainable weight
+    gives a sparse gradient, which no unit's flat gradient buffer can hold: without this check it failed deep in
+    fzero or in autograd ("copy_() between dense and sparse Tensors", "reshape is not implemented for sparse
+    tensors") with no name of the module or the fix."""
+    for module in modules:
+        for path, m in module.named_modules():
+            if path and compiled_wrapper(m):
+                parent, _, name = path.rpartition(".")
+                raise TypeError(
+                    f"fzero.Step: the submodule {path!r} of {type(module).__name__} is a torch.compile wrapper "
+                    f"(OptimizedModule of {type(getattr(m, '_orig_mod', None)).__name__}): its compiled forward runs the "
+                    f"module it wraps with that module's own tensors, not the step's params. Put the wrapped module "
+                    f"back in its place (model.get_submodule({parent!r}).register_module({name!r}, "
+                    f"model.get_submodule({path!r})._orig_mod)) and make the state from fzero.params_of(model) again; "
+                    f"to compile, give fzero.compile(..., jit=True) at stages 2-3, which "
+                    f"compiles each unit's forward."
+                )
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+                raise ValueError(
+                    f"fzero.Step: the {type(m).__name__} {path or '<root>'!r} of {type(module).__name__} has sparse=True, "
+                    f"so the gradient of {(path + '.' if path else '') + 'weight'!r} is a sparse tensor; fzero keeps every "
+                    f"gradient dense, in its units' flat buffers (reduced, sharded and clipped together), and takes no "
+                    f"sparse gradients. Build it with sparse=False (or set its .sparse = False before training): with "
+                    f"a dense gradient it trains as torch.optim's SGD and AdamW do; torch.optim.SparseAdam's lazy update "
+                    f"of the looked-up rows alone has no fzero optimizer."
+                )

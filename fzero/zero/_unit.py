@@ -122,7 +122,11 @@ class UnitCall:
         return grad_shard
 
     def unalloc(self) -> bool:
-        return self.full is not None and self.full.untyped_storage().nbytes() == 0
+        """Whether the buffer's memory is freed. A 0-element buffer (a unit whose params are all empty, shape (0, 4))
+        holds none to free, so it is never freed: read as freed, the turn's kept buffer was refilled from a gather
+        never issued ("'NoneType' object has no attribute 'wait'", local_mesh(2))."""
+        full = self.full
+        return full is not None and full.numel() > 0 and full.untyped_storage().nbytes() == 0
 
     def alloc(self) -> torch.Tensor:
         """The buffer with its memory back (contents undefined until a gather fills it)."""
