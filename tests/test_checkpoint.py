@@ -154,6 +154,37 @@ def test_disk_offloaded_state_saves_and_loads_both_ways(tmp_path):
     assert_trees_equal(disk.gather(fzero.checkpoint.load(ck2, like=disk)), plain.gather(a))
 
 
+@pytest.mark.parametrize("stages,precision", [(0, "fp32"), (3, "fp16")])
+def test_torch_save_of_a_whole_state_round_trips_and_trains_on_bitwise(tmp_path, stages, precision):
+    """Users torch.save a state object as it is. It pickled the step that made it (``Marks.made_by``) with its
+    ``loss_fn`` closure, and failed deep in pickle ("Can't pickle local object"); now it round-trips and trains on bit for
+    bit. A state a step has reused the buffers of is refused by name (it holds that step's values)."""
+    prob = mlp_problem(steps=4)
+    step = make_step(prob, stages=stages, mesh=fzero.local_mesh(2), precision=precision)
+    state, _ = train(step, step.init(fzero.params_of(prob.model)), prob.batches[:2])
+    torch.save({"state": state, "epoch": 1}, tmp_path / "s.pt")
+    copy = torch.load(tmp_path / "s.pt", weights_only=False)["state"]
+    assert_trees_equal(copy, state)
+    a, la = train(step, state, prob.batches[2:])
+    b, lb = train(step, copy, prob.batches[2:])
+    assert la == lb
+    assert_trees_equal(step.gather(b), step.gather(a))
+    with pytest.raises(ValueError, match=r"pickling a TrainState/RankStates .* already passed to a step, which reused its buffers"):
+        torch.save(state, tmp_path / "spent.pt")
+
+
+def test_a_disk_offloaded_state_is_refused_by_torch_save(tmp_path):
+    """Its optimizer state lives in mapped files that are removed with the state: pickle failed on the mmap, naming
+    neither the state nor the fix."""
+    prob = mlp_problem(steps=1)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=1, mesh=fzero.local_mesh(2), offload="disk",
+                         offload_dir=str(tmp_path))
+    state = step.init(fzero.params_of(prob.model))
+    with pytest.raises(TypeError, match=r"fzero.DiskOffload: a disk-offloaded state cannot be pickled .* files under .*"
+                                        r"fzero.checkpoint.save\(path, state\)"):
+        torch.save(state, tmp_path / "s.pt")
+
+
 # -- consolidate ----------------------------------------------------------------------------------------------
 
 
@@ -474,6 +505,33 @@ def test_load_errors_name_the_path_and_what_is_wrong(saved, tmp_path):
     # unverified, DCP's own error, re-raised as an Exception
     with pytest.raises(CheckpointError, match=r"fzero.checkpoint.load: .*copy: could not read the data \(a data file is corrupted or was changed\)"):
         fzero.checkpoint.load(ck, like=step, verify=False)
+
+
+def test_other_tools_checkpoints_are_named_with_what_fzero_reads_of_them(saved, tmp_path):
+    """What users come with: an FSDP2 run's dcp.save directory was called an interrupted fzero save, and a Hugging Face
+    Trainer's checkpoint-N "neither a checkpoint nor a directory holding" one. Each is named, with the way to its
+    weights and the word that its optimizer state is not read."""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    _, step, _ = saved
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "full.pt")
+    torch_save_to_dcp(tmp_path / "full.pt", tmp_path / "fsdp")  # DCP's format, as FSDP2's get_state_dict + dcp.save
+    for api in (lambda p: fzero.checkpoint.load(p, like=step), lambda p: fzero.checkpoint.consolidate(p, tmp_path / "o.pt")):
+        with pytest.raises(CheckpointError, match=r"fsdp is a torch.distributed.checkpoint \(DCP\) directory that fzero did "
+                                                  r"not write .*dcp_to_torch_save.* The optimizer starts afresh"):
+            api(tmp_path / "fsdp")
+    trainer = tmp_path / "checkpoint-2"
+    trainer.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        (trainer / name).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 holds Hugging Face weights \(model.safetensors: .*"
+                                              r"fzero.checkpoint.pretrained\(path, model=model\).*its optimizer.pt \(a torch "
+                                              r"optimizer's state: AdamW's moments\) is not read"):
+        fzero.checkpoint.load(trainer, like=step)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "latest").write_text("global_step3")
+    with pytest.raises(CheckpointError, match=r"ds is a DeepSpeed checkpoint .*fzero.checkpoint.from_deepspeed"):
+        fzero.checkpoint.load(tmp_path / "ds", like=step)
 
 
 def test_metadata_that_would_run_code_is_refused(saved, tmp_path):

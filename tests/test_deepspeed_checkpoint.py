@@ -268,6 +268,10 @@ def test_other_deepspeed_outputs_and_mixed_files_are_named(tmp_path):
     (weights / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match="holds weights only .*zero_to_fp32.py"):
         fzero.checkpoint.from_deepspeed(weights, like=step)
+    (weights / "optimizer.pt").write_bytes(b"")  # a Hugging Face Trainer's checkpoint-N: its torch optimizer is not read
+    with pytest.raises(CheckpointError, match=r"no DeepSpeed optimizer state to resume \(its optimizer.pt is a torch "
+                                              r"optimizer's, a Hugging Face Trainer's .*the optimizer starts afresh\)"):
+        fzero.checkpoint.from_deepspeed(weights, like=step)
     (tmp_path / "latest").write_text("")
     with pytest.raises(CheckpointError, match="latest is empty"):
         fzero.checkpoint.from_deepspeed(tmp_path, like=step)

@@ -59,6 +59,10 @@ are checked against the model from the headers before anything is read.
 count, buffers, an fp16 run's loss scale, and with ``model=`` the frozen parameters (``fzero/checkpoint/_deepspeed.py`` says how each parameter is found in DeepSpeed's partitions). Its
 files are read with ``torch.load(weights_only=True)``, DeepSpeed's own pickled classes as inert stand-ins.
 
+**From other tools.** A torch optimizer's state is not read (FSDP2's ``dcp.save`` directory, a Hugging Face Trainer's
+``checkpoint-N``, Accelerate's ``save_state`` folder): ``load`` names such a directory and the way to its weights
+(``_files._other_format``), with which a run goes on with a fresh optimizer.
+
 **Weights out.** ``format="safetensors"`` and ``save_weights`` write Hugging Face's ``model.safetensors`` (or
 ``model-0000k-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` past ``max_shard_size``), tied
 weights once as ``save_pretrained`` does, streaming: a group of parameters (a checkpoint) or a unit (a live

@@ -125,10 +125,14 @@ def _refuse_other_formats(path: str) -> None:
     weights = [f for f in ("pytorch_model.bin", "model.safetensors", "pytorch_model.bin.index.json",
                            "model.safetensors.index.json") if os.path.isfile(os.path.join(path, f))]
     if weights and not glob.glob(os.path.join(path, "*_model_states.pt")):
-        raise CheckpointError(
-            f"{API}: {path!r} holds weights only ({weights[0]}: zero_to_fp32.py's output, or save_pretrained's), no "
-            f"optimizer state to resume. Load them into the model (model.load_state_dict / from_pretrained) and start "
-            f"with step.init(fzero.params_of(model)), or pass the DeepSpeed checkpoint they were converted from."
+        torch_optimizer = [f for f in ("optimizer.pt", "optimizer.bin") if os.path.isfile(os.path.join(path, f))]
+        raise CheckpointError(  # a Trainer's checkpoint-N has a torch optimizer's state beside them, which fzero does not read
+            f"{API}: {path!r} holds weights only ({weights[0]}: zero_to_fp32.py's output, or save_pretrained's), no DeepSpeed "
+            f"optimizer state to resume"
+            + (f" (its {torch_optimizer[0]} is a torch optimizer's, a Hugging Face Trainer's or Accelerate's, which fzero "
+               f"does not read: the optimizer starts afresh)" if torch_optimizer else "")
+            + f". Load them into the model (model.load_state_dict / from_pretrained) and start with "
+            f"step.init(fzero.params_of(model)), or pass the DeepSpeed checkpoint they were converted from."
         )
 
 

@@ -274,6 +274,9 @@ def open_checkpoint(path: str | os.PathLike, api: str, *, verify: bool = True) -
         raise FileNotFoundError(f"{api}: no checkpoint at {path} (it does not exist).")
     found = latest(path)
     if found is None:
+        other = _other_format(path, api)
+        if other is not None:
+            raise CheckpointError(other)
         if os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(os.path.join(path, INFO)):
             raise CheckpointError(f"{api}: {path} is incomplete: it has no {MARKER} marker (the save was interrupted, or is still running).")
         raise CheckpointError(f"{api}: {path} is neither a checkpoint nor a directory holding complete step_* checkpoints.")
@@ -288,6 +291,49 @@ def open_checkpoint(path: str | os.PathLike, api: str, *, verify: bool = True) -
     if info["version"] > VERSION:
         raise CheckpointError(f"{api}: {found} has format version {info['version']}; this fzero reads up to {VERSION}. Upgrade fzero.")
     return found, info, manifest
+
+
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TORCH_OPTIMIZERS = ("optimizer.pt", "optimizer.bin")
+_FROM_OTHERS = "From FSDP2, DDP or the Hugging Face Trainer"  # the section of docs/migrating.md the errors point to
+
+
+def _other_format(path: str, api: str) -> str | None:
+    """The error for a directory another tool wrote, naming it and what fzero does with it (None: not one it knows).
+
+    Why: users point ``load`` at the checkpoint they come with. An FSDP2 run's ``dcp.save`` directory (DCP's
+    ``.metadata``, no ``fzero.json``) was called an interrupted fzero save, and a Hugging Face Trainer's
+    ``checkpoint-N`` (or Accelerate's ``save_state`` folder) "neither a checkpoint nor a directory holding" one,
+    with no word of what fzero can read of either: their weights, not their optimizer state."""
+    if not os.path.isdir(path) or PARTIAL_NAME.match(os.path.basename(path)):
+        return None
+    names = set(os.listdir(path))
+    if INFO in names:
+        return None
+    if ".metadata" in names:
+        return (
+            f"{api}: {path} is a torch.distributed.checkpoint (DCP) directory that fzero did not write (it has no {INFO}): "
+            f"an FSDP2 or Accelerate run's dcp.save of get_state_dict/get_model_state_dict. fzero resumes its own "
+            f"checkpoints only and does not read that optimizer state. Load the weights into the module before step.init "
+            f"(docs/migrating.md, '{_FROM_OTHERS}'): torch.distributed.checkpoint.format_utils.dcp_to_torch_save({path!r}, "
+            f"'full.pt') makes one file of it; model.load_state_dict(torch.load('full.pt', weights_only=True)['model']) "
+            f"(the key the dict was saved under); state = step.init(fzero.params_of(model)). The optimizer starts afresh."
+        )
+    weights = [f for f in _HF_WEIGHTS if f in names]
+    if weights:
+        optimizer = [f for f in _TORCH_OPTIMIZERS if f in names]
+        read = ("step.init(fzero.params_of(model, copy=False), materialize=fzero.checkpoint.pretrained(path, model=model)) "
+                "for a model built under fzero.empty_params(), or from_pretrained(path) and step.init(fzero.params_of(model))"
+                if weights[0].startswith("model.safetensors") else "from_pretrained(path) and step.init(fzero.params_of(model))")
+        return (
+            f"{api}: {path} holds Hugging Face weights ({weights[0]}: save_pretrained's, a Trainer's checkpoint-N or "
+            f"Accelerate's save_state), not an fzero checkpoint. Start from its weights with {read}"
+            + (f"; its {optimizer[0]} (a torch optimizer's state: AdamW's moments) is not read, so the optimizer starts "
+               f"afresh (docs/migrating.md, '{_FROM_OTHERS}')" if optimizer else "") + "."
+        )
+    if "latest" in names or any(n.startswith("global_step") for n in names):
+        return f"{api}: {path} is a DeepSpeed checkpoint (engine.save_checkpoint), not an fzero one: resume it with fzero.checkpoint.from_deepspeed({path!r}, like=step)."
+    return None
 
 
 def read_extra(path: str | os.PathLike) -> Any:

@@ -67,6 +67,21 @@ class Marks:
         self.made_by: Any = None
         self.busy = False  # a donating step is running on the state now (``claimed``)
 
+    def __reduce__(self) -> tuple:
+        """A pickled state (``torch.save(state, f)``, ``copy.deepcopy``) starts with fresh marks, as a new state object
+        does: ``made_by`` is a step of this process, whose ``loss_fn``, optimizer and module are not the state's to carry
+        (pickling them failed on any closure, deep in pickle, naming neither the state nor a fix), and the copy is
+        checked against the step it is given, once. A state whose buffers a step has reused (or is updating now) is
+        refused: its tensors hold that step's values, which the pickle would keep as the state's, silently."""
+        if self.donated or self.busy:
+            raise ValueError(
+                "fzero: pickling a TrainState/RankStates (torch.save, pickle, copy.deepcopy) that was already passed to "
+                "a step, which reused its buffers (or is updating them now, in another thread): its tensors hold that "
+                "step's values, not its own. Save the state the step returned (`state, metrics = step(state, batch)`), "
+                "or build the step with donate=False to keep old states."
+            )
+        return (Marks, ())
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainState:

@@ -57,6 +57,17 @@ class DiskStore:
         self.maps: dict[int, mmap.mmap] = {}  # storage address -> the mapping of its file
         self._finalizer = weakref.finalize(self, _remove, self.dir, self.maps, lock)  # also at interpreter exit
 
+    def __reduce__(self) -> tuple:
+        """Refused: a pickle (``torch.save(state, f)``, ``copy.deepcopy``) of a disk-offloaded state would need this
+        store's mappings, which pickle cannot hold (it failed with "cannot pickle 'mmap.mmap' object", naming neither
+        the state nor a fix), and its files are removed with the last state using them: a copy could not have them."""
+        raise TypeError(
+            f"fzero.DiskOffload: a disk-offloaded state cannot be pickled (torch.save, pickle, copy.deepcopy): its "
+            f"optimizer state (and, with params=True, its param shards) lives in files under {self.dir}, which are removed "
+            f"with the last state using them. Save it with fzero.checkpoint.save(path, state) and resume with "
+            f"fzero.checkpoint.load(path, like=step), which loads it with or without offload."
+        )
+
     def close(self) -> None:
         """Remove the files now (an ``init`` that failed half-way); otherwise the last state using them does."""
         self._finalizer()

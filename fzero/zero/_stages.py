@@ -333,8 +333,23 @@ class CastFromMasters:
 _CAST_MARK = "_fzero_cast_of"
 
 
+class _CastMark(tuple):
+    """(a weak reference to the master, the shard's version, the master's). A tensor's attributes are pickled with it
+    (``torch.save`` of a state), and a weak reference cannot be (that failed, naming neither the state nor a fix): a
+    pickled mark becomes None, so the loaded shard is compared with its master, as any state made another way is."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (_no_mark, ())
+
+
+def _no_mark() -> None:
+    return None
+
+
 def _mark_cast(shard: torch.Tensor, master: torch.Tensor) -> None:
-    setattr(shard, _CAST_MARK, (weakref.ref(master), shard._version, master._version))
+    setattr(shard, _CAST_MARK, _CastMark((weakref.ref(master), shard._version, master._version)))
 
 
 def _still_cast(shard: torch.Tensor, master: torch.Tensor) -> bool:
