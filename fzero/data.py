@@ -190,8 +190,13 @@ class Curriculum:
                 raise ValueError(f"{api}: {name}={value!r}; it must be a positive int (a sequence length, in tokens).")
         if self.min_difficulty > self.max_difficulty:
             raise ValueError(f"{api}: min_difficulty={self.min_difficulty} is above max_difficulty={self.max_difficulty}.")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"{api}: dim={self.dim!r}; it must be an int >= 0, the sequence dimension counted from the "
+                             f"front (1 for (batch, seq) tensors): counted from the back, a (batch,) label tensor's only "
+                             f"dimension would be cut as if it were the sequence.")
         if self.schedule_type == "fixed_discrete":
-            d, m = tuple(self.difficulties), tuple(self.max_steps)
+            d = _positive_ints(api, "difficulties", self.difficulties, "sequence lengths, in tokens")
+            m = _positive_ints(api, "max_steps", self.max_steps, "optimizer steps")
             if not d or len(d) != len(m) + 1:
                 raise ValueError(f"{api}: fixed_discrete needs difficulties (one more than max_steps) and max_steps; got "
                                  f"{len(d)} difficulties and {len(m)} max_steps. The last difficulty holds after the last max step.")
@@ -201,15 +206,21 @@ class Curriculum:
             object.__setattr__(self, "difficulties", d)
             object.__setattr__(self, "max_steps", m)
         else:
-            if not isinstance(self.total_curriculum_step, int) or self.total_curriculum_step < 1:
+            if (isinstance(self.total_curriculum_step, bool) or not isinstance(self.total_curriculum_step, int)
+                    or self.total_curriculum_step < 1):
                 raise ValueError(f"{api}: {self.schedule_type} needs total_curriculum_step, a positive int (the steps from "
                                  f"min to max difficulty); got {self.total_curriculum_step!r}.")
-            if self.schedule_type == "fixed_root" and not (isinstance(self.root_degree, (int, float)) and self.root_degree > 0):
+            if self.schedule_type == "fixed_root" and not (isinstance(self.root_degree, (int, float)) and not
+                                                           isinstance(self.root_degree, bool) and self.root_degree > 0):
                 raise ValueError(f"{api}: root_degree={self.root_degree!r}; it must be a positive number (2: square root).")
 
     def difficulty(self, step: int) -> int:
         """The sequence length after ``step`` optimizer steps (DeepSpeed's ``update_difficulty(global_steps + 1)``)."""
-        t = int(step) + 1
+        try:
+            t = int(step) + 1
+        except (TypeError, ValueError):  # None, NaN, a batch passed for the step: named, not int()'s message
+            raise TypeError(f"fzero.data.Curriculum: step={step!r}; pass the optimizer steps taken so far, an int "
+                            f"(state.step_count).") from None
         if self.min_difficulty >= self.max_difficulty:  # DeepSpeed starts at the min and updates only below the max
             return self.min_difficulty
         if self.schedule_type == "fixed_discrete":
@@ -255,6 +266,9 @@ class Curriculum:
         """From DeepSpeed's ``"curriculum_learning"`` block (``curriculum_type`` "seqlen", ``min_difficulty``,
         ``max_difficulty``, ``schedule_type`` and its ``schedule_config``)."""
         api = "fzero.data.Curriculum.from_deepspeed"
+        if not isinstance(block, dict):
+            raise TypeError(f"{api}: block must be the \"curriculum_learning\" dict of a DeepSpeed config, got "
+                            f"{type(block).__name__}.")
         kind = block.get("curriculum_type", "seqlen")
         if kind != "seqlen":
             raise NotImplementedError(f"{api}: curriculum_type={kind!r}: fzero's curriculum is by sequence length "
@@ -276,6 +290,17 @@ class Curriculum:
             raise ValueError(f"{api}: unknown schedule_config keys {unknown}; known: {sorted(known)}.")
         return cls(min_difficulty=block["min_difficulty"], max_difficulty=block["max_difficulty"], schedule_type=kind,
                    total_curriculum_step=sc.get("total_curriculum_step"), difficulty_step=sc.get("difficulty_step", 1),
-                   root_degree=sc.get("root_degree", 1.0), difficulties=tuple(sc.get("difficulty", ())),
-                   max_steps=tuple(sc.get("max_step", ())))
+                   root_degree=sc.get("root_degree", 1.0), difficulties=sc.get("difficulty", ()),
+                   max_steps=sc.get("max_step", ()))
+
+
+def _positive_ints(api: str, name: str, values: Any, what: str) -> tuple[int, ...]:
+    """``values`` (a list of ``what``) as a tuple, each a positive int: a difficulty of 0 cut every batch to no tokens,
+    and 8.5 failed deep in ``narrow``; an int for the list was a raw TypeError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"{api}: {name}={values!r}; it must be a list of {what}, one per stage of the schedule.")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{api}: {name}={list(values)} holds {bad[0]!r}; each must be a positive int ({what}).")
+    return tuple(values)
 

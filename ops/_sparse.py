@@ -43,11 +43,39 @@ import torch.nn.functional as F
 _ATTENTION = ("bidirectional", "unidirectional")
 
 
-def _check(name: str, attention: str, block: int) -> None:
+def _check(layout: Any, **minimum: int) -> None:
+    """Refuse a layout's settings that would not make a layout: an attention kind other than DeepSpeed's two, and a
+    count (``block`` and each ``minimum`` key: its least value) that is not an int at least that. Why here: a count
+    of 0 or below made a ZeroDivisionError, an endless loop (a local window of 0 blocks) or, silently, another layout
+    (a negative number of random blocks took all but that many; a negative global count took all but the last rows)."""
+    name = type(layout).__name__
+    attention = getattr(layout, "attention", "bidirectional")
     if attention not in _ATTENTION:
         raise ValueError(f"fzero.ops.{name}: attention={attention!r}; use 'bidirectional' or 'unidirectional'.")
+    block = layout.block
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"fzero.ops.{name}: block={block!r}; it must be a positive int (tokens per block).")
+    for field, low in {"num_heads": 1, **minimum}.items():
+        value = getattr(layout, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            what = {"num_heads": "heads", "num_different_global_patterns": "global patterns"}.get(field, "blocks")
+            raise ValueError(f"fzero.ops.{name}: {field}={value!r}; it must be an int >= {low} (a count of {what}).")
+    for field in ("different_layout_per_head", "horizontal_global_attention"):
+        value = getattr(layout, field, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"fzero.ops.{name}: {field}={value!r}; it must be True or False.")
+
+
+def _blocks_list(name: str, field: str, values: Any, *, low: int) -> tuple[int, ...]:
+    """``values`` (a list or tuple of block counts or indices, as DeepSpeed's config gives them) as a tuple of ints,
+    each at least ``low``; anything else is refused by field name (an int for a list, a negative index)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"fzero.ops.{name}: {field}={values!r}; it must be a list of ints such as [{max(low, 0)}] "
+                         f"(one entry per window or global block).")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low]
+    if bad:
+        raise ValueError(f"fzero.ops.{name}: {field}={list(values)} holds {bad[0]!r}; each entry must be an int >= {low}.")
+    return tuple(values)
 
 
 def _need(name: str, what: str, count: int, num_blocks: int) -> None:
@@ -72,7 +100,7 @@ class DenseLayout:
     different_layout_per_head: bool = False  # accepted as DeepSpeed does: every head's layout is the same
 
     def __post_init__(self) -> None:
-        _check("DenseLayout", "bidirectional", self.block)
+        _check(self)
 
     def blocks(self, num_blocks: int) -> torch.Tensor:
         return torch.ones(1, num_blocks, num_blocks, dtype=torch.bool)
@@ -90,7 +118,7 @@ class FixedLayout:
     different_layout_per_head: bool = False
 
     def __post_init__(self) -> None:
-        _check("FixedLayout", self.attention, self.block)
+        _check(self, num_local_blocks=1, num_global_blocks=1, num_different_global_patterns=1)
         if self.num_local_blocks % self.num_global_blocks:
             raise ValueError(f"fzero.ops.FixedLayout: num_local_blocks={self.num_local_blocks} is not a multiple of "
                              f"num_global_blocks={self.num_global_blocks}.")
@@ -147,8 +175,12 @@ class VariableLayout:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check("VariableLayout", self.attention, self.block)
-        object.__setattr__(self, "local_window_blocks", tuple(self.local_window_blocks))
+        _check(self, num_random_blocks=0)
+        windows = _blocks_list("VariableLayout", "local_window_blocks", self.local_window_blocks, low=1)
+        if not windows:
+            raise ValueError("fzero.ops.VariableLayout: local_window_blocks=[]; give at least one window size in blocks "
+                             "(the last one repeats), e.g. [4].")
+        object.__setattr__(self, "local_window_blocks", windows)
         starts, ends = _global_indices("VariableLayout", self.global_block_indices, self.global_block_end_indices)
         object.__setattr__(self, "global_block_indices", starts)
         object.__setattr__(self, "global_block_end_indices", ends)
@@ -192,7 +224,7 @@ class BigBirdLayout:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check("BigBirdLayout", self.attention, self.block)
+        _check(self, num_random_blocks=0, num_sliding_window_blocks=0, num_global_blocks=0)
 
     def blocks(self, num_blocks: int) -> torch.Tensor:
         heads = self.num_heads if self.different_layout_per_head and self.num_random_blocks else 1
@@ -221,7 +253,7 @@ class BSLongformerLayout:
     different_layout_per_head: bool = False  # accepted as DeepSpeed does: every head's layout is the same
 
     def __post_init__(self) -> None:
-        _check("BSLongformerLayout", self.attention, self.block)
+        _check(self, num_sliding_window_blocks=0)
         starts, ends = _global_indices("BSLongformerLayout", self.global_block_indices, self.global_block_end_indices)
         object.__setattr__(self, "global_block_indices", starts)
         object.__setattr__(self, "global_block_end_indices", ends)
@@ -244,10 +276,10 @@ def _global_ranges(starts: tuple[int, ...], ends: tuple[int, ...] | None, n: int
 
 
 def _global_indices(name: str, starts: Any, ends: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    starts = tuple(starts)
+    starts = _blocks_list(name, "global_block_indices", starts, low=0)  # a negative index made no global block, silently
     if ends is None:
         return starts, None
-    ends = tuple(ends)
+    ends = _blocks_list(name, "global_block_end_indices", ends, low=1)
     if len(ends) != len(starts) or any(e <= s for s, e in zip(starts, ends)):
         raise ValueError(f"fzero.ops.{name}: global_block_end_indices={list(ends)} must pair with global_block_indices="
                          f"{list(starts)}, each end after its start.")
@@ -328,15 +360,27 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
                          + (" For grouped-query attention repeat k and v to the query heads first (Hugging Face's "
                             "repeat_kv)." if gqa else ""))
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"fzero.ops.sparse_attention: q, k, v must share one floating dtype, as SDPA needs; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}. Cast them to one (k.to(q.dtype), v.to(q.dtype)).")
     if impl not in ("auto", "flex", "torch"):
         raise ValueError(f"fzero.ops.sparse_attention: impl={impl!r}; use 'auto', 'flex' or 'torch'.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"fzero.ops.sparse_attention: scale={scale!r}; pass a finite number (the scores' factor), or "
+                         f"None for 1 / sqrt(head_dim).")
+    if isinstance(layout, type) or not isinstance(getattr(layout, "block", None), int) or not callable(getattr(layout, "blocks", None)):
+        raise TypeError(f"fzero.ops.sparse_attention: layout={layout!r}; pass a layout such as "
+                        f"fzero.ops.FixedLayout(block=16) (an object with .block and .blocks(num_blocks)); from a DeepSpeed "
+                        f"config's \"sparse_attention\" block, fzero.config.from_deepspeed(cfg).sparse_attention.")
     heads, seq = q.shape[1], q.shape[2]
     layout = _for_heads(layout, heads)
     mask = None if attn_mask is None else _mask_4d(attn_mask, q)
     nb = -(-seq // layout.block)
     blocks = layout.blocks(nb).to(q.device)
     if blocks.shape[0] not in (1, heads):
-        raise ValueError(f"fzero.ops.sparse_attention: the layout has {blocks.shape[0]} head layouts for {heads} heads.")
+        raise ValueError(f"fzero.ops.sparse_attention: the layout has {blocks.shape[0]} head layouts for {heads} heads "
+                         f"(q's dim 1); make it with num_heads={heads}, or with different_layout_per_head=False (one "
+                         f"layout for every head).")
     if not bool(blocks.diagonal(dim1=1, dim2=2).all()):
         raise ValueError(f"fzero.ops.sparse_attention: {type(layout).__name__} leaves out a diagonal block at "
                          f"{blocks.shape[1]} blocks, so some query would attend nothing. Use a layout that keeps the "

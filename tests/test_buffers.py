@@ -149,6 +149,26 @@ def test_errors_name_the_api_and_the_fix():
         fzero.buffers_of({})
 
 
+
+def test_state_dict_refuses_a_model_of_another_width_and_names_itself_on_a_spent_state():
+    """A model of the same names and another width got the state's tensors silently (load_state_dict failed later,
+    naming no cause); a spent state's error named Step.gather; a meta value for with_buffers was torch's bare
+    "Cannot copy out of meta tensor"."""
+    model = _cnn()
+    step = fzero.compile(lambda p, b: _loss(fzero.apply(model, p, b)), optimizer=fzero.optim.sgd(0.1))
+    first = step.init(fzero.params_of(model))
+    state, _ = step(first, _batches(1)[0])
+    wider = _cnn()
+    wider[5] = nn.Linear(4 * 4 * 4, 3)
+    with pytest.raises(ValueError, match=r"fzero.Step.state_dict: '5.weight' has shape \(2, 64\) in the state but \(3, 64\) "
+                                         r"in Sequential: the model is another configuration"):
+        step.state_dict(state, wider)
+    with pytest.raises(ValueError, match=r"^fzero.Step.state_dict: this state was already passed to a step"):
+        step.state_dict(first, model)
+    with pytest.raises(ValueError, match=r"with_buffers: the value for buffer '1.running_mean' is a meta tensor"):
+        step.with_buffers(state, {"1.running_mean": torch.zeros(4, device="meta")})
+    model.load_state_dict(step.state_dict(state, model))  # the model it was made from: strict, as before
+
 class _BNNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

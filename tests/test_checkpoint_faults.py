@@ -195,6 +195,34 @@ def test_the_verify_command_prints_one_line_per_file_and_exits_1_on_a_bad_one(sa
     assert missing.returncode == 1 and "no checkpoint at" in missing.stderr
 
 
+def test_a_directory_for_the_pt_file_or_of_another_format_is_named_by_the_command(saved, tmp_path):
+    """``consolidate CK DIR`` (format pt into an existing directory) was a raw IsADirectoryError traceback from
+    os.replace that left DIR.partial behind; a DeepSpeed or Hugging Face directory given for an fzero checkpoint (and
+    an fzero one to from_deepspeed) said only what it is not; from_deepspeed(None) and tag=3 were raw TypeErrors from
+    os. Each names what to use."""
+    ck, step, _ = saved
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = cli("consolidate", ck, str(out_dir))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"{out_dir} is a directory, and format='pt' writes one file. Pass a file path such as {out_dir}/model.pt" in run.stderr
+    assert not os.path.exists(f"{out_dir}.partial")
+    (tmp_path / "ds" / "global_step1").mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint.*fzero.checkpoint.from_deepspeed"):
+        fzero.checkpoint.consolidate(tmp_path / "ds", tmp_path / "x.pt")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"holds Hugging Face weights.*fzero.checkpoint.pretrained"):
+        fzero.checkpoint.load(tmp_path / "hf", like=step)
+    with pytest.raises(CheckpointError, match=r"is an fzero checkpoint \(fzero.checkpoint.save\), not DeepSpeed's.*checkpoint.load"):
+        fzero.checkpoint.from_deepspeed(ck, step)
+    with pytest.raises(TypeError, match=r"from_deepspeed: path must be the save_dir given to engine.save_checkpoint.*NoneType"):
+        fzero.checkpoint.from_deepspeed(None, step)
+    with pytest.raises(TypeError, match=r"from_deepspeed: tag=3; it is a folder name in the save_dir.*'global_step3'"):
+        fzero.checkpoint.from_deepspeed(tmp_path / "ds", step, tag=3)
+
+
 # -- full disk ----------------------------------------------------------------------------------------------------
 
 

@@ -117,3 +117,25 @@ def test_the_config_block_is_read_and_bad_settings_are_named():
         Curriculum(min_difficulty=0, max_difficulty=8, total_curriculum_step=3)
     with pytest.raises(ValueError, match=r"schedule_type='custom'; use one of"):
         Curriculum(min_difficulty=1, max_difficulty=8, schedule_type="custom")
+
+
+def test_discrete_difficulties_dim_and_step_that_make_no_curriculum_are_named():
+    """A difficulty of 0 cut every batch to no tokens, silently; 8.5 failed deep in ``narrow``; an int for the list and
+    a step of None were raw TypeErrors; dim=-1 would cut a (batch,) label tensor as if it were the sequence."""
+    discrete = {"min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_discrete"}
+    block = {"enabled": True, **discrete, "schedule_config": {"difficulty": [0, 64], "max_step": [5]}}
+    with pytest.raises(ValueError, match=r"from_deepspeed: curriculum_learning: difficulties=\[0, 64\] holds 0; each must be a positive int"):
+        fzero.config.from_deepspeed({"curriculum_learning": block})
+    with pytest.raises(ValueError, match=r"difficulties=8; it must be a list of sequence lengths"):
+        Curriculum.from_deepspeed({**discrete, "schedule_config": {"difficulty": 8, "max_step": 5}})
+    with pytest.raises(ValueError, match=r"Curriculum: difficulties=\[8.5, 64\] holds 8.5"):
+        Curriculum(**discrete, difficulties=(8.5, 64), max_steps=(2,))
+    with pytest.raises(ValueError, match=r"Curriculum: max_steps=\[-1\] holds -1"):
+        Curriculum(**discrete, difficulties=(8, 64), max_steps=(-1,))
+    with pytest.raises(ValueError, match=r"Curriculum: dim=-1; it must be an int >= 0"):
+        Curriculum(min_difficulty=4, max_difficulty=16, total_curriculum_step=4, dim=-1)
+    c = Curriculum(min_difficulty=4, max_difficulty=16, total_curriculum_step=4)
+    with pytest.raises(TypeError, match=r"Curriculum: step=None; pass the optimizer steps taken so far"):
+        c.apply({"x": torch.zeros(2, 16)}, None)
+    with pytest.raises(TypeError, match=r"Curriculum.from_deepspeed: block must be the \"curriculum_learning\" dict"):
+        Curriculum.from_deepspeed([block])

@@ -198,6 +198,29 @@ def test_cli_prints_every_stage_and_offload_choice(capsys):
         estimate_cli(["--world-size", "2"])  # --params or --model
 
 
+
+def test_odd_arguments_are_named_where_the_estimate_was_nan_or_ignored_them(capsys):
+    """An optimizer of NaN or inf bytes made every total NaN; units naming no module, unit_elements=0 and
+    sub_group_size=0 (which compile refuses) were taken silently; --params nan or inf was a traceback."""
+    from fzero.models import MLP
+
+    model = MLP([4, 8, 2])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"optimizer as a number is bytes of state per parameter \(finite, >= 0\)"):
+            fzero.estimate_memory(1e6, stages=1, world_size=2, optimizer=bad)
+    with pytest.raises(ValueError, match=r"estimate_memory: units entry 'nope' matches no module"):
+        fzero.estimate_memory(model, stages=3, world_size=2, units=("nope",))
+    with pytest.raises(TypeError, match=r"estimate_memory: units must be a tuple of module paths"):
+        fzero.estimate_memory(model, stages=3, world_size=2, units="layers")
+    with pytest.raises(ValueError, match=r"estimate_memory: unit_elements must be an int >= 1 \(elements\), got 0"):
+        fzero.estimate_memory(model, stages=1, world_size=2, unit_elements=0)
+    with pytest.raises(ValueError, match=r"estimate_memory: sub_group_size must be an int >= 64 \(elements\), got 0"):
+        fzero.estimate_memory(model, stages=1, world_size=2, offload="disk", sub_group_size=0)
+    for bad in ("nan", "inf"):
+        with pytest.raises(SystemExit):
+            estimate_cli(["--params", bad, "--world-size", "2"])
+        assert f"--params must be a finite number >= 1, got {bad}" in capsys.readouterr().err
+
 def test_estimate_counts_state_shared_by_param_groups_once():
     """multi_transform's groups share one Adam state where their states match (as torch's param groups keep one
     state per param): two AdamW groups are 8 B/param of state in fp32, not 16."""

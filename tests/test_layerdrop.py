@@ -44,6 +44,13 @@ def test_bad_settings_are_named():
     assert fzero.config.from_deepspeed({"progressive_layer_drop": {"enabled": False}}).progressive_layer_drop is None
 
 
+def test_an_infinite_gamma_is_refused_not_a_nan_keep_probability():
+    """gamma=inf passed the check (>= 0): theta_at(0) is (1 - theta) * exp(-inf * 0) + theta = NaN, so every keep
+    probability was NaN and every layer was dropped at step 0, silently."""
+    with pytest.raises(ValueError, match=r"ProgressiveLayerDrop: gamma=inf; it must be a finite number >= 0"):
+        ProgressiveLayerDrop(gamma=float("inf"))
+
+
 def _problem(pld):
     prob = gpt_problem(steps=5)
     n = prob.model.cfg.n_layer

@@ -256,6 +256,57 @@ def test_a_model_with_real_params_or_a_wrong_directory_is_refused(saved, tmp_pat
         fzero.checkpoint.pretrained(whole, model=_empty("gpt2"))
 
 
+
+def test_a_half_written_index_or_truncated_shard_is_named_with_the_file(saved, tmp_path):
+    """A copy that did not finish: an index cut short, one that is not an index, a shard cut short, and a directory of
+    another format. Each was a raw JSONDecodeError / AttributeError / safetensors "incomplete metadata, file not fully
+    covered" naming no file; now the file and the fix are named."""
+    import shutil
+
+    _, sharded = saved["gpt2"]
+    index = "model.safetensors.index.json"
+    cases = {"cut": lambda d: (d / index).write_text((d / index).read_text()[:40]),
+             "list": lambda d: (d / index).write_text("[1, 2]"),
+             "null": lambda d: (d / index).write_text('{"weight_map": {"transformer.wte.weight": null}}')}
+    messages = {"cut": r"index.json' is not readable JSON \(JSONDecodeError.*truncated or corrupted",
+                "list": r"index.json' has no weight_map of checkpoint key -> file name",
+                "null": r"index.json' has no weight_map of checkpoint key -> file name"}
+    for name, change in cases.items():
+        d = tmp_path / name
+        shutil.copytree(sharded, d)
+        change(d)
+        with pytest.raises(ValueError, match=messages[name]):
+            fzero.checkpoint.pretrained(d, model=_empty("gpt2"))
+    d = tmp_path / "shard"
+    shutil.copytree(sharded, d)
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=rf"cannot read '{shard}' as safetensors \(SafetensorError: .*\); the file is truncated"):
+        fzero.checkpoint.pretrained(d, model=_empty("gpt2"))
+    (tmp_path / "ds" / "global_step1").mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    with pytest.raises(FileNotFoundError, match=r"It is a DeepSpeed checkpoint.*fzero.checkpoint.from_deepspeed"):
+        fzero.checkpoint.pretrained(tmp_path / "ds", model=_empty("gpt2"))
+    with pytest.raises(TypeError, match=r"pretrained: path must be the directory save_pretrained wrote.*got NoneType"):
+        fzero.checkpoint.pretrained(None, model=_empty("gpt2"))
+
+
+def test_a_device_that_cannot_hold_the_values_and_the_unmade_reader_are_named(saved):
+    """device="gpu" was torch's list of device types from the end of pretrained, "cuda" without a GPU a bare assert
+    from inside step.init; materialize=fzero.checkpoint.pretrained (the maker, not called) was "pretrained() takes 1
+    positional argument but 2 were given"."""
+    whole, _ = saved["gpt2"]
+    with pytest.raises(ValueError, match=r"pretrained: device='gpu' is not a torch device .*pass 'cpu' or 'cuda'"):
+        fzero.checkpoint.pretrained(whole, model=_empty("gpt2"), device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"pretrained: device='cuda', but torch sees no CUDA device here"):
+            fzero.checkpoint.pretrained(whole, model=_empty("gpt2"), device="cuda")
+    model = _empty("gpt2")
+    step = fzero.compile(_loss(model), optimizer=fzero.optim.adamw(1e-3))
+    with pytest.raises(TypeError, match=r"Step.init: materialize=fzero.checkpoint.pretrained is the function that makes a "
+                                        r"reader.*materialize=fzero.checkpoint.pretrained\(dir, model=model\)"):
+        step.init(fzero.params_of(model, copy=False), materialize=fzero.checkpoint.pretrained)
+
 def test_empty_params_keeps_ties_and_buffers_and_ends_with_the_block():
     meta = _empty("gpt2")
     assert meta.lm_head.weight is meta.transformer.wte.weight and meta.lm_head.weight.is_meta

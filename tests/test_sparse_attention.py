@@ -81,6 +81,42 @@ def test_bad_layouts_are_named():
         ops.sparse_attention(q, q, q, ops.FixedLayout(block=4, num_heads=3, different_layout_per_head=True))
 
 
+
+def test_layout_counts_that_make_no_layout_are_refused_by_field():
+    """A count of 0 or below, or an int where DeepSpeed takes a list, is refused when the layout is made, by field: it
+    was a ZeroDivisionError (num_global_blocks=0), an endless loop (a local window of 0 blocks), a raw TypeError, or
+    silently another layout (num_random_blocks=-1 took all but one block of each row; global index -1 none)."""
+    bad = [(lambda: ops.FixedLayout(num_global_blocks=0), r"FixedLayout: num_global_blocks=0; it must be an int >= 1"),
+           (lambda: ops.FixedLayout(num_local_blocks="4"), r"FixedLayout: num_local_blocks='4'; it must be an int >= 1"),
+           (lambda: ops.VariableLayout(local_window_blocks=(0,)), r"VariableLayout: local_window_blocks=\[0\] holds 0"),
+           (lambda: ops.VariableLayout(local_window_blocks=()), r"VariableLayout: local_window_blocks=\[\]; give at least"),
+           (lambda: ops.VariableLayout(local_window_blocks=4), r"VariableLayout: local_window_blocks=4; it must be a list"),
+           (lambda: ops.VariableLayout(num_random_blocks=-1), r"VariableLayout: num_random_blocks=-1; it must be an int >= 0"),
+           (lambda: ops.BigBirdLayout(num_global_blocks=-1), r"BigBirdLayout: num_global_blocks=-1; it must be an int >= 0"),
+           (lambda: ops.BSLongformerLayout(global_block_indices=(-1,)), r"global_block_indices=\[-1\] holds -1"),
+           (lambda: ops.FixedLayout(different_layout_per_head="false"), r"different_layout_per_head='false'; it must be True")]
+    for make, message in bad:
+        with pytest.raises(ValueError, match=message):
+            make()
+    with pytest.raises(ValueError, match=r"from_deepspeed: sparse_attention: num_global_blocks=0; it must be an int >= 1"):
+        fzero.config.from_deepspeed({"sparse_attention": {"mode": "fixed", "num_global_blocks": 0}})
+
+
+def test_sparse_attention_names_a_wrong_layout_or_mixed_dtypes():
+    """Not a layout (a mode name, a config block, the class), q, k, v of different dtypes and a scale that is not a
+    number: errors naming the value and the fix, not an AttributeError, einsum's "expected scalar type Float but found
+    BFloat16" or "only integer tensors of a single element can be converted to an index"."""
+    q = torch.randn(1, 2, 8, 4)
+    for layout in ("fixed", {"mode": "fixed"}, ops.FixedLayout):
+        with pytest.raises(TypeError, match=r"sparse_attention: layout=.*pass a layout such as fzero.ops.FixedLayout"):
+            ops.sparse_attention(q, q, q, layout)
+    with pytest.raises(ValueError, match=r"must share one floating dtype.*torch.float32, torch.bfloat16, torch.float32"):
+        ops.sparse_attention(q, q.bfloat16(), q, ops.DenseLayout(block=4))
+    with pytest.raises(ValueError, match=r"must share one floating dtype.*torch.int64"):
+        ops.sparse_attention(q.long(), q.long(), q.long(), ops.DenseLayout(block=4))
+    with pytest.raises(ValueError, match=r"sparse_attention: scale='1'; pass a finite number"):
+        ops.sparse_attention(q, q, q, ops.DenseLayout(block=4), scale="1")
+
 def test_the_deepspeed_config_block_gives_the_layout():
     block = {"mode": "fixed", "block": 16, "different_layout_per_head": True, "num_local_blocks": 4,
              "num_global_blocks": 1, "attention": "bidirectional", "horizontal_global_attention": False,

@@ -49,6 +49,12 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
     out_file = os.path.abspath(os.fspath(out_file))
     if format == "safetensors":
         return _to_safetensors(found, info, manifest, metadata, out_file, model=model, dtype=dt, max_bytes=max_bytes, api=api)
+    if os.path.isdir(out_file):  # else torch.save wrote beside it, and os.replace failed raw, leaving the partial file
+        raise CheckpointWriteError(
+            f"{api}: {out_file} is a directory, and format='pt' writes one file. Pass a file path such as "
+            f"{os.path.join(out_file, 'model.pt')}, or format='safetensors' (--format safetensors) to write Hugging Face's "
+            f"files into the directory.", errno=errno.EISDIR, path=out_file,
+        )
     check_out_dir(os.path.dirname(out_file), api=api)
     needed = sum(4 * int(torch.Size(p["shape"]).numel()) for p in info["params"])
     needed += sum(getattr(torch, b["dtype"]).itemsize * int(torch.Size(b["shape"]).numel()) for _, b in _module_tensors(info))

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fzero.checkpoint._dcp import CheckpointError
+from fzero.checkpoint._files import INFO, STEP_NAME
 from fzero.checkpoint._load import _target
 from fzero.checkpoint._state import dests, entries, held, with_saved_buffers
 from fzero.step import RankStates, TrainState
@@ -87,6 +88,11 @@ def _read(path: str) -> Any:
 
 def find_tag_folder(path: str | os.PathLike, tag: str | None) -> str:
     """The ``global_step*`` folder: ``path/<tag>``, ``path/<the tag in path/latest>``, or ``path`` itself."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{API}: path must be the save_dir given to engine.save_checkpoint (a str or os.PathLike), got "
+                        f"{type(path).__name__}.")
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"{API}: tag={tag!r}; it is a folder name in the save_dir, a str such as 'global_step{tag}'.")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{API}: {path!r} is not a directory; pass the save_dir given to engine.save_checkpoint, "
@@ -122,6 +128,9 @@ def _refuse_other_formats(path: str) -> None:
             f"parameter), which fzero does not read. Pass the global_stepN folder it was converted from (fzero reshards "
             f"that to any stage and world size itself)."
         )
+    if os.path.isfile(os.path.join(path, INFO)) or any(STEP_NAME.match(n) for n in os.listdir(path)):
+        raise CheckpointError(f"{API}: {path!r} is an fzero checkpoint (fzero.checkpoint.save), not DeepSpeed's: resume it "
+                              f"with fzero.checkpoint.load(path, step).")
     weights = [f for f in ("pytorch_model.bin", "model.safetensors", "pytorch_model.bin.index.json",
                            "model.safetensors.index.json") if os.path.isfile(os.path.join(path, f))]
     if weights and not glob.glob(os.path.join(path, "*_model_states.pt")):

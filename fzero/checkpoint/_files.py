@@ -331,7 +331,7 @@ def _other_format(path: str, api: str) -> str | None:
             + (f"; its {optimizer[0]} (a torch optimizer's state: AdamW's moments) is not read, so the optimizer starts "
                f"afresh (docs/migrating.md, '{_FROM_OTHERS}')" if optimizer else "") + "."
         )
-    if "latest" in names or any(n.startswith("global_step") for n in names):
+    if "latest" in names or any(n.startswith("global_step") or n.endswith("_optim_states.pt") for n in names):
         return f"{api}: {path} is a DeepSpeed checkpoint (engine.save_checkpoint), not an fzero one: resume it with fzero.checkpoint.from_deepspeed({path!r}, like=step)."
     return None
 

@@ -80,6 +80,22 @@ def _safe_open() -> Any:
         raise ImportError(f"{API} reads safetensors files with the safetensors package: pip install safetensors") from None
 
 
+def _open(file: str) -> Any:
+    """``safe_open`` of one weight file; a file it cannot read (a truncated or interrupted copy, another format under
+    the name, a directory) is named with the fix, not safetensors' bare "incomplete metadata, file not fully covered"."""
+    safe_open = _safe_open()
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except OSError as e:  # permissions, a directory under the file's name: what the OS said, with the file
+        raise OSError(f"{API}: cannot open {file!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError: named with the file, and what to do
+        raise ValueError(
+            f"{API}: cannot read {file!r} as safetensors ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the file "
+            f"is truncated or corrupted (a copy or download that did not finish?). Copy it again from the source, or "
+            f"write it again with save_pretrained."
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
     """A ``materialize=`` for ``step.init``: ``pretrained(path, meta)`` is that param's value read from its file.
@@ -129,7 +145,7 @@ class Pretrained:
         if self.conversions is not None and key in self.conversions.produced:
             return self._read(key, meta.dtype).reshape(-1)[start:stop].clone()
         key = self.conversions.stored_key(key) if self.conversions is not None else key
-        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
+        with _open(os.path.join(self.directory, self.files[key])) as f:
             stored = f.get_slice(key)
             shape = tuple(stored.get_shape())
             row = 1
@@ -158,7 +174,7 @@ class Pretrained:
 
     def _stored(self, key: str) -> torch.Tensor:
         """The tensor stored under checkpoint key ``key``."""
-        with _safe_open()(os.path.join(self.directory, self.files[key]), framework="pt", device="cpu") as f:
+        with _open(os.path.join(self.directory, self.files[key])) as f:
             return f.get_tensor(key)
 
 
@@ -186,7 +202,11 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
                          f"out, as from_pretrained does).")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{API}: model must be the nn.Module (built under fzero.empty_params()) whose params step.init makes, got {type(model).__name__}.")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{API}: path must be the directory save_pretrained wrote (a str or os.PathLike), got "
+                        f"{type(path).__name__}; the model goes in model=.")
     _check_model(model)
+    device = _device(device)
     directory = os.fspath(path)
     files = _files(directory)
     stored = _headers(directory, files)
@@ -250,7 +270,7 @@ def pretrained(path: str | os.PathLike, *, model: nn.Module, device: str | torch
         if dtype != t.dtype:
             casts[key] = (dtype, t.dtype)
     return Pretrained(directory=directory, files=files, keys=keys, buffer_names=tuple(n for n in buffers if n in keys),
-                      casts=casts, device=torch.device(device), initialized=initialized, missing=make, conversions=conversions,
+                      casts=casts, device=device, initialized=initialized, missing=make, conversions=conversions,
                       ignored=ignored)
 
 
@@ -357,21 +377,53 @@ def _files(directory: str) -> dict[str, str]:
         raise FileNotFoundError(f"{API}: {directory!r} is not a directory; pass the directory save_pretrained wrote.")
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{API}: {index!r} has no weight_map (checkpoint key -> file); it is not an index save_pretrained wrote.")
-        absent = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(directory, v))})
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:  # half-written (an interrupted copy), empty, not text
+            raise ValueError(f"{API}: {index!r} is not readable JSON ({type(e).__name__}: {e}); the index is truncated or "
+                             f"corrupted. Copy it again from the source, or write the checkpoint again with save_pretrained.") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(f"{API}: {index!r} has no weight_map of checkpoint key -> file name; it is not an index "
+                             f"save_pretrained wrote.")
+        absent = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(directory, v))})
         if absent:
             raise FileNotFoundError(f"{API}: {index!r} names files that are not in {directory!r}: {_few(absent)}; copy the whole directory.")
         return dict(weight_map)
     if os.path.exists(os.path.join(directory, WEIGHTS)):
-        with _safe_open()(os.path.join(directory, WEIGHTS), framework="pt") as f:
+        with _open(os.path.join(directory, WEIGHTS)) as f:
             return {k: WEIGHTS for k in f.keys()}
+    held = sorted(os.listdir(directory))
     raise FileNotFoundError(
-        f"{API}: {directory!r} holds neither {WEIGHTS} nor {INDEX} (it holds {_few(sorted(os.listdir(directory)))}). "
-        f"Only safetensors checkpoints are read; convert a pytorch_model.bin with save_pretrained(dir, safe_serialization=True)."
+        f"{API}: {directory!r} holds neither {WEIGHTS} nor {INDEX} (it holds {_few(held)}). " + _other_format(held)
     )
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a torch.device that can hold the values, checked before any file is read: "gpu" was torch's list of
+    device types from the end of ``pretrained``, and "cuda" without a GPU its bare assert in the middle of ``step.init``."""
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{API}: device={device!r} is not a torch device ({e}); pass 'cpu' or 'cuda' (the device the "
+                         f"state will live on).") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{API}: device={device!r}, but torch sees no CUDA device here (torch.cuda.is_available() is "
+                         f"False); pass device='cpu', or run where the GPU is.")
+    return out
+
+
+def _other_format(held: list[str]) -> str:
+    """What to do with a directory of another format than Hugging Face's safetensors, from its file names: a DeepSpeed
+    checkpoint and an fzero checkpoint have readers of their own; a ``.bin`` needs converting."""
+    if "latest" in held or any(n.startswith("global_step") for n in held):
+        return ("It is a DeepSpeed checkpoint (engine.save_checkpoint): resume it with fzero.checkpoint.from_deepspeed(dir, "
+                "step), or export its weights with DeepSpeed's zero_to_fp32.py.")
+    if "fzero.json" in held or any(re.fullmatch(r"step_\d{8,}", n) for n in held):
+        return ("It is an fzero checkpoint: resume it with fzero.checkpoint.load(dir, step), or write Hugging Face's files "
+                "from it with fzero.checkpoint.consolidate(dir, out_dir, format='safetensors').")
+    return "Only safetensors checkpoints are read; convert a pytorch_model.bin with save_pretrained(dir, safe_serialization=True)."
 
 
 def _headers(directory: str, files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -381,7 +433,7 @@ def _headers(directory: str, files: dict[str, str]) -> dict[str, tuple[tuple[int
     for key, file in files.items():
         by_file.setdefault(file, []).append(key)
     for file, keys in by_file.items():
-        with _safe_open()(os.path.join(directory, file), framework="pt") as f:
+        with _open(os.path.join(directory, file)) as f:
             stored = set(f.keys())
             for key in keys:
                 if key not in stored:

@@ -16,6 +16,7 @@ host or to disk, and (given a model) the stage-3 gathered units and the step's t
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> list[MemoryEstimate]:
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size must be >= 1, got {args.world_size}")
-    if args.params is not None and args.params < 1:
-        p.error(f"--params must be >= 1, got {args.params:g}")
+    if args.params is not None and not (args.params >= 1 and math.isfinite(args.params)):  # nan and inf too
+        p.error(f"--params must be a finite number >= 1, got {args.params:g}")
     source = args.params if args.params is not None else _model(args.model)
     estimates = [estimate_memory(source, stages=s, world_size=args.world_size, offload=o, offload_params=op,
                                  precision=args.precision, optimizer=args.optimizer) for s, o, op in CHOICES]

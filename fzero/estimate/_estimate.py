@@ -50,15 +50,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size, by_container_child, by_prefixes
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size, by_container_child, by_prefixes, check_units_exist
 from fzero.estimate._formula import per_rank
 from fzero import _rules
 from fzero.zero import DEFAULT_SUB_GROUP, KINDS
+from fzero.zero._stages import check_units
 from fzero.step import policy
 
 API = "fzero.estimate_memory"
@@ -172,6 +174,11 @@ def estimate_memory(
     if offload is not None and offload not in KINDS:
         raise ValueError(f"{API}: offload must be None or one of {sorted(KINDS)}, got {offload!r}.")
     _rules.check_offload(stages, offload, offload_params, api=API)
+    for key, value, low in (("unit_elements", unit_elements, 1), ("sub_group_size", sub_group_size, SHARD_ALIGN)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:  # as compile refuses them
+            raise ValueError(f"{API}: {key} must be an int >= {low} (elements), got {value!r}.")
+    if units is not None:
+        units = check_units(units, API)
     prec = policy(precision, api=API)
     p_bytes = torch.empty((), dtype=prec.compute).element_size()
     state_dtype = torch.float32 if prec.has_master else prec.compute
@@ -303,8 +310,8 @@ def _optimizer_bytes(optimizer: Any, dtype: torch.dtype) -> tuple[str, float]:
     names = {"adamw": lambda: optim.adamw(1e-3), "adam": lambda: optim.adam(1e-3), "lamb": lambda: optim.lamb(1e-3),
              "lion": lambda: optim.lion(1e-4), "sgd": lambda: optim.sgd(1e-3, momentum=0.9)}
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
-        if optimizer < 0:
-            raise ValueError(f"{API}: optimizer as a number is bytes of state per parameter (>= 0), got {optimizer!r}.")
+        if not (optimizer >= 0 and math.isfinite(optimizer)):  # NaN and inf made every total NaN, silently
+            raise ValueError(f"{API}: optimizer as a number is bytes of state per parameter (finite, >= 0), got {optimizer!r}.")
         return f"{optimizer:g} B/param optimizer", float(optimizer)
     if isinstance(optimizer, str):
         if optimizer not in names:
@@ -337,9 +344,9 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
     the unit's parameters that a module reaches under several names, of the gradient pieces autograd holds at once
     for it, in elements: it sums them pairwise (the sum so far, the next piece, their sum: the third replaces the
     first), so 2 x numel however many names, one more for a size bucket that holds other params too (0: none)."""
-    if isinstance(source, (int, float)) and not isinstance(source, bool):
+    if isinstance(source, numbers.Real) and not isinstance(source, bool):  # numbers.Real: a numpy count too
         if not (source >= 1 and math.isfinite(source)):
-            raise ValueError(f"{API}: a parameter count must be >= 1, got {source!r}.")
+            raise ValueError(f"{API}: a parameter count must be a finite number >= 1, got {source!r}.")
         return int(round(source))
     uses: dict[int, int] = {}
     if isinstance(source, nn.Module):
@@ -356,6 +363,8 @@ def _unit_sizes(source: Any, stages: int, n: int, units: Any, unit_elements: int
     if _rules.accepts("unit_elements", stages):  # flat buffers by size; else units are modules
         groups = units_by_size(paths, leaves, unit_elements)
     else:
+        if units is not None:  # an entry naming no module held nothing, silently (as Step.init refuses it)
+            check_units_exist(units, paths, api=API)
         unit_of = by_container_child if units is None else by_prefixes(units, api=API)
         by_name: dict[str, list[int]] = {}
         # in the order of the params pytree's flattening (sorted keys, as ``build_layout`` groups them)

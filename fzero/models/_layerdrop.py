@@ -47,8 +47,9 @@ class ProgressiveLayerDrop:
         api = "fzero.models.ProgressiveLayerDrop"
         if not (isinstance(self.theta, (int, float)) and 0.0 < self.theta <= 1.0):
             raise ValueError(f"{api}: theta={self.theta!r}; it is the keep ratio training ends near, in (0, 1] (DeepSpeed's default 0.5).")
-        if not (isinstance(self.gamma, (int, float)) and self.gamma >= 0.0):
-            raise ValueError(f"{api}: gamma={self.gamma!r}; it must be >= 0 (DeepSpeed's default 0.001).")
+        if not (isinstance(self.gamma, (int, float)) and self.gamma >= 0.0 and math.isfinite(self.gamma)):
+            # inf: -inf * step 0 is NaN, every keep probability NaN, and every layer dropped, silently
+            raise ValueError(f"{api}: gamma={self.gamma!r}; it must be a finite number >= 0 (DeepSpeed's default 0.001).")
 
     def theta_at(self, step: int) -> float:
         """The keep ratio after ``step`` optimizer steps."""

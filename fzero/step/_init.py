@@ -34,6 +34,10 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     """See ``Step.init``."""
     if materialize is not None and not callable(materialize):
         raise TypeError(f"{API}: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
+    if getattr(materialize, "__qualname__", None) == "pretrained" and getattr(materialize, "__module__", "").startswith("fzero.checkpoint"):
+        raise TypeError(f"{API}: materialize=fzero.checkpoint.pretrained is the function that makes a reader, not a "
+                        f"reader (called with (path, meta) it fails on its arguments); pass its result: "
+                        f"materialize=fzero.checkpoint.pretrained(dir, model=model).")
     if not isinstance(donate, bool):
         raise TypeError(f"{API}: donate must be True or False, got {donate!r}.")
     if buffers is None and hasattr(materialize, "init_buffers"):  # a checkpoint reader: its persistent buffers too

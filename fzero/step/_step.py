@@ -264,6 +264,9 @@ class Step:
             new = dict(s.buffers)
             for name, value in buffers.items():
                 old, value = s.buffers[name], torch.as_tensor(value)
+                if value.is_meta:  # copying it was torch's bare "Cannot copy out of meta tensor; no data!"
+                    raise ValueError(f"{api}: the value for buffer {name!r} is a meta tensor (a shape without data, as "
+                                     f"fzero.empty_params() or torch.device('meta') builds a model); pass a tensor with values.")
                 if value.shape != old.shape:
                     raise ValueError(f"{api}: buffer {name!r} has shape {tuple(old.shape)} in the state; the new value "
                                      f"has {tuple(value.shape)}.")
@@ -281,6 +284,7 @@ class Step:
         order: tied parameters under every name, and what the state does not hold (frozen parameters,
         buffers a step has not adopted yet) from the model itself.
         """
+        self._check_state(state, api="fzero.Step.state_dict")
         params = self.gather(state)
         if not isinstance(params, dict):
             raise TypeError(f"fzero.Step.state_dict: the params pytree is a {type(params).__name__}; a state dict needs "
@@ -300,6 +304,10 @@ class Step:
         for name, t in model.state_dict(keep_vars=True).items():
             key = name if name in own else alias.get(id(t))
             out[name] = own[key] if key is not None else t.detach().clone()
+            if key is not None and tuple(out[name].shape) != tuple(t.shape):  # another width: load_state_dict would fail late
+                raise ValueError(f"fzero.Step.state_dict: {name!r} has shape {tuple(out[name].shape)} in the state but "
+                                 f"{tuple(t.shape)} in {type(model).__name__}: the model is another configuration than the "
+                                 f"one the state was made from. Pass that model.")
         unknown = sorted(set(own) - set(out))
         if unknown:
             raise ValueError(f"fzero.Step.state_dict: the state holds {unknown[:3]}, which {type(model).__name__}.state_dict() "
