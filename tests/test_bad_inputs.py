@@ -817,3 +817,28 @@ def test_a_zero_element_parameter_in_a_unit_trains_as_pytorch(stages, ranks):
     got = step.gather(state)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_reaches_its_first_forward_late_is_checked_too(monkeypatch):
+    """The first forward's checks run once per step object, and the ranks of a local mesh share it: a rank that reached
+    its first forward after another rank had begun the checks skipped them, and where they refused (a sparse
+    embedding) it went on to fail deep in torch ("copy_() between dense and sparse Tensors"), which, being rank 0's,
+    was the error raised (flaky, about 1 run in 4 of the test above). The checks now count as done only once they
+    pass, so rank 0, made late here, refuses by name as rank 1 does."""
+    import threading
+    import time
+
+    import fzero.step._step as step_module
+
+    split = step_module.split_micro
+
+    def late_rank_0(batch, k):
+        if threading.current_thread().name == "fzero-rank0":
+            time.sleep(0.5)  # rank 1 runs its first forward (and its checks) first
+        return split(batch, k)
+
+    monkeypatch.setattr(step_module, "split_micro", late_rank_0)
+    model = _Tokens(torch.nn.Embedding(16, 8, sparse=True))
+    step = fzero.compile(_tokens_loss(model), optimizer=O.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"fzero.Step: the Embedding 'layers.0' of _Tokens has sparse=True"):
+        step(step.init(fzero.params_of(model)), {"x": torch.randint(0, 16, (4, 6)), "y": torch.randint(0, 16, (4, 6))})

@@ -155,3 +155,23 @@ def test_rows_strings_that_do_not_divide_are_named():
                                          r"each rank's share into grad_accum=2 micro-batches, but batch leaf 'id' has 6 items, "
                                          r"which does not divide by 4\. Pass a batch whose dim 0 is a multiple of 4"):
         step(step.init(fzero.params_of(model)), {"x": torch.randn(6, 2), "id": list("abcdef")})
+
+
+@pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])
+def test_a_list_of_numbers_as_long_as_the_rows_is_given_whole(ranks, accum):
+    """default_collate makes a number field a tensor, so a list of numbers in a batch is the caller's constant (an
+    image size, per-class weights): it is given whole to every rank and micro-batch, as before the rows' strings were
+    split, even where it happens to hold one item per row (it was split: each rank read half of the constant, and the
+    loss changed with the mesh, silently)."""
+    model = torch.nn.Linear(2, 1)
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append((b["size"], b["weights"], b["id"]))
+        return fzero.apply(model, params, b["x"]).sum() * sum(b["weights"])
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    step(step.init(fzero.params_of(model)), {"x": torch.randn(2, 2), "size": (224, 224), "weights": [0.5, 2.0],
+                                              "id": ["a", "b"]})
+    assert [s[:2] for s in seen] == [((224, 224), [0.5, 2.0])] * 2
+    assert sorted(s[2][0] for s in seen) == ["a", "b"]  # the rows' strings still go with their rows

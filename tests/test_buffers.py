@@ -246,3 +246,21 @@ def test_a_teacher_given_its_own_buffers_distills_as_in_pytorch(stages):
     bf16 = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, precision="bf16")
     _, metrics = bf16(bf16.init(fzero.params_of(student)), torch.randn(8, 4))
     assert torch.isfinite(torch.as_tensor(metrics["loss"]))
+
+
+def test_blocks_of_the_trained_model_applied_one_by_one_are_told_to_apply_the_model():
+    """Two blocks of the model the step trains, each run by fzero.apply with its share of the params (as a per-block
+    recompute does), have buffers of the same names: refused as a teacher is, but the teacher's fix (buffers given
+    beside the params) would drop their BatchNorm updates, so the error names the model's own way too."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2))
+
+    def loss_fn(params, x):
+        for i, block in enumerate(blocks):
+            x = fzero.apply(block, {k[2:]: v for k, v in params.items() if k.startswith(f"{i}.")}, x)
+        return x.square().mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0)
+    with pytest.raises(ValueError, match=r"(?s)have a persistent buffer '1.running_mean'.*parts of the model this step "
+                                         r"trains.*fzero.apply\(model.features, params, x\).*remat=True"):
+        step(step.init(fzero.params_of(blocks)), torch.randn(8, 4))

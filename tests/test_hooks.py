@@ -10,6 +10,7 @@ tree; and ``remat`` neither repeats buffer writes nor silently recomputes with a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 
@@ -302,3 +303,55 @@ def test_reentrant_torch_checkpoint_is_refused_naming_the_fix(adapter, stages, r
     with pytest.raises(RuntimeError, match=r"(?s)fzero\.Step: the model runs torch\.utils\.checkpoint with use_reentrant=True"
                                            rf"[,.] ?{named}.*before any update.*use_reentrant.: False.*remat=True"):
         step(state, torch.randint(0, 16, (4, 5)))
+
+
+class FrozenCheckpointedBackbone(nn.Module):
+    """A frozen backbone whose blocks run under reentrant checkpoints (one given as the module, one as a closure, as
+    older Hugging Face code's ``create_custom_forward(module)``), its input made to require grad (Hugging Face's
+    ``enable_input_require_grads``), a trained head, and a trainable pooler the loss never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.pooler = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.embed.requires_grad_(False)
+        self.blocks.requires_grad_(False)
+        self.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.blocks[0], self.embed(x), use_reentrant=True)
+
+        def create_custom_forward(module):
+            def custom_forward(h):
+                return torch.tanh(module(h))
+            return custom_forward
+
+        h = torch.utils.checkpoint.checkpoint(create_custom_forward(self.blocks[1]), h, use_reentrant=True)
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("ranks, stages", [(1, 0), (1, 3), (2, 2)])
+def test_reentrant_checkpoint_of_a_frozen_block_beside_an_unused_param_trains_as_torch(stages, ranks):
+    """Autograd skips the backward of a reentrant checkpoint whose block holds no trainable param, as it costs nothing:
+    the params no gradient reached there (an unused pooler) are unused as in plain PyTorch, which trains the head and
+    leaves the pooler. The refusal above was given here too, naming the pooler as the params the checkpoint starved."""
+    torch.manual_seed(0)
+    model = FrozenCheckpointedBackbone()
+    xs = [torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    for x in xs:
+        opt.zero_grad()
+        (sum(ref(part) for part in x.chunk(ranks)) / ranks).backward()  # DDP's mean over the ranks' shares
+        opt.step()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.adamw(1e-2, weight_decay=0.0),
+                         stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    for x in xs:
+        state, _ = step(state, x)
+    got = step.state_dict(state, model)
+    assert not torch.equal(got["head.weight"], model.head.weight) and torch.equal(got["pooler.weight"], model.pooler.weight)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)

@@ -5,11 +5,11 @@ the gradient of a micro-batch.
 How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every tensor leaf of dim >= 1 holds rows
 of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
 loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A list or tuple
-that holds no tensor and has one item per row (what ``torch.utils.data.default_collate`` makes of a string field:
-the texts, ids or file names of the rows) is split as rows, as the per-rank loaders of a torchrun job and a DeepSpeed
-engine's micro-batches give each their own. Containers are
-looked into: dicts, lists, tuples, named tuples, and also dataclasses and mappings that are not dicts (Hugging
-Face's ``BatchEncoding``), which optree takes as leaves. Each rank of a local mesh gets tensors of its own, as a
+of strings with one item per row (what ``torch.utils.data.default_collate`` makes of a string field: the texts, ids
+or file names of the rows) is split as rows, as the per-rank loaders of a torchrun job and a DeepSpeed engine's
+micro-batches give each their own; a list of numbers is not (``default_collate`` makes those tensors; such a list
+is a constant: an image size, per-class weights). Containers are looked into: dicts, lists, tuples, named tuples,
+and also dataclasses and mappings that are not dicts (Hugging Face's ``BatchEncoding``), which optree takes as leaves. Each rank of a local mesh gets tensors of its own, as a
 torchrun process does. A tensor that is not
 per row, such as a per-class weight, cannot be told from rows by its shape: it belongs in ``loss_fn``'s closure,
 not in the batch, and a row count of its own is refused rather than split silently.
@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import re
+import types
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -132,13 +134,17 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
 
 
 def _per_row_items(x: Any, rows: int | None) -> bool:
-    """Whether ``x`` is a list or tuple of one item per row and no tensor (``default_collate``'s list of the rows'
-    strings): split as rows, where given whole every rank and micro-batch would read every row's item (each rank's
-    texts paired with another rank's tensors), unlike a torchrun process with its own loader. Only a row count that
-    the batch's tensors give is trusted; a list of another length is given whole, as any leaf that is not a tensor."""
+    """Whether ``x`` is a list or tuple of one item per row whose leaves are all strings (``default_collate``'s list
+    of the rows' strings): split as rows, where given whole every rank and micro-batch would read every row's item
+    (each rank's texts paired with another rank's tensors), unlike a torchrun process with its own loader. Only a row
+    count that the batch's tensors give is trusted; a list of another length is given whole, as any leaf that is not a
+    tensor. Numbers are not taken as rows: ``default_collate`` makes a number field a tensor, so a list of numbers in
+    a batch is the caller's constant (an image size ``(224, 224)``, per-class weights), which split on a batch of as
+    many rows gave each rank a part of it, silently."""
     if rows is None or type(x) not in (list, tuple) or len(x) != rows:
         return False
-    return not any(isinstance(leaf, torch.Tensor) or _children(leaf) is not None for leaf in optree.tree_leaves(x, namespace=_tree.NAMESPACE))
+    leaves = optree.tree_leaves(x, namespace=_tree.NAMESPACE)
+    return bool(leaves) and all(isinstance(leaf, (str, bytes)) for leaf in leaves)
 
 
 def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, rows: int | None = None,
@@ -230,7 +236,6 @@ class LossFnInContext:
 
         with watching_apply() as modules:
             out = self._run(params, batch)
-        self.checked = True  # once per step object: ranks of a local mesh run one module, checked alike
         check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
         loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
@@ -238,6 +243,10 @@ class LossFnInContext:
         comm = current_context().comm
         if comm is not None:  # every rank reaches this at its first step's first forward, so the calls pair up
             agree_structure(comm, modules)
+        # once per step object (ranks of a local mesh run one module, checked alike), and only once passed: a rank
+        # that comes to its first forward after another has begun (or failed) the checks must check too, or it runs
+        # on past a refusal into torch's own error, which, on a lower rank, is the one raised
+        self.checked = True
         return out
 
     def _run(self, params: Any, batch: Any) -> Any:
@@ -482,17 +491,53 @@ model's checkpointing off and recompute with fzero's own, compile(..., remat=Tru
 
 def _holds_reentrant_checkpoint(root: Any) -> bool:
     """Whether the autograd graph under the node ``root`` holds a ``torch.utils.checkpoint(use_reentrant=True)`` call
-    (a walk over the graph's nodes: about 2 us a node, 4 ms for a 32-layer Llama's 2,500)."""
+    whose block may hold a trainable param (``_block_may_train``) (a walk over the graph's nodes: about 2 us a node,
+    4 ms for a 32-layer Llama's 2,500)."""
     seen, stack = set(), [root]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        if type(node).__name__ == _REENTRANT_NODE:
+        if type(node).__name__ == _REENTRANT_NODE and _block_may_train(getattr(node, "run_function", None)):
             return True
         seen.add(node)
         stack.extend(child for child, _ in node.next_functions)
     return False
+
+
+def _block_may_train(fn: Any) -> bool:
+    """Whether the function a reentrant checkpoint recomputes may hold a trainable param. Autograd also skips the
+    backward of a block that holds none (a frozen backbone under checkpointing, its input made to require grad by
+    ``enable_input_require_grads``), which costs nothing: there the params no gradient reached are unused for another
+    reason (an unused pooler, a dropped layer), as in plain PyTorch, and are not refused. Unknown (no module found in
+    the function, its partial or its closure): True, refused as before."""
+    modules = _modules_in(fn, depth=3)
+    return not modules or any(p.requires_grad for m in modules for p in m.parameters())
+
+
+def _modules_in(fn: Any, *, depth: int) -> list[nn.Module]:
+    """The modules ``fn`` runs, as far as it shows them: ``fn`` itself, a bound method's module (Hugging Face passes
+    ``layer.__call__``), a ``functools.partial``'s function and arguments, or a closure's cells (``create_custom_forward
+    (module)``), ``depth`` levels deep."""
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if depth == 0 or fn is None:
+        return []
+    if isinstance(fn, types.MethodType):
+        return _modules_in(fn.__self__, depth=depth - 1) or _modules_in(fn.__func__, depth=depth - 1)
+    if isinstance(fn, functools.partial):
+        parts = [fn.func, *fn.args, *fn.keywords.values()]
+    else:
+        parts = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    return [m for part in parts if isinstance(part, nn.Module) or callable(part) for m in _modules_in(part, depth=depth - 1)]
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:

@@ -242,7 +242,11 @@ def _shared_buffer_message(module: nn.Module, first: nn.Module, name: str) -> st
         f"other model (a frozen teacher, a GAN's discriminator) its own buffers beside its params: "
         f"fzero.apply(other, {{**other_params, **other_buffers}}, x), with other_buffers = fzero.buffers_of(other) "
         f"(or the buffers of its own step's state, its_step.state_dict(its_state)); or call it directly (other(x) "
-        f"under torch.no_grad()), which reads and writes the module's own."
+        f"under torch.no_grad()), which reads and writes the module's own. If both are parts of the model this step "
+        f"trains (its blocks applied one by one), the state cannot tell their buffers apart, and buffers given beside "
+        f"the params would not be kept (their updates lost): apply the model itself, or a method of it "
+        f"(fzero.apply(model.features, params, x)), so that the state names each buffer by its path in the model; to "
+        f"recompute block by block, fzero.compile(..., remat=True)."
     )
 
 
