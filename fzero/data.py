@@ -14,8 +14,9 @@ import dataclasses
 import hashlib
 import math
 import os
+import numbers
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,12 +296,13 @@ class Curriculum:
 
 
 def _positive_ints(api: str, name: str, values: Any, what: str) -> tuple[int, ...]:
-    """``values`` (a list of ``what``) as a tuple, each a positive int: a difficulty of 0 cut every batch to no tokens,
-    and 8.5 failed deep in ``narrow``; an int for the list was a raw TypeError."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+    """``values`` (a sequence of ``what``: a list, or a ``range``, Hydra ``ListConfig`` or numpy ints, as before these
+    checks) as a tuple of ints, each positive: a difficulty of 0 cut every batch to no tokens, and 8.5 failed deep in
+    ``narrow``; an int for the list was a raw TypeError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{api}: {name}={values!r}; it must be a list of {what}, one per stage of the schedule.")
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1]
     if bad:
         raise ValueError(f"{api}: {name}={list(values)} holds {bad[0]!r}; each must be a positive int ({what}).")
-    return tuple(values)
+    return tuple(int(v) for v in values)
 

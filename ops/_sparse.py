@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,15 +69,16 @@ def _check(layout: Any, **minimum: int) -> None:
 
 
 def _blocks_list(name: str, field: str, values: Any, *, low: int) -> tuple[int, ...]:
-    """``values`` (a list or tuple of block counts or indices, as DeepSpeed's config gives them) as a tuple of ints,
-    each at least ``low``; anything else is refused by field name (an int for a list, a negative index)."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+    """``values`` (a sequence of block counts or indices: DeepSpeed's config gives a list; a ``range``, a Hydra
+    ``ListConfig`` or numpy ints are taken as DeepSpeed takes them, as they were before these checks) as a tuple of
+    ints, each at least ``low``; anything else is refused by field name (an int for a list, a negative index)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"fzero.ops.{name}: {field}={values!r}; it must be a list of ints such as [{max(low, 0)}] "
                          f"(one entry per window or global block).")
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low]
     if bad:
         raise ValueError(f"fzero.ops.{name}: {field}={list(values)} holds {bad[0]!r}; each entry must be an int >= {low}.")
-    return tuple(values)
+    return tuple(int(v) for v in values)
 
 
 def _need(name: str, what: str, count: int, num_blocks: int) -> None:

@@ -175,3 +175,23 @@ def test_a_list_of_numbers_as_long_as_the_rows_is_given_whole(ranks, accum):
                                               "id": ["a", "b"]})
     assert [s[:2] for s in seen] == [((224, 224), [0.5, 2.0])] * 2
     assert sorted(s[2][0] for s in seen) == ["a", "b"]  # the rows' strings still go with their rows
+
+
+@pytest.mark.parametrize("ranks,accum", [(2, 1), (1, 2)])
+def test_a_list_of_one_list_per_row_goes_with_its_rows(ranks, accum):
+    """A custom collate's variable-length field (one list of ints per row) is a record per row: each rank and
+    micro-batch reads its own rows' (given whole, each read every row's: a loss over the tags of 11.5 for torch's 22.5)."""
+    model = torch.nn.Linear(2, 1)
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append((b["x"][:, 0].long().tolist(), b["tags"]))
+        return fzero.apply(model, params, b["x"]).sum()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    x = torch.stack([torch.arange(4.0), torch.zeros(4)], 1)  # row i holds i
+    tags = [[0], [1, 1], [2], [3, 3, 3]]
+    step(step.init(fzero.params_of(model)), {"x": x, "tags": tags})
+    assert len(seen) == 2
+    for rows, got in seen:
+        assert got == [tags[r] for r in rows]

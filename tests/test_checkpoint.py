@@ -534,6 +534,27 @@ def test_other_tools_checkpoints_are_named_with_what_fzero_reads_of_them(saved, 
         fzero.checkpoint.load(tmp_path / "ds", like=step)
 
 
+def test_a_run_directory_whose_checkpoints_are_incomplete_is_not_named_another_tools(saved, tmp_path):
+    """A run directory holds fzero's step_* checkpoints, and often save_weights' model.safetensors or a `latest` file
+    the user's script writes beside them. Its newest complete checkpoint loads; where none is complete (a copy in
+    progress lacks the COMPLETE marker), load named the directory Hugging Face weights "not an fzero checkpoint" (or
+    a DeepSpeed checkpoint), and told the user to start from the weights with a fresh optimizer: the checkpoints'
+    optimizer state given up for a copy that had not finished."""
+    _, step, _ = saved
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(saved[0], run / "step_00000001")
+    (run / "model.safetensors").write_bytes(b"")
+    (run / "latest").write_text("step_00000001")
+    assert fzero.checkpoint.load(run, like=step).step_count == saved[2].step_count
+    os.remove(run / "step_00000001" / "COMPLETE")
+    for extra in ("model.safetensors", "latest"):
+        with pytest.raises(CheckpointError, match=r"run is neither a checkpoint nor a directory holding complete step_\* "
+                                                  r"checkpoints\.$"):
+            fzero.checkpoint.load(run, like=step)
+        os.remove(run / extra)
+
+
 def test_metadata_that_would_run_code_is_refused(saved, tmp_path):
     _, step, _ = saved
     ck = copy_of(saved, tmp_path)

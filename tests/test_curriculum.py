@@ -119,6 +119,17 @@ def test_the_config_block_is_read_and_bad_settings_are_named():
         Curriculum(min_difficulty=1, max_difficulty=8, schedule_type="custom")
 
 
+def test_discrete_difficulties_as_a_range_or_numpy_ints_are_the_list():
+    """A range or numpy ints for difficulties and max_steps were taken as the list before they were checked, and
+    refused as "must be a list" after: they are the same schedule as the list."""
+    np = pytest.importorskip("numpy")
+    made = Curriculum(min_difficulty=8, max_difficulty=32, schedule_type="fixed_discrete", difficulties=range(8, 40, 8),
+                      max_steps=[np.int64(2), np.int64(4), np.int64(6)])
+    listed = Curriculum(min_difficulty=8, max_difficulty=32, schedule_type="fixed_discrete", difficulties=[8, 16, 24, 32],
+                        max_steps=[2, 4, 6])
+    assert made == listed and [made.difficulty(s) for s in range(8)] == [listed.difficulty(s) for s in range(8)]
+
+
 def test_discrete_difficulties_dim_and_step_that_make_no_curriculum_are_named():
     """A difficulty of 0 cut every batch to no tokens, silently; 8.5 failed deep in ``narrow``; an int for the list and
     a step of None were raw TypeErrors; dim=-1 would cut a (batch,) label tensor as if it were the sequence."""

@@ -287,6 +287,11 @@ def test_a_half_written_index_or_truncated_shard_is_named_with_the_file(saved, t
     (tmp_path / "ds" / "latest").write_text("global_step1")
     with pytest.raises(FileNotFoundError, match=r"It is a DeepSpeed checkpoint.*fzero.checkpoint.from_deepspeed"):
         fzero.checkpoint.pretrained(tmp_path / "ds", model=_empty("gpt2"))
+    run = tmp_path / "run"  # fzero's checkpoints beside a `latest` file of the user's script: fzero's, not DeepSpeed's
+    (run / "step_00000001").mkdir(parents=True)
+    (run / "latest").write_text("step_00000001")
+    with pytest.raises(FileNotFoundError, match=r"It is an fzero checkpoint: resume it with fzero.checkpoint.load"):
+        fzero.checkpoint.pretrained(run, model=_empty("gpt2"))
     with pytest.raises(TypeError, match=r"pretrained: path must be the directory save_pretrained wrote.*got NoneType"):
         fzero.checkpoint.pretrained(None, model=_empty("gpt2"))
 

@@ -102,6 +102,18 @@ def test_layout_counts_that_make_no_layout_are_refused_by_field():
         fzero.config.from_deepspeed({"sparse_attention": {"mode": "fixed", "num_global_blocks": 0}})
 
 
+def test_block_lists_given_as_a_range_or_numpy_ints_make_the_layout_of_the_list():
+    """The list fields are taken as any sequence of ints, as DeepSpeed iterates them and as they were before the
+    fields were checked: a range or numpy ints (a config built in Python) were refused as "must be a list of ints"."""
+    np = pytest.importorskip("numpy")
+    made = ops.VariableLayout(local_window_blocks=range(1, 3), global_block_indices=range(0, 4, 3),
+                              global_block_end_indices=[np.int64(1), np.int64(4)])
+    listed = ops.VariableLayout(local_window_blocks=[1, 2], global_block_indices=[0, 3], global_block_end_indices=[1, 4])
+    assert made == listed and all(type(v) is int for v in made.global_block_end_indices)
+    assert torch.equal(made.blocks(6), listed.blocks(6))
+    assert ops.BSLongformerLayout(global_block_indices=range(2)) == ops.BSLongformerLayout(global_block_indices=[0, 1])
+
+
 def test_sparse_attention_names_a_wrong_layout_or_mixed_dtypes():
     """Not a layout (a mode name, a config block, the class), q, k, v of different dtypes and a scale that is not a
     number: errors naming the value and the fix, not an AttributeError, einsum's "expected scalar type Float but found

@@ -308,7 +308,9 @@ def _other_format(path: str, api: str) -> str | None:
     if not os.path.isdir(path) or PARTIAL_NAME.match(os.path.basename(path)):
         return None
     names = set(os.listdir(path))
-    if INFO in names:
+    # fzero's own, none complete (copied in part): the caller says so, though a run directory may also hold
+    # save_weights' model.safetensors or a `latest` file of the user's, which are not what the directory is
+    if INFO in names or any(STEP_NAME.match(n) for n in names):
         return None
     if ".metadata" in names:
         return (

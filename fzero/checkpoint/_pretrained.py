@@ -417,12 +417,13 @@ def _device(device: Any) -> torch.device:
 def _other_format(held: list[str]) -> str:
     """What to do with a directory of another format than Hugging Face's safetensors, from its file names: a DeepSpeed
     checkpoint and an fzero checkpoint have readers of their own; a ``.bin`` needs converting."""
-    if "latest" in held or any(n.startswith("global_step") for n in held):
-        return ("It is a DeepSpeed checkpoint (engine.save_checkpoint): resume it with fzero.checkpoint.from_deepspeed(dir, "
-                "step), or export its weights with DeepSpeed's zero_to_fp32.py.")
+    # fzero's first: a run directory of step_* checkpoints may also hold a `latest` file of the user's own
     if "fzero.json" in held or any(re.fullmatch(r"step_\d{8,}", n) for n in held):
         return ("It is an fzero checkpoint: resume it with fzero.checkpoint.load(dir, step), or write Hugging Face's files "
                 "from it with fzero.checkpoint.consolidate(dir, out_dir, format='safetensors').")
+    if "latest" in held or any(n.startswith("global_step") for n in held):
+        return ("It is a DeepSpeed checkpoint (engine.save_checkpoint): resume it with fzero.checkpoint.from_deepspeed(dir, "
+                "step), or export its weights with DeepSpeed's zero_to_fp32.py.")
     return "Only safetensors checkpoints are read; convert a pytorch_model.bin with save_pretrained(dir, safe_serialization=True)."
 
 

@@ -6,7 +6,7 @@ How a batch is split (on a ``local_mesh`` and with ``grad_accum > 1``): every te
 of the batch on dim 0, and all of them must have one row count, which is split; a 0-d tensor (a temperature, a
 loss weight) is given whole to every rank and micro-batch, as are leaves that are not tensors. A list or tuple
 of strings with one item per row (what ``torch.utils.data.default_collate`` makes of a string field: the texts, ids
-or file names of the rows) is split as rows, as the per-rank loaders of a torchrun job and a DeepSpeed engine's
+or file names of the rows), or of one list per row (a custom collate's variable-length field), is split as rows, as the per-rank loaders of a torchrun job and a DeepSpeed engine's
 micro-batches give each their own; a list of numbers is not (``default_collate`` makes those tensors; such a list
 is a constant: an image size, per-class weights). Containers are looked into: dicts, lists, tuples, named tuples,
 and also dataclasses and mappings that are not dicts (Hugging Face's ``BatchEncoding``), which optree takes as leaves. Each rank of a local mesh gets tensors of its own, as a
@@ -140,11 +140,16 @@ def _per_row_items(x: Any, rows: int | None) -> bool:
     count that the batch's tensors give is trusted; a list of another length is given whole, as any leaf that is not a
     tensor. Numbers are not taken as rows: ``default_collate`` makes a number field a tensor, so a list of numbers in
     a batch is the caller's constant (an image size ``(224, 224)``, per-class weights), which split on a batch of as
-    many rows gave each rank a part of it, silently."""
+    many rows gave each rank a part of it, silently. A list of one list (tuple, dict) per row is a record per row, as a
+    custom collate makes of variable-length fields (``[[1], [2, 2], ...]``): split, as its rows' tensors are."""
     if rows is None or type(x) not in (list, tuple) or len(x) != rows:
         return False
     leaves = optree.tree_leaves(x, namespace=_tree.NAMESPACE)
-    return bool(leaves) and all(isinstance(leaf, (str, bytes)) for leaf in leaves)
+    if any(isinstance(leaf, torch.Tensor) or _children(leaf) is not None for leaf in leaves):
+        return False
+    # strings, or one record per row (a custom collate's variable-length tags, [[1], [2, 2], ...]), of no tensor
+    return bool(leaves) and (all(isinstance(item, (str, bytes)) for item in x)
+                             or all(type(item) in (list, tuple, dict) for item in x))
 
 
 def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, rows: int | None = None,
