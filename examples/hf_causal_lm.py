@@ -141,6 +141,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--prompt ({len(args.prompt.encode())} bytes) + --generate {args.generate} exceed --seq {args.seq}, "
                 f"the model's max positions; generate fewer bytes or raise --seq")
     args.plot = os.path.join(args.out_dir, "loss.png") if args.plot is None else args.plot
+    for flag, path in (("--json-out", args.json_out), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        # written after the last step: a missing directory would throw the run's numbers away at the end
+        # (OUT_DIR itself is created before training)
+        if folder is not None and folder != os.path.abspath(args.out_dir) and not os.path.isdir(folder):
+            p.error(f"{flag} {path}: the directory {folder} does not exist; create it first, or pick another path")
     args.no_decay = [n for n in args.no_decay.split(",") if n]
     in_torchrun = "RANK" in os.environ
     args.mesh = args.mesh or ("dist" if in_torchrun else "local")

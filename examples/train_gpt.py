@@ -19,9 +19,9 @@ Any text file instead of the default corpus (the Python standard library's own s
 What it shows, printed by rank 0: the training loss falling (a progress bar and a line every
 ``--log-every`` steps), tokens per second, the validation loss at the end, and a per-rank table of
 model-state memory (params, grads, optimizer state) measured from the training state next to what the
-ZeRO paper's formula predicts for that stage. ``--json-out FILE`` writes the same numbers as JSON, and
-``--plot FILE`` (default ``train_gpt_loss.png``; ``--plot ''`` for none) draws the training loss per step and the
-validation losses as a PNG (matplotlib, from the ``examples`` extra).
+ZeRO paper's formula predicts for that stage. ``--json-out FILE`` writes the same numbers as JSON (a NaN or
+infinity as null), and ``--plot FILE`` (default ``train_gpt_loss.png``; ``--plot ''`` for none) draws the training
+loss per step and the validation losses as a PNG (matplotlib, from the ``examples`` extra).
 
 Batches: step k uses global batch number k (``fzero.data.batch_at``), ``--batch-size`` sequences per
 rank. Under a local mesh the step is given the whole global batch and splits it across ranks; under
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import resource
 import time
@@ -108,6 +109,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.warmup < 0 or args.eval_batches < 0:
         p.error("--eval-every, --eval-batches and --warmup must be >= 0")
+    if args.batch_size % args.grad_accum:  # each rank's step splits its sequences into equal micro-batches
+        p.error(f"--batch-size {args.batch_size} (sequences per rank per step) does not split into --grad-accum "
+                f"{args.grad_accum} equal micro-batches; pass a --batch-size that is a multiple of {args.grad_accum}")
+    if args.schedule == "warmup-decay" and min(args.warmup, args.steps - 1) < 1:
+        p.error(f"--schedule warmup-decay needs at least one warm-up step (DeepSpeed's WarmupDecayLR), but --warmup "
+                f"{args.warmup} with --steps {args.steps} leaves none; pass --warmup >= 1 and --steps >= 2, or "
+                f"--schedule cosine")
+    for flag, path in (("--json-out", args.json_out), ("--plot", args.plot)):
+        check_parent_dir(p, flag, path)
     if args.curriculum is not None:
         try:
             low, span = (int(x) for x in args.curriculum.split(":"))
@@ -126,6 +136,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mesh == "local" and launched_by_torchrun:
         p.error("--mesh local under torchrun would simulate ranks inside each process; use --mesh dist (the default there)")
     return args
+
+
+def check_parent_dir(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """Refuse, before training, an output file whose directory does not exist: it is written only after the
+    last step, so a typo there would otherwise throw the whole run's numbers away at the end."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder is not None and not os.path.isdir(folder):
+        p.error(f"{flag} {path}: the directory {folder} does not exist; create it first, or pick another path")
 
 
 # -- the mesh: who am I, and how many of us ---------------------------------------------------------
@@ -253,6 +271,11 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
     if args.resume:  # the newest complete checkpoint, resharded for this step's stage and world size
         state = fzero.checkpoint.load(args.ckpt_dir, like=step)
         first = fzero.checkpoint.read_extra(args.ckpt_dir)["next_batch"]
+        if first >= args.steps:  # nothing left to train: say so, rather than fail on an empty loss list at the end
+            raise SystemExit(f"train_gpt.py: --resume: the newest checkpoint in {args.ckpt_dir} was saved after step "
+                             f"{first}, and --steps {args.steps} ends there; nothing is left to train. Pass --steps "
+                             f"above {first} to train on (the lr schedule spans --steps, so a larger --steps also "
+                             f"stretches it from here on), or drop --resume to start over.")
 
     tokens_per_step = args.batch_size * world * args.seq
     log(f"fzero stage {args.stages} on {world} ranks ({args.mesh} mesh) | GPT {args.layers}x{args.width}, "
@@ -349,8 +372,21 @@ def train(args: argparse.Namespace, mesh, rank: int, world: int) -> dict:
         print(f"loss curve: {args.plot}")
     if args.json_out and is_main:
         with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(strict_json(result), f, indent=1)
     return result
+
+
+def strict_json(value):
+    """``value`` with each NaN or infinity as None (JSON's null): Python writes them as NaN/Infinity, which JSON
+    does not have, so jq, JavaScript and most JSON readers refuse the whole file (val_loss is NaN under
+    --eval-batches 0, a loss may be inf in a diverged fp16 run)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def check_matplotlib() -> None:

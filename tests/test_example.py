@@ -9,6 +9,7 @@ two ways of running it are (``--plot``); the other tests pass ``--plot ''``.
 import importlib.util
 import json
 import math
+import re
 import os
 
 import pytest
@@ -122,3 +123,46 @@ def test_example_saves_and_resumes_exactly(corpus_file, tmp_path):
     resumed = load_example().main([*base, "--stages", "1", "--steps", "6", "--resume"])
     assert first["losses"] == straight["losses"][:3]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--json-out", "{missing}/result.json"], r"--json-out .*: the directory .*missing does not exist; create it first"),
+    (["--plot", "{missing}/loss.png"], r"--plot .*: the directory .*missing does not exist; create it first"),
+    (["--grad-accum", "3"], r"--batch-size 8 \(sequences per rank per step\) does not split into --grad-accum 3 equal "
+                            r"micro-batches; pass a --batch-size that is a multiple of 3"),
+    (["--schedule", "warmup-decay", "--warmup", "0"], r"--schedule warmup-decay needs at least one warm-up step .* "
+                                                      r"pass --warmup >= 1 and --steps >= 2, or --schedule cosine"),
+], ids=["json-out-dir", "plot-dir", "grad-accum", "warmup-decay"])
+def test_example_refuses_by_flag_before_training_what_would_fail_later(corpus_file, tmp_path, capsys, flags, match):
+    """An output directory that does not exist (written after the last step: the run's numbers were lost at the end,
+    FileNotFoundError), a batch that does not split into the micro-batches and a warm-up-less WarmupDecayLR (fzero's
+    errors named the batch leaf and warmup_num_steps, not the flags) are refused as the flags the user typed."""
+    flags = [f.format(missing=tmp_path / "missing") for f in flags]
+    with pytest.raises(SystemExit):
+        load_example().main([*TINY, "--mesh", "local", "--ranks", "2", "--data", corpus_file, *flags])
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_example_resume_with_no_steps_left_says_so(corpus_file, tmp_path):
+    """--resume from a checkpoint saved at --steps trains nothing: a message naming --steps (was an IndexError on
+    the empty loss list after the last step)."""
+    base = [*TINY, "--mesh", "local", "--ranks", "2", "--data", corpus_file, "--steps", "2", "--eval-batches", "1",
+            "--ckpt-dir", str(tmp_path / "ckpt")]
+    load_example().main([*base, "--save-every", "2"])
+    with pytest.raises(SystemExit, match=r"--resume: the newest checkpoint in .*ckpt was saved after step 2, and "
+                                         r"--steps 2 ends there; nothing is left to train. Pass --steps above 2"):
+        load_example().main([*base, "--resume"])
+
+
+def test_example_json_out_is_strict_json_without_validation(corpus_file, tmp_path):
+    """--eval-batches 0 makes val_loss NaN: --json-out writes it as null (was the bare token NaN, which is not JSON:
+    jq and JavaScript's JSON.parse refuse the file)."""
+    out = tmp_path / "result.json"
+    load_example().main([*TINY, "--mesh", "local", "--ranks", "2", "--data", corpus_file, "--steps", "2",
+                         "--eval-batches", "0", "--json-out", str(out)])
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    result = json.loads(out.read_text(), parse_constant=refuse)
+    assert result["val_loss"] is None and result["evals"] == [{"step": 2, "val_loss": None}] and len(result["losses"]) == 2

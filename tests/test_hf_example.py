@@ -127,3 +127,13 @@ def test_default_no_decay_names_are_decay_mask(kind):
     names = example.parse_args([]).no_decay
     assert fzero.optim.no_decay_names(names)(params) == fzero.optim.decay_mask(params)
     assert 0 < sum(fzero.optim.decay_mask(params).values()) < len(params)
+
+
+def test_example_refuses_an_output_file_in_a_missing_directory_before_training(tmp_path, capsys):
+    """--json-out and --plot are written after the last step (the plot's default, OUT_DIR, is made before training):
+    a directory that does not exist is refused at the start, not by a FileNotFoundError after the whole run."""
+    for flag in ("--json-out", "--plot"):
+        with pytest.raises(SystemExit):
+            load_example().parse_args(["--out-dir", str(tmp_path / "out"), flag, str(tmp_path / "missing" / "x")])
+        assert f"{flag} {tmp_path / 'missing' / 'x'}: the directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    load_example().parse_args(["--out-dir", str(tmp_path / "out")])  # the default plot, inside OUT_DIR: made later
