@@ -59,8 +59,7 @@ from torch import nn
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, ROOT, SHARD_ALIGN, units_by_size, by_container_child, by_prefixes, check_units_exist
 from fzero.estimate._formula import per_rank
 from fzero import _rules
-from fzero.zero import DEFAULT_SUB_GROUP, KINDS
-from fzero.zero._stages import check_units
+from fzero.zero import DEFAULT_SUB_GROUP, KINDS, check_units
 from fzero.step import policy
 
 API = "fzero.estimate_memory"

@@ -22,3 +22,4 @@ __all__ = ["CPUOffload", "DiskOffload", "GradsInBackward", "GradsReduceScatter",
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.zero._offload import DiskOptState
 from fzero.zero._policies import CPUOffload, DEFAULT_SUB_GROUP, DiskOffload, KINDS
+from fzero.zero._stages import check_units
