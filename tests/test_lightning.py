@@ -528,3 +528,32 @@ def test_validate_with_a_checkpoint_path_after_fit_loads_the_weights(tmp_path):
     now = trainer.validate(lit, _loader(batches[:2]))  # the trained weights, loaded into the module when fit ended
     from_file = trainer.validate(lit, _loader(batches[:2]), ckpt_path=saver.last_model_path)
     assert from_file == now
+
+
+class _WithIds(LitCNN):
+    """Batches as default_collate makes them from a dataset with a string column: the rows' ids as a list of str."""
+
+    seen: list = []  # on the class: fzero runs training_step on the step's copy of the module
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(list(batch["id"]))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_string_columns_with_accumulate_grad_batches_train_as_lightnings_own_strategy():
+    """default_collate makes a string field (ids, texts) a list of one str per row, which differs between the
+    micro-batches; joining them was refused ("a batch entry without rows (str) differs"), so no such module could use
+    accumulate_grad_batches. The lists are rows: each micro-batch's training_step sees its own ids, and the params
+    equal Lightning's default strategy's."""
+    batches = [{**b, "id": [f"row{4 * i + r}" for r in range(len(b["y"]))]} for i, b in enumerate(cnn_batches(2, micro=2))]
+    got = {}
+    for name in ("auto", "fzero_stage_3"):
+        lit = _WithIds()
+        _WithIds.seen = []
+        _trainer(name, accumulate_grad_batches=2).fit(lit, _loader(batches))
+        got[name] = (dict(lit.named_parameters()), _WithIds.seen)
+    assert got["fzero_stage_3"][1] == got["auto"][1] == [b["id"] for b in batches]
+    _close(got["fzero_stage_3"][0], got["auto"][0], rtol=1e-5, atol=1e-6)

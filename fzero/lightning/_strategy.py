@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import fzero
 from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
-from fzero.step import trainable_changes
+from fzero.step import per_row_items, trainable_changes
 
 # Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
 _SET_BY_LIGHTNING = {
@@ -316,18 +316,22 @@ def _training_loss(out: Any, owner: str) -> Any:
                     f"Lightning's automatic optimization asks; got {type(out).__name__}.")
 
 
-def _path_of(batch: Any, i: int) -> str:
+def _path_of(batch: Any, i: int, is_leaf: Any = None) -> str:
     """How a user writes the ``i``-th leaf of ``batch``: ``["input_ids"]``, ``[0]``."""
-    return pytree.keystr(pytree.tree_flatten_with_path(batch)[0][i][0])
+    return pytree.keystr(pytree.tree_flatten_with_path(batch, is_leaf=is_leaf)[0][i][0])
 
 
 def _join(batches: list[Any], k: int) -> Any:
     """k micro-batches as one batch that ``grad_accum=k`` splits back into them: tensors joined on dim 0."""
     if k == 1:
         return batches[0]
-    flat = [pytree.tree_flatten(b) for b in batches]
+    rows = {x.shape[0] for b in batches for x in pytree.tree_leaves(b) if isinstance(x, torch.Tensor) and x.dim() > 0}
+    # default_collate's list of the rows' strings (ids, texts) is rows too, joined as the tensors are: the step splits
+    # it back into the micro-batches' own (fzero.step._batch), where as separate leaves it differed between them
+    row = next(iter(rows)) if len(rows) == 1 else None
+    per_row = lambda x: per_row_items(x, row)  # noqa: E731
+    flat = [pytree.tree_flatten(b, is_leaf=per_row) for b in batches]
     spec = flat[0][1]
-    rows = {n for leaves, _ in flat for n in {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}}
     if any(s != spec for _, s in flat) or len(rows) > 1:
         raise ValueError(
             f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) runs {k} micro-batches as one fzero step, which needs "
@@ -342,12 +346,14 @@ def _join(batches: list[Any], k: int) -> Any:
             if len(shapes) > 1:  # torch.cat would say only "Sizes of tensors must match except in dimension 0"
                 raise ValueError(
                     f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) runs {k} micro-batches as one fzero step, whose "
-                    f"batch entries must have one shape; batch{_path_of(batches[0], i)} has rows of shapes {shapes} "
+                    f"batch entries must have one shape; batch{_path_of(batches[0], i, per_row)} has rows of shapes {shapes} "
                     f"across them (a collate that pads each batch to its own longest sequence?). Pad to a fixed "
                     f"length in the collate function (e.g. a tokenizer's padding='max_length'), or use "
                     f"accumulate_grad_batches=1."
                 )
             joined.append(torch.cat(leaves))
+        elif per_row(first):
+            joined.append(type(first)(item for items in leaves for item in items))
         elif all(x is first or (not isinstance(x, torch.Tensor) and x == first) for x in leaves):
             joined.append(first)
         else:

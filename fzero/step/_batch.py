@@ -133,7 +133,7 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
     return _split_tree(batch, k, message, copy=copy, rows=rows[0][1] if rows else None, multiple=multiple or k)
 
 
-def _per_row_items(x: Any, rows: int | None) -> bool:
+def per_row_items(x: Any, rows: int | None) -> bool:
     """Whether ``x`` is a list or tuple of one item per row whose leaves are all strings (``default_collate``'s list
     of the rows' strings): split as rows, where given whole every rank and micro-batch would read every row's item
     (each rank's texts paired with another rank's tensors), unlike a torchrun process with its own loader. Only a row
@@ -155,10 +155,10 @@ def _per_row_items(x: Any, rows: int | None) -> bool:
 def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, rows: int | None = None,
                 multiple: int | None = None, prefix: str = "") -> list[Any]:
     """``batch`` as k parts on its rows; ``copy``: each part's tensors its own (see ``split_batch``); ``rows``: the
-    tensors' row count, by which lists of one item per row are told (``_per_row_items``); ``multiple``: what the rows
+    tensors' row count, by which lists of one item per row are told (``per_row_items``); ``multiple``: what the rows
     must divide by (k, or more where each part is split again)."""
     multiple = multiple or k
-    paths, leaves, spec = _tree.flatten_with_paths(batch, is_leaf=lambda x: _per_row_items(x, rows))
+    paths, leaves, spec = _tree.flatten_with_paths(batch, is_leaf=lambda x: per_row_items(x, rows))
     parts: list[list[Any]] = [[] for _ in range(k)]
     for path, leaf in zip(paths, leaves):
         path = _joined(prefix, path)
@@ -173,7 +173,7 @@ def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy:
             chunks = [c.clone() for c in leaf.chunk(k)] if copy else leaf.chunk(k)
         elif isinstance(leaf, torch.Tensor) and copy:  # a 0-d tensor: the same value, a tensor of its own per rank
             chunks = [leaf.clone() for _ in range(k)]
-        elif _per_row_items(leaf, rows):  # the rows' strings (ids, texts): each part its own rows, in a list of its own
+        elif per_row_items(leaf, rows):  # the rows' strings (ids, texts): each part its own rows, in a list of its own
             if len(leaf) % multiple:
                 raise ValueError(message(path or "<root>", f"{len(leaf)} items"))
             n = len(leaf) // k
