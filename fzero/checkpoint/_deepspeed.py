@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.checkpoint._files import INFO, STEP_NAME
+from fzero.checkpoint._files import HF_WEIGHTS, TORCH_OPTIMIZERS, fzero_names
 from fzero.checkpoint._load import _target
 from fzero.checkpoint._state import dests, entries, held, with_saved_buffers
 from fzero.step import RankStates, TrainState
@@ -128,20 +128,20 @@ def _refuse_other_formats(path: str) -> None:
             f"parameter), which fzero does not read. Pass the global_stepN folder it was converted from (fzero reshards "
             f"that to any stage and world size itself)."
         )
-    if os.path.isfile(os.path.join(path, INFO)) or any(STEP_NAME.match(n) for n in os.listdir(path)):
+    names = set(os.listdir(path))
+    if fzero_names(names):
         raise CheckpointError(f"{API}: {path!r} is an fzero checkpoint (fzero.checkpoint.save), not DeepSpeed's: resume it "
                               f"with fzero.checkpoint.load(path, step).")
-    weights = [f for f in ("pytorch_model.bin", "model.safetensors", "pytorch_model.bin.index.json",
-                           "model.safetensors.index.json") if os.path.isfile(os.path.join(path, f))]
+    weights = [f for f in HF_WEIGHTS if f in names]
     if weights and not glob.glob(os.path.join(path, "*_model_states.pt")):
-        torch_optimizer = [f for f in ("optimizer.pt", "optimizer.bin") if os.path.isfile(os.path.join(path, f))]
+        torch_optimizer = [f for f in TORCH_OPTIMIZERS if f in names]
         raise CheckpointError(  # a Trainer's checkpoint-N has a torch optimizer's state beside them, which fzero does not read
             f"{API}: {path!r} holds weights only ({weights[0]}: zero_to_fp32.py's output, or save_pretrained's), no DeepSpeed "
             f"optimizer state to resume"
             + (f" (its {torch_optimizer[0]} is a torch optimizer's, a Hugging Face Trainer's or Accelerate's, which fzero "
                f"does not read: the optimizer starts afresh)" if torch_optimizer else "")
-            + f". Load them into the model (model.load_state_dict / from_pretrained) and start with "
-            f"step.init(fzero.params_of(model)), or pass the DeepSpeed checkpoint they were converted from."
+            + ". Load them into the model (model.load_state_dict / from_pretrained) and start with "
+            "step.init(fzero.params_of(model)), or pass the DeepSpeed checkpoint they were converted from."
         )
 
 

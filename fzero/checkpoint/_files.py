@@ -293,8 +293,21 @@ def open_checkpoint(path: str | os.PathLike, api: str, *, verify: bool = True) -
     return found, info, manifest
 
 
-_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_TORCH_OPTIMIZERS = ("optimizer.pt", "optimizer.bin")
+# Which tool wrote a directory, by its files' names: for the errors of load, pretrained and from_deepspeed, each
+# given a directory another reader takes
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TORCH_OPTIMIZERS = ("optimizer.pt", "optimizer.bin")  # a Hugging Face Trainer's or Accelerate's, beside the weights
+
+
+def fzero_names(names: Any) -> bool:
+    """fzero's: a checkpoint (``fzero.json``) or a run directory of ``step_*`` checkpoints."""
+    return INFO in names or any(STEP_NAME.match(n) for n in names)
+
+
+def deepspeed_names(names: Any) -> bool:
+    """DeepSpeed's ``engine.save_checkpoint``: its save_dir (``latest``, ``global_stepN``) or a tag folder."""
+    return "latest" in names or any(n.startswith("global_step") or n.endswith("_optim_states.pt") for n in names)
+
 _FROM_OTHERS = "From FSDP2, DDP or the Hugging Face Trainer"  # the section of docs/migrating.md the errors point to
 
 
@@ -310,7 +323,7 @@ def _other_format(path: str, api: str) -> str | None:
     names = set(os.listdir(path))
     # fzero's own, none complete (copied in part): the caller says so, though a run directory may also hold
     # save_weights' model.safetensors or a `latest` file of the user's, which are not what the directory is
-    if INFO in names or any(STEP_NAME.match(n) for n in names):
+    if fzero_names(names):
         return None
     if ".metadata" in names:
         return (
@@ -321,9 +334,9 @@ def _other_format(path: str, api: str) -> str | None:
             f"'full.pt') makes one file of it; model.load_state_dict(torch.load('full.pt', weights_only=True)['model']) "
             f"(the key the dict was saved under); state = step.init(fzero.params_of(model)). The optimizer starts afresh."
         )
-    weights = [f for f in _HF_WEIGHTS if f in names]
+    weights = [f for f in HF_WEIGHTS if f in names]
     if weights:
-        optimizer = [f for f in _TORCH_OPTIMIZERS if f in names]
+        optimizer = [f for f in TORCH_OPTIMIZERS if f in names]
         read = ("step.init(fzero.params_of(model, copy=False), materialize=fzero.checkpoint.pretrained(path, model=model)) "
                 "for a model built under fzero.empty_params(), or from_pretrained(path) and step.init(fzero.params_of(model))"
                 if weights[0].startswith("model.safetensors") else "from_pretrained(path) and step.init(fzero.params_of(model))")
@@ -333,7 +346,7 @@ def _other_format(path: str, api: str) -> str | None:
             + (f"; its {optimizer[0]} (a torch optimizer's state: AdamW's moments) is not read, so the optimizer starts "
                f"afresh (docs/migrating.md, '{_FROM_OTHERS}')" if optimizer else "") + "."
         )
-    if "latest" in names or any(n.startswith("global_step") or n.endswith("_optim_states.pt") for n in names):
+    if deepspeed_names(names):
         return f"{api}: {path} is a DeepSpeed checkpoint (engine.save_checkpoint), not an fzero one: resume it with fzero.checkpoint.from_deepspeed({path!r}, like=step)."
     return None
 

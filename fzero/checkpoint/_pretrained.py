@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fzero.checkpoint._files import deepspeed_names, fzero_names
 from fzero.checkpoint._initializers import initializer as _initializer
 from fzero.checkpoint._safetensors import INDEX, WEIGHTS
 from fzero.layout import META_BUFFER_FIX
@@ -418,10 +419,10 @@ def _other_format(held: list[str]) -> str:
     """What to do with a directory of another format than Hugging Face's safetensors, from its file names: a DeepSpeed
     checkpoint and an fzero checkpoint have readers of their own; a ``.bin`` needs converting."""
     # fzero's first: a run directory of step_* checkpoints may also hold a `latest` file of the user's own
-    if "fzero.json" in held or any(re.fullmatch(r"step_\d{8,}", n) for n in held):
+    if fzero_names(held):
         return ("It is an fzero checkpoint: resume it with fzero.checkpoint.load(dir, step), or write Hugging Face's files "
                 "from it with fzero.checkpoint.consolidate(dir, out_dir, format='safetensors').")
-    if "latest" in held or any(n.startswith("global_step") for n in held):
+    if deepspeed_names(held):
         return ("It is a DeepSpeed checkpoint (engine.save_checkpoint): resume it with fzero.checkpoint.from_deepspeed(dir, "
                 "step), or export its weights with DeepSpeed's zero_to_fp32.py.")
     return "Only safetensors checkpoints are read; convert a pytorch_model.bin with save_pretrained(dir, safe_serialization=True)."

@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import re
-import types
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -38,6 +36,7 @@ from fzero.mesh import current_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, lift_for
 from fzero.step._context import step_buffers, step_scope
+from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 
 
 _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
@@ -473,100 +472,28 @@ supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkp
 fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)."""
 
 
-# torch.utils.checkpoint(..., use_reentrant=True) runs its function under no_grad and leaves one node in the graph,
-# whose backward recomputes the function and adds the gradients to each param's .grad with a backward of its own.
-# fzero takes the gradient with respect to the state's params only (torch.autograd.backward(inputs=...) or
-# torch.autograd.grad), which torch refuses once the backward reaches that node; and where nothing trainable comes
-# before the checkpointed block (a LoRA adapter on a frozen base, its inputs made to require grad by Hugging Face's
-# enable_input_require_grads), the engine prunes the node as leading to no input: the params inside the block get no
-# gradient at all, without an error, where plain PyTorch's loss.backward() trains them.
-_REENTRANT_NODE = "CheckpointFunctionBackward"  # torch.utils.checkpoint.CheckpointFunction's node
-_REENTRANT_HINT = """fzero.Step: the model runs torch.utils.checkpoint with use_reentrant=True{what}.
-A reentrant checkpoint recomputes its block inside its own backward and adds the gradients to each param's .grad
-there; fzero takes the gradient with respect to the state's params only, which torch refuses with reentrant
-checkpoints, and where nothing trainable comes before the block (a LoRA adapter on a frozen base model) the block's
-backward never runs at all, so its params would get no gradient, silently: the step stops here, before any update.
-This is Hugging Face's gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": True}}), or
-gradient_checkpointing_kwargs={{}} (torch's default is then reentrant; peft's prepare_model_for_kbit_training passes {{}}).
-Fix: non-reentrant checkpointing, which fzero supports at every stage:
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}}) (transformers 5's
-default; 4.x defaulted to reentrant), torch.utils.checkpoint(..., use_reentrant=False) in your own code; or turn the
-model's checkpointing off and recompute with fzero's own, compile(..., remat=True)."""
-
-
-def _holds_reentrant_checkpoint(root: Any) -> bool:
-    """Whether the autograd graph under the node ``root`` holds a ``torch.utils.checkpoint(use_reentrant=True)`` call
-    whose block may hold a trainable param (``_block_may_train``) (a walk over the graph's nodes: about 2 us a node,
-    4 ms for a 32-layer Llama's 2,500)."""
-    seen, stack = set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        if type(node).__name__ == _REENTRANT_NODE and _block_may_train(getattr(node, "run_function", None)):
-            return True
-        seen.add(node)
-        stack.extend(child for child, _ in node.next_functions)
-    return False
-
-
-def _block_may_train(fn: Any) -> bool:
-    """Whether the function a reentrant checkpoint recomputes may hold a trainable param. Autograd also skips the
-    backward of a block that holds none (a frozen backbone under checkpointing, its input made to require grad by
-    ``enable_input_require_grads``), which costs nothing: there the params no gradient reached are unused for another
-    reason (an unused pooler, a dropped layer), as in plain PyTorch, and are not refused. Unknown (no module found in
-    the function, its partial or its closure): True, refused as before."""
-    modules = _modules_in(fn, depth=3)
-    return not modules or any(p.requires_grad for m in modules for p in m.parameters())
-
-
-def _modules_in(fn: Any, *, depth: int) -> list[nn.Module]:
-    """The modules ``fn`` runs, as far as it shows them: ``fn`` itself, a bound method's module (Hugging Face passes
-    ``layer.__call__``), a ``functools.partial``'s function and arguments, or a closure's cells (``create_custom_forward
-    (module)``), ``depth`` levels deep."""
-    if isinstance(fn, nn.Module):
-        return [fn]
-    if depth == 0 or fn is None:
-        return []
-    if isinstance(fn, types.MethodType):
-        return _modules_in(fn.__self__, depth=depth - 1) or _modules_in(fn.__func__, depth=depth - 1)
-    if isinstance(fn, functools.partial):
-        parts = [fn.func, *fn.args, *fn.keywords.values()]
-    else:
-        parts = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
-    return [m for part in parts if isinstance(part, nn.Module) or callable(part) for m in _modules_in(part, depth=depth - 1)]
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a cell not yet assigned
-        return False
-    return True
-
-
 def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:
     """After a micro-batch's backward: refuse a reentrant checkpoint whose backward autograd skipped (see
-    ``_REENTRANT_HINT``). The graph is walked only where some param has had no gradient yet in this step, which
+    ``REENTRANT_HINT``). The graph is walked only where some param has had no gradient yet in this step, which
     such a skip always leaves (the params inside the block), so a step that used every param pays nothing."""
     usage = current_context().usage
     unused = usage.unused() if usage is not None else None
-    if unused == [] or loss.grad_fn is None or not _holds_reentrant_checkpoint(loss.grad_fn):
+    if unused == [] or loss.grad_fn is None or not holds_reentrant_checkpoint(loss.grad_fn):
         return
     names = f": {', '.join(unused[:3])}{f' and {len(unused) - 3} more' if len(unused) > 3 else ''}" if unused else ""
-    raise RuntimeError(_REENTRANT_HINT.format(what=f", so these params got no gradient{names}"))
+    raise RuntimeError(REENTRANT_HINT.format(what=f", so these params got no gradient{names}"))
 
 
 @contextlib.contextmanager
 def _named_reentrant_failure() -> Iterator[None]:
     """The backward of a graph with a reentrant checkpoint that autograd reached: torch's own refusal, with fzero's
-    cause and fix (``_REENTRANT_HINT``), the original error as its cause."""
+    cause and fix (``REENTRANT_HINT``), the original error as its cause."""
     try:
         yield
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e) or str(e).startswith("fzero"):
             raise
-        raise RuntimeError(_REENTRANT_HINT.format(what="") + f"\n(torch: {str(e).splitlines()[0]})") from e
+        raise RuntimeError(REENTRANT_HINT.format(what="") + f"\n(torch: {str(e).splitlines()[0]})") from e
 
 
 @contextlib.contextmanager
