@@ -45,9 +45,14 @@ class SyncedGPT(LitGPT):
     """LitGPT that also logs its loss with ``sync_dist=True`` from inside ``training_step``: an all-reduce of Lightning's
     own in the middle of the step's forward (at stage 3, between the units' gathers)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own_losses: list = []  # each process keeps what its training_step appended (Lightning 2.x's pattern)
+
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         self.log("synced_loss", loss, sync_dist=True)
+        self.own_losses.append(float(loss.detach()))
         return loss
 
 

@@ -101,7 +101,10 @@ def main() -> None:
     run.fit(synced, loader(gpt_batches(3), rank))
     losses = [None] * 2
     torch.distributed.all_gather_object(losses, float(run.callback_metrics["train_loss"]))  # each rank's last loss
+    appended = [None] * 2
+    torch.distributed.all_gather_object(appended, synced.own_losses)  # what each rank's training_step appended to self
     results["synced"] = (params(synced), float(run.callback_metrics["synced_loss"]), losses)
+    results["appended"] = appended
 
     if rank == 0:
         torch.save(results, os.path.join(out, "results.pt"))

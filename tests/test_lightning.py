@@ -100,6 +100,9 @@ def test_self_log_with_sync_dist_inside_training_step_at_stage_3(dist_results):
     want = dist_results["gpt2", "fzero_stage_3"]
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert losses[0] != losses[1] and synced == pytest.approx(sum(losses) / 2, rel=1e-6)
+    # each process keeps what its own training_step appended to self: its own losses, the last one the one it logged
+    appended = dist_results["appended"]
+    assert [len(a) for a in appended] == [3, 3] and [a[-1] for a in appended] == pytest.approx(losses, rel=1e-6)
 
 
 @pytest.mark.torchrun
@@ -533,7 +536,9 @@ def test_validate_with_a_checkpoint_path_after_fit_loads_the_weights(tmp_path):
 class _WithIds(LitCNN):
     """Batches as default_collate makes them from a dataset with a string column: the rows' ids as a list of str."""
 
-    seen: list = []  # on the class: fzero runs training_step on the step's copy of the module
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
 
     def training_step(self, batch, batch_idx):
         self.seen.append(list(batch["id"]))
@@ -552,8 +557,57 @@ def test_string_columns_with_accumulate_grad_batches_train_as_lightnings_own_str
     got = {}
     for name in ("auto", "fzero_stage_3"):
         lit = _WithIds()
-        _WithIds.seen = []
         _trainer(name, accumulate_grad_batches=2).fit(lit, _loader(batches))
-        got[name] = (dict(lit.named_parameters()), _WithIds.seen)
+        got[name] = (dict(lit.named_parameters()), lit.seen)
     assert got["fzero_stage_3"][1] == got["auto"][1] == [b["id"] for b in batches]
     _close(got["fzero_stage_3"][0], got["auto"][0], rtol=1e-5, atol=1e-6)
+
+
+class _CollectsOutputs(LitCNN):
+    """Lightning 2.x's pattern for epoch-end work: the steps append to lists on ``self``, the epoch-end hooks read
+    and clear them (Lightning removed ``training_epoch_end(outputs)`` for this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.training_step_outputs, self.validation_step_outputs = [], []
+        self.epoch_means, self.val_means, self.steps_seen = [], [], 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.training_step_outputs.append(loss)
+        self.steps_seen += 1
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch["x"]), batch["y"])
+        self.validation_step_outputs.append(loss)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.epoch_means.append(float(torch.stack(self.training_step_outputs).mean().detach()))
+        self.training_step_outputs.clear()
+
+    def on_validation_epoch_end(self):
+        self.val_means.append(float(torch.stack(self.validation_step_outputs).mean()))
+        self.validation_step_outputs.clear()
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_what_the_steps_append_to_self_reaches_the_epoch_end_hooks_as_under_lightnings_own_strategy(accumulate):
+    """The strategy runs training_step and validation_step on the step's copy of the module: the lists they appended
+    to were the copy's, so on_train_epoch_end found nothing (0 outputs where Lightning's own strategy has 4)."""
+    batches = cnn_batches(4)
+    got = {}
+    for name in ("auto", "fzero_stage_3"):
+        lit = _CollectsOutputs()
+        _trainer(name, accumulate_grad_batches=accumulate, max_epochs=2).fit(lit, _loader(batches), _loader(batches[:2]))
+        got[name] = lit
+    auto, ours = got["auto"], got["fzero_stage_3"]
+    assert ours.steps_seen == auto.steps_seen == 8
+    assert len(ours.epoch_means) == len(auto.epoch_means) == 2 and len(ours.val_means) == len(auto.val_means) == 2
+    assert ours.epoch_means == pytest.approx(auto.epoch_means, rel=1e-5)
+    assert ours.val_means == pytest.approx(auto.val_means, rel=1e-5)
+    assert ours.training_step_outputs == [] and ours.validation_step_outputs == []

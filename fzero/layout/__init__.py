@@ -2,7 +2,7 @@
 
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.layout._modules import (Binding, bound, check_no_meta, clone_structure, empty_params, META_BUFFER_FIX,
-                                   named_tensors, walk)
+                                   named_tensors, walk, Writes)
 from fzero.layout._layout import (
     build_layout,
     DEFAULT_UNIT_ELEMENTS,

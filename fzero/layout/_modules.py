@@ -44,6 +44,21 @@ module has, and what is added to it or removed from it stays in the clone. Hook 
 and other objects are shared. A container that two modules share stays shared between their clones (one copy
 per container), as tied parameters stay tied.
 
+## What a forward writes on its module
+
+The clone is fzero's copy, but the forward is the user's, and what it writes on ``self`` is the user's data:
+Lightning 2.x's ``self.training_step_outputs.append(loss)`` in ``training_step``, a counter ``self.calls += 1``, an
+MoE block's ``self.aux_loss = ...`` read after the step. Plain PyTorch keeps it on the module; dropping it with the
+copy would lose it without a word. So ``Writes`` records what the copies changed in the modules' **public**
+attributes (names without a leading underscore; ``_parameters``, the hook dictionaries and the rest of
+``nn.Module``'s own, and the private flags a library keeps, such as transformers' ``_output_capturing_hooks_installed``
+beside the hooks it installed in the copy, stay the copy's): a value rebound, added or deleted, or a built-in
+container whose entries changed. A copy made later in the same call (a stage 2-3 skeleton per micro-batch) starts
+with those changes laid over it, so the second micro-batch sees the first's counter as in PyTorch. When the step
+call succeeds, the changes are written into the user's modules, a container in place, so that a list held
+elsewhere sees the appends. On a ``local_mesh`` of several ranks the calling thread plays rank 0, whose writes
+are kept (each torchrun process keeps its own); a step that raises keeps none, as it keeps no update.
+
 ## Empty params
 
 Models whose parameters have no values yet: built under ``fzero.empty_params()``, made by ``step.init``.
@@ -187,7 +202,7 @@ _TREE = frozenset({"_parameters", "_buffers", "_modules"})  # rebuilt below, ent
 
 
 def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                    buffer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+                    buffer: Callable[[torch.Tensor], torch.Tensor] | None = None, writes: "Writes | None" = None) -> nn.Module:
     """A copy of ``module``'s tree of module objects; ``param``/``buffer`` map each parameter/buffer (default:
     the same tensor). Shared submodules stay shared, tied parameters stay tied (one mapping per tensor), and
     no container of the clone is one of ``module``'s (see the module docstring).
@@ -195,18 +210,22 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
     The walk is a method of a ``_Cloner``, not a recursive closure: a nested function that calls itself holds
     itself through its closure cell, a reference cycle, so its memo (every clone and every mapped tensor) would
     outlive the call until Python's cyclic collector ran: a step's whole skeleton, with its cast buffers and
-    frozen params, kept after the step that made it, and the collector's passes paid on the host every step."""
-    return _Cloner(param, buffer).visit(module)
+    frozen params, kept after the step that made it, and the collector's passes paid on the host every step.
+
+    ``writes``: the public attribute changes earlier copies in the same step call made (``Writes``), laid over
+    the clone."""
+    return _Cloner(param, buffer, None if writes is None or not writes.changed else writes.changed).visit(module)
 
 
 class _Cloner:
     """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
 
-    __slots__ = ("param", "buffer", "modules", "tensors", "containers")
+    __slots__ = ("param", "buffer", "overlay", "modules", "tensors", "containers")
 
     def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
-                 buffer: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        self.param, self.buffer = param, buffer
+                 buffer: Callable[[torch.Tensor], torch.Tensor] | None,
+                 overlay: "dict[int, tuple[nn.Module, dict[str, Any]]] | None") -> None:
+        self.param, self.buffer, self.overlay = param, buffer, overlay
         self.modules: dict[int, nn.Module] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.containers: dict[int, Any] = {}
@@ -243,6 +262,12 @@ class _Cloner:
         if own_callable and not _holds_tensors(m):
             self.modules[id(m)] = m  # shared, not cloned: see _bound_to
             return m
+        if self.overlay is not None and id(m) in self.overlay:
+            for k, v in self.overlay[id(m)][1].items():
+                if v is _GONE:
+                    d.pop(k, None)
+                else:
+                    d[k] = v  # the earlier copy's own object: a list appended to goes on growing
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
@@ -251,6 +276,115 @@ class _Cloner:
 
 
 _CALLABLES = frozenset({types.MethodType, types.FunctionType, functools.partial})
+_GONE = object()  # a public attribute the copy deleted
+_MODULE_OWN = frozenset(nn.Module().__dict__) - {"training"}  # nn.Module.__init__'s private state
+
+
+class Writes:
+    """What the forwards of one step call, on one rank, changed in the public attributes of the user's modules
+    through fzero's copies of them, to be written into those modules when the call succeeds (see "What a forward
+    writes on its module" in the module docstring)."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self) -> None:
+        self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
+
+    def note(self, original: nn.Module, copy: nn.Module) -> None:
+        """Record what ``copy`` (``clone_structure(original, writes=self)``) holds in public attributes that
+        ``original`` does not: every change of this call so far, since the copy started from the earlier ones.
+        One walk of the two trees side by side; a module shared rather than copied was written in place."""
+        changed, seen = self.changed, set()
+        stack = [(original, copy)]
+        while stack:
+            o, c = stack.pop()
+            if c is o or id(o) in seen:
+                continue
+            seen.add(id(o))
+            od, cd = o.__dict__, c.__dict__
+            diff = _public_changes(od, cd)
+            if diff:
+                changed[id(o)] = (o, diff)
+            else:
+                changed.pop(id(o), None)
+            copies = cd["_modules"]
+            for k, sub in od["_modules"].items():
+                csub = copies.get(k)
+                if sub is not None and csub is not None:
+                    stack.append((sub, csub))
+
+    def keep(self) -> None:
+        """Write the recorded changes into the user's modules; a built-in container in place (its object stays the
+        one the module had, so what holds it sees the new entries). A tensor, as the value or as an entry of a
+        container written, is kept detached: the step's backward has run, and its graph would hold what the step made
+        (at stage 3 the units' gathers) until the attribute is next written; under ``autodiff="func"`` it is the
+        plain tensor inside ``torch.func.grad``'s wrapper, which would otherwise outlive its transform."""
+        for module, diff in self.changed.values():
+            d = module.__dict__
+            for k, v in diff.items():
+                old = d.get(k, _GONE)
+                if v is _GONE:
+                    d.pop(k, None)
+                elif type(v) is list:
+                    v = [_detached(x) for x in v]
+                    if type(old) is list:
+                        old[:] = v
+                    else:
+                        d[k] = v
+                elif type(v) is set:
+                    v = {_detached(x) for x in v}
+                    if type(old) is set:
+                        old.clear()
+                        old.update(v)
+                    else:
+                        d[k] = v
+                elif type(v) in _CONTAINERS:  # dict, OrderedDict
+                    v = type(v)((key, _detached(x)) for key, x in v.items())
+                    if type(old) is type(v):
+                        old.clear()
+                        old.update(v)
+                    else:
+                        d[k] = v
+                else:
+                    d[k] = _detached(v)
+        self.changed = {}
+
+
+def _detached(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(v):
+        v = functorch.get_unwrapped(v)
+    return v.detach()
+
+
+def _public_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The public entries of a copy's ``__dict__`` (``new``) that differ from its module's (``old``): rebound,
+    added, deleted (``_GONE``), or a built-in container whose entries are other objects. Runs for every module
+    copied in a step: identity tests only (a tensor's ``==`` is elementwise)."""
+    diff: dict[str, Any] = {}
+    for k in new.keys() - _MODULE_OWN:  # nn.Module's own ~20 entries left out at C speed: the rest are few
+        if k[:1] == "_":
+            continue
+        v, o = new[k], old.get(k, _GONE)
+        if o is v or (type(v) in _CONTAINERS and type(o) is type(v) and _same_entries(o, v)):
+            continue
+        diff[k] = v
+    for k in old.keys() - new.keys():  # a name only the module has: deleted in the copy
+        if k[:1] != "_":
+            diff[k] = _GONE
+    return diff
+
+
+def _same_entries(a: Any, b: Any) -> bool:
+    if len(a) != len(b):
+        return False
+    if type(a) is list:
+        return all(x is y for x, y in zip(a, b))
+    if type(a) is set:
+        return a == b  # members by hash and identity first
+    return all(k in b and b[k] is v for k, v in a.items())
 
 
 def _bound_to(v: Any, m: nn.Module) -> bool:

@@ -36,10 +36,11 @@ ends. ``training_step``'s return value is the loss of the whole step, the mean o
 ``accumulate_grad_batches=k`` the first k-1 micro-batches return NaN (their forward runs at the k-th) and what they
 ``self.log`` is logged at the k-th. The gradient norm is logged as ``"fzero/grad_norm"``. A checkpoint is a
 directory; ``fzero.checkpoint.consolidate(path + "/fzero", "model.pt", model=lit_module)`` makes one state dict of it.
-**Not kept:** what ``training_step``/``validation_step`` write on ``self`` beyond ``self.log`` (Lightning 2.x's
-``self.training_step_outputs.append(...)``, a counter ``self.n += 1``): the step runs a copy of the module, and such
-writes land on the copy and are dropped, without an error (measured: 0 outputs where Lightning's own strategy has 4).
-Keep them outside the module (a callback's or the class's list) or return them through ``self.log``.
+What ``training_step``/``validation_step`` write on ``self`` (Lightning 2.x's ``self.training_step_outputs.append(loss)``
+read in ``on_train_epoch_end``, a counter ``self.n += 1``) is kept as under DDP: the step runs on a copy of the module,
+and the public attributes the copy changed are written into the module when the step succeeds (lists in place; a
+tensor detached, its backward having run). Names with a leading underscore stay the copy's (they are Lightning's and
+the libraries' own state), and with several ranks in one process, rank 0's writes are kept.
 
 Refused, each with an error that names the setting and the fix: manual optimization, more than one optimizer, an
 optimizer other than AdamW/Adam/SGD (and ``amsgrad``, ``maximize``, Adam's L2 ``weight_decay``, SGD's

@@ -9,7 +9,7 @@ has cannot travel that way, because the code that needs it is called by the user
 
 | field | read by | why it cannot be an argument |
 |---|---|---|
-| ``clones``, ``compute_dtype``, ``buffers``, ``scope``, ``applied`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
+| ``clones``, ``writes``, ``compute_dtype``, ``buffers``, ``scope``, ``applied`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
 | ``usage`` | the views ``loss_fn`` reads (``fzero.step._context``) | recorded inside user code, by autograd |
 | ``snapshots``, ``replay`` | ``fzero.apply`` under ``fzero.remat`` | the recompute runs in backward, called by autograd |
 | ``generator``, ``stream`` | torch's random ops (below) | torch reads the process generator; ranks must not share it |
@@ -80,7 +80,8 @@ class RankContext:
 
     comm: Any = None  # the rank's comm under dist_mesh, for the first forward's agreement on the model's structure
     api: str | None = None  # the public call this rank program runs for (named by errors)
-    clones: dict[int, Any] | None = None  # id(user's module) -> this rank's clone of it, for one step call
+    clones: dict[int, Any] | None = None  # id(user's module) -> (it, this rank's clone of it), for one step call
+    writes: Any = None  # what the clones changed in the modules' public attributes (``fzero.layout.Writes``)
     compute_dtype: torch.dtype | None = None  # a bf16/fp16 policy's dtype: inputs, buffers and frozen params meet it
     buffers: Any = None  # the step's buffer bank (``fzero.step._module.Buffers``) the forward runs with
     scope: contextlib.ExitStack | None = None  # a micro-batch's forward and backward: modules keep their tensors

@@ -8,6 +8,7 @@ from fzero.step._context import (
     cast_floating,
     current_buffers,
     current_compute_dtype,
+    current_writes,
     module_for_thread,
     outside_step_scope,
     recording,

@@ -6,7 +6,9 @@ forward may write into its module (Hugging Face installs its output-capturing ho
 forward). So within a step, on every rank (one process, a ``local_mesh`` rank thread, a torchrun process),
 ``fzero.apply`` runs a clone of the user's module: new module objects that share every parameter and buffer
 tensor with the original and no mutable container (``fzero.layout._modules``). The clones copy a module at rest
-and live for one step call; the user's module is never written, not even for the length of a step.
+and live for one step call; fzero never writes the user's module, not even for the length of a step, but what the
+forward wrote in the clone's public attributes (a list appended to, a counter) is written into it when the step
+succeeds (``fzero.layout.Writes``, kept by ``Step._as_rank``), as plain PyTorch keeps it.
 Outside a step, ``fzero.apply`` is ``functional_call`` on the module itself.
 
 ## Usage (which params this rank's gradients used)
@@ -55,13 +57,14 @@ from fzero.layout import Layout, Unit, clone_structure, split_sizes
 
 def module_for_thread(module: nn.Module) -> nn.Module:
     """Within a step, this step's (and this rank's) clone of ``module``, sharing all its tensors; else ``module``."""
-    clones = current_context().clones
+    context = current_context()
+    clones = context.clones
     if clones is None:
         return module
-    clone = clones.get(id(module))
-    if clone is None:
-        clone = clones[id(module)] = clone_structure(module)
-    return clone
+    entry = clones.get(id(module))
+    if entry is None:
+        entry = clones[id(module)] = (module, clone_structure(module, writes=context.writes))
+    return entry[1]
 
 
 @contextlib.contextmanager
@@ -75,6 +78,12 @@ def compute_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
 
 def current_compute_dtype() -> "torch.dtype | None":
     return current_context().compute_dtype
+
+
+def current_writes() -> Any:
+    """Within a step, the record of what this rank's copies of the user's modules changed in their public
+    attributes (``fzero.layout.Writes``); else None."""
+    return current_context().writes
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
@@ -173,8 +173,18 @@ class Step:
             comm.agree(fields, api=api, fix=AGREE_FIX)
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
-        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones={}):
-            return program(self._in_context, comm, *args)
+        clones: dict[int, tuple[nn.Module, nn.Module]] = {}
+        writes = Writes()
+        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes):
+            out = program(self._in_context, comm, *args)
+        # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
+        # its module"): kept by each process, and on a local mesh by rank 0, whose thread returns once every rank has
+        # passed the program's last collective, so no other rank still reads the user's modules
+        if comm.rank == 0 or isinstance(self.mesh, DistMesh):
+            for module, clone in clones.values():
+                writes.note(module, clone)
+            writes.keep()
+        return out
 
     @functools.cached_property
     def pool(self) -> Pool:

@@ -30,7 +30,7 @@ from torch import nn
 from fzero.autodiff import remat
 from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit, units_of
 from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, check_trainable_set,
-                        current_buffers, current_compute_dtype, module_for_thread)
+                        current_buffers, current_compute_dtype, current_writes, module_for_thread)
 from fzero.mesh import AllGather, ReplicatedShardGrad
 from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
@@ -55,7 +55,8 @@ class UnitParams(Mapping):
         self.units = {u.name: u for u in layout.units}
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}  # (unit, grad enabled) -> its views
-        self._skeletons: dict[int, nn.Module] = {}
+        self._skeletons: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(module) -> (module, its skeleton)
+        self.writes = current_writes()  # what the skeletons' forwards write on them (fzero.layout.Writes)
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
 
     def run_module(self, module: nn.Module, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
@@ -112,6 +113,9 @@ class UnitParams(Mapping):
         would keep the root unit's gathered buffer alive until the garbage collector runs). Stage 3's root
         unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
+        if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
+            for module, skel in self._skeletons.values():
+                self.writes.note(module, skel)
         self._skeletons.clear()
         roots: list[torch.Tensor] = getattr(self, "_roots", [])
         self._roots: list[torch.Tensor] = []
@@ -120,10 +124,10 @@ class UnitParams(Mapping):
                 self.pool.give(root)
 
     def skeleton(self, module: nn.Module) -> nn.Module:
-        skel = self._skeletons.get(id(module))
-        if skel is None:
-            skel = self._skeletons[id(module)] = _build_skeleton(module, self)
-        return skel
+        entry = self._skeletons.get(id(module))
+        if entry is None:
+            entry = self._skeletons[id(module)] = (module, _build_skeleton(module, self))
+        return entry[1]
 
 
 class ReplicatedParams(UnitParams):
@@ -291,7 +295,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     # persistent buffers in the compute dtype (the step's bank replaces them); non-persistent ones (rotary inv_freq,
     # masks: constants) keep their own dtype, as FSDP2 and DeepSpeed keep them
     persistent = {id(b) for _, b in named_tensors(module, "_buffers", persistent_only=True)} if dtype is not None else set()
-    skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype) if id(b) in persistent else b)
+    skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype) if id(b) in persistent else b,
+                           writes=params.writes)
     # the checks read every stand-in's metadata (requires_grad, shape): with torch functions of subclasses off, at C
     # speed (through _StandIn.__torch_function__ each read costs ~6 us, ~5 ms a step at GPT-2 124M's 148 params)
     with torch._C.DisableTorchFunctionSubclass():

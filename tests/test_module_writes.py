@@ -1,0 +1,132 @@
+"""What a forward writes on its module is kept, as plain PyTorch keeps it.
+
+fzero runs each step on copies of the user's modules (fzero.layout's clones; at stages 2-3 a skeleton per
+micro-batch), so what ``forward`` or a Lightning ``training_step`` wrote on ``self`` (Lightning 2.x's
+``self.training_step_outputs.append(...)``, a counter, an auxiliary value read after the step) landed on the copy
+and was dropped without an error. Now the public attributes the copies changed are written into the user's modules
+when the step call succeeds: the values plain PyTorch would hold after running rank 0's micro-batches."""
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+
+WIDTH = 4
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+class _Recorder(nn.Module):
+    """Writes on itself and on its blocks in every way a forward can: a counter, a list appended to, a dict entry,
+    a tensor with a graph, an attribute deleted, and a private one (a library's flag, which stays the copy's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 1)
+        self.calls, self.rows, self.by_size, self.once = 0, [], {}, True
+
+    def forward(self, x):
+        self.calls += 1
+        self.rows.append(round(float(x[:, 0].sum()), 5))  # what this micro-batch's rows were
+        self.by_size[x.shape[0]] = self.by_size.get(x.shape[0], 0) + 1
+        if hasattr(self, "once"):
+            del self.once
+        self._scratch = self.calls  # a private name: the copy's
+        for block in self.blocks:
+            x = x + block(x)
+        self.last = self.head(x)  # a tensor with a graph, as an auxiliary output kept on a module
+        return self.last.pow(2).mean()
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(8, WIDTH, generator=gen) for _ in range(n)]
+
+
+def _pytorch(ranks, accum, batches, evaluated):
+    """Plain PyTorch on rank 0's micro-batches: rank 0's share of each global batch, cut into ``accum``."""
+    model = _Recorder()
+    for x in batches:
+        for micro in x[: len(x) // ranks].chunk(accum):
+            model(micro)
+    with torch.no_grad():
+        model(evaluated[: len(evaluated) // ranks])
+    return model
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_what_the_forward_writes_on_self_is_kept_as_in_pytorch(stages, ranks, accum):
+    torch.manual_seed(0)
+    model = _Recorder()
+    held = model.rows  # a list held elsewhere (a callback's reference) sees the appends: written in place
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.adamw(1e-2), stages=stages,
+                         mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    state = step.init(fzero.params_of(model))
+    batches, evaluated = _batches(3), _batches(4)[-1]
+    for x in batches:
+        state, _ = step(state, x)
+    step.evaluate(state, evaluated)
+    want = _pytorch(ranks, accum, batches, evaluated)
+
+    assert model.rows is held and held == want.rows and len(held) == 3 * accum + 1
+    assert (model.calls, [b.calls for b in model.blocks]) == (want.calls, [b.calls for b in want.blocks])
+    assert model.by_size == want.by_size
+    assert not hasattr(model, "once") and not hasattr(model, "_scratch")
+    assert model.last.shape == want.last.shape and model.last.grad_fn is None and not model.last.requires_grad
+
+
+def test_a_step_that_raises_keeps_no_write():
+    """As it keeps no update: the module's attributes are those of before the call."""
+    model = _Recorder()
+
+    def loss_fn(params, x):
+        fzero.apply(model, params, x)
+        raise RuntimeError("after the forward")
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(1))
+    with pytest.raises(RuntimeError, match="after the forward"):
+        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    assert (model.calls, model.rows, model.once) == (0, [], True) and not hasattr(model, "last")
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_under_torch_func_grad_a_kept_tensor_is_a_plain_tensor(stages):
+    """torch.func.grad wraps the forward's tensors; the one kept on the module is the value inside, usable after."""
+    model = _Recorder()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(1), autodiff="func")
+    state = step.init(fzero.params_of(model))
+    x = _batches(1)[0]
+    step(state, x)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(model.last)
+    assert (model.last + 1).shape == (len(x), 1) and model.last.dtype == torch.float32
+
+
+def test_under_remat_a_recomputed_block_counts_its_forward_twice_as_torch_checkpoint_does():
+    """A recompute runs the block's forward again, as torch.utils.checkpoint does: its writes happen twice there too."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, want = _Recorder(), _Recorder()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         mesh=fzero.local_mesh(1), remat=True)
+    x = _batches(1)[0]
+    step(step.init(fzero.params_of(model)), x)
+    h = x
+    for block in want.blocks:
+        h = h + checkpoint(block, h, use_reentrant=False)
+    want.head(h).pow(2).mean().backward()
+    assert [b.calls for b in model.blocks] == [b.calls for b in want.blocks] == [2, 2]
+    assert model.calls == 1
