@@ -105,6 +105,43 @@ def test_under_bf16_buffers_stay_in_their_own_dtype():
     assert not torch.equal(state.buffers["1.running_mean"], model[1].running_mean)
 
 
+class _Constants(nn.Module):
+    """A BatchNorm beside persistent buffers the forward only reads: a float64 table and an fp32 scale that bf16
+    cannot hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("table", torch.tensor([1.0 + 2**-40, 3.141592653589793], dtype=torch.float64))
+        self.register_buffer("scale", torch.tensor(1.0 + 2**-20))
+
+    def forward(self, x):
+        return self.bn(self.fc(x)) * self.table[1].to(x.dtype) * self.scale.to(x.dtype)
+
+
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_under_bf16_a_buffer_the_forward_only_reads_keeps_its_exact_value(stages, autodiff):
+    """Before: every floating buffer came back from the bf16 forward rounded through bf16, so after one step the
+    state, state_dict and checkpoints held pi as 3.140625 and 1 + 2**-20 as 1.0 (load_state_dict of it wrote them
+    into the model). The forward still reads the bf16 casts; what it writes (BatchNorm's statistics) is kept."""
+    torch.manual_seed(0)
+    model = _Constants()
+
+    def loss_fn(params, b):
+        return _loss(fzero.apply(model, params, b))
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(2),
+                         precision="bf16", autodiff=autodiff)
+    state = step.init(fzero.params_of(model))
+    for _ in range(2):
+        state, _ = step(state, torch.randn(8, 4))
+    got = step.state_dict(state, model)
+    assert got["table"].dtype == torch.float64 and torch.equal(got["table"], model.table)
+    assert torch.equal(got["scale"], model.scale)
+    assert not torch.equal(got["bn.running_mean"], model.bn.running_mean) and int(got["bn.num_batches_tracked"]) == 2
+
+
 def test_checkpoints_keep_the_buffers_across_stages_and_consolidate_has_them(tmp_path):
     model = _cnn()
     batches = _batches(4, batch=8)

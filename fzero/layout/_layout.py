@@ -236,7 +236,10 @@ def build_layout(
 
     Units are consecutive leaves of about ``unit_elements`` elements (stages 0-2: buckets for the
     collectives), or, given ``unit_of`` (stages 2-3), the groups of leaves that map to the same unit name.
-    ``dtype``: the dtype the buffers hold (the compute dtype of a precision policy), if not the leaves'.
+    ``dtype``: the dtype the buffers hold (the compute dtype of a precision policy), if not the leaves'. With it, a
+    unit may hold leaves of several floating dtypes (a bf16 Hugging Face model whose ``_keep_in_fp32_modules`` stay
+    fp32 sits in one stage-3 unit per block): each is cast into the buffer, as stages 0-1 cast them, and the fp32
+    masters are packed from the values as given.
     """
     paths, leaves, spec = _tree.flatten_with_paths(params)
     if not leaves:
@@ -271,7 +274,7 @@ def build_layout(
     units = []
     for name, idx in groups:
         dtypes = {leaves[i].dtype for i in idx}
-        if len(dtypes) > 1:
+        if len(dtypes) > 1 and dtype is None:  # with ``dtype`` (a bf16/fp16 policy) the buffer holds that dtype whatever the leaves'
             raise TypeError(f"{api}: unit {name!r} mixes dtypes {sorted(map(str, dtypes))}; give all its parameters one dtype.")
         slots, offset = [], 0
         for i in idx:

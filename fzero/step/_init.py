@@ -46,7 +46,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     n = step.world_size
     prec = step.precision
     low = None if prec.compute == torch.float32 else prec.compute
-    check_params_train(params, low_precision=low is not None)
+    check_params_train(params, low_precision=low is not None, compute=prec.compute, master=prec.has_master)
     layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
@@ -256,7 +256,7 @@ def _materialized(materialize: Callable, slot: Slot, meta: torch.Tensor, device:
     return value
 
 
-def check_params_train(params: Any, *, low_precision: bool) -> None:
+def check_params_train(params: Any, *, low_precision: bool, compute: torch.dtype = torch.float32, master: bool = False) -> None:
     """Refuse params that a step would train other than as given, before anything is packed.
 
     - The same tensor under two paths (or two overlapping views of one storage): each path would become a slot
@@ -267,6 +267,8 @@ def check_params_train(params: Any, *, low_precision: bool) -> None:
       ``fzero.apply`` reads it from the module.
     - Under an fp32 policy, a parameter of another dtype (float64, bf16): the step holds every parameter in its
       compute dtype, and a unit holds one dtype.
+    - Under a bf16/fp16 policy without master weights, a model of several floating dtypes: its wider parameters
+      would train in the compute dtype (``_check_low_precision_dtypes``).
     """
     if params is None:
         return
@@ -287,6 +289,36 @@ def check_params_train(params: Any, *, low_precision: bool) -> None:
                 f"holds every parameter in that dtype. Cast it (model.float(), or {{k: v.float() for k, v in params.items()}}), "
                 f"or give the step the policy of that dtype (precision=\"bf16\" or \"fp16\" for half-precision params)."
             )
+    if low_precision:
+        _check_low_precision_dtypes(tensors, compute=compute, master=master)
+
+
+def _check_low_precision_dtypes(tensors: list[tuple[str, torch.Tensor]], *, compute: torch.dtype, master: bool) -> None:
+    """Without master weights (``Precision(master=False)``) the state holds and updates every parameter in the compute
+    dtype. A model of several floating dtypes (a bf16 Hugging Face model whose ``_keep_in_fp32_modules`` stay fp32,
+    as T5's ``wo``) is refused: its wider parameters would train, and be exported, in the compute dtype, where plain
+    PyTorch updates each in its own. A model of one dtype is cast whole, as ``master=False`` asks (Lightning's
+    ``"bf16-true"``); with fp32 masters, the wider parameters' values stay in the masters (an fp64 one as fp32, as
+    DeepSpeed's bf16 engine keeps it).
+    """
+    floats = [(path, x) for path, x in tensors if x.is_floating_point()]
+    if master or len({x.dtype for _, x in floats}) <= 1:
+        return
+    wide = [(path, x.dtype) for path, x in floats if x.dtype != compute]
+    raise TypeError(
+        f"{API}: params {_named(wide)} are not {compute}, the compute dtype of this step without master weights "
+        f"(fzero.Precision(compute={compute}, master=False)), which holds and updates every parameter in it: they "
+        f"would train and be exported in {compute}, where plain PyTorch updates each in its own dtype. Keep fp32 "
+        f"masters for them (precision=\"bf16\"/\"fp16\", or Precision(master=True): their values stay exact in "
+        f"the masters and run in the compute dtype, as DeepSpeed's bf16 engine runs them), or cast the model "
+        f"to one dtype first (model.to({compute})) to train them all in it."
+    )
+
+
+def _named(items: list[tuple[str, torch.dtype]]) -> str:
+    """The first three paths with their dtypes, and how many more."""
+    shown = ", ".join(f"{path!r} ({dtype})" for path, dtype in items[:3])
+    return f"[{shown}" + (f", ... {len(items) - 3} more]" if len(items) > 3 else "]")
 
 
 def _check_no_ties(tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -162,7 +162,8 @@ class Buffers:
 
     ``lift(t)`` makes a tensor the forward may write (a copy; under ``torch.func`` one of the transform's
     level). ``dtype``: the compute dtype of a bf16/fp16 policy, which floating buffers meet the params in;
-    ``result()`` gives them back in their own dtype.
+    ``result()`` gives them back in their own dtype, and a buffer the forward left as it got it (a constant: a
+    float64 table, a scale) as it was before the cast, not rounded through ``dtype``.
     """
 
     def __init__(self, values: dict[str, torch.Tensor], *, lift: Callable[[torch.Tensor], torch.Tensor],
@@ -171,13 +172,15 @@ class Buffers:
         self._reader = reader  # the state's ``Reader``: what it last read of the module's buffers (None: no record)
         self._given = values  # the state's values as the step got them (to tell an edit of the module's from a copy)
         self.dtypes = {k: v.dtype for k, v in values.items()}
-        self.values = {k: self._live(v) for k, v in values.items()}
+        self._before: dict[str, torch.Tensor] = {}  # name -> the value before its cast to ``dtype``
+        self.values = {k: self._live(v, k) for k, v in values.items()}
         self._users: dict[str, nn.Module] = {}  # buffer name -> the module this forward handed it to first
 
-    def _live(self, t: torch.Tensor) -> torch.Tensor:
-        if self._dtype is not None and t.is_floating_point():
-            t = t.to(self._dtype)
-        return self._lift(t)
+    def _live(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        if self._dtype is None or not t.is_floating_point() or t.dtype == self._dtype:
+            return self._lift(t)
+        self._before[name] = t
+        return self._lift(t.to(self._dtype))
 
     def for_module(self, module: nn.Module, *, given: Any = ()) -> dict[str, torch.Tensor]:
         """The bank's tensors for ``module``'s persistent buffers, adopting (copying) those it lacks. ``given``: names
@@ -202,7 +205,7 @@ class Buffers:
                         f"or fzero.buffers_of(model) of a materialized model."
                     )
                 self.dtypes[name] = b.dtype
-                self.values[name] = self._live(b.detach())
+                self.values[name] = self._live(b.detach(), name)
                 _mark(self._reader, b)
             elif not b.is_meta and _written_since_read(self._reader, b):
                 self._check_unchanged(module, name, b)
@@ -227,8 +230,26 @@ class Buffers:
         )
 
     def result(self) -> dict[str, torch.Tensor]:
-        """The values after the forward, each in its own dtype."""
-        return {k: v.to(self.dtypes[k]) for k, v in self.values.items()}
+        """The values after the forward, each in its own dtype: a cast buffer the forward did not change keeps its
+        value from before the cast (a copy), which the round trip through the compute dtype would round (pi in a
+        float64 buffer became 3.140625 in the state and in ``step.state_dict`` after one bf16 step)."""
+        return {k: _unless_unchanged(v, self._before.get(k), self.dtypes[k]) for k, v in self.values.items()}
+
+
+def _unless_unchanged(value: torch.Tensor, before: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` (the forward's, in the compute dtype) in ``dtype``; but each element the forward left as the cast
+    of ``before`` (the buffer before its cast) keeps its value from before, which the round trip would round.
+
+    Element by element and on the device, with no wait for it: BatchNorm's in-place update of its statistics does not
+    bump the tensor's version counter, so whether a buffer was written can only be read off its values, and a
+    ``torch.equal`` per buffer would make the host wait for the device at every buffer of every step. An element
+    the forward wrote to exactly the cast of its old value keeps the old value, less than a rounding away."""
+    back = value.to(dtype)
+    if before is None or before.shape != value.shape:
+        return back
+    with torch.no_grad():
+        before = before.to(value.device)
+        return torch.where(value == before.to(value.dtype), before, back)
 
 
 def _shared_buffer_message(module: nn.Module, first: nn.Module, name: str) -> str:

@@ -225,7 +225,10 @@ class Step:
     def gather(self, state: TrainState | RankStates) -> Any:
         """Full params as a fresh pytree with the structure ``init`` was given (e.g. a dict like ``params_of``), on
         the device the state keeps them: the host where the params or their fp32 masters are offloaded (as
-        DeepSpeed consolidates offloaded weights; a full copy on the GPU may be what does not fit)."""
+        DeepSpeed consolidates offloaded weights; a full copy on the GPU may be what does not fit). Under a policy
+        with fp32 masters (``precision="bf16"``/``"fp16"``) they are the masters, in fp32 whatever dtype the model's
+        params had (a bf16 model's too), as DeepSpeed's ``safe_get_full_fp32_param`` and ``zero_to_fp32`` give them;
+        ``model.load_state_dict`` casts them into the module's dtypes."""
         self._check_state(state, api="fzero.Step.gather")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
         layout = meta_of(rank_state).layout
@@ -289,7 +292,8 @@ class Step:
     def state_dict(self, state: TrainState | RankStates, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Params and buffers as ``model.state_dict()`` names them, for ``model.load_state_dict(sd, strict=True)``.
 
-        Params are gathered as by ``gather`` (a collective under ``dist_mesh``), buffers are rank 0's. Given
+        Params are gathered as by ``gather`` (a collective under ``dist_mesh``; the fp32 masters under bf16/fp16,
+        whatever dtype the model's params had), buffers are rank 0's, each in its own dtype. Given
         ``model`` (the module the params came from), the dict has exactly its ``state_dict`` keys in its
         order: tied parameters under every name, and what the state does not hold (frozen parameters,
         buffers a step has not adopted yet) from the model itself.
