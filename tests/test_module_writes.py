@@ -130,3 +130,132 @@ def test_under_remat_a_recomputed_block_counts_its_forward_twice_as_torch_checkp
     want.head(h).pow(2).mean().backward()
     assert [b.calls for b in model.blocks] == [b.calls for b in want.blocks] == [2, 2]
     assert model.calls == 1
+
+
+class _KeepsWeight(nn.Linear):
+    """A block that keeps its weight on itself: at stage 3, a view of the unit's params gathered for its call, whose
+    memory is freed once the unit has run."""
+
+    def forward(self, x):
+        self.w = self.weight
+        return super().forward(x)
+
+
+class _KeepsWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_KeepsWeight(WIDTH, WIDTH) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_kept_view_of_a_units_gathered_params_is_refused_by_name_and_the_state_stays_whole():
+    """Kept, it held no memory after the step: reading it crashed the process (a segmentation fault on the CPU)."""
+    model = _KeepsWeights()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=r"`blocks\.\d\.w` .*view of a unit's parameters.*\.detach\(\)\.clone\(\)"):
+        step(state, _batches(1)[0])
+    assert not hasattr(model.blocks[0], "w")
+    assert torch.equal(step.gather(state)["blocks.0.weight"], model.blocks[0].weight)  # refused before the update
+
+
+class _NamesItself(nn.Module):
+    """A forward that keeps what names its module: a bound method of it, and a submodule in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+        self.copies = []  # weak references to the modules the forwards ran on (the step's copies)
+
+    def forward(self, x):
+        import weakref
+
+        self.copies.append(weakref.ref(self))
+        self.run_block = self.blocks[0].forward
+        self.path = [self.blocks[1]]
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_what_names_the_steps_copy_names_the_users_module_after_the_step(stages):
+    """As in PyTorch, where ``self.run_block = self.blocks[0].forward`` names the module: kept as it was, it named the
+    step's copy, which it kept alive on the user's module (at stage 3 the skeleton, with the step's unit params), and
+    calling it ran that copy."""
+    import gc
+
+    model = _NamesItself()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(1), grad_accum=2)
+    state = step.init(fzero.params_of(model))
+    for x in _batches(2):
+        state, _ = step(state, x)
+    assert model.run_block.__self__ is model.blocks[0] and model.path[0] is model.blocks[1]
+    gc.collect()
+    assert len(model.copies) == 4 and [r() for r in model.copies] == [None] * 4
+
+
+class _KeepsActivation(nn.Module):
+    """Blocks that keep their output, with its graph, on themselves (an auxiliary tensor read after the step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+        self.copies = []
+
+    def forward(self, x):
+        import weakref
+
+        for block in self.blocks:
+            self.copies.append(weakref.ref(block))
+            x = block.out = torch.tanh(block(x))
+            block._private_out = x
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_tensor_kept_with_its_graph_does_not_keep_the_steps_skeleton_alive(stages):
+    """The kept tensor's graph holds the unit's autograd node, which held the skeleton, whose attribute held the
+    tensor: a cycle through torch's C++ graph that Python's collector cannot free, so every step's skeleton, graph and
+    saved activations stayed allocated for good."""
+    import gc
+
+    model = _KeepsActivation()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    for x in _batches(3):
+        state, _ = step(state, x)
+    gc.collect()
+    assert [r() for r in model.copies] == [None] * 6
+    assert model.blocks[1].out.shape == (8, WIDTH) and model.blocks[1].out.grad_fn is None
+    assert not hasattr(model.blocks[1], "_private_out")
+
+
+class _Rebinds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 1)
+        self.rows = ["before"]
+
+    def forward(self, x):
+        self.rows = []  # a new list, as a reset at the start of a forward
+        self.rows.append(x.shape[0])
+        return self.lin(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_list_the_forward_rebinds_is_a_new_list_and_one_held_elsewhere_keeps_its_entries(stages):
+    """As in PyTorch; written in place, the list a callback held lost its entries to the new one's."""
+    model = _Rebinds()
+    held = model.rows
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(1), grad_accum=2)
+    step(step.init(fzero.params_of(model)), _batches(1)[0])
+    assert held == ["before"] and model.rows is not held and model.rows == [4]

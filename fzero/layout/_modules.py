@@ -56,8 +56,11 @@ beside the hooks it installed in the copy, stay the copy's): a value rebound, ad
 container whose entries changed. A copy made later in the same call (a stage 2-3 skeleton per micro-batch) starts
 with those changes laid over it, so the second micro-batch sees the first's counter as in PyTorch. When the step
 call succeeds, the changes are written into the user's modules, a container in place, so that a list held
-elsewhere sees the appends. On a ``local_mesh`` of several ranks the calling thread plays rank 0, whose writes
-are kept (each torchrun process keeps its own); a step that raises keeps none, as it keeps no update.
+elsewhere sees the appends (one the forward rebound is a new object, as in PyTorch). A value naming a module of the
+copy (a bound method, a submodule in a list) is written as naming the user's module. On a ``local_mesh`` of several
+ranks the calling thread plays rank 0, whose writes are kept (each torchrun process keeps its own); a step that
+raises keeps none, as it keeps no update. Objects shared rather than copied (one inside a container, a tensor
+written in place, a module shared by ``_bound_to``) are written where they are, by every rank.
 
 ## Empty params
 
@@ -213,19 +216,25 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
     frozen params, kept after the step that made it, and the collector's passes paid on the host every step.
 
     ``writes``: the public attribute changes earlier copies in the same step call made (``Writes``), laid over
-    the clone."""
-    return _Cloner(param, buffer, None if writes is None or not writes.changed else writes.changed).visit(module)
+    the clone once its tree is made (a value naming a module of the tree, its bound method say, names the new copy);
+    the clone's copies of the module's public containers are recorded there, so that a container the forward mutated
+    is told from one it rebound."""
+    cloner = _Cloner(param, buffer, writes)
+    clone = cloner.visit(module)
+    if writes is not None and writes.changed:
+        cloner.lay_over(writes.changed)
+    return clone
 
 
 class _Cloner:
     """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
 
-    __slots__ = ("param", "buffer", "overlay", "modules", "tensors", "containers")
+    __slots__ = ("param", "buffer", "copies", "modules", "tensors", "containers")
 
     def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
-                 buffer: Callable[[torch.Tensor], torch.Tensor] | None,
-                 overlay: "dict[int, tuple[nn.Module, dict[str, Any]]] | None") -> None:
-        self.param, self.buffer, self.overlay = param, buffer, overlay
+                 buffer: Callable[[torch.Tensor], torch.Tensor] | None, writes: "Writes | None") -> None:
+        self.param, self.buffer = param, buffer
+        self.copies = None if writes is None else writes.copies
         self.modules: dict[int, nn.Module] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.containers: dict[int, Any] = {}
@@ -254,6 +263,8 @@ class _Cloner:
                 c = containers.get(id(v))
                 if c is None:
                     c = containers[id(v)] = v.copy()
+                    if self.copies is not None and k[:1] != "_":
+                        self.copies[id(c)] = (c, v)
                 d[k] = c
             else:
                 if kind in _CALLABLES and not own_callable:
@@ -262,17 +273,23 @@ class _Cloner:
         if own_callable and not _holds_tensors(m):
             self.modules[id(m)] = m  # shared, not cloned: see _bound_to
             return m
-        if self.overlay is not None and id(m) in self.overlay:
-            for k, v in self.overlay[id(m)][1].items():
-                if v is _GONE:
-                    d.pop(k, None)
-                else:
-                    d[k] = v  # the earlier copy's own object: a list appended to goes on growing
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
         d["_modules"] = {k: None if c is None else self.visit(c) for k, c in m._modules.items()}
         return new
+
+    def lay_over(self, changed: "dict[int, tuple[nn.Module, dict[str, Any]]]") -> None:
+        """Earlier copies' changes on this clone's modules: the earlier copy's own objects (a list appended to goes on
+        growing), except that a value naming one of the user's modules (``Writes`` keeps them so) names its copy here."""
+        own = {i: new for i, new in self.modules.items() if i in changed}
+        for i, new in own.items():
+            d = new.__dict__
+            for k, v in changed[i][1].items():
+                if v is _GONE:
+                    d.pop(k, None)
+                else:
+                    d[k] = _renamed(v, self.modules)
 
 
 _CALLABLES = frozenset({types.MethodType, types.FunctionType, functools.partial})
@@ -285,16 +302,28 @@ class Writes:
     through fzero's copies of them, to be written into those modules when the call succeeds (see "What a forward
     writes on its module" in the module docstring)."""
 
-    __slots__ = ("changed",)
+    __slots__ = ("changed", "copies")
 
     def __init__(self) -> None:
         self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
+        self.copies: dict[int, tuple[Any, Any]] = {}  # id(a copy's public container) -> (it, the module's it copies)
 
     def note(self, original: nn.Module, copy: nn.Module) -> None:
         """Record what ``copy`` (``clone_structure(original, writes=self)``) holds in public attributes that
         ``original`` does not: every change of this call so far, since the copy started from the earlier ones.
-        One walk of the two trees side by side; a module shared rather than copied was written in place."""
-        changed, seen = self.changed, set()
+        One walk of the two trees side by side; a module shared rather than copied was written in place.
+
+        A value that names a module of the copy (a bound method of it, the module itself, as such a value or an entry
+        of a container) is recorded as naming the user's module, as it would in PyTorch: kept as the copy's, it would
+        keep the step's copy (at stages 2-3 the skeleton, with the step's unit params) alive on the user's module,
+        and calling it would run that copy. A tensor whose memory was freed (a view of a unit's params, gathered for
+        its call at stage 3) is refused by name: kept, it would crash the process where it is read.
+
+        The copy is done with once noted, so what its forward wrote on it (public or not) is dropped from it: a tensor
+        kept with its graph (``self.act = self.lin(x)``) at stages 2-3 holds the unit's autograd node, which holds the
+        skeleton back, a cycle through torch's C++ graph that Python's collector cannot see: each step's skeleton,
+        graph and saved activations would stay allocated for good."""
+        changed, seen, renamed = self.changed, set(), None
         stack = [(original, copy)]
         while stack:
             o, c = stack.pop()
@@ -302,11 +331,17 @@ class Writes:
                 continue
             seen.add(id(o))
             od, cd = o.__dict__, c.__dict__
-            diff = _public_changes(od, cd)
+            diff, stale = _changes(od, cd)
             if diff:
+                if any(_names_a_module(v) for v in diff.values()):
+                    renamed = renamed if renamed is not None else _originals(original, copy)
+                    diff = {k: _renamed(v, renamed) for k, v in diff.items()}
+                _refuse_freed(original, o, diff)
                 changed[id(o)] = (o, diff)
             else:
                 changed.pop(id(o), None)
+            for k in stale:
+                del cd[k]
             copies = cd["_modules"]
             for k, sub in od["_modules"].items():
                 csub = copies.get(k)
@@ -323,31 +358,34 @@ class Writes:
             d = module.__dict__
             for k, v in diff.items():
                 old = d.get(k, _GONE)
+                # in place only where the copy's container is its copy of this one: one the forward rebound
+                # (``self.rows = []``) is a new object, as in PyTorch, and a list held elsewhere keeps what it had
+                in_place = self.copies.get(id(v), (None, None))[1] is old and old is not _GONE
                 if v is _GONE:
                     d.pop(k, None)
                 elif type(v) is list:
                     v = [_detached(x) for x in v]
-                    if type(old) is list:
+                    if in_place:
                         old[:] = v
                     else:
                         d[k] = v
                 elif type(v) is set:
                     v = {_detached(x) for x in v}
-                    if type(old) is set:
+                    if in_place:
                         old.clear()
                         old.update(v)
                     else:
                         d[k] = v
                 elif type(v) in _CONTAINERS:  # dict, OrderedDict
                     v = type(v)((key, _detached(x)) for key, x in v.items())
-                    if type(old) is type(v):
+                    if in_place:
                         old.clear()
                         old.update(v)
                     else:
                         d[k] = v
                 else:
                     d[k] = _detached(v)
-        self.changed = {}
+        self.changed, self.copies = {}, {}
 
 
 def _detached(v: Any) -> Any:
@@ -359,22 +397,92 @@ def _detached(v: Any) -> Any:
     return v.detach()
 
 
-def _public_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """The public entries of a copy's ``__dict__`` (``new``) that differ from its module's (``old``): rebound,
-    added, deleted (``_GONE``), or a built-in container whose entries are other objects. Runs for every module
-    copied in a step: identity tests only (a tensor's ``==`` is elementwise)."""
-    diff: dict[str, Any] = {}
-    for k in new.keys() - _MODULE_OWN:  # nn.Module's own ~20 entries left out at C speed: the rest are few
-        if k[:1] == "_":
+def _names_a_module(v: Any) -> bool:
+    """Whether ``v``, or an entry of ``v`` where it is a built-in container, is a module or a method bound to one."""
+    if type(v) in _CONTAINERS:
+        return any(_names_a_module(x) for x in (v.values() if isinstance(v, dict) else v))
+    return isinstance(v, nn.Module) or (type(v) is types.MethodType and isinstance(v.__self__, nn.Module))
+
+
+def _originals(original: nn.Module, copy: nn.Module) -> dict[int, nn.Module]:
+    """id(a module of ``copy``'s tree) -> the module of ``original``'s it copies (one walk; only where a value names one)."""
+    found: dict[int, nn.Module] = {}
+    stack = [(original, copy)]
+    while stack:
+        o, c = stack.pop()
+        if id(c) in found:
             continue
+        found[id(c)] = o
+        copies = c.__dict__["_modules"]
+        stack.extend((sub, copies[k]) for k, sub in o.__dict__["_modules"].items() if sub is not None and copies.get(k) is not None)
+    return found
+
+
+def _renamed(v: Any, modules: dict[int, nn.Module]) -> Any:
+    """``v`` with a module, or a method bound to one, that ``modules`` maps (by id) replaced by what it maps to;
+    a built-in container's entries likewise (a new container only where an entry changed)."""
+    kind = type(v)
+    if kind in _CONTAINERS:
+        if not _names_a_module(v):
+            return v
+        if isinstance(v, dict):
+            return kind((k, _renamed(x, modules)) for k, x in v.items())
+        return kind(_renamed(x, modules) for x in v)
+    if kind is types.MethodType:
+        to = modules.get(id(v.__self__))
+        return v if to is None else types.MethodType(v.__func__, to)
+    if isinstance(v, nn.Module):
+        return modules.get(id(v), v)
+    return v
+
+
+def _refuse_freed(root: nn.Module, module: nn.Module, diff: dict[str, Any]) -> None:
+    """Refuse a tensor among ``diff``'s values (or a container's entries) whose memory is gone: a view of a unit's
+    params gathered for its call at stage 3, whose buffer is freed once the unit has run."""
+    for k, v in diff.items():
+        for x in (v.values() if isinstance(v, dict) else v) if type(v) in _CONTAINERS else (v,):
+            if isinstance(x, torch.Tensor) and _freed(x):
+                path = next((n for n, sub in root.named_modules(remove_duplicate=False) if sub is module), "?")
+                name = f"{path}.{k}" if path else k
+                raise RuntimeError(
+                    f"fzero.apply (stage 3): the forward kept a tensor of shape {tuple(x.shape)} on `{name}` that is a "
+                    f"view of a unit's parameters, gathered for the unit's call and freed once it ran: after the step it "
+                    f"would hold no values (reading it crashes the process). Keep a copy of it in the forward "
+                    f"(`self.{k} = <the tensor>.detach().clone()`), or read the trained parameters after the step with "
+                    f"`step.gather(state)`."
+                )
+
+
+def _freed(t: torch.Tensor) -> bool:
+    """Whether ``t`` has elements but its storage no longer has the bytes they need (resized to 0 when freed)."""
+    if t.is_meta or t.layout is not torch.strided or t.numel() == 0 or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own: not a gathered view
+        return False
+    return nbytes < (t.storage_offset() + 1) * t.element_size()
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The public entries of a copy's ``__dict__`` (``new``) that differ from its module's (``old``): rebound,
+    added, deleted (``_GONE``), or a built-in container whose entries are other objects; and the names of every
+    entry of the copy's own that is not the module's object (what the copy drops once noted: ``Writes.note``).
+    Runs for every module copied in a step: identity tests only (a tensor's ``==`` is elementwise)."""
+    diff: dict[str, Any] = {}
+    stale: list[str] = []
+    for k in new.keys() - _MODULE_OWN:  # nn.Module's own ~20 entries left out at C speed: the rest are few
         v, o = new[k], old.get(k, _GONE)
-        if o is v or (type(v) in _CONTAINERS and type(o) is type(v) and _same_entries(o, v)):
+        if o is v:
+            continue
+        stale.append(k)  # a container copied, or what the forward wrote
+        if k[:1] == "_" or (type(v) in _CONTAINERS and type(o) is type(v) and _same_entries(o, v)):
             continue
         diff[k] = v
     for k in old.keys() - new.keys():  # a name only the module has: deleted in the copy
         if k[:1] != "_":
             diff[k] = _GONE
-    return diff
+    return diff, stale
 
 
 def _same_entries(a: Any, b: Any) -> bool:

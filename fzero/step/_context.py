@@ -8,7 +8,7 @@ forward). So within a step, on every rank (one process, a ``local_mesh`` rank th
 tensor with the original and no mutable container (``fzero.layout._modules``). The clones copy a module at rest
 and live for one step call; fzero never writes the user's module, not even for the length of a step, but what the
 forward wrote in the clone's public attributes (a list appended to, a counter) is written into it when the step
-succeeds (``fzero.layout.Writes``, kept by ``Step._as_rank``), as plain PyTorch keeps it.
+succeeds (``fzero.layout.Writes``, noted in ``Step._as_rank``), as plain PyTorch keeps it.
 Outside a step, ``fzero.apply`` is ``functional_call`` on the module itself.
 
 ## Usage (which params this rank's gradients used)

@@ -137,20 +137,21 @@ class Step:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
             batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum)
-            results = self.mesh.run(self._rank_step, [(s, b) for s, b in zip(state.states, batches)])
+            writes = [Writes() for _ in state.states]
+            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, rank_program, s, b, writes=writes[comm.rank]),
+                                    [(s, b) for s, b in zip(state.states, batches)])
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
         elif isinstance(state, TrainState):
             comm = self.mesh.comm(api="fzero.Step.__call__") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
-            new_state, metrics = self._rank_step(comm, state, batch)
+            writes = [Writes()]
+            new_state, metrics = self._as_rank(comm, rank_program, state, batch, writes=writes[0])
         else:
             raise TypeError(f"fzero.Step.__call__: expected the state of this step, got {type(state).__name__}.")
+        writes[0].keep()  # see _as_rank
         mark_donated(state)
         mark_verified(new_state, self)
         return new_state, metrics
-
-    def _rank_step(self, comm, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        return self._as_rank(comm, rank_program, state, batch)
 
     def _check_rows(self, batch: Any) -> None:
         """An empty batch, and rows other than the config's batch sizes say (``micro_batch_size``), refused by name."""
@@ -162,7 +163,11 @@ class Step:
                    f"grad_accum={self.grad_accum} (gradient_accumulation_steps)" + (f" x {n} ranks" if n > 1 else ""))
         check_rows(batch, where=where, expected=expected, setting=setting)
 
-    def _as_rank(self, comm, program: Callable, *args: Any) -> Any:
+    def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes) -> Any:
+        """``program`` as this rank, in its context. ``writes``: where the rank's copies of the user's modules note what
+        its forward wrote on them (``fzero.layout.Writes``), for the caller to keep once the call has succeeded: in
+        this process's calling thread, after every rank of a local mesh has returned (its rank 0's writes; a torchrun
+        process keeps its own), so that no rank reads the user's modules while they are written."""
         api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
             # The states of a local mesh come from one init, unless assembled by hand (or loaded): check
@@ -174,16 +179,12 @@ class Step:
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
         clones: dict[int, tuple[nn.Module, nn.Module]] = {}
-        writes = Writes()
         with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes):
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
-        # its module"): kept by each process, and on a local mesh by rank 0, whose thread returns once every rank has
-        # passed the program's last collective, so no other rank still reads the user's modules
-        if comm.rank == 0 or isinstance(self.mesh, DistMesh):
-            for module, clone in clones.values():
-                writes.note(module, clone)
-            writes.keep()
+        # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
+        for module, clone in clones.values():
+            writes.note(module, clone)
         return out
 
     @functools.cached_property
@@ -216,10 +217,15 @@ class Step:
         self._check_state(state, api="fzero.Step.evaluate")
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
             batches = split_batch(batch, self.mesh.size, api="fzero.Step.evaluate")
-            return self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b),
-                                 [(s, b) for s, b in zip(state.states, batches)])[0]
-        comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
-        return self._as_rank(comm, eval_program, state, batch)
+            writes = [Writes() for _ in state.states]
+            metrics = self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b, writes=writes[comm.rank]),
+                                    [(s, b) for s, b in zip(state.states, batches)])[0]
+        else:
+            comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
+            writes = [Writes()]
+            metrics = self._as_rank(comm, eval_program, state, batch, writes=writes[0])
+        writes[0].keep()  # see _as_rank
+        return metrics
 
     # -- gather ------------------------------------------------------------------------------------
     def gather(self, state: TrainState | RankStates) -> Any:

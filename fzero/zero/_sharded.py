@@ -113,15 +113,17 @@ class UnitParams(Mapping):
         would keep the root unit's gathered buffer alive until the garbage collector runs). Stage 3's root
         unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
-        if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
-            for module, skel in self._skeletons.values():
-                self.writes.note(module, skel)
-        self._skeletons.clear()
-        roots: list[torch.Tensor] = getattr(self, "_roots", [])
-        self._roots: list[torch.Tensor] = []
-        if self.pool is not None:
-            for root in roots:
-                self.pool.give(root)
+        try:
+            if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
+                for module, skel in self._skeletons.values():
+                    self.writes.note(module, skel)  # may refuse a kept tensor by name: before the update, so the state stays whole
+        finally:
+            self._skeletons.clear()
+            roots: list[torch.Tensor] = getattr(self, "_roots", [])
+            self._roots: list[torch.Tensor] = []
+            if self.pool is not None:
+                for root in roots:
+                    self.pool.give(root)
 
     def skeleton(self, module: nn.Module) -> nn.Module:
         entry = self._skeletons.get(id(module))
