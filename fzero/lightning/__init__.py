@@ -26,8 +26,10 @@ in fp32 and runs each op in the dtype autocast chooses for it: matmuls and convo
 losses and reductions in fp32. fzero's policy instead casts the params, the buffers and the floating-point inputs (a
 float target included) to the 16-bit dtype and runs the whole ``training_step`` in it, keeping fp32 master weights and
 optimizer states; the gradient is reduced in the policy's reduce dtype, and ``"16-mixed"`` has fzero's dynamic loss
-scale (Lightning's GradScaler defaults). ``"bf16-true"`` is the same policy: Lightning would keep the weights
-themselves in bf16, fzero keeps fp32 masters. Cast inside ``training_step`` (``logits.float()``) where fp32 matters.
+scale with DeepSpeed's defaults, as Lightning's DeepSpeed strategy sets them (2**16, growth after 1000 clean steps,
+hysteresis 2, minimum 1), not torch's GradScaler's (growth after 2000, no hysteresis). ``"bf16-true"`` is the same
+policy: Lightning would keep the weights themselves in bf16, fzero keeps fp32 masters. Cast inside ``training_step``
+(``logits.float()``) where fp32 matters.
 
 **What differs from DDP.** The LightningModule's own parameters stay as they were while ``fit`` runs (its methods
 see the state's params inside ``training_step``/``validation_step``/``test_step``/``predict_step``; a callback that
