@@ -110,6 +110,83 @@ def test_each_rank_draws_what_a_separate_process_draws(stages, autodiff):
     assert not torch.equal(draws[0][0][0], draws[1][0][0])  # the ranks' streams really went apart
 
 
+@pytest.mark.parametrize("stages", [0, 3])
+def test_manual_seed_inside_loss_fn_seeds_the_rank_as_in_a_torchrun_process(stages):
+    """``torch.manual_seed`` in ``loss_fn`` (a per-step reseed, HF's ``set_seed``) seeds the calling rank's stream, as
+    it seeds its own process's generator under torchrun: the dropout masks follow it and the outer seed no longer
+    matters (before: it seeded the shared global generator, which the ranks do not draw from, so the run depended on
+    the outer seed, 0.7338 vs 0.7925 as the first loss). Afterwards the global generator goes on as rank 0's."""
+    def run(outer: int):
+        prob = dropout_problem(steps=2)
+
+        def loss_fn(params, b):
+            torch.manual_seed(int(b["seed"][0]))
+            return F.mse_loss(fzero.apply(prob.model, params, b["x"]), b["y"])
+
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(2))
+        state = step.init(fzero.params_of(prob.model))
+        torch.manual_seed(outer)
+        losses = []
+        for i, b in enumerate(prob.batches):
+            state, m = step(state, {**b, "seed": torch.full((8,), 100 + i)})
+            losses.append(m["loss"])
+        return losses, step.gather(state), torch.rand(3)
+
+    (a, pa, after), (b, pb, _) = run(7), run(8)
+    assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, b))
+    assert_trees_equal(pa, pb)
+    mesh = fzero.local_mesh(2)
+    torch.manual_seed(0)
+    drawn = mesh.run(lambda comm: (torch.manual_seed(5), torch.rand(3))[1], [(), ()])
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    assert torch.equal(drawn[0], expected) and torch.equal(drawn[1], expected)
+    assert torch.equal(torch.rand(2), (torch.manual_seed(5), torch.rand(3), torch.rand(2))[2])  # rank 0's, gone on
+
+
+def test_python_random_and_numpy_draws_are_each_ranks_own_as_in_torchrun_processes():
+    """Python's ``random`` and ``np.random`` (HF Wav2Vec2/HuBERT draw SpecAugment masks and LayerDrop from it) give
+    each rank of a local mesh its own stream, a copy of the global one at the start, going on from run to run, and
+    ``random.seed``/``np.random.seed`` in a rank seed that rank's (before: the threads shared one stream, so rank 1
+    drew what rank 0 left, in whatever order the threads ran: two runs of a tiny Wav2Vec2 from one seed started
+    171.599 and 171.655, torchrun's 171.858). Afterwards the global streams go on as rank 0's."""
+    import random
+
+    np = pytest.importorskip("numpy")
+    mesh = fzero.local_mesh(2)
+
+    def draw(comm, k):
+        for _ in range(k):
+            random.random()  # a rank-dependent amount, as data-dependent sampling
+        return random.random(), float(np.random.rand()), random.getstate() == random.getstate()
+
+    def process(k, py, npst):  # one torchrun process: its own copy of the module streams
+        random.setstate(py)
+        np.random.set_state(npst)
+        out = draw(None, k)
+        return out, random.getstate(), np.random.get_state()
+
+    random.seed(3)
+    np.random.seed(4)
+    py0, np0 = random.getstate(), np.random.get_state()
+    runs = [mesh.run(draw, [(0,), (2,)]) for _ in range(2)]
+    after = (random.random(), float(np.random.rand()))
+    own = {0: (py0, np0), 1: (py0, np0)}
+    for got in runs:
+        for rank, k in ((0, 0), (1, 2)):
+            want, *own[rank] = process(k, *own[rank])
+            assert got[rank] == want
+    random.setstate(own[0][0])
+    np.random.set_state(own[0][1])
+    assert after == (random.random(), float(np.random.rand()))
+    seeded = mesh.run(lambda comm: (random.seed(9), np.random.seed(9), random.random(), float(np.random.rand()))[2:],
+                      [(), ()])
+    random.seed(9)
+    np.random.seed(9)
+    assert seeded[0] == seeded[1] == (random.random(), float(np.random.rand()))
+    assert random.random.__self__ is random._inst and np.random.rand.__self__ is np.random.mtrand._rand  # put back
+
+
 @pytest.mark.parametrize("mesh", [None, 1], ids=["no-mesh", "local_mesh(1)"])
 @pytest.mark.parametrize("autodiff", ["func", "autograd"])
 def test_one_rank_trains_dropout_as_plain_pytorch(mesh, autodiff):

@@ -59,14 +59,36 @@ CUDA draws are treated the same way: each rank has its own generator per CUDA de
 device's global generator when the rank first draws there (the ranks never move the global one, and the
 main thread waits, so that is its state at the start), and the device's global generator takes rank 0's
 final state afterwards. ``torch.cuda.get_rng_state``/``set_rng_state`` act on the calling rank's.
-Not covered: ``torch.manual_seed`` called inside a rank's program (it seeds the shared global generators),
-Python's ``random`` and NumPy.
+``torch.manual_seed`` (and ``torch.cuda.manual_seed``/``manual_seed_all``) called inside a rank's program seeds
+that rank's generators only, as it seeds that process's under torchrun (a per-step reseed in ``loss_fn``, Hugging
+Face's ``set_seed``, Lightning's ``seed_everything``); before, it seeded the shared global generators, which the ranks
+do not draw from, so the reseed was silently lost (measured: 0.7338 vs 0.7925 as a 2-rank dropout MLP's first
+loss for two outer seeds, where torchrun gives one number).
+
+## Python's ``random`` and NumPy's global ``RandomState``, one per simulated rank
+
+Hugging Face's Wav2Vec2, HuBERT, SEW and Data2Vec-Audio draw SpecAugment masks and LayerDrop decisions from
+``np.random`` in their training forward, and other code uses Python's ``random``. Under torchrun each process has
+its own copy of these module-level streams; the threads of a ``local_mesh`` would share one, so rank 1 drew what
+rank 0 left, in whatever order the threads ran (measured on a tiny Wav2Vec2ForCTC, ``local_mesh(2)``: first losses
+171.599 and 171.655 for two runs of one seed, torchrun's semantics 171.858). So while rank threads run, the
+module-level functions of ``random`` (its hidden ``Random`` instance's bound methods: ``random.random``,
+``random.seed``, ``random.getstate``...) and of ``numpy.random`` (the legacy global ``RandomState``'s, with
+``np.random.seed``) are replaced by ones that draw from the calling rank's own ``random.Random`` and
+``np.random.RandomState``, made and carried from run to run exactly as the torch generators are (copies of the
+global state; the global state takes rank 0's afterwards; ``Carry``); outside rank threads they call the originals.
+Not covered: a function bound before the mesh ran (``from random import random``), ``random.Random()`` and
+``np.random.default_rng()`` objects (each its own stream already, as under torchrun), and NumPy imported for the
+first time inside a rank's program.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import random
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -153,11 +175,31 @@ class _Stream:
     """One rank's generators: CPU, and one per CUDA device it has drawn on (made on first use, see the module docstring)."""
 
     def __init__(self, cpu: torch.Generator, cuda_starts: dict[int, torch.Tensor],
-                 cuda_resume: dict[int, torch.Tensor] | None = None) -> None:
+                 cuda_resume: dict[int, torch.Tensor] | None = None, *, py: random.Random | None = None,
+                 np: Any = None) -> None:
         self.cpu = cpu
         self.cuda: dict[int, torch.Generator] = {}
         self._starts = cuda_starts  # shared by the ranks of one mesh: each device's global state when first needed
         self._resume = cuda_resume or {}  # this rank's own state per device, where it goes on from the last run (Carry)
+        self._cuda_seeds: dict[int | None, int] = {}  # torch.(cuda.)manual_seed's seed per device (None: all) this run
+        self.py = py  # this rank's Python ``random`` stream
+        self.np = np  # this rank's NumPy legacy global ``RandomState`` (None: NumPy not imported)
+
+    def seed(self, seed: int) -> None:
+        """``torch.manual_seed(seed)`` in this rank: its CPU generator and every CUDA one, as in a torchrun process."""
+        self.cpu.manual_seed(seed)
+        self.seed_cuda(seed, None)
+
+    def seed_cuda(self, seed: int, index: int | None) -> None:
+        """``torch.cuda.manual_seed`` (``index``: one device) or ``manual_seed_all`` (None) in this rank; a generator
+        made later for a seeded device starts from the seed, not from the global state."""
+        if index is None:
+            self._cuda_seeds = {None: seed}
+        else:
+            self._cuda_seeds[index] = seed
+        for i, gen in self.cuda.items():
+            if index is None or i == index:
+                gen.manual_seed(seed)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if device.type == "cpu":
@@ -170,7 +212,11 @@ class _Stream:
             with _GLOBAL:
                 start = self._starts.setdefault(index, torch.cuda.default_generators[index].get_state())
             gen = self.cuda[index] = torch.Generator(device=f"cuda:{index}")
-            gen.set_state(self._resume.get(index, start))
+            seed = self._cuda_seeds.get(index, self._cuda_seeds.get(None))
+            if seed is None:
+                gen.set_state(self._resume.get(index, start))
+            else:
+                gen.manual_seed(seed)
         return gen
 
 
@@ -193,9 +239,19 @@ class Carry:
         self.cuda: list[dict[int, torch.Tensor]] = []  # per rank, per CUDA device it drew on
         self.left: torch.Tensor | None = None  # the global CPU generator's state the last run left (rank 0's)
         self.left_cuda: dict[int, torch.Tensor] = {}
+        self.py: list[Any] = []  # per rank, its Python ``random`` state at the end of the last run
+        self.py_left: Any = None  # what the last run left in Python's global ``random`` (rank 0's)
+        self.np: list[Any] = []  # per rank, its NumPy global ``RandomState`` state
+        self.np_left: Any = None
 
     def resumes(self, n: int, start: torch.Tensor) -> bool:
         return len(self.cpu) == n and self.left is not None and torch.equal(self.left, start)
+
+    def py_resumes(self, n: int, start: Any) -> bool:
+        return len(self.py) == n and self.py_left == start
+
+    def np_resumes(self, n: int, start: Any) -> bool:
+        return len(self.np) == n and self.np_left is not None and _np_states_equal(self.np_left, start)
 
     def cuda_resume(self, rank: int) -> dict[int, torch.Tensor]:
         """Rank ``rank``'s device states to go on from, for the devices whose global generator still holds what the
@@ -287,6 +343,74 @@ def _cuda_device(device: int | str | torch.device) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
+def _numpy() -> Any:
+    """NumPy if the program imported it, else None (fzero never imports it: a program without it draws nothing from it)."""
+    return sys.modules.get("numpy")
+
+
+def _np_states_equal(a: Any, b: Any) -> bool:
+    """Two ``RandomState.get_state()`` tuples ('MT19937', keys, pos, has_gauss, cached_gaussian) are equal."""
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
+
+
+def _host_functions() -> list[tuple[Any, str, str, Any]]:
+    """(module, its attribute, the method of a rank's instance it stands for, which stream: "py" or "np") for every
+    module-level function that draws from (or reads, sets, seeds) Python's or NumPy's one global stream."""
+    out = [(random, name, name, "py") for name in dir(random)
+           if getattr(getattr(random, name), "__self__", None) is random._inst]
+    np = _numpy()
+    if np is not None:
+        legacy = np.random.mtrand._rand
+        out += [(np.random, name, name, "np") for name in dir(np.random)
+                if getattr(getattr(np.random, name), "__self__", None) is legacy]
+        # module functions (not bound methods) over the same RandomState
+        out += [(np.random, name, method, "np") for name, method in (("seed", "seed"), ("sample", "random_sample"),
+                                                                       ("ranf", "random_sample")) if hasattr(np.random, name)]
+    return out
+
+
+def _per_rank(original: Any, method: str, which: str) -> Any:
+    """``original`` (a module-level random function) made to draw from the calling rank's own stream in a rank
+    thread, and to be itself elsewhere."""
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        stream = current_context().stream
+        own = None if stream is None else getattr(stream, which)
+        if own is None:
+            return original(*args, **kwargs)
+        return getattr(own, method)(*args, **kwargs)
+
+    return draw
+
+
+def _rank_manual_seed(seed: Any) -> torch.Generator:
+    """``torch.manual_seed`` while rank threads run: in a rank thread it seeds that rank's generators only (as in a
+    torchrun process), elsewhere it is torch's own."""
+    stream = current_context().stream
+    if stream is None:
+        return _TORCH_SEED(seed)
+    stream.seed(int(seed))
+    return stream.cpu
+
+
+def _rank_cuda_seed(seed: Any) -> None:
+    stream = current_context().stream
+    if stream is None:
+        return _CUDA_SEED(seed)
+    stream.seed_cuda(int(seed), torch.cuda.current_device())
+
+
+def _rank_cuda_seed_all(seed: Any) -> None:
+    stream = current_context().stream
+    if stream is None:
+        return _CUDA_SEED_ALL(seed)
+    stream.seed_cuda(int(seed), None)
+
+
+_TORCH_SEED = torch.manual_seed
+_CUDA_SEED = _CUDA_SEED_ALL = None  # torch.cuda's own, read when a mesh starts
+_HOST_SAVED: list[tuple[Any, str, Any]] = []  # (module, attribute, original) replaced while rank threads run
+
 _meshes_running = 0  # rank_streams contexts open (nested or in several threads), under _PATCH
 _PATCH = threading.Lock()
 
@@ -296,14 +420,19 @@ def _rank_aware_state_functions() -> Iterator[None]:
     """``torch.get_rng_state``/``torch.set_rng_state`` (and ``torch.random``'s) read and set the calling rank's
     stream while rank threads run: ``torch.utils.checkpoint`` (Hugging Face's gradient checkpointing) and
     ``torch.random.fork_rng`` save and restore the CPU generator through them, and must replay the rank's
-    own draws in their recompute, not the global generator's. Outside rank threads they are torch's own."""
-    global _meshes_running, _CUDA_GET, _CUDA_SET
+    own draws in their recompute, not the global generator's. ``torch.manual_seed`` and ``torch.cuda``'s seed the
+    calling rank's generators, and Python's ``random`` and NumPy's module-level functions draw from the calling
+    rank's own streams (the module docstring says why). Outside rank threads they are all their own."""
+    global _meshes_running, _CUDA_GET, _CUDA_SET, _CUDA_SEED, _CUDA_SEED_ALL
     with _PATCH:
         if _meshes_running == 0:
             torch.get_rng_state = torch.random.get_rng_state = get_state
             torch.set_rng_state = torch.random.set_rng_state = _rank_set_rng_state
+            torch.manual_seed = torch.random.manual_seed = _rank_manual_seed
             _CUDA_GET, _CUDA_SET = torch.cuda.get_rng_state, torch.cuda.set_rng_state
             torch.cuda.get_rng_state, torch.cuda.set_rng_state = cuda_get_state, cuda_set_state
+            _CUDA_SEED, _CUDA_SEED_ALL = torch.cuda.manual_seed, torch.cuda.manual_seed_all
+            torch.cuda.manual_seed, torch.cuda.manual_seed_all = _rank_cuda_seed, _rank_cuda_seed_all
         _meshes_running += 1
     try:
         yield
@@ -313,8 +442,36 @@ def _rank_aware_state_functions() -> Iterator[None]:
             if _meshes_running == 0:
                 torch.get_rng_state = torch.random.get_rng_state = _TORCH_GET
                 torch.set_rng_state = torch.random.set_rng_state = _TORCH_SET
+                torch.manual_seed = torch.random.manual_seed = _TORCH_SEED
                 torch.cuda.get_rng_state, torch.cuda.set_rng_state = _CUDA_GET, _CUDA_SET
-                _CUDA_GET = _CUDA_SET = None
+                torch.cuda.manual_seed, torch.cuda.manual_seed_all = _CUDA_SEED, _CUDA_SEED_ALL
+                _CUDA_GET = _CUDA_SET = _CUDA_SEED = _CUDA_SEED_ALL = None
+
+
+_host_meshes_running = 0  # rank_streams contexts of several ranks open, under _PATCH
+
+
+@contextlib.contextmanager
+def _per_rank_host_streams() -> Iterator[None]:
+    """Python's ``random`` and NumPy's module-level functions draw from the calling rank's streams while the threads
+    of a mesh of several ranks run (one rank draws from the global streams as one process would: nothing to patch)."""
+    global _host_meshes_running
+    with _PATCH:
+        if _host_meshes_running == 0:
+            for module, name, method, which in _host_functions():
+                original = getattr(module, name)
+                _HOST_SAVED.append((module, name, original))
+                setattr(module, name, _per_rank(original, method, which))
+        _host_meshes_running += 1
+    try:
+        yield
+    finally:
+        with _PATCH:
+            _host_meshes_running -= 1
+            if _host_meshes_running == 0:
+                while _HOST_SAVED:
+                    module, name, original = _HOST_SAVED.pop()
+                    setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -325,25 +482,47 @@ def rank_streams(n: int, carry: Carry | None = None) -> Iterator[list[_Stream]]:
     (the main thread continues as rank 0 would). Entered in the main thread."""
     start = torch.get_rng_state()
     resume = carry is not None and carry.resumes(n, start)
+    host = n > 1  # one rank draws from Python's and NumPy's global streams themselves, as one process
+    py_start = random.getstate() if host else None
+    py_resume = host and carry is not None and carry.py_resumes(n, py_start)
+    np = _numpy() if host else None
+    np_start = None if np is None else np.random.get_state()
+    np_resume = np_start is not None and carry is not None and carry.np_resumes(n, np_start)
     cuda_starts: dict[int, torch.Tensor] = {}
     streams = []
     for r in range(n):
         g = torch.Generator()
         g.set_state(carry.cpu[r] if resume else start)
-        streams.append(_Stream(g, cuda_starts, carry.cuda_resume(r) if resume else None))
+        py = None
+        if host:
+            py = random.Random()
+            py.setstate(carry.py[r] if py_resume else py_start)
+        own_np = None
+        if np_start is not None:
+            own_np = np.random.RandomState()
+            own_np.set_state(carry.np[r] if np_resume else np_start)
+        streams.append(_Stream(g, cuda_starts, carry.cuda_resume(r) if resume else None, py=py, np=own_np))
     try:
-        with _rank_aware_state_functions():
+        with _rank_aware_state_functions(), _per_rank_host_streams() if host else contextlib.nullcontext():
             yield streams
     finally:
         torch.set_rng_state(streams[0].cpu.get_state())
         for index, gen in streams[0].cuda.items():
             torch.cuda.default_generators[index].set_state(gen.get_state())
+        if host:
+            random.setstate(streams[0].py.getstate())
+        if np_start is not None:
+            np.random.set_state(streams[0].np.get_state())
         if carry is not None:
             carry.cpu = [st.cpu.get_state() for st in streams]
             carry.cuda = [{**(carry.cuda[r] if resume else {}), **{i: g.get_state() for i, g in st.cuda.items()}}
                           for r, st in enumerate(streams)]
             carry.left = torch.get_rng_state()
             carry.left_cuda = {i: torch.cuda.default_generators[i].get_state() for i in streams[0].cuda}
+            carry.py = [st.py.getstate() for st in streams] if host else []
+            carry.py_left = random.getstate() if host else None
+            carry.np = [st.np.get_state() for st in streams] if np_start is not None else []
+            carry.np_left = np.random.get_state() if np_start is not None else None
 
 
 @contextlib.contextmanager
