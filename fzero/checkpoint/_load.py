@@ -30,7 +30,10 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     gives), or a state from that step's ``init`` (any params pytree; only its structure is used, and the
     checkpoint must hold exactly its parameters: pass ``step.init(fzero.params_of(model))`` to have a
     checkpoint checked against a model). Any stage and world size load any other. The torch CPU RNG is restored when the job has as many processes as the one that
-    saved (``restore_rng=False``: left alone). Under torchrun every rank calls it. ``read_extra`` gives ``extra``.
+    saved (``restore_rng=False``: left alone); the CUDA generators, Python's ``random``, NumPy's and the per-rank
+    streams of a ``local_mesh`` of several ranks are not saved, so a resumed run with dropout on a GPU draws other
+    masks than a straight one (as under DeepSpeed, where the Hugging Face Trainer restores them all). Under torchrun every rank
+    calls it. ``read_extra`` gives ``extra``.
 
     ``verify``: check the CRC-32 of every file read against the one recorded at save time, and raise
     ``CheckpointCorrupted`` naming the file if one differs (``False``: sizes only; for checkpoints saved before
