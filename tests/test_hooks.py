@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fzero
-from zoo import ZOO, TokenModel, Blocks, check, fzero_run, gemma, llama, reference_run
+from zoo import ZOO, Entry, TokenModel, Blocks, _lm_loss, _tokens, check, fzero_run, gemma, llama, reference_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -355,3 +355,53 @@ def test_reentrant_checkpoint_of_a_frozen_block_beside_an_unused_param_trains_as
     assert not torch.equal(got["head.weight"], model.head.weight) and torch.equal(got["pooler.weight"], model.pooler.weight)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _clamped(g):
+    return g.clamp(-2e-3, 2e-3)  # not a rescale: AdamW's update is invariant to a gradient's scale, not to a clamp
+
+
+class _HookInForward(nn.Module):
+    """A block that registers a gradient hook on its weight in its forward: the way to change a param's gradient that
+    fzero runs (on the tensor that step's forward reads; one hook per forward, none left over)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        if self.lin.weight.requires_grad:
+            self.lin.weight.register_hook(_clamped)
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", STAGES)
+def test_a_gradient_hook_on_the_modules_own_param_is_refused_by_name(stages, ranks):
+    """``p.register_hook(fn)`` on the module's params (per-element clipping, a mask keeping an embedding's old rows
+    frozen): fzero's gradient is of the state's tensors, so the hook never ran and the clamp was silently lost (4
+    AdamW steps at lr 1e-2: 2.6e-2 off PyTorch on one rank). Refused, naming the param and the fix; evaluate (no
+    gradient) still runs."""
+    torch.manual_seed(0)
+    model = TokenModel(Blocks()).train()
+    model.body.blocks[1][0].weight.register_hook(_clamped)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    x = torch.randint(0, 64, (4, 8))
+    with pytest.raises(ValueError, match=r"fzero.apply.*\['body.blocks.1.0.weight'\] of TokenModel carry gradient hooks"
+                                         r".*never run.*self.weight.register_hook\(fn\)"):
+        step(state, x)
+    assert float(step.evaluate(state, x)["loss"]) > 0
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", STAGES)
+def test_a_gradient_hook_registered_in_the_forward_trains_as_pytorch(stages, ranks):
+    """The fix the refusal above names: the hook registered in the forward, on the param that forward reads."""
+    entry = Entry(_seeded_hook_model, _tokens(64, seed=27), _lm_loss)
+    check(entry, reference_run(entry, ranks), fzero_run(entry, stages=stages, ranks=ranks))
+
+
+def _seeded_hook_model():
+    torch.manual_seed(0)
+    return TokenModel(Blocks(block=_HookInForward)).train()

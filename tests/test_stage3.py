@@ -173,7 +173,8 @@ class _ReadsOutside(torch.nn.Module):
 @pytest.mark.parametrize(
     "model, match",
     [
-        (_TiedAcross(), r"unit 'blocks.1' uses parameter 'blocks.1.weight', which is shared with \(tied to\) a parameter outside the unit"),
+        (_TiedAcross(), r"unit 'blocks.1' uses parameter 'blocks.1.weight', which is tied to \['blocks.0.weight'\] outside the "
+                        r"unit(.|\n)*units=... without \['blocks.0', 'blocks.1'\]"),
         (_ReadsOutside(), r"'blocks.0.bias' was read outside the forward of its unit 'blocks.0'"),
     ],
 )
@@ -184,6 +185,47 @@ def test_unsupported_modules_get_an_error_naming_the_module_path(model, match):
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
     with pytest.raises((ValueError, AttributeError), match=match):
         step(step.init(fzero.params_of(model)), torch.randn(2, 4))
+
+
+class _TiedFirstAndLast(torch.nn.Module):
+    """ALBERT-like reuse across depth: the first and the last of three blocks are one Linear's weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.blocks[2].weight = self.blocks[0].weight
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        return x
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_weight_tied_across_units_names_every_unit_to_leave_out_and_that_fix_trains(stages):
+    """The error named only the unit that reads the tie ('blocks.2'); leaving just that one out kept its partner in
+    'blocks.0' a unit, and the next step failed on a meta tensor read outside 'blocks.0'. It names both now, and units
+    without them train as stage 0 does."""
+    model = _TiedFirstAndLast()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    batches = [torch.randn(4, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"unit 'blocks.2' uses parameter 'blocks.2.weight', which is tied to "
+                                         r"\['blocks.0.weight'\](.|\n)*without \['blocks.0', 'blocks.2'\]"):
+        step(step.init(fzero.params_of(model)), batches[0])
+    results = []
+    for s, units in ((0, None), (stages, ("blocks.1",))):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=s, mesh=fzero.local_mesh(2),
+                             **({} if units is None else {"units": units}))
+        state = step.init(fzero.params_of(model))
+        for b in batches:
+            state, _ = step(state, b)
+        results.append(step.gather(state))
+    assert_trees_close(results[1], results[0], rtol=1e-6, atol=1e-7)
 
 
 class _ReadsInsideAUnitFromOutside(torch.nn.Module):

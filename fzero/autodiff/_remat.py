@@ -470,4 +470,8 @@ class _RematBackward(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("fzero.remat: double backward through a remat'ed function is not supported (its backward is a recompute).")
+        raise RuntimeError(
+            "fzero.remat: double backward through a remat'ed function is not supported (its backward is a recompute): "
+            "a gradient of a gradient (torch.autograd.grad(..., create_graph=True) in loss_fn or the model, as a "
+            "gradient penalty, WGAN-GP or R1 takes it) passes through it. Build the step without remat "
+            "(fzero.compile(..., remat=False)), or keep fzero.remat off the function the penalty differentiates.")

@@ -432,7 +432,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
                 grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
         except RuntimeError as e:
             if any(m in str(e) for m in _FUNC_REFUSALS):
-                raise RuntimeError(_FUNC_HINT.format(error=str(e).splitlines()[0])) from e
+                raise RuntimeError(_func_refusal(str(e).splitlines()[0])) from e
             raise
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
@@ -466,10 +466,28 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
 # saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
 _FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support")
 _FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
-This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
-activation_checkpointing_enable(), or requires_grad_() on an activation). Build the step with plain autograd, which
-supports it: fzero.compile(..., autodiff="autograd"); or turn the model's checkpointing off and recompute with
-fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)."""
+{cause} Build the step with plain autograd, which
+supports it: fzero.compile(..., autodiff="autograd"){alternative}."""
+_CHECKPOINT_CAUSE = """This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
+activation_checkpointing_enable(), or requires_grad_() on an activation), and a tensor made a leaf inside loss_fn
+for torch.autograd.grad(..., create_graph=True) (a gradient penalty, WGAN-GP, R1)."""
+_CHECKPOINT_ALTERNATIVE = """; or turn the model's checkpointing off and recompute with
+fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)"""
+_OLD_FUNCTION_CAUSE = """This is what a custom torch.autograd.Function written in the old style does (a static forward(ctx, ...)
+with no setup_context staticmethod), as straight-through estimators, gradient reversal layers and fused kernels
+in research code are written."""
+_OLD_FUNCTION_ALTERNATIVE = """; or give the Function a setup_context staticmethod (forward without
+ctx; https://pytorch.org/docs/stable/notes/extending.func.html)"""
+
+
+def _func_refusal(error: str) -> str:
+    """The message for torch.func.grad's refusal ``error`` (its first line): the model code that usually causes it,
+    read from torch's words (only the cause differs), and the step setting that runs it."""
+    if "setup_context" in error:
+        cause, alternative = _OLD_FUNCTION_CAUSE, _OLD_FUNCTION_ALTERNATIVE
+    else:
+        cause, alternative = _CHECKPOINT_CAUSE, _CHECKPOINT_ALTERNATIVE
+    return _FUNC_HINT.format(error=error, cause=cause, alternative=alternative)
 
 
 def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:

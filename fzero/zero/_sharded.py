@@ -30,7 +30,7 @@ from torch import nn
 from fzero.autodiff import remat
 from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit, units_of
 from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, check_trainable_set,
-                        current_buffers, current_compute_dtype, current_writes, module_for_thread)
+                        check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes, module_for_thread)
 from fzero.mesh import AllGather, ReplicatedShardGrad
 from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
@@ -288,8 +288,12 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     api = f"fzero.apply (stage {3 if isinstance(params, ShardedParams) else 2})"
     dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
 
+    hooked = []  # the user's trainable params with gradient hooks, which the step's gradient would never run
+
     def skeleton_param(p):
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
+            if has_grad_hooks(p):
+                hooked.append(p)
             meta = p.detach() if p.is_meta else torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device="meta")
             return torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
@@ -299,6 +303,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     persistent = {id(b) for _, b in named_tensors(module, "_buffers", persistent_only=True)} if dtype is not None else set()
     skel = clone_structure(module, param=skeleton_param, buffer=lambda b: cast_floating(b, dtype) if id(b) in persistent else b,
                            writes=params.writes)
+    if hooked and torch.is_grad_enabled():  # a gradient step (evaluate runs under no_grad); named by one more walk
+        check_no_grad_hooks(named_tensors(module, "_parameters", remove_duplicate=False), module, api=api)
     # the checks read every stand-in's metadata (requires_grad, shape): with torch functions of subclasses off, at C
     # speed (through _StandIn.__torch_function__ each read costs ~6 us, ~5 ms a step at GPT-2 124M's 148 params)
     with torch._C.DisableTorchFunctionSubclass():
@@ -344,11 +350,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             own = owned[unit.name + "."]
             missing = sorted(own - {s.path for s in unit.slots})
             if missing:
-                raise ValueError(
-                    f"{api}: unit {unit.name!r} uses parameter {missing[0]!r}, which is shared with (tied to) a parameter "
-                    f"outside the unit. A unit must own all its parameters: make the tied modules one unit, or leave them "
-                    f"in the root unit (units=... without {unit.name!r})."
-                )
+                raise ValueError(_tied_outside(api, unit.name, missing[0], every, layout))
             sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
             sub.__dict__["_fz"] = (unit, params)
     return skel
@@ -387,6 +389,18 @@ def _leaves(tree: Any) -> list:
     import torch.utils._pytree as torch_pytree
 
     return torch_pytree.tree_leaves(tree)
+
+
+def _tied_outside(api: str, unit: str, path: str, every: list[tuple[str, torch.Tensor]], layout: Layout) -> str:
+    """The error for ``unit`` using ``path``, a parameter tied to one outside it: the names it is tied to and every
+    unit that holds one of them, since all of those must leave the units (a fix naming ``unit`` alone left its tied
+    partner in a unit of its own, which failed next as a meta tensor read outside its unit's call)."""
+    tensor = dict(every)[path]
+    tied = [name for name, p in every if p is tensor and name != path and not name.startswith(unit + ".")]
+    holders = {unit} | {u.name for u in layout.units if u.name != ROOT for name in tied if name.startswith(u.name + ".")}
+    return (f"{api}: unit {unit!r} uses parameter {path!r}, which is tied to {tied} outside the unit (one tensor). A "
+            f"unit must own all its parameters: make the tied modules one unit (a module that holds them all), or leave "
+            f"every module holding it in the root unit (units=... without {sorted(holders)}).")
 
 
 def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -> dict[str, set[str]]:

@@ -478,7 +478,7 @@ class _UnitReduce(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError("fzero (stage 3): double backward through a unit's gradient reduction is not supported.")
+        raise RuntimeError(DOUBLE_BACKWARD)
 
 
 class _RefillBeforeBackward(Function):
@@ -524,7 +524,15 @@ class _Refill(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("fzero (stage 3): double backward through a unit is not supported.")
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+# a gradient penalty reaches the units' Functions a second time: said with its cause and the settings that run it
+DOUBLE_BACKWARD = """fzero (stage 3): double backward through a unit is not supported: a gradient of a gradient
+(torch.autograd.grad(..., create_graph=True) in loss_fn or the model, as a gradient penalty, WGAN-GP or R1 takes
+it) would differentiate the unit's gather, refill and reduce-scatter, which have no backward of their own. Train
+it with stages=2 (each rank holds the params whole), or at stage 3 with units=() (every param in the root unit,
+gathered once for the whole step), where it runs as in plain PyTorch."""
 
 
 _NOT_REFILLED = """fzero (stage 3): unit {unit!r} computed its parameter gradient, but its gathered parameters were never
