@@ -195,3 +195,85 @@ def test_a_list_of_one_list_per_row_goes_with_its_rows(ranks, accum):
     assert len(seen) == 2
     for rows, got in seen:
         assert got == [tags[r] for r in rows]
+
+
+def _detection_batch(n=4):
+    """torchvision's detection batch, as ``collate_fn=lambda s: tuple(zip(*s))`` makes it: images of their own sizes,
+    targets of their own box counts (image 1 has none, a negative image). Image i is filled with i, its labels too."""
+    sizes, boxes = [(5, 7), (6, 4), (3, 3), (4, 6)], [3, 0, 1, 2]
+    images = tuple(torch.full((3, *sizes[i % 4]), float(i)) for i in range(n))
+    targets = tuple({"boxes": torch.rand(boxes[i % 4], 4) * 3, "labels": torch.full((boxes[i % 4],), i)} for i in range(n))
+    return images, targets
+
+
+class _PerImage(torch.nn.Module):
+    """A detector's shape of forward: a list of images in, one loss per image, summed over its boxes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 1)
+
+    def forward(self, images, targets):
+        losses = [self.conv(img).mean() * (1.0 + t["boxes"].sum()) for img, t in zip(images, targets)]
+        return {"loss_a": torch.stack(losses).mean(), "loss_b": self.conv.weight.square().sum()}
+
+
+@pytest.mark.parametrize("ranks, accum", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_a_detection_batch_of_lists_goes_image_by_image_with_its_targets(ranks, accum):
+    """Each rank and micro-batch gets its own images with their own targets, as torchrun's per-rank loaders give them,
+    and the update is plain PyTorch's on the mean of the parts' losses (DDP). Before, every such batch was refused,
+    even on local_mesh(1): the tensors' dim 0 (an image's 3 channels, a target's box counts) were taken as rows."""
+    torch.manual_seed(0)
+    model = _PerImage()
+    seen = []
+
+    def loss_fn(params, batch):
+        images, targets = batch
+        seen.append([(int(img[0, 0, 0]), t["labels"].tolist()) for img, t in zip(images, targets)])
+        return sum(fzero.apply(model, params, images, targets).values())
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    batch = _detection_batch()
+    state, metrics = step(step.init(fzero.params_of(model)), batch)
+    per = 4 // (ranks * accum)
+    assert sorted(i for part in seen for i, _ in part) == [0, 1, 2, 3] and {len(part) for part in seen} == {per}
+    assert all(labels == [i] * len(labels) for part in seen for i, labels in part)  # each image with its own targets
+    images, targets = batch
+    parts = [sum(model(images[j:j + per], targets[j:j + per]).values()) for j in range(0, 4, per)]
+    loss = torch.stack(parts).mean()
+    loss.backward()
+    torch.testing.assert_close(float(metrics["loss"]), loss.item(), rtol=1e-6, atol=1e-6)
+    got = step.gather(state)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])
+def test_a_detr_batch_splits_its_labels_list_with_its_pixel_values(ranks, accum):
+    """Hugging Face's DETR/YOLOS/Mask2Former batches: ``pixel_values`` of B rows beside ``labels``, a list of one
+    dict per image (``class_labels``, ``boxes`` of the image's own count). Each part reads its own images' labels."""
+    model = torch.nn.Linear(2, 1)
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append((b["pixel_values"][:, 0].long().tolist(), [int(t["class_labels"][0]) for t in b["labels"]],
+                     [t["boxes"].shape[0] for t in b["labels"]]))
+        return fzero.apply(model, params, b["pixel_values"]).sum()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    x = torch.stack([torch.arange(4.0), torch.zeros(4)], 1)  # row i holds i
+    labels = [{"class_labels": torch.full((n,), i), "boxes": torch.rand(n, 4)} for i, n in enumerate([2, 1, 3, 2])]
+    step(step.init(fzero.params_of(model)), {"pixel_values": x, "labels": labels})
+    assert len(seen) == 2
+    for rows, own, counts in seen:
+        assert own == rows and counts == [[2, 1, 3, 2][r] for r in rows]
+
+
+def test_lists_of_per_row_records_that_disagree_with_the_rows_are_refused_by_name():
+    model = torch.nn.Linear(2, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b["x"]).sum(), stages=0, mesh=fzero.local_mesh(2))
+    labels = [{"boxes": torch.rand(n, 4)} for n in (1, 2, 3)]  # 3 dicts for 4 rows
+    with pytest.raises(ValueError, match=r"row counts differ \(a list of one tensor or one dict of tensors per row, as a "
+                                         r"detection batch's images and targets, counted by its length\): 'labels' has 3, "
+                                         r"'x' has 4\. Pass leaves of one row count"):
+        step(step.init(fzero.params_of(model)), {"x": torch.randn(4, 2), "labels": labels})

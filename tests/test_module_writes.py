@@ -259,3 +259,30 @@ def test_a_list_the_forward_rebinds_is_a_new_list_and_one_held_elsewhere_keeps_i
                          mesh=fzero.local_mesh(1), grad_accum=2)
     step(step.init(fzero.params_of(model)), _batches(1)[0])
     assert held == ["before"] and model.rows is not held and model.rows == [4]
+
+
+class _SetsOnFirstForward(nn.Module):
+    """As torchvision's ``MultiScaleRoIAlign``: ``self.scales = None`` until the first forward sets it to a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 1)
+        self.scales = None
+
+    def forward(self, x):
+        if self.scales is None:
+            self.scales = [0.25, 0.125]
+        return self.lin(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_an_attribute_that_was_none_and_is_set_to_a_list_is_kept(stages):
+    """Before: the None was taken for the container the copy was made from, and the step raised torch-free
+    "'NoneType' object does not support item assignment" after its update (every torchvision detection model)."""
+    model = _SetsOnFirstForward()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(1))
+    state, _ = step(step.init(fzero.params_of(model)), _batches(1)[0])
+    assert model.scales == [0.25, 0.125]
+    step(state, _batches(1)[0])
+    assert model.scales == [0.25, 0.125]

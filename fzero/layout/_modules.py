@@ -359,8 +359,11 @@ class Writes:
             for k, v in diff.items():
                 old = d.get(k, _GONE)
                 # in place only where the copy's container is its copy of this one: one the forward rebound
-                # (``self.rows = []``) is a new object, as in PyTorch, and a list held elsewhere keeps what it had
-                in_place = self.copies.get(id(v), (None, None))[1] is old and old is not _GONE
+                # (``self.rows = []``) is a new object, as in PyTorch, and a list held elsewhere keeps what it had;
+                # an attribute that was None and is now a list (torchvision's MultiScaleRoIAlign.scales, set on its
+                # first forward) is rebound, not matched to the None of a container the copy never had
+                copied = self.copies.get(id(v))
+                in_place = copied is not None and copied[1] is old and old is not _GONE
                 if v is _GONE:
                     d.pop(k, None)
                 elif type(v) is list:

@@ -72,22 +72,61 @@ def split_micro(batch: Any, k: int) -> list[Any]:
     ))
 
 
-def row_leaves(batch: Any, prefix: str = "") -> list[tuple[str, int]]:
+def row_leaves(batch: Any, prefix: str = "", *, records: bool = False) -> list[tuple[str, int]]:
     """(path, rows) of every tensor leaf of dim >= 1: the leaves whose dim 0 is the batch's rows (inside dataclasses
-    and mappings that are not dicts too: see ``_children``)."""
+    and mappings that are not dicts too: see ``_children``). ``records``: a list of one record per row
+    (``record_list``) counts as one leaf of ``len`` rows, its tensors' own dim 0 (an image's channels, its boxes) not
+    being rows."""
     if batch is None:
         return []
-    paths, leaves, _ = _tree.flatten_with_paths(batch)
+    paths, leaves, _ = _tree.flatten_with_paths(batch, is_leaf=record_list if records else None)
     out = []
     for p, x in zip(paths, leaves):
         path = _joined(prefix, p)
         children = _children(x)
         if children is not None:
             for name, child in children.items():
-                out += row_leaves(child, _joined(path, name))
+                out += row_leaves(child, _joined(path, name), records=records)
+        elif records and record_list(x):
+            out.append((path or "<root>", len(x)))
         elif isinstance(x, torch.Tensor) and x.dim() > 0:
             out.append((path or "<root>", x.shape[0]))
     return out
+
+
+def record_list(x: Any) -> bool:
+    """Whether ``x`` is a list or tuple that may hold one record per row with tensors of its own sizes: every item a
+    tensor of dim >= 1 (torchvision detection's images, ``[3, H_i, W_i]``; Mask2Former's ``mask_labels``), or every
+    item a dict holding a tensor (torchvision's targets, ``{"boxes": [n_i, 4], "labels": [n_i]}``; DETR's ``labels``).
+    What a detection collate (``tuple(zip(*samples))``) gives. Taken as rows only where the tensors' own dim 0 cannot
+    be (``batch_rows``): ``default_collate``'s ``[x, y]`` of batched tensors is a list of tensors too."""
+    if type(x) not in (list, tuple) or not x:
+        return False
+    if all(isinstance(item, torch.Tensor) and item.dim() > 0 for item in x):
+        return True
+    return all(type(item) is dict and _holds_tensor(item) for item in x)
+
+
+def _holds_tensor(record: Any) -> bool:
+    leaves: list[Any] = optree.tree_leaves(record, namespace=_tree.NAMESPACE)
+    return any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+def batch_rows(batch: Any) -> tuple[list[tuple[str, int]], bool]:
+    """The batch's row leaves (``row_leaves``) and whether lists of one record per row are rows (``record_list``).
+
+    Every tensor's dim 0 is a row first, as ``default_collate`` makes them; where that gives leaves of different row
+    counts and taking each record list as ``len`` rows gives one count, the batch is one of per-row records (a
+    detection batch: images of their own sizes and targets of their own box counts, beside a ``pixel_values`` of as
+    many rows, or alone). Split on the tensors' dim 0, every rank would get a part of each image's channels and
+    boxes; refused, a detection model could not be trained on a local mesh or with ``grad_accum``. Where neither
+    gives one count and the batch has such lists, they are counted by ``len``, which is what the error then names."""
+    rows = row_leaves(batch)
+    if len({n for _, n in rows}) > 1:
+        by_record = row_leaves(batch, records=True)
+        if len(by_record) < len(rows):
+            return by_record, True
+    return rows, False
 
 
 def _joined(prefix: str, path: str) -> str:
@@ -123,13 +162,16 @@ def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
 
 def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, str], str], *, copy: bool = False,
                 multiple: int | None = None) -> list[Any]:
-    rows = row_leaves(batch)
+    rows, records = batch_rows(batch)
     if len({n for _, n in rows}) > 1:  # split as they are, the ranks would pair rows of one leaf with others'
+        lists = (" (a list of one tensor or one dict of tensors per row, as a detection batch's images and targets, "
+                 "counted by its length)") if records else ""
         raise ValueError(
             f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
-            f"row counts differ: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
+            f"row counts differ{lists}: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
         )
-    return _split_tree(batch, k, message, copy=copy, rows=rows[0][1] if rows else None, multiple=multiple or k)
+    return _split_tree(batch, k, message, copy=copy, rows=rows[0][1] if rows else None, multiple=multiple or k,
+                       records=records)
 
 
 def per_row_items(x: Any, rows: int | None) -> bool:
@@ -152,18 +194,21 @@ def per_row_items(x: Any, rows: int | None) -> bool:
 
 
 def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy: bool, rows: int | None = None,
-                multiple: int | None = None, prefix: str = "") -> list[Any]:
+                multiple: int | None = None, prefix: str = "", records: bool = False) -> list[Any]:
     """``batch`` as k parts on its rows; ``copy``: each part's tensors its own (see ``split_batch``); ``rows``: the
     tensors' row count, by which lists of one item per row are told (``per_row_items``); ``multiple``: what the rows
-    must divide by (k, or more where each part is split again)."""
+    must divide by (k, or more where each part is split again); ``records``: lists of one record per row
+    (``record_list``) are rows (``batch_rows``)."""
     multiple = multiple or k
-    paths, leaves, spec = _tree.flatten_with_paths(batch, is_leaf=lambda x: per_row_items(x, rows))
+    paths, leaves, spec = _tree.flatten_with_paths(
+        batch, is_leaf=lambda x: per_row_items(x, rows) or (records and record_list(x)))
     parts: list[list[Any]] = [[] for _ in range(k)]
     for path, leaf in zip(paths, leaves):
         path = _joined(prefix, path)
         children = _children(leaf)
         if children is not None:  # a dataclass or a BatchEncoding: its fields split, the container rebuilt per part
-            split = {name: _split_tree(child, k, message, copy=copy, rows=rows, multiple=multiple, prefix=_joined(path, name))
+            split = {name: _split_tree(child, k, message, copy=copy, rows=rows, multiple=multiple, prefix=_joined(path, name),
+                                       records=records)
                      for name, child in children.items()}
             chunks: Any = [_rebuilt(leaf, {name: pieces[i] for name, pieces in split.items()}) for i in range(k)]
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -172,6 +217,12 @@ def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy:
             chunks = [c.clone() for c in leaf.chunk(k)] if copy else leaf.chunk(k)
         elif isinstance(leaf, torch.Tensor) and copy:  # a 0-d tensor: the same value, a tensor of its own per rank
             chunks = [leaf.clone() for _ in range(k)]
+        elif records and record_list(leaf):  # one image (its targets) per row: each part its own records, in a list of its own
+            if len(leaf) % multiple:
+                raise ValueError(message(path or "<root>", f"{len(leaf)} items"))
+            n = len(leaf) // k
+            own = (lambda t: t.clone() if isinstance(t, torch.Tensor) else t) if copy else (lambda t: t)
+            chunks = [type(leaf)(_tree.tree_map(own, item) for item in leaf[i * n:(i + 1) * n]) for i in range(k)]
         elif per_row_items(leaf, rows):  # the rows' strings (ids, texts): each part its own rows, in a list of its own
             if len(leaf) % multiple:
                 raise ValueError(message(path or "<root>", f"{len(leaf)} items"))
@@ -190,8 +241,9 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
     An empty batch gives a NaN loss (a mean over nothing), which the step would average into every rank's update;
     rows that do not match the DeepSpeed config's batch sizes train with another batch than the config says, and
     the learning rate tuned for it. ``where``: whose batch ("the global batch", "rank 1's batch"); ``setting``:
-    what ``expected`` comes from, for the message."""
-    rows = row_leaves(batch)
+    what ``expected`` comes from, for the message. A detection batch's rows are its images (``batch_rows``): an image
+    without objects (``boxes`` of 0 rows) is a row, not an empty batch."""
+    rows, _ = batch_rows(batch)
     empty = [(p, n) for p, n in rows if n == 0]
     if empty:
         raise ValueError(
