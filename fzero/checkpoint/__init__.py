@@ -22,7 +22,9 @@ only what it will hold: no collective moves parameters, and a save needs at most
 state (DCP copies the chunks of one data file). ``latest(parent)`` finds the complete checkpoint saved last (after
 a rollback, the new line's, whatever its step), and ``keep=K`` keeps the K saved last. ``save(..., model=model)``
 also writes the module's frozen parameters (which stay in the module, not in the state), as DeepSpeed does by
-default, and ``load(..., model=model)`` puts them back (``_frozen``).
+default, and ``load(..., model=model)`` puts them back (``_frozen``). Each process's random generators are saved and
+restored as the Hugging Face Trainer's are (torch's CPU and CUDA ones, Python's ``random``, NumPy's, and a
+``local_mesh``'s per-rank streams), so a resumed run draws what the straight run draws (``_rng``).
 
 **Safety.** A save writes into ``.<name>.partial`` beside the target, fsyncs every file, writes the
 marker last and renames the directory into place (an existing checkpoint is swapped out atomically with
@@ -72,7 +74,7 @@ Modules: ``_files`` (the directory format, finding and opening checkpoints, the 
 a save and the sweep of crashed ones), ``_verify`` (checksums and the marker), ``_oserrors`` (filesystem
 failures named), ``_save``, ``_load``, ``_consolidate``, ``_weights`` (``save_weights``, state-dict names),
 ``_frozen`` (frozen parameters), ``_safetensors`` (the streaming writer), ``_pretrained`` (the streaming reader) and ``_initializers`` (its ``missing=``), ``_cli`` (``python -m fzero.checkpoint``), ``_collective`` (the ranks'
-exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C); ``_state``
+exchanges under torchrun), ``_groups`` (parameter groups), ``_interrupts`` (Ctrl-C), ``_rng`` (the random generators); ``_state``
 maps rank states onto the logical tensors and ``_dcp`` reads and writes them with torch.distributed.checkpoint.
 """
 

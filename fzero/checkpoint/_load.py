@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fzero.checkpoint import _dcp, _frozen
+from fzero.checkpoint import _dcp, _frozen, _rng
 from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
@@ -29,11 +29,19 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     rebuilt from the saved names and shapes, which needs a flat dict of names such as ``fzero.params_of``
     gives), or a state from that step's ``init`` (any params pytree; only its structure is used, and the
     checkpoint must hold exactly its parameters: pass ``step.init(fzero.params_of(model))`` to have a
-    checkpoint checked against a model). Any stage and world size load any other. The torch CPU RNG is restored when the job has as many processes as the one that
-    saved (``restore_rng=False``: left alone); the CUDA generators, Python's ``random``, NumPy's and the per-rank
-    streams of a ``local_mesh`` of several ranks are not saved, so a resumed run with dropout on a GPU draws other
-    masks than a straight one (as under DeepSpeed, where the Hugging Face Trainer restores them all). Under torchrun every rank
-    calls it. ``read_extra`` gives ``extra``.
+    checkpoint checked against a model). Any stage and world size load any other. Under torchrun every rank calls
+    it. ``read_extra`` gives ``extra``.
+
+    ``restore_rng``: when the job has as many processes as the one that saved, each process's random generators
+    are set to what they held at the save, as the Hugging Face Trainer restores them: torch's CPU generator, every
+    CUDA device's (where the checkpoint has them and this process sees as many devices), Python's global ``random``
+    and NumPy's global ``np.random``; on a ``local_mesh`` of several ranks also each rank's own streams (torch CPU,
+    Python, NumPy), into the mesh of the step ``like`` is or was made by, when it has as many ranks as the one that
+    saved (else its ranks start from the restored global state, rank 0's). So a resumed run draws what the straight
+    run draws, bit for bit. A checkpoint saved before these keys existed restores the torch CPU generator only.
+    With another process count nothing is restored; ``restore_rng=False`` leaves every generator alone. Not
+    restored: a local mesh's per-rank CUDA streams (its ranks go on from the restored device state, rank 0's), and
+    generators of your own (``torch.Generator()``, ``np.random.default_rng()``): save their states yourself.
 
     ``verify``: check the CRC-32 of every file read against the one recorded at save time, and raise
     ``CheckpointCorrupted`` naming the file if one differs (``False``: sizes only; for checkpoints saved before
@@ -67,14 +75,14 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if optimizer:
         check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api)
     process, processes = which_process(distributed)
-    rng = torch.empty(0, dtype=torch.uint8)
     todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
+    set_rngs = None
     if restore_rng and processes == info["processes"]:
-        rng = torch.empty(metadata.state_dict_metadata[f"rng/{process}"].size, dtype=torch.uint8)
-        todo.append(_dcp.Dest(f"rng/{process}", (0,), tuple(rng.shape), torch.uint8, view=rng))
+        rng_dests, set_rngs = _rng.restore(metadata, process, made_by)
+        todo += rng_dests
     _dcp.load(found, metadata, todo, check=manifest.check)
-    if rng.numel():
-        torch.set_rng_state(rng)
+    if set_rngs is not None:
+        set_rngs()
     if not optimizer:
         target = _schedules_at_step(target)
     return _with_gather_order(target, info)

@@ -9,7 +9,7 @@ import shutil
 from typing import Any
 
 import torch
-from fzero.checkpoint import _dcp, _frozen, _interrupts, _oserrors
+from fzero.checkpoint import _dcp, _frozen, _interrupts, _oserrors, _rng
 from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import (
@@ -69,10 +69,12 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         info["frozen"] = _frozen.describe(frozen)
         info["ties"] = _frozen.ties(model, [p["name"] for p in info["params"]] + list(frozen))
     todo = [p for i, (s, e) in enumerate(zip(states, ents)) for p in pieces(s, e, replicated=i == 0 and process == 0, api=api)]
-    todo.append(_dcp.Piece(f"rng/{process}", *_whole(torch.get_rng_state())))
+    rngs = _rng.tensors(process, step_of(states[0]))  # torch's, Python's, NumPy's, CUDA's; a local mesh's per rank
+    todo += [_dcp.Piece(key, *_whole(t)) for key, t in rngs.items()]
     if frozen is not None and process == 0:
         todo += _frozen.pieces(frozen)
-    needed = size_lower_bound(states[0], ents[0], processes=processes, rng_bytes=torch.get_rng_state().numel())
+    needed = size_lower_bound(states[0], ents[0], processes=processes, rng_bytes=sum(t.numel() * t.element_size() for t in rngs.values()),
+                              rng_records=len(rngs))
     previous = final if is_complete(final) else None
     lock: list[int | None] = []  # rank 0's fd holding the lock on `partial` while it writes there
 

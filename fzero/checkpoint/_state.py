@@ -6,7 +6,8 @@ Keys (every per-parameter tensor is 1-D, the parameter flattened; its shape is i
 - ``master/<name>``: fp32 master weights (mixed precision);
 - ``opt/<path>/<name>``: an optimizer-state leaf shaped like the params (Adam's ``0.mu``, ``0.nu``);
 - ``opt/<path>``: any other optimizer-state leaf (step counts), replicated, written once;
-- ``step``, ``loss_scale/<field>``, ``rng/<process>``;
+- ``step``, ``loss_scale/<field>``, ``rng/<process>`` (torch's CPU generator), and the other RNG states
+  (``rng_python/<process>``, ``rng_numpy/<process>``, ``rng_cuda/<process>``, ``rng_ranks/<process>/...``: ``_rng``);
 - ``buffers/<name>``: the module's persistent buffers (BatchNorm statistics), rank 0's, as the state holds them.
 
 A rank of a layout owns the window ``[r*S, (r+1)*S)`` of each unit's padded flat buffer (S = padded/N).
@@ -226,15 +227,16 @@ def check_fits(path: str, info: dict[str, Any], state: TrainState, e: Entries, *
 RECORD_BYTES = 1024  # the least DCP's torch.save adds per record (zip headers, pickle, 64-byte alignment); measured 1.5-1.8 kB
 
 
-def size_lower_bound(state: TrainState, e: Entries, *, processes: int, rng_bytes: int) -> int:
+def size_lower_bound(state: TrainState, e: Entries, *, processes: int, rng_bytes: int, rng_records: int = 1) -> int:
     """At least how many bytes the data files of a checkpoint of rank states like ``state`` take (every rank's part
     together): the tensor bytes plus ``RECORD_BYTES`` for each record there must be (one per parameter and
-    per-parameter entry at least, one per other tensor, one RNG state per process). Every rank computes it alike."""
+    per-parameter entry at least, one per other tensor, ``rng_records`` RNG states of ``rng_bytes`` together per
+    process: this process's, ``_rng``). Every rank computes it alike."""
     total = sum(t.numel() * t.element_size() for t in e.tensors.values()) + processes * rng_bytes
     for source in e.per_param.values():
         total += sum(unit.numel * source.dtype(unit.name).itemsize for unit in state.meta.layout.units)
     params = sum(len(unit.slots) for unit in state.meta.layout.units)
-    return total + RECORD_BYTES * (params * len(e.per_param) + len(e.tensors) + processes)
+    return total + RECORD_BYTES * (params * len(e.per_param) + len(e.tensors) + processes * rng_records)
 
 
 def _few(items: list[str], n: int = 5) -> str:

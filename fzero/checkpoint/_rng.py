@@ -1,0 +1,148 @@
+"""The random number generators a checkpoint saves and ``load`` restores, so a resumed run draws what the straight
+run would have drawn (as the Hugging Face Trainer's ``rng_state_<rank>.pth`` does for Python's, NumPy's, torch's CPU
+and every CUDA device's generator, per process).
+
+Keys, one set per process ``p`` of the job that saved (``fzero.checkpoint._state``'s key list):
+
+- ``rng/<p>``: torch's CPU generator (``torch.get_rng_state()``, uint8), as it always was;
+- ``rng_python/<p>``: Python's global ``random`` (int64: the version, the 625 Mersenne Twister words, whether a
+  Gaussian is cached and its float64 bits);
+- ``rng_numpy/<p>``: NumPy's legacy global ``RandomState`` (``np.random``; int64: the 624 words, the position,
+  whether a Gaussian is cached and its bits), where the program has imported NumPy;
+- ``rng_cuda/<p>``: ``torch.cuda.get_rng_state_all()`` stacked (uint8, one row per device), where CUDA is
+  initialized (a process that never touched CUDA has drawn nothing there);
+- ``rng_ranks/<p>/cpu``, ``/python``, ``/numpy``: on a ``local_mesh`` of several ranks, each rank's own stream (one
+  row per rank), where the ranks' next step would go on from them (``fzero.mesh._rank.Carry``: nothing drew from the
+  global generators since the mesh's last run). The global keys above hold rank 0's, which the process takes after
+  every run.
+
+A checkpoint without a key (saved before it existed, or where there was nothing to save) leaves that generator as
+it is, except a local mesh's per-rank streams: those are reset, so the ranks start from the restored global state
+(rank 0's), as every rank of a job restarted from a checkpoint without them would.
+
+Why the per-rank streams live on the mesh: a rank thread is made again for every step call, and the mesh the step
+runs on keeps where each rank's streams ended (``LocalMesh.carry``). ``save`` reads it through the step that made the
+state (``Marks.made_by``), ``load`` writes it through the ``like=`` step (or the step that made ``like``): the step
+the run resumes with. No new argument is needed: the state names its step already.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import struct
+import sys
+from typing import Any, Callable
+
+import torch
+
+from fzero.checkpoint import _dcp
+
+
+def _numpy(*, load: bool = False) -> Any:
+    """NumPy where the program imported it (``load``: importable), else None."""
+    np = sys.modules.get("numpy")
+    if np is None and load:
+        try:
+            np = importlib.import_module("numpy")
+        except ImportError:
+            return None
+    return np
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def py_encode(state: tuple) -> torch.Tensor:
+    version, words, gauss = state
+    return torch.tensor([version, *words, gauss is not None, 0 if gauss is None else _bits(gauss)], dtype=torch.int64)
+
+
+def py_decode(t: torch.Tensor) -> tuple:
+    v = t.tolist()
+    return v[0], tuple(v[1:-2]), _float(v[-1]) if v[-2] else None
+
+
+def np_encode(state: tuple) -> torch.Tensor:
+    _, keys, pos, has_gauss, gauss = state
+    return torch.tensor([*keys.tolist(), pos, has_gauss, _bits(gauss)], dtype=torch.int64)
+
+
+def np_decode(t: torch.Tensor, np: Any) -> tuple:
+    v = t.tolist()
+    return "MT19937", np.array(v[:-3], dtype=np.uint32), v[-3], v[-2], _float(v[-1])
+
+
+def _local_carry(step: Any) -> Any:
+    """The per-rank stream carry of ``step``'s mesh where it is a local mesh of several ranks, else None."""
+    from fzero.mesh import LocalMesh
+
+    mesh = getattr(step, "mesh", None)
+    return mesh.carry if isinstance(mesh, LocalMesh) and mesh.size > 1 else None
+
+
+def tensors(process: int, step: Any) -> dict[str, torch.Tensor]:
+    """The RNG states this process saves, by key (``step``: the step that made the state saved, or None)."""
+    out = {f"rng/{process}": torch.get_rng_state(), f"rng_python/{process}": py_encode(random.getstate())}
+    np = _numpy()
+    if np is not None:
+        out[f"rng_numpy/{process}"] = np_encode(np.random.get_state())
+    if torch.cuda.is_initialized():
+        out[f"rng_cuda/{process}"] = torch.stack(torch.cuda.get_rng_state_all())
+    carry = _local_carry(step)
+    if carry is not None:
+        n = step.mesh.size
+        if carry.resumes(n, out[f"rng/{process}"]):
+            out[f"rng_ranks/{process}/cpu"] = torch.stack(carry.cpu)
+        if carry.py_resumes(n, random.getstate()):
+            out[f"rng_ranks/{process}/python"] = torch.stack([py_encode(s) for s in carry.py])
+        if np is not None and carry.np_resumes(n, np.random.get_state()):
+            out[f"rng_ranks/{process}/numpy"] = torch.stack([np_encode(s) for s in carry.np])
+    return out
+
+
+def restore(metadata: Any, process: int, step: Any) -> tuple[list[_dcp.Dest], Callable[[], None]]:
+    """What to read of the RNG keys this checkpoint holds for ``process``, and a function that sets the generators
+    from it once read (``step``: the step the run resumes with, whose local mesh takes the per-rank streams)."""
+    saved = metadata.state_dict_metadata
+    keys = {name: f"{name}/{process}" for name in ("rng", "rng_python", "rng_numpy", "rng_cuda")}
+    keys.update({f"rng_ranks/{name}": f"rng_ranks/{process}/{name}" for name in ("cpu", "python", "numpy")})
+    got: dict[str, torch.Tensor] = {}  # by name (the key less the process), once read
+    dests = []
+    for name, key in keys.items():
+        if key in saved:
+            md = saved[key]
+            t = got[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            dests.append(_dcp.Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
+
+    def apply() -> None:
+        if "rng" in got:
+            torch.set_rng_state(got["rng"])
+        if "rng_python" in got:
+            random.setstate(py_decode(got["rng_python"]))
+        np = _numpy(load="rng_numpy" in got)
+        if np is not None and "rng_numpy" in got:
+            np.random.set_state(np_decode(got["rng_numpy"], np))
+        cuda = got.get("rng_cuda")
+        if cuda is not None and torch.cuda.device_count() == cuda.shape[0]:
+            torch.cuda.set_rng_state_all([r.clone() for r in cuda])
+        carry = _local_carry(step)
+        if carry is None:
+            return
+        n = step.mesh.size
+        carry.__init__()  # no stream of the mesh's last run goes on: the ranks start from the restored global state
+        cpu, py, nps = got.get("rng_ranks/cpu"), got.get("rng_ranks/python"), got.get("rng_ranks/numpy")
+        if cpu is not None and cpu.shape[0] == n:
+            carry.cpu, carry.left = [r.clone() for r in cpu], torch.get_rng_state()
+            carry.cuda = [{} for _ in range(n)]
+        if py is not None and py.shape[0] == n:
+            carry.py, carry.py_left = [py_decode(r) for r in py], random.getstate()
+        if nps is not None and nps.shape[0] == n and np is not None:
+            carry.np, carry.np_left = [np_decode(r, np) for r in nps], np.random.get_state()
+
+    return dests, apply
