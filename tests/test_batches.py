@@ -277,3 +277,30 @@ def test_lists_of_per_row_records_that_disagree_with_the_rows_are_refused_by_nam
                                          r"detection batch's images and targets, counted by its length\): 'labels' has 3, "
                                          r"'x' has 4\. Pass leaves of one row count"):
         step(step.init(fzero.params_of(model)), {"x": torch.randn(4, 2), "labels": labels})
+
+
+@pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])
+def test_a_list_of_same_size_images_read_as_channel_rows_names_the_cause_and_the_fix(ranks, accum):
+    """An eval batch of same-size images, a list of [3, H, W] tensors and no tensor of another dim 0: every tensor's
+    dim 0 is 3, so the step reads 3 rows (the channels), as it reads default_collate's [x, y], and refuses them as
+    not dividing by 2, naming dim 0 of size 3 without saying why. The error says so and names the fixes, each of which
+    then splits the images (what splits is unchanged)."""
+    model = torch.nn.Conv2d(3, 2, 1)
+    seen = []
+
+    def loss_fn(params, batch):
+        images = batch["images"]
+        seen.append([int(img[0, 0, 0]) for img in images])
+        return torch.stack([fzero.apply(model, params, img).mean() for img in images]).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    state = step.init(fzero.params_of(model))
+    images = [torch.full((3, 5, 5), float(i)) for i in range(4)]
+    with pytest.raises(ValueError, match=r"batch leaf 'images.0' has dim 0 of size 3, which does not divide by 2\. .* "
+                                         r"Leaf 'images.0' is an item of 'images', a list of 4 tensors, and every tensor "
+                                         r"of the batch has one dim 0, so it was read as the rows\. .*stack them into "
+                                         r"one \[4, C, H, W\] tensor, or pass a per-row tensor beside the list \(e\.g\. "
+                                         r"image ids, torch\.arange\(4\)\)"):
+        step(state, {"images": images})
+    step(state, {"images": images, "ids": torch.arange(4)})  # the fix: the list's items are the rows
+    assert sorted(seen) == [[0, 1], [2, 3]]  # (the ranks run at once: in either order)

@@ -204,3 +204,48 @@ def test_evaluate_names_itself_in_the_errors_of_its_batch():
         step.evaluate(state, {"x": torch.randn(5, 4), "y": torch.randn(5)})
     with pytest.raises(ValueError, match=r"^fzero\.Step\.evaluate: .* row counts differ: 'x' has 4, 'y' has 6"):
         step.evaluate(state, {"x": torch.randn(4, 4), "y": torch.randn(6)})
+
+
+class _Detector(torch.nn.Module):
+    """A detector's eval forward: one dict of detections per image, for images of their own sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 1)
+
+    def forward(self, images):
+        return [{"scores": self.conv(img).mean((1, 2)), "image": img[0, 0, 0].long()} for img in images]
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_evaluate_gives_every_ranks_aux_in_the_batchs_row_order(stages, ranks):
+    """On local_mesh(2) each rank evaluates its half of a detection batch, and metrics["aux"] was rank 0's only: the
+    detections of images 0-1 of 4, the other half lost. "aux_per_rank" holds every rank's, in the batch's row order,
+    each the module's own output on those images; "aux" stays rank 0's."""
+    torch.manual_seed(0)
+    model = _Detector()
+
+    def loss_fn(params, batch):
+        images, _ = batch
+        detections = fzero.apply(model, params, images)
+        return torch.stack([d["scores"].sum() for d in detections]).mean(), detections
+
+    images = [torch.full((3, 4 + i, 5), float(i)) for i in range(4)]
+    targets = [{"boxes": torch.rand(n, 4), "labels": torch.zeros(n, dtype=torch.long)} for n in (1, 2, 0, 3)]
+    step = fzero.compile(loss_fn, stages=stages, mesh=fzero.local_mesh(ranks))
+    metrics = step.evaluate(step.init(fzero.params_of(model)), (images, targets))
+    assert [len(aux) for aux in metrics["aux_per_rank"]] == [4 // ranks] * ranks
+    every = [d for aux in metrics["aux_per_rank"] for d in aux]
+    assert [int(d["image"]) for d in every] == [0, 1, 2, 3]
+    with torch.no_grad():
+        want = model(images)
+    for got, ref in zip(every, want):
+        torch.testing.assert_close(got["scores"], ref["scores"])
+    assert [int(d["image"]) for d in metrics["aux"]] == list(range(4 // ranks))  # rank 0's, as before
+
+
+def test_evaluate_without_aux_has_no_aux_per_rank():
+    model = torch.nn.Linear(2, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), stages=0, mesh=fzero.local_mesh(2))
+    assert set(step.evaluate(step.init(fzero.params_of(model)), torch.randn(4, 2))) == {"loss"}

@@ -405,3 +405,27 @@ def test_a_gradient_hook_registered_in_the_forward_trains_as_pytorch(stages, ran
 def _seeded_hook_model():
     torch.manual_seed(0)
     return TokenModel(Blocks(block=_HookInForward)).train()
+
+
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_a_module_applied_twice_in_one_loss_fn_trains_as_pytorch(stages, autodiff):
+    """A per-image loop (a detector's images of their own sizes) or a siamese pair calls fzero.apply on one module
+    more than once per forward. Under plain autograd at stages 0-1 the module holds the step's params from its first
+    call until the backward, and those carry fzero's own gradient hooks: the second call was refused as if the user's
+    params had hooks ("['weight', 'bias'] of Conv2d carry gradient hooks"), so no such model trained there."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 2, 1)
+    images = [torch.randn(3, 4 + i, 5) for i in range(3)]
+
+    def loss_fn(params, batch):
+        return torch.stack([fzero.apply(model, params, img[None]).square().mean() for img in batch]).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, autodiff=autodiff)
+    state, metrics = step(step.init(fzero.params_of(model)), images)
+    loss = torch.stack([model(img[None]).square().mean() for img in images]).mean()
+    loss.backward()
+    assert float(metrics["loss"]) == pytest.approx(loss.item(), rel=1e-6)
+    got = step.gather(state)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-6, atol=1e-7)

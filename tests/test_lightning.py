@@ -563,6 +563,78 @@ def test_string_columns_with_accumulate_grad_batches_train_as_lightnings_own_str
     _close(got["fzero_stage_3"][0], got["auto"][0], rtol=1e-5, atol=1e-6)
 
 
+class _LitDetector(pl.LightningModule):
+    """A detector's shape of training_step: a list of images of their own sizes and a list of target dicts of their own
+    box counts (torchvision's ``collate_fn=lambda s: tuple(zip(*s))``), or (``detr``) DETR's ``pixel_values`` of B
+    rows beside a ``labels`` list of one dict per image; one loss per image, averaged."""
+
+    def __init__(self, detr=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.box = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Linear(4, 4)
+        self.detr, self.seen = detr, []
+
+    def training_step(self, batch, batch_idx):
+        images, targets = (list(batch["pixel_values"]), batch["labels"]) if self.detr else batch
+        self.seen.append([(tuple(img.shape), t["labels"].tolist()) for img, t in zip(images, targets)])
+        losses = []
+        for img, t in zip(images, targets):
+            features = self.conv(img[None]).relu().mean((2, 3))[0]
+            losses.append((self.box(features) - t["boxes"]).square().sum() + 0.01 * features.sum())
+        return torch.stack(losses).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _detection_batches(steps, *, detr=False, boxes=(2, 0, 1, 3)):
+    """Micro-batches of 2 images; image i's labels all hold i, its box count is ``boxes[i % 4]``."""
+    gen, out = torch.Generator().manual_seed(1), []
+    for b in range(steps):
+        ids = (2 * b, 2 * b + 1)
+        size = (lambda i: (6, 6)) if detr else (lambda i: (5 + i % 3, 4 + 2 * i % 5))
+        images = [torch.randn(3, *size(i), generator=gen) for i in ids]
+        targets = [{"boxes": torch.rand(boxes[i % 4], 4, generator=gen), "labels": torch.full((boxes[i % 4],), i)}
+                   for i in ids]
+        out.append({"pixel_values": torch.stack(images), "labels": targets} if detr else (images, targets))
+    return out
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.parametrize("detr", [False, True], ids=["torchvision", "detr"])
+def test_detection_batches_with_accumulate_grad_batches_train_as_lightnings_own_strategy(detr):
+    """The strategy joins the kept micro-batches into one step that grad_accum splits back: it joined every tensor on
+    dim 0, so a detection batch (images of their own sizes, targets of their own box counts) was refused ("needs them
+    alike ... rows ([0, 1, 2, 3] here)", its channels and box counts read as rows). The lists are joined image by image,
+    as the step splits them (fzero.step.batch_rows): each training_step sees its own images with their own targets, and
+    the params are Lightning's default strategy's."""
+    batches = _detection_batches(4, detr=detr)
+    got = {}
+    for name in ("auto", "fzero_stage_3"):
+        lit = _LitDetector(detr)
+        _trainer(name, accumulate_grad_batches=2).fit(lit, _loader(batches))
+        got[name] = (dict(lit.named_parameters()), lit.seen)
+    assert got["fzero_stage_3"][1] == got["auto"][1]
+    assert [[labels[:1] for _, labels in part] for part in got["auto"][1]] == [[[0], []], [[2], [3]], [[4], []], [[6], [7]]]
+    _close(got["fzero_stage_3"][0], got["auto"][0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_a_joined_detection_batch_the_step_would_read_by_dim_0_is_refused_by_name():
+    """DETR's pixel_values of 2 rows per micro-batch beside images of 4 boxes each: each micro-batch reads as 2 images,
+    but joined every tensor has 4 on dim 0, which the step takes as the rows, splitting each image's boxes between the
+    micro-batches. Refused, with the cause and the fix."""
+    batches = _detection_batches(2, detr=True, boxes=(4, 4, 4, 4))
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) joins 2 micro-batches of 2 images, image by image "
+                                         r".*each image's box count equals the joined rows, 4\)\. Use "
+                                         r"accumulate_grad_batches=1"):
+        _trainer("fzero_stage_3", accumulate_grad_batches=2).fit(_LitDetector(detr=True), _loader(batches))
+
+
 class _CollectsOutputs(LitCNN):
     """Lightning 2.x's pattern for epoch-end work: the steps append to lists on ``self``, the epoch-end hooks read
     and clear them (Lightning removed ``training_epoch_end(outputs)`` for this)."""

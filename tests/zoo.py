@@ -12,8 +12,14 @@ The reference follows what ``torchrun`` + DDP would do with the same seeded prog
   ``local_mesh(n)`` splits it); gradients averaged over ranks (a param no rank used keeps ``grad=None``,
   one that some rank used counts as zero on the others, as DDP with ``find_unused_parameters``); one
   AdamW step. Buffers as ``broadcast_buffers=True``: each step every rank starts from rank 0's buffers.
-  RNG: every rank's stream starts as a copy of the process generator at the step start (n processes
-  that ran the same seeded program), and the process generator goes on from rank 0's end state.
+  RNG: at every step each rank's stream restarts as a copy of the process generator's state (rank 0's end
+  state of the step before), and the process generator goes on from rank 0's end state. That is not what
+  torchrun does: each process goes on from its own end state, as fzero's per-rank streams on a ``local_mesh``
+  do (``fzero.mesh._rank.Carry``). The two agree here because every rank of every entry draws as many values
+  in a step (equal per-rank batch shapes: dropout masks, LayerDrop and drop-path draws), so the ranks end each
+  step in one state (checked for every entry on two ranks); an entry whose ranks draw different amounts (a
+  mixture of experts dropping overflow tokens before a dropout, data-dependent sampling) needs a reference that
+  keeps each rank's own stream: this one would then differ from torchrun, and fzero would not.
 
 ``python tests/zoo.py`` prints the pass/fail matrix (model x stage x mesh, with the max param
 difference or the exception) without pytest's xfail marks.
@@ -634,8 +640,8 @@ def reference_run(entry: Entry, ranks: int) -> Reference:
         start, end = torch.get_rng_state(), None
         grads, rank_losses = [], []
         for r, (rep, half) in enumerate(zip(replicas, split(batch, ranks))):
-            if r:
-                torch.set_rng_state(start)  # each rank's stream starts where the process's did
+            if r:  # each rank's stream restarts where rank 0's did (torchrun's own streams, while ranks draw alike)
+                torch.set_rng_state(start)
             rep.zero_grad(set_to_none=True)
             loss = entry.loss(rep, half)
             loss.backward()

@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import fzero
 from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
-from fzero.step import per_row_items, trainable_changes
+from fzero.step import batch_rows, per_row_items, record_list, trainable_changes
 
 # Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
 _SET_BY_LIGHTNING = {
@@ -322,21 +322,29 @@ def _path_of(batch: Any, i: int, is_leaf: Any = None) -> str:
 
 
 def _join(batches: list[Any], k: int) -> Any:
-    """k micro-batches as one batch that ``grad_accum=k`` splits back into them: tensors joined on dim 0."""
+    """k micro-batches as one batch that ``grad_accum=k`` splits back into them: tensors joined on dim 0. A detection
+    batch's lists of one record per row (images of their own sizes, target dicts: ``fzero.step.record_list``) are
+    joined as lists, image by image, where the step reads them as rows (``fzero.step.batch_rows``: where reading every
+    tensor's dim 0 as rows disagrees); each tensor's dim 0 joined would make one image of two images' channels."""
     if k == 1:
         return batches[0]
-    rows = {x.shape[0] for b in batches for x in pytree.tree_leaves(b) if isinstance(x, torch.Tensor) and x.dim() > 0}
+    records = any(batch_rows(b)[1] for b in batches)
+    listed = record_list if records else (lambda x: False)
+    rows = {len(x) if listed(x) else x.shape[0] for b in batches for x in pytree.tree_leaves(b, is_leaf=listed)
+            if listed(x) or (isinstance(x, torch.Tensor) and x.dim() > 0)}
     # default_collate's list of the rows' strings (ids, texts) is rows too, joined as the tensors are: the step splits
     # it back into the micro-batches' own (fzero.step._batch), where as separate leaves it differed between them
     row = next(iter(rows)) if len(rows) == 1 else None
-    per_row = lambda x: per_row_items(x, row)  # noqa: E731
+    per_row = lambda x: listed(x) or per_row_items(x, row)  # noqa: E731
     flat = [pytree.tree_flatten(b, is_leaf=per_row) for b in batches]
     spec = flat[0][1]
     if any(s != spec for _, s in flat) or len(rows) > 1:
+        counted = (" (a list of one image or one target dict per row counted by its length, as the step counts a "
+                   "detection batch's rows)") if records else ""
         raise ValueError(
             f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) runs {k} micro-batches as one fzero step, which needs "
-            f"them alike: the same structure and rows ({sorted(rows)} here). Use DataLoader(drop_last=True) so that "
-            f"every batch has batch_size rows."
+            f"them alike: the same structure and rows ({sorted(rows)} here{counted}). Use DataLoader(drop_last=True) "
+            f"so that every batch has batch_size rows."
         )
     joined = []
     for i, leaves in enumerate(zip(*(leaves for leaves, _ in flat))):
@@ -362,4 +370,31 @@ def _join(batches: list[Any], k: int) -> Any:
                 f"batch entry without rows ({type(first).__name__}) differs between them. Give every entry the batch's "
                 f"rows on dim 0."
             )
-    return pytree.tree_unflatten(joined, spec)
+    out = pytree.tree_unflatten(joined, spec)
+    if records:
+        _check_joined(out, k, row)
+    return out
+
+
+def _check_joined(joined: Any, k: int, row: int | None) -> None:
+    """The step reads the joined batch's rows as its micro-batches' images were joined, one record per row
+    (``fzero.step.batch_rows``), so that ``grad_accum`` splits it back into them: a joined detection batch whose every
+    tensor has one dim 0 (DETR's ``pixel_values`` of k*n rows beside labels of k*n boxes per image) would be split on
+    dim 0, each image's boxes between the micro-batches."""
+    rows, as_records = batch_rows(joined)
+    if as_records and {n for _, n in rows} == {k * row if row is not None else None}:
+        return
+    raise ValueError(
+        f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) joins {k} micro-batches of {row} images, image by image "
+        f"(lists of one image or one target dict per row, counted by their length), into one "
+        f"fzero step, which splits it back on the rows it reads; joined, it reads otherwise ({_listed(rows)}), so the "
+        f"micro-batches would not come back as training_step was given them: a detection batch's lists are its rows "
+        f"only where its tensors' dim 0 disagree, and here every tensor has one (each image's box count equals the "
+        f"joined rows, {k * row if row is not None else '?'}). Use accumulate_grad_batches=1 with batches of "
+        f"accumulate_grad_batches times the images, or another batch_size."
+    )
+
+
+def _listed(rows: list[tuple[str, int]], limit: int = 4) -> str:
+    more = f", ... {len(rows) - limit} more" if len(rows) > limit else ""
+    return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more

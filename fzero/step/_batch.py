@@ -170,8 +170,34 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
             f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
             f"row counts differ{lists}: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
         )
+    if not records:
+        message = _with_list_hint(batch, message)
     return _split_tree(batch, k, message, copy=copy, rows=rows[0][1] if rows else None, multiple=multiple or k,
                        records=records)
+
+
+def _with_list_hint(batch: Any, message: Callable[[str, str], str]) -> Callable[[str, str], str]:
+    """``message`` with, where the leaf that does not divide is an item of a list of tensors (``record_list``), why its
+    own dim 0 was taken as the rows and how to say that the list's items are. A list of same-size images (an eval
+    batch of ``[3, H, W]`` tensors) beside no tensor of another dim 0 reads as 3 rows, every image's channels: it is
+    one count (``batch_rows``), so nothing tells it from ``default_collate``'s ``[x, y]`` of batched tensors."""
+    paths, leaves, _ = _tree.flatten_with_paths(batch, is_leaf=record_list)
+    lists = {p: len(x) for p, x in zip(paths, leaves) if record_list(x) and all(isinstance(t, torch.Tensor) for t in x)}
+    if not lists:
+        return message
+
+    def hinted(path: str, size: str) -> str:
+        owner = next((p for p in lists if not p or path == p or path.startswith(p + ".")), None)
+        if owner is None:
+            return message(path, size)
+        n, where = lists[owner], repr(owner) if owner else "the batch"
+        return (f"{message(path, size)} Leaf {path!r} is an item of {where}, a list of {n} tensors, and every tensor of "
+                f"the batch has one dim 0, so it was read as the rows. If the list holds one image per row (images "
+                f"of [C, H, W]), its items are the rows: stack them into one [{n}, C, H, W] tensor, or pass a per-row "
+                f"tensor beside the list (e.g. image ids, torch.arange({n})), beside which the step reads the list's "
+                f"items as its rows and splits it image by image.")
+
+    return hinted
 
 
 def per_row_items(x: Any, rows: int | None) -> bool:

@@ -103,7 +103,7 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
     if bank is not None:  # in a step: its params are the state's, whose trainable set must still be the module's
         check_trainable_set(named, params, module, api="fzero.apply")
         if torch.is_grad_enabled():  # a gradient step (evaluate runs under no_grad): hooks there would be lost
-            check_no_grad_hooks(named, module, api="fzero.apply")
+            check_no_grad_hooks(named, module, api="fzero.apply", step_params=params)
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
         params = {**bank.for_module(module, given=params), **params}
     if dtype is not None:  # frozen params and persistent buffers meet the low-precision params in the compute dtype;
@@ -358,14 +358,18 @@ def has_grad_hooks(p: torch.Tensor) -> bool:
     return bool(p._backward_hooks or p._post_accumulate_grad_hooks) and p.requires_grad
 
 
-def check_no_grad_hooks(named: list[tuple[str, torch.Tensor]], module: Any, *, api: str) -> None:
+def check_no_grad_hooks(named: list[tuple[str, torch.Tensor]], module: Any, *, api: str,
+                        step_params: Mapping[str, Any] | None = None) -> None:
     """Raise a ``ValueError`` when a trainable parameter of the user's module carries a gradient hook.
 
     A step takes the gradient with respect to the state's tensors, never the module's own parameters, so a hook on
     one of those (a per-element clamp, a mask that keeps some rows of an embedding frozen, an optimizer run in
     backward) would never run and the step would train on the gradient it was meant to change, silently. ``named``:
-    the module's ``(name, parameter)`` pairs (the user's own tensors). Only inside a step that takes a gradient."""
-    hooked = [name for name, p in named if has_grad_hooks(p)]
+    the module's ``(name, parameter)`` pairs (the user's own tensors). Only inside a step that takes a gradient.
+    ``step_params``: the params the step runs the module with, whose own hooks (fzero's, at stages 0-1 under plain
+    autograd) are not the user's: the module holds them from its first ``fzero.apply`` in a forward until the backward
+    (``step_scope``), so a second call (a per-image loop, a siamese pair) finds them in its place."""
+    hooked = [name for name, p in named if has_grad_hooks(p) and (step_params is None or p is not step_params.get(name))]
     if not hooked:
         return
     raise ValueError(

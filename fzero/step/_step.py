@@ -206,7 +206,11 @@ class Step:
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, state: TrainState | RankStates, batch: Any) -> dict[str, Any]:
         """``loss_fn`` on ``batch`` with the state's params, without a gradient or an update: metrics "loss"
-        (mean over ranks) and "aux" (this rank's, when loss_fn returns one). The module runs in the mode it is in:
+        (mean over ranks) and "aux" (this rank's, when loss_fn returns one). On a ``local_mesh(n)`` the batch is split
+        over the ranks and "aux" is rank 0's, of the first 1/n of the rows only: "aux_per_rank" is every rank's aux in
+        rank order, that is in the batch's row order (a detector's detections of every image are
+        ``[d for aux in metrics["aux_per_rank"] for d in aux]``); under ``dist_mesh`` each process has its own batch
+        and its own "aux", and no "aux_per_rank". The module runs in the mode it is in:
         call ``model.eval()`` first for dropout off and BatchNorm's running statistics, as before a plain evaluation
         (the buffers the forward writes are dropped either way).
 
@@ -218,8 +222,11 @@ class Step:
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
             batches = split_batch(batch, self.mesh.size, api="fzero.Step.evaluate")
             writes = [Writes() for _ in state.states]
-            metrics = self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b, writes=writes[comm.rank]),
-                                    [(s, b) for s, b in zip(state.states, batches)])[0]
+            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b, writes=writes[comm.rank]),
+                                    [(s, b) for s, b in zip(state.states, batches)])
+            metrics = results[0]
+            if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
+                metrics["aux_per_rank"] = [r.get("aux") for r in results]
         else:
             comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             writes = [Writes()]
