@@ -280,6 +280,22 @@ def test_lists_of_per_row_records_that_disagree_with_the_rows_are_refused_by_nam
 
 
 @pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("batch", [
+    (torch.randn(8, 4), torch.randint(0, 3, (32,))),  # per-token labels flattened beside [B, T] inputs
+    [torch.randn(8, 4), torch.randn(4, 4)],  # a contrastive pair of two row counts
+    {"inputs": (torch.randn(8, 4), torch.randint(0, 3, (32,)))},
+], ids=["tuple", "list", "nested"])
+def test_batched_tensors_of_two_row_counts_are_refused_not_split_as_records(ranks, accum, batch):
+    """``(x, y)`` of batched tensors whose row counts differ is refused by name, as before per-image records were
+    split: read as two records, rank 0 (or micro-batch 0) got ``x`` alone and the other ``y`` alone."""
+    model = torch.nn.Linear(4, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, torch.utils._pytree.tree_leaves(b)[0]).sum(), stages=0,
+                         mesh=fzero.local_mesh(ranks), grad_accum=accum)
+    with pytest.raises(ValueError, match=r"row counts differ: .* has 8"):
+        step(step.init(fzero.params_of(model)), batch)
+
+
+@pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])
 def test_a_list_of_same_size_images_read_as_channel_rows_names_the_cause_and_the_fix(ranks, accum):
     """An eval batch of same-size images, a list of [3, H, W] tensors and no tensor of another dim 0: every tensor's
     dim 0 is 3, so the step reads 3 rows (the channels), as it reads default_collate's [x, y], and refuses them as

@@ -103,7 +103,9 @@ def record_list(x: Any) -> bool:
     if type(x) not in (list, tuple) or not x:
         return False
     if all(isinstance(item, torch.Tensor) and item.dim() > 0 for item in x):
-        return True
+        # records are alike (images of one dim and dtype, token lists): ``(x, y)`` of batched tensors whose row counts
+        # differ (per-token labels of [B * T] beside inputs of [B, T]) is a batch to refuse, not two records
+        return len({(item.dim(), item.dtype) for item in x}) == 1
     return all(type(item) is dict and _holds_tensor(item) for item in x)
 
 
@@ -122,7 +124,9 @@ def batch_rows(batch: Any) -> tuple[list[tuple[str, int]], bool]:
     boxes; refused, a detection model could not be trained on a local mesh or with ``grad_accum``. Where neither
     gives one count and the batch has such lists, they are counted by ``len``, which is what the error then names."""
     rows = row_leaves(batch)
-    if len({n for _, n in rows}) > 1:
+    # the batch itself a list of tensors is default_collate's ``[x, y]`` (a tuple of inputs and targets), never one
+    # image per row: records would give each rank some of the batch's fields (rank 0 ``x``, rank 1 ``y``)
+    if len({n for _, n in rows}) > 1 and not (record_list(batch) and isinstance(batch[0], torch.Tensor)):
         by_record = row_leaves(batch, records=True)
         if len(by_record) < len(rows):
             return by_record, True
