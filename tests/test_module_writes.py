@@ -286,3 +286,52 @@ def test_an_attribute_that_was_none_and_is_set_to_a_list_is_kept(stages):
     assert model.scales == [0.25, 0.125]
     step(state, _batches(1)[0])
     assert model.scales == [0.25, 0.125]
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.calls, self.seen = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        return torch.tanh(self.lin(x))
+
+
+class _Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Encoder()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("parent_first", [True, False])
+@pytest.mark.parametrize("stages", [0, 1])
+def test_a_module_run_inside_its_parent_and_on_its_own_keeps_both_forwards_writes(stages, parent_first):
+    """One module is one copy in a step call, whichever fzero.apply reaches it first: its two forwards' writes add up,
+    as on the one module in PyTorch (with a copy each, one forward's count was lost: 1 call where PyTorch has 2)."""
+    model, want = _Siamese(), _Siamese()
+    enc = {k[len("encoder."):]: k for k in fzero.params_of(model) if k.startswith("encoder.")}
+
+    def loss_fn(params, x):
+        def whole():
+            return fzero.apply(model, params, x).mean()
+
+        def encoder():
+            return fzero.apply(model.encoder, {k: params[full] for k, full in enc.items()}, x[:2]).pow(2).mean()
+
+        return whole() + encoder() if parent_first else encoder() + whole()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    for x in _batches(2):
+        state, _ = step(state, x)
+        want(x)
+        want.encoder(x[:2])
+    assert model.encoder.calls == want.encoder.calls == 4
+    assert sorted(model.encoder.seen) == sorted(want.encoder.seen) == [2, 2, 8, 8]

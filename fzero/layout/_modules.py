@@ -205,7 +205,8 @@ _TREE = frozenset({"_parameters", "_buffers", "_modules"})  # rebuilt below, ent
 
 
 def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                    buffer: Callable[[torch.Tensor], torch.Tensor] | None = None, writes: "Writes | None" = None) -> nn.Module:
+                    buffer: Callable[[torch.Tensor], torch.Tensor] | None = None, writes: "Writes | None" = None,
+                    made: dict[int, nn.Module] | None = None) -> nn.Module:
     """A copy of ``module``'s tree of module objects; ``param``/``buffer`` map each parameter/buffer (default:
     the same tensor). Shared submodules stay shared, tied parameters stay tied (one mapping per tensor), and
     no container of the clone is one of ``module``'s (see the module docstring).
@@ -218,8 +219,12 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
     ``writes``: the public attribute changes earlier copies in the same step call made (``Writes``), laid over
     the clone once its tree is made (a value naming a module of the tree, its bound method say, names the new copy);
     the clone's copies of the module's public containers are recorded there, so that a container the forward mutated
-    is told from one it rebound."""
-    cloner = _Cloner(param, buffer, writes)
+    is told from one it rebound.
+
+    ``made``: the copies made earlier in the same step call, by ``id`` of the module each copies: a module among
+    them is not copied again but is that copy (a module run inside its parent and on its own is one copy, as it is
+    one module, so what both forwards write on it adds up); the new copies are added to it."""
+    cloner = _Cloner(param, buffer, writes, made)
     clone = cloner.visit(module)
     if writes is not None and writes.changed:
         cloner.lay_over(writes.changed)
@@ -229,13 +234,15 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
 class _Cloner:
     """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
 
-    __slots__ = ("param", "buffer", "copies", "modules", "tensors", "containers")
+    __slots__ = ("param", "buffer", "copies", "modules", "fresh", "tensors", "containers")
 
     def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
-                 buffer: Callable[[torch.Tensor], torch.Tensor] | None, writes: "Writes | None") -> None:
+                 buffer: Callable[[torch.Tensor], torch.Tensor] | None, writes: "Writes | None",
+                 made: dict[int, nn.Module] | None = None) -> None:
         self.param, self.buffer = param, buffer
         self.copies = None if writes is None else writes.copies
-        self.modules: dict[int, nn.Module] = {}
+        self.modules: dict[int, nn.Module] = {} if made is None else made
+        self.fresh: list[int] = []  # the modules this call copied (``modules`` may hold earlier calls' copies)
         self.tensors: dict[int, torch.Tensor] = {}
         self.containers: dict[int, Any] = {}
 
@@ -254,6 +261,7 @@ class _Cloner:
         cls = m.__class__
         new = cls.__new__(cls)
         self.modules[id(m)] = new
+        self.fresh.append(id(m))
         d = new.__dict__
         containers = self.containers
         own_callable = False
@@ -282,7 +290,7 @@ class _Cloner:
     def lay_over(self, changed: "dict[int, tuple[nn.Module, dict[str, Any]]]") -> None:
         """Earlier copies' changes on this clone's modules: the earlier copy's own objects (a list appended to goes on
         growing), except that a value naming one of the user's modules (``Writes`` keeps them so) names its copy here."""
-        own = {i: new for i, new in self.modules.items() if i in changed}
+        own = {i: self.modules[i] for i in self.fresh if i in changed}  # never an earlier call's copy, in use already
         for i, new in own.items():
             d = new.__dict__
             for k, v in changed[i][1].items():
@@ -308,7 +316,7 @@ class Writes:
         self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
         self.copies: dict[int, tuple[Any, Any]] = {}  # id(a copy's public container) -> (it, the module's it copies)
 
-    def note(self, original: nn.Module, copy: nn.Module) -> None:
+    def note(self, original: nn.Module, copy: nn.Module, *, seen: set[int] | None = None) -> None:
         """Record what ``copy`` (``clone_structure(original, writes=self)``) holds in public attributes that
         ``original`` does not: every change of this call so far, since the copy started from the earlier ones.
         One walk of the two trees side by side; a module shared rather than copied was written in place.
@@ -322,8 +330,12 @@ class Writes:
         The copy is done with once noted, so what its forward wrote on it (public or not) is dropped from it: a tensor
         kept with its graph (``self.act = self.lin(x)``) at stages 2-3 holds the unit's autograd node, which holds the
         skeleton back, a cycle through torch's C++ graph that Python's collector cannot see: each step's skeleton,
-        graph and saved activations would stay allocated for good."""
-        changed, seen, renamed = self.changed, set(), None
+        graph and saved activations would stay allocated for good.
+
+        ``seen``: the ids of the modules noted already by the calls this one is part of (the roots of one step call,
+        whose copies may share a submodule's copy): each copy is noted once, since noting drops what it wrote."""
+        changed, renamed = self.changed, None
+        seen = set() if seen is None else seen
         stack = [(original, copy)]
         while stack:
             o, c = stack.pop()

@@ -62,8 +62,13 @@ def module_for_thread(module: nn.Module) -> nn.Module:
     if clones is None:
         return module
     entry = clones.get(id(module))
-    if entry is None:
-        entry = clones[id(module)] = (module, clone_structure(module, writes=context.writes))
+    if entry is None:  # one copy per module in a step call: a module run inside an earlier one's copy is that copy
+        made = {i: copy for i, (_, copy) in clones.items()}
+        clone = clone_structure(module, writes=context.writes, made=made)
+        for i, copy in made.items():  # its submodules' copies, found by a later fzero.apply of one of them
+            if i not in clones:
+                clones[i] = (None, copy)
+        entry = clones[id(module)] = (module, clone)  # a root: Step._as_rank notes its tree
     return entry[1]
 
 

@@ -178,13 +178,15 @@ class Step:
             comm.agree(fields, api=api, fix=AGREE_FIX)
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
-        clones: dict[int, tuple[nn.Module, nn.Module]] = {}
+        clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
         with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes):
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
+        seen: set[int] = set()  # a submodule's copy may be in two roots' trees: noted once
         for module, clone in clones.values():
-            writes.note(module, clone)
+            if module is not None:
+                writes.note(module, clone, seen=seen)
         return out
 
     @functools.cached_property

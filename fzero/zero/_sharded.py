@@ -115,8 +115,9 @@ class UnitParams(Mapping):
         self._views.clear()
         try:
             if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
+                seen: set[int] = set()
                 for module, skel in self._skeletons.values():
-                    self.writes.note(module, skel)  # may refuse a kept tensor by name: before the update, so the state stays whole
+                    self.writes.note(module, skel, seen=seen)  # may refuse a kept tensor by name: before the update, so the state stays whole
         finally:
             self._skeletons.clear()
             roots: list[torch.Tensor] = getattr(self, "_roots", [])
