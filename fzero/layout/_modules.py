@@ -378,26 +378,15 @@ class Writes:
                 in_place = copied is not None and copied[1] is old and old is not _GONE
                 if v is _GONE:
                     d.pop(k, None)
-                elif type(v) is list:
-                    v = [_detached(x) for x in v]
-                    if in_place:
+                elif type(v) in _CONTAINERS:
+                    v = type(v)((key, _detached(x)) for key, x in v.items()) if isinstance(v, dict) else type(v)(map(_detached, v))
+                    if not in_place:
+                        d[k] = v
+                    elif type(v) is list:
                         old[:] = v
-                    else:
-                        d[k] = v
-                elif type(v) is set:
-                    v = {_detached(x) for x in v}
-                    if in_place:
+                    else:  # a set, a dict
                         old.clear()
                         old.update(v)
-                    else:
-                        d[k] = v
-                elif type(v) in _CONTAINERS:  # dict, OrderedDict
-                    v = type(v)((key, _detached(x)) for key, x in v.items())
-                    if in_place:
-                        old.clear()
-                        old.update(v)
-                    else:
-                        d[k] = v
                 else:
                     d[k] = _detached(v)
         self.changed, self.copies = {}, {}

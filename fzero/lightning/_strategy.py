@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import fzero
 from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
-from fzero.step import batch_rows, per_row_items, record_list, trainable_changes
+from fzero.step import batch_rows, per_row_items, record_list, rows_listed, trainable_changes
 
 # Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
 _SET_BY_LIGHTNING = {
@@ -387,14 +387,10 @@ def _check_joined(joined: Any, k: int, row: int | None) -> None:
     raise ValueError(
         f"FZeroStrategy: Trainer(accumulate_grad_batches={k}) joins {k} micro-batches of {row} images, image by image "
         f"(lists of one image or one target dict per row, counted by their length), into one "
-        f"fzero step, which splits it back on the rows it reads; joined, it reads otherwise ({_listed(rows)}), so the "
+        f"fzero step, which splits it back on the rows it reads; joined, it reads otherwise ({rows_listed(rows, limit=4)}), so the "
         f"micro-batches would not come back as training_step was given them: a detection batch's lists are its rows "
         f"only where its tensors' dim 0 disagree, and here every tensor has one (each image's box count equals the "
         f"joined rows, {k * row if row is not None else '?'}). Use accumulate_grad_batches=1 with batches of "
         f"accumulate_grad_batches times the images, or another batch_size."
     )
 
-
-def _listed(rows: list[tuple[str, int]], limit: int = 4) -> str:
-    more = f", ... {len(rows) - limit} more" if len(rows) > limit else ""
-    return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more

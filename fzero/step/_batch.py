@@ -159,7 +159,7 @@ def _rebuilt(x: Any, children: dict[str, Any]) -> Any:
     return new
 
 
-def _rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
+def rows_listed(rows: list[tuple[str, int]], limit: int = 8) -> str:
     more = f", ... {len(rows) - limit} more" if len(rows) > limit else ""
     return ", ".join(f"{p!r} has {n}" for p, n in rows[:limit]) + more
 
@@ -172,7 +172,7 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
                  "counted by its length)") if records else ""
         raise ValueError(
             f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
-            f"row counts differ{lists}: {_rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
+            f"row counts differ{lists}: {rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
         )
     if not records:
         message = _with_list_hint(batch, message)
@@ -284,7 +284,7 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
     wrong = [(p, n) for p, n in rows if expected is not None and n != expected]
     if wrong:
         raise ValueError(
-            f"fzero.Step.__call__: {setting} make {expected} rows for {where}, but {_rows_listed(wrong)}. Pass "
+            f"fzero.Step.__call__: {setting} make {expected} rows for {where}, but {rows_listed(wrong)}. Pass "
             f"batches of {expected} rows, or change the config's batch sizes to the batches you pass; {_NOT_PER_ROW}."
         )
 

@@ -137,21 +137,32 @@ class Step:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
             batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum)
-            writes = [Writes() for _ in state.states]
-            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, rank_program, s, b, writes=writes[comm.rank]),
-                                    [(s, b) for s, b in zip(state.states, batches)])
+            results = self._on_ranks(rank_program, state, batches)
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
         elif isinstance(state, TrainState):
-            comm = self.mesh.comm(api="fzero.Step.__call__") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
-            writes = [Writes()]
-            new_state, metrics = self._as_rank(comm, rank_program, state, batch, writes=writes[0])
+            new_state, metrics = self._on_ranks(rank_program, state, batch)[0]
         else:
             raise TypeError(f"fzero.Step.__call__: expected the state of this step, got {type(state).__name__}.")
-        writes[0].keep()  # see _as_rank
         mark_donated(state)
         mark_verified(new_state, self)
         return new_state, metrics
+
+    def _on_ranks(self, program: Callable, state: TrainState | RankStates, batch: Any) -> list[Any]:
+        """``program`` on every rank of this process (a local mesh's, each with its own state and ``batch[rank]``; else
+        this process's one), its results in rank order; then rank 0's writes on the user's modules are kept (see
+        ``_as_rank``), in this thread, once every rank has returned."""
+        if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
+            writes = [Writes() for _ in state.states]
+            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank]),
+                                    list(zip(state.states, batch)))
+        else:
+            api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
+            comm = self.mesh.comm(api=api) if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
+            writes = [Writes()]
+            results = [self._as_rank(comm, program, state, batch, writes=writes[0])]
+        writes[0].keep()
+        return results
 
     def _check_rows(self, batch: Any) -> None:
         """An empty batch, and rows other than the config's batch sizes say (``micro_batch_size``), refused by name."""
@@ -222,18 +233,12 @@ class Step:
         """
         self._check_state(state, api="fzero.Step.evaluate")
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
-            batches = split_batch(batch, self.mesh.size, api="fzero.Step.evaluate")
-            writes = [Writes() for _ in state.states]
-            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, eval_program, s, b, writes=writes[comm.rank]),
-                                    [(s, b) for s, b in zip(state.states, batches)])
+            results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate"))
             metrics = results[0]
             if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
                 metrics["aux_per_rank"] = [r.get("aux") for r in results]
         else:
-            comm = self.mesh.comm(api="fzero.Step.evaluate") if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
-            writes = [Writes()]
-            metrics = self._as_rank(comm, eval_program, state, batch, writes=writes[0])
-        writes[0].keep()  # see _as_rank
+            metrics = self._on_ranks(eval_program, state, batch)[0]
         return metrics
 
     # -- gather ------------------------------------------------------------------------------------
