@@ -6,6 +6,8 @@ micro-batch), so what ``forward`` or a Lightning ``training_step`` wrote on ``se
 and was dropped without an error. Now the public attributes the copies changed are written into the user's modules
 when the step call succeeds: the values plain PyTorch would hold after running rank 0's micro-batches."""
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -335,3 +337,111 @@ def test_a_module_run_inside_its_parent_and_on_its_own_keeps_both_forwards_write
         want.encoder(x[:2])
     assert model.encoder.calls == want.encoder.calls == 4
     assert sorted(model.encoder.seen) == sorted(want.encoder.seen) == [2, 2, 8, 8]
+
+
+class _Tallies(nn.Module):
+    """Writes inside objects it holds, as training code does: a torchmetrics metric updated in the forward, a list in a
+    dict, a defaultdict and a deque, and a tensor (not a buffer) written in place."""
+
+    def __init__(self, metric):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 1)
+        self.acc = metric
+        self.hist = {"rows": []}
+        self.sizes = collections.defaultdict(int)
+        self.recent = collections.deque(maxlen=3)
+        self.seen = torch.zeros(())
+
+    def forward(self, x):
+        y = self.lin(x)[:, 0]
+        if self.acc is not None:
+            self.acc.update(y.sigmoid(), (x[:, 0] > 0).long())
+        self.hist["rows"].append(round(float(x[:, 0].sum()), 5))
+        self.sizes[x.shape[0]] += 1
+        self.recent.append(x.shape[0])
+        self.seen += x.shape[0]
+        return y.square().mean()
+
+
+def _metric():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    return torchmetrics.classification.BinaryAccuracy()
+
+
+def _tallies_of(model):
+    acc = None if model.acc is None else (int(model.acc.tp + model.acc.fp + model.acc.tn + model.acc.fn), float(model.acc.compute()))
+    return acc, model.hist, dict(model.sizes), list(model.recent), float(model.seen)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_objects_the_modules_hold_are_written_by_rank_0_alone_on_a_local_mesh_of_two_ranks(stages, accum):
+    """Each rank of a local mesh is a thread of this process, and the objects the modules hold (a metric, a list in
+    a dict, a tensor) were shared by the ranks' copies, so both ranks wrote them at once: a metric counted 224 of
+    240 rows one run and 240 the next, a list got both ranks' entries. Now each rank writes its own copies, as each
+    torchrun process has its own objects, and rank 0's are kept, in place: what PyTorch holds on rank 0's rows,
+    also after the user resets the metric between steps."""
+    torch.manual_seed(0)
+    model = _Tallies(_metric())
+    held, held_seen = model.hist["rows"], model.seen
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(2), grad_accum=accum)
+    state = step.init(fzero.params_of(model))
+    want = _Tallies(_metric())
+    for i, x in enumerate(_batches(4)):
+        want.load_state_dict(step.gather(state), strict=False)  # the params this step's forward runs with
+        state, _ = step(state, x)
+        for micro in x[: len(x) // 2].chunk(accum):  # rank 0's rows
+            want(micro)
+        if i == 1:
+            model.acc.reset(), want.acc.reset()
+    assert _tallies_of(model) == _tallies_of(want)
+    assert model.hist["rows"] is held and model.seen is held_seen
+
+
+def test_a_step_that_raises_on_a_local_mesh_of_two_ranks_writes_no_object_the_modules_hold():
+    model = _Tallies(None)
+
+    def loss_fn(params, x):
+        fzero.apply(model, params, x)
+        raise RuntimeError("after the forward")
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises(RuntimeError, match="after the forward"):
+        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    assert _tallies_of(model) == (None, {"rows": []}, {}, [], 0.0)
+
+
+def test_a_bound_module_that_cannot_be_copied_for_each_rank_is_named():
+    """A module updated through methods bound to it (as a metric is) is copied for each rank of a local mesh; one
+    that copy.deepcopy cannot copy is named with the fixes, not written by both ranks at once."""
+    import functools
+    import threading
+
+    class Locked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lock, self.count = threading.Lock(), 0
+            bound = self.update
+            self.update = functools.wraps(bound)(lambda n: bound(n))  # a wrapper bound at init, as torchmetrics does
+
+        def update(self, n):
+            with self.lock:
+                self.count += n
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.counter = nn.Linear(WIDTH, 1), Locked()
+
+        def forward(self, x):
+            self.counter.update(x.shape[0])
+            return self.lin(x).square().mean()
+
+    model = Counting()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    with pytest.raises(TypeError, match=r"Locked.*local_mesh of several ranks.*deepcopy failed.*torchrun"):
+        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    one = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(1))
+    one(one.init(fzero.params_of(model)), _batches(1)[0])  # one rank: written where it is, as in PyTorch
+    assert model.counter.count == 8

@@ -60,7 +60,10 @@ elsewhere sees the appends (one the forward rebound is a new object, as in PyTor
 copy (a bound method, a submodule in a list) is written as naming the user's module. On a ``local_mesh`` of several
 ranks the calling thread plays rank 0, whose writes are kept (each torchrun process keeps its own); a step that
 raises keeps none, as it keeps no update. Objects shared rather than copied (one inside a container, a tensor
-written in place, a module shared by ``_bound_to``) are written where they are, by every rank.
+written in place, a module shared by ``_bound_to``) are written where they are, as in PyTorch, in one process of
+one rank. A rank of several in one process (``Writes(private=True)``, a ``local_mesh``'s thread) would write them
+while the others read them, so its copies take copies of their own (``_private``) of the objects public names hold,
+kept for the step call; rank 0's are written back into the user's objects, in place, when the call succeeds.
 
 ## Empty params
 
@@ -81,7 +84,9 @@ deep in the model with torch's "Cannot copy out of meta tensor".
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
 import threading
 import types
@@ -234,13 +239,14 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
 class _Cloner:
     """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
 
-    __slots__ = ("param", "buffer", "copies", "modules", "fresh", "tensors", "containers")
+    __slots__ = ("param", "buffer", "copies", "private", "modules", "fresh", "tensors", "containers")
 
     def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
                  buffer: Callable[[torch.Tensor], torch.Tensor] | None, writes: "Writes | None",
                  made: dict[int, nn.Module] | None = None) -> None:
         self.param, self.buffer = param, buffer
         self.copies = None if writes is None else writes.copies
+        self.private = None if writes is None else writes.private
         self.modules: dict[int, nn.Module] = {} if made is None else made
         self.fresh: list[int] = []  # the modules this call copied (``modules`` may hold earlier calls' copies)
         self.tensors: dict[int, torch.Tensor] = {}
@@ -263,11 +269,15 @@ class _Cloner:
         self.modules[id(m)] = new
         self.fresh.append(id(m))
         d = new.__dict__
-        containers = self.containers
+        containers, private = self.containers, self.private
         own_callable = False
         for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
             kind = type(v)
-            if kind in _CONTAINERS and k not in _TREE:
+            if private is not None and k[:1] != "_" and (kind in _PRIVATE or kind is tuple or isinstance(v, torch.Tensor)):
+                c = d[k] = _private(v, private)  # one rank of several in this process: its own objects, all through
+                if c is not v:
+                    self.copies[id(c)] = (c, v)
+            elif kind in _CONTAINERS and k not in _TREE:
                 c = containers.get(id(v))
                 if c is None:
                     c = containers[id(v)] = v.copy()
@@ -278,9 +288,10 @@ class _Cloner:
                 if kind in _CALLABLES and not own_callable:
                     own_callable = _bound_to(v, m)
                 d[k] = v
-        if own_callable and not _holds_tensors(m):
-            self.modules[id(m)] = m  # shared, not cloned: see _bound_to
-            return m
+        if own_callable and not _holds_tensors(m):  # shared, not cloned: see _bound_to (a rank of several: a deep copy)
+            shared = m if private is None else _private_module(m, private)
+            self.modules[id(m)] = shared
+            return shared
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
@@ -310,11 +321,14 @@ class Writes:
     through fzero's copies of them, to be written into those modules when the call succeeds (see "What a forward
     writes on its module" in the module docstring)."""
 
-    __slots__ = ("changed", "copies")
+    __slots__ = ("changed", "copies", "private")
 
-    def __init__(self) -> None:
+    def __init__(self, *, private: bool = False) -> None:
         self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
         self.copies: dict[int, tuple[Any, Any]] = {}  # id(a copy's public container) -> (it, the module's it copies)
+        # ``private``: this rank is one of several in this process (a local mesh's), which must not write the user's
+        # objects while the others read them: id(a mutable object the modules hold) -> (this rank's copy, the object)
+        self.private: dict[int, tuple[Any, Any]] | None = {} if private else None
 
     def note(self, original: nn.Module, copy: nn.Module, *, seen: set[int] | None = None) -> None:
         """Record what ``copy`` (``clone_structure(original, writes=self)``) holds in public attributes that
@@ -339,8 +353,8 @@ class Writes:
         stack = [(original, copy)]
         while stack:
             o, c = stack.pop()
-            if c is o or id(o) in seen:
-                continue
+            if c is o or id(o) in seen or (self.private is not None and id(o) in self.private):
+                continue  # shared, noted already, or a module copied whole for this rank (kept by keep_private)
             seen.add(id(o))
             od, cd = o.__dict__, c.__dict__
             diff, stale = _changes(od, cd)
@@ -366,10 +380,13 @@ class Writes:
         container written, is kept detached: the step's backward has run, and its graph would hold what the step made
         (at stage 3 the units' gathers) until the attribute is next written; under ``autodiff="func"`` it is the
         plain tensor inside ``torch.func.grad``'s wrapper, which would otherwise outlive its transform."""
+        back = _keep_private(self.private) if self.private else _detached
         for module, diff in self.changed.values():
             d = module.__dict__
             for k, v in diff.items():
-                old = d.get(k, _GONE)
+                v, old = back(v), d.get(k, _GONE)
+                if v is old or (type(v) is tuple and type(old) is tuple and _same_entries(list(v), list(old))):
+                    continue  # a rank's own copy of the module's object (several ranks in one process): written back
                 # in place only where the copy's container is its copy of this one: one the forward rebound
                 # (``self.rows = []``) is a new object, as in PyTorch, and a list held elsewhere keeps what it had;
                 # an attribute that was None and is now a list (torchvision's MultiScaleRoIAlign.scales, set on its
@@ -379,7 +396,7 @@ class Writes:
                 if v is _GONE:
                     d.pop(k, None)
                 elif type(v) in _CONTAINERS:
-                    v = type(v)((key, _detached(x)) for key, x in v.items()) if isinstance(v, dict) else type(v)(map(_detached, v))
+                    v = type(v)((key, back(x)) for key, x in v.items()) if isinstance(v, dict) else type(v)(map(back, v))
                     if not in_place:
                         d[k] = v
                     elif type(v) is list:
@@ -390,6 +407,7 @@ class Writes:
                 else:
                     d[k] = _detached(v)
         self.changed, self.copies = {}, {}
+        self.private = None if self.private is None else {}
 
 
 def _detached(v: Any) -> Any:
@@ -399,6 +417,114 @@ def _detached(v: Any) -> Any:
     while functorch.is_functorch_wrapped_tensor(v):
         v = functorch.get_unwrapped(v)
     return v.detach()
+
+
+# what a rank of several in one process copies (``_private``): the built-in containers and the standard library's
+# mutable collections a forward appends to or counts in, and tensors; any other object is shared
+_PRIVATE = frozenset({dict, OrderedDict, list, set, collections.defaultdict, collections.Counter, collections.deque})
+
+
+def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+    """This rank's own copy of ``v`` (see ``Writes``: one of several ranks in this process): a container of
+    ``_PRIVATE``'s types copied with its entries' copies, a tensor cloned (a parameter is the step's to place),
+    a tuple rebuilt where an entry was copied; anything else is ``v`` itself. ``memo``: id(object) -> (its copy,
+    it), for the whole step call, so two modules sharing an object share its copy, and a later copy of a module (a
+    stage 2-3 skeleton per micro-batch) meets what the earlier one wrote."""
+    hit = memo.get(id(v))
+    if hit is not None:
+        return hit[0]
+    kind = type(v)
+    if kind in _PRIVATE:
+        c = v.copy() if kind is dict or kind is list else copy.copy(v)  # a defaultdict's factory, a deque's maxlen
+        memo[id(v)] = (c, v)
+        if isinstance(c, dict):
+            for k, x in list(c.items()):
+                c[k] = _private(x, memo)
+        elif kind is not set:  # a set's members are hashable values, not written in place
+            items = [_private(x, memo) for x in c]
+            c.clear()
+            c.extend(items)
+        return c
+    if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+        c = v.detach().clone()
+        memo[id(v)] = (c.requires_grad_(v.requires_grad) if v.is_leaf else c, v)
+        return memo[id(v)][0]
+    if kind is tuple:
+        items = tuple(_private(x, memo) for x in v)
+        return items if any(a is not b for a, b in zip(items, v)) else v
+    return v
+
+
+def _private_module(m: nn.Module, memo: dict[int, tuple[Any, Any]]) -> nn.Module:
+    """This rank's own copy of a module shared rather than cloned (``_bound_to``: a torchmetrics ``Metric``), by
+    ``copy.deepcopy``, whose protocol such a class defines for itself (a metric's ``clone()`` is one)."""
+    hit = memo.get(id(m))
+    if hit is not None:
+        return hit[0]
+    try:
+        c = copy.deepcopy(m)
+    except Exception as e:
+        raise TypeError(
+            f"fzero.apply: {type(m).__name__}, which the forward updates through methods bound to it (as a torchmetrics "
+            f"Metric), must be copied for each rank of a local_mesh of several ranks (one process), as each torchrun "
+            f"process has its own, and copy.deepcopy failed ({type(e).__name__}: {e}). Make it deep-copyable, keep it "
+            f"outside the modules the step runs, or run the ranks under torchrun."
+        ) from e
+    memo[id(m)] = (c, m)
+    return c
+
+
+def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
+    """Write rank 0's copies (``_private``, ``_private_module``) into the objects they copy, in place: a container's
+    entries (each entry copied written back as the object it copies), a tensor's values, a module's state. Returns
+    the map from a copy to what it copies (anything else: itself, detached if a tensor) for ``Writes.keep``."""
+    originals = {id(c): o for c, o in memo.values()}
+    # the tensors whose values the call changed, all found before any is written (two views of one tensor are copied
+    # apart, and the one left as it was must not write its old values over the other's; nobody wrote ``o`` meanwhile)
+    changed = {id(c) for c, o in memo.values() if isinstance(o, torch.Tensor) and not o.is_meta
+               and (o.shape != c.shape or o.dtype != c.dtype or o.device != c.device or not torch.equal(o, c))}
+
+    def back(x: Any) -> Any:
+        if type(x) is tuple:  # rebuilt by _private around copied entries
+            return tuple(back(e) for e in x)
+        o = originals.get(id(x), _GONE)
+        return _detached(x) if o is _GONE else o
+
+    for c, o in memo.values():
+        if isinstance(o, nn.Module):
+            _keep_module(o, c, back)
+        elif isinstance(o, torch.Tensor):
+            if id(c) not in changed:
+                continue
+            with torch.inference_mode() if o.is_inference() else torch.no_grad():
+                if o.shape != c.shape or o.dtype != c.dtype or o.device != c.device:  # resized in place by the forward
+                    o.set_(_detached(c))
+                else:
+                    o.copy_(c)
+        elif isinstance(o, dict):
+            o.clear()
+            o.update((k, back(x)) for k, x in c.items())
+        elif type(o) is list:
+            o[:] = [back(x) for x in c]
+        else:  # a set, a deque
+            o.clear()
+            o.extend(back(x) for x in c) if type(o) is collections.deque else o.update(back(x) for x in c)
+    return back
+
+
+def _keep_module(original: nn.Module, copy_: nn.Module, back: Callable[[Any], Any]) -> None:
+    """A module copied whole for rank 0 (``_private_module``): its state, private names included (a metric's
+    ``_update_count``), into the user's, except the methods bound to the copy; submodules likewise."""
+    stack = [(original, copy_)]
+    while stack:
+        o, c = stack.pop()
+        od = o.__dict__
+        for k, v in c.__dict__.items():
+            if k == "_modules":
+                stack.extend((od["_modules"][n], sub) for n, sub in v.items() if sub is not None and od["_modules"].get(n) is not None)
+            elif k not in _TREE and not _bound_to(v, c):
+                od[k] = (type(v)((key, back(x)) for key, x in v.items()) if type(v) in (dict, OrderedDict) else
+                         type(v)(back(x) for x in v) if type(v) in (list, set) else back(v))
 
 
 def _names_a_module(v: Any) -> bool:

@@ -153,7 +153,9 @@ class Step:
         this process's one), its results in rank order; then rank 0's writes on the user's modules are kept (see
         ``_as_rank``), in this thread, once every rank has returned."""
         if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
-            writes = [Writes() for _ in state.states]
+            # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
+            # none writes an object another reads, as each torchrun process has its own; rank 0's are kept
+            writes = [Writes(private=len(state.states) > 1) for _ in state.states]
             results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank]),
                                     list(zip(state.states, batch)))
         else:
