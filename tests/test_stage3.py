@@ -267,6 +267,51 @@ def test_a_weight_inside_a_unit_used_outside_it_is_refused_in_the_step_and_in_ev
         assert step.evaluate(step.init(fzero.params_of(model)), x)["loss"] == pytest.approx(expected, rel=1e-6)
 
 
+class _UnitWeightTiedOutside(torch.nn.Module):
+    """blocks.0's weight is also the root's ``out.weight`` (one tensor, first named under the unit blocks.0), as
+    Bart's ``model.shared`` made a unit is also ``model.encoder.embed_tokens`` and ``lm_head``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.out = torch.nn.Linear(4, 4, bias=False)
+        self.out.weight = self.blocks[0].weight
+
+    def forward(self, x):
+        return self.out(self.blocks[1](self.blocks[0](x)))
+
+
+def test_a_unit_weight_tied_to_a_module_outside_the_unit_is_refused_naming_the_tie():
+    """Found by a sweep of Hugging Face encoder-decoders: Bart at stage 3 with units=fzero.units_of(model) +
+    ("model.shared",) was refused with the generic meta-tensor error, which named neither the tie nor the unit (the
+    module that read it, model.encoder.embed_tokens, is outside 'model.shared'). A tie whose first name is outside the
+    unit was named already (at the skeleton's build); this is the other way round, named where the outside module
+    uses it, and the fix it gives trains."""
+    model = _UnitWeightTiedOutside()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    match = (r"linear\(\) was given a unit's parameter of shape \(4, 4\) outside that unit's call(.|\n)*unit 'blocks.0' uses "
+             r"parameter 'blocks.0.weight', which is tied to \['out.weight'\] outside the unit(.|\n)*units=... without \['blocks.0'\]")
+    with pytest.raises(RuntimeError, match=match):
+        step(state, x)
+    with pytest.raises(RuntimeError, match=match):
+        step.evaluate(state, x)
+    reference = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    fixed = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2), units=("blocks.1",))
+    ref_state, got_state = reference.init(fzero.params_of(model)), fixed.init(fzero.params_of(model))
+    for _ in range(2):
+        ref_state, _ = reference(ref_state, x)
+        got_state, _ = fixed(got_state, x)
+    for name, value in reference.gather(ref_state).items():
+        torch.testing.assert_close(fixed.gather(got_state)[name], value, rtol=1e-6, atol=1e-7)
+
+
 def test_units_must_not_nest_and_must_be_paths():
     step = fzero.shard_grads(fzero.shard_optimizer(fzero.train_step(lambda p, b: 0, fzero.optim.sgd(0.1)), fzero.local_mesh(2)))
     with pytest.raises(ValueError, match=r"units must not nest: 'blocks.0.mlp' is inside 'blocks.0'"):

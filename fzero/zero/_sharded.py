@@ -318,6 +318,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         shapes = {n: tuple(p.shape) for n, p in every if p.requires_grad}
         trainable = set(shapes)
         owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
+        tied_names = _tie_groups(every)
         for unit in layout.units:
             unknown = [s.path for s in unit.slots if s.path not in trainable]
             if unknown:
@@ -352,6 +353,13 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             missing = sorted(own - {s.path for s in unit.slots})
             if missing:
                 raise ValueError(_tied_outside(api, unit.name, missing[0], every, layout))
+            for s in unit.slots:  # the other way round: a unit's param that a module outside the unit holds too
+                names = tied_names.get(s.path)
+                if names is not None and any(not n.startswith(unit.name + ".") for n in names):
+                    # refused where that module uses it (a tie whose other holder never runs trains as it is): the
+                    # stand-in's error names the tie and the fix (_StandIn)
+                    stand_in = next(p for n, p in every if n == s.path)
+                    stand_in.__dict__["_fz_tied"] = _tied_outside(api, unit.name, s.path, every, layout)
             sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
             sub.__dict__["_fz"] = (unit, params)
     return skel
@@ -380,16 +388,29 @@ class _StandIn(nn.Parameter):
         if getattr(func, "__name__", None) == "__get__" or func in _STAND_IN_METADATA or all(t.is_meta for t in tensors):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        shape = next((tuple(a.shape) for a in tensors if isinstance(a, _StandIn)), "?")
+        stand_in = next((a for a in tensors if isinstance(a, _StandIn)), None)
+        shape = "?" if stand_in is None else tuple(stand_in.shape)
+        # a weight of a unit tied to a module outside it (Bart's model.shared as a unit, read as encoder.embed_tokens)
+        tied = "" if stand_in is None else stand_in.__dict__.get("_fz_tied", "")
         # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
         raise RuntimeError(f"{getattr(func, '__name__', func)}() was given a unit's parameter of shape {shape} outside that "
-                           f"unit's call, where it is a meta tensor with no values to compute with")
+                           f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
 
 
 def _leaves(tree: Any) -> list:
     import torch.utils._pytree as torch_pytree
 
     return torch_pytree.tree_leaves(tree)
+
+
+def _tie_groups(every: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """For each trainable tensor held under more than one name, its first name -> all its names (in ``every``'s order,
+    so the first is the name ``named_parameters`` gives it and a unit's slot has)."""
+    names: dict[int, list[str]] = {}
+    for name, p in every:
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}
 
 
 def _tied_outside(api: str, unit: str, path: str, every: list[tuple[str, torch.Tensor]], layout: Layout) -> str:
