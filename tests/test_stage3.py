@@ -187,6 +187,46 @@ def test_unsupported_modules_get_an_error_naming_the_module_path(model, match):
         step(step.init(fzero.params_of(model)), torch.randn(2, 4))
 
 
+class _TwoTies(torch.nn.Module):
+    """An encoder and a decoder of two layers sharing each layer's weight (BERT2BERT with shared attention): two ties,
+    each across two units."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.dec = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        for e, d in zip(self.enc, self.dec):
+            d.weight = e.weight
+
+    def forward(self, x):
+        for layer in (*self.enc, *self.dec):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_fix_for_a_tie_across_units_names_every_tie_and_trains():
+    """Found by a sweep of HF encoder-decoders: the fix named the first tie's units only (enc.0, dec.0), and the step
+    with those left out failed next on enc.1/dec.1. Every unit in a tie that crosses units is named; that fix trains."""
+    model = _TwoTies()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    units = ("enc.0", "enc.1", "dec.0", "dec.1")
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2), units=units)
+    with pytest.raises(ValueError, match=r"units=... without \['dec.0', 'dec.1', 'enc.0', 'enc.1'\]"):
+        step(step.init(fzero.params_of(model)), x)
+    reference = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    fixed = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2), units=())
+    ref_state, got_state = reference.init(fzero.params_of(model)), fixed.init(fzero.params_of(model))
+    for _ in range(2):
+        ref_state, _ = reference(ref_state, x)
+        got_state, _ = fixed(got_state, x)
+    assert_trees_close(fixed.gather(got_state), reference.gather(ref_state), rtol=1e-6, atol=1e-7)
+
+
 class _TiedFirstAndLast(torch.nn.Module):
     """ALBERT-like reuse across depth: the first and the last of three blocks are one Linear's weight."""
 

@@ -419,10 +419,23 @@ def _tied_outside(api: str, unit: str, path: str, every: list[tuple[str, torch.T
     partner in a unit of its own, which failed next as a meta tensor read outside its unit's call)."""
     tensor = dict(every)[path]
     tied = [name for name, p in every if p is tensor and name != path and not name.startswith(unit + ".")]
-    holders = {unit} | {u.name for u in layout.units if u.name != ROOT for name in tied if name.startswith(u.name + ".")}
+    units = [u.name for u in layout.units if u.name != ROOT]
+
+    def owner(name: str) -> str:
+        return next((u for u in units if name.startswith(u + ".")), ROOT)
+
+    # every unit in a tie that crosses units, this one's and any other's: a fix naming this tie's alone failed next
+    # on the next tie (an encoder-decoder sharing each layer's attention: layer.0's named, then layer.1's)
+    owners: dict[int, set[str]] = {}
+    for name, p in every:
+        if p.requires_grad:
+            owners.setdefault(id(p), set()).add(owner(name))
+    holders = {unit} | {owner(name) for name in tied} | {u for group in owners.values() if len(group) > 1 for u in group}
+    holders.discard(ROOT)
     return (f"{api}: unit {unit!r} uses parameter {path!r}, which is tied to {tied} outside the unit (one tensor). A "
             f"unit must own all its parameters: make the tied modules one unit (a module that holds them all), or leave "
-            f"every module holding it in the root unit (units=... without {sorted(holders)}).")
+            f"every module holding it in the root unit (units=... without {sorted(holders)}: every unit in a tie that "
+            f"crosses units).")
 
 
 def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -> dict[str, set[str]]:
