@@ -301,3 +301,61 @@ def test_blocks_of_the_trained_model_applied_one_by_one_are_told_to_apply_the_mo
     with pytest.raises(ValueError, match=r"(?s)have a persistent buffer '1.running_mean'.*parts of the model this step "
                                          r"trains.*fzero.apply\(model.features, params, x\).*remat=True"):
         step(step.init(fzero.params_of(blocks)), torch.randn(8, 4))
+
+
+class _QATNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import torch.ao.quantization as Q
+
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])  # the stage-3 unit
+
+    def forward(self, x):
+        return self.dequant(self.blocks[0](torch.relu(self.inp(self.quant(x)))))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch.ao.quantization's own
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_buffer_the_forward_resizes_exports_in_its_new_shape(stages, ranks):
+    """Eager QAT (``prepare_qat`` with a per-channel weight qconfig): each FakeQuantize resizes its ``scale`` and
+    ``zero_point`` from (1,) to one per channel at its first forward. Training matched PyTorch, but ``step.state_dict(state,
+    model)`` refused the state's (8,) against the module's (1,) as "another configuration of the model", so the trained
+    model could not be loaded or converted. PyTorch's own ``load_state_dict`` resizes them back (FakeQuantize's
+    ``_load_from_state_dict``)."""
+    import torch.ao.quantization as Q
+
+    def build():
+        torch.manual_seed(0)
+        m = _QATNet()
+        m.qconfig = Q.get_default_qat_qconfig("x86")
+        return Q.prepare_qat(m.train())
+
+    batches = [b.flatten(1)[:, :4] for b in _batches(3)]
+    ref = build()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        reps = [ref] + [copy.deepcopy(ref) for _ in range(ranks - 1)]  # DDP: each rank from rank 0's values
+        grads = []
+        for r, part in zip(reps, b.chunk(ranks)):  # rank 0's buffers are the process's
+            _loss(r(part)).backward()
+            grads.append([p.grad.clone() for p in r.parameters()])
+        for p, gs in zip(ref.parameters(), zip(*grads)):
+            p.grad = sum(gs) / ranks
+        opt.step()
+    model = build()
+    step = fzero.compile(lambda p, b: _loss(fzero.apply(model, p, b)), optimizer=fzero.optim.sgd(0.1), stages=stages,
+                         mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    for b in batches:
+        state, _ = step(state, b)
+    sd = step.state_dict(state, model)
+    assert sd["inp.weight_fake_quant.scale"].shape == (8,)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(sd[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    fresh = build()
+    fresh.load_state_dict(sd)  # strict
+    Q.convert(fresh.eval())

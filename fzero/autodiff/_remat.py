@@ -159,6 +159,7 @@ class _Call:
         self.unused: list[bool] = []
         self.snapshots = Snapshots()  # the step's buffers as the forward found them, for the recompute
         self.bank, self.dtype = current_buffers(), current_compute_dtype()  # what fzero.apply ran with in the forward
+        self.cached = _parametrize_caching()  # under torch.nn.utils.parametrize.cached() in the forward
 
     @property
     def name(self) -> str:
@@ -213,6 +214,35 @@ class _RngState:
         finally:
             for d, state in zip(self.cuda, cuda_now):
                 _rng.cuda_set_state(state, d)
+
+
+def _parametrize_caching() -> bool:
+    from torch.nn.utils import parametrize
+
+    return bool(parametrize._cache_enabled)
+
+
+@contextlib.contextmanager
+def _own_parametrize_cache(enabled: bool):
+    """Run the forward, or its recompute, with a cache of parametrized tensors of its own
+    (``torch.nn.utils.parametrize.cached()``, a dict global to the process), on as it was in the forward.
+
+    A ``cached()`` around the step (or the forward) kept what the ``no_grad`` forward computed, a weight without a graph,
+    and the recompute inside it read that back: the parametrization's original got no gradient (orthogonal's 100% off
+    PyTorch after 4 AdamW steps at stage 3). A ``cached()`` inside ``loss_fn`` had ended before the backward, so the
+    recompute ran uncached where the forward had not. Nothing is swapped where no cache is on (the rank threads of a
+    local_mesh, where ``fzero.apply`` refuses one, so the global is never swapped from two threads)."""
+    from torch.nn.utils import parametrize
+
+    if not enabled and not parametrize._cache_enabled:
+        yield
+        return
+    saved = parametrize._cache, parametrize._cache_enabled
+    parametrize._cache, parametrize._cache_enabled = {}, int(enabled)
+    try:
+        yield
+    finally:
+        parametrize._cache, parametrize._cache_enabled = saved
 
 
 def _autocast_state(devices) -> list[tuple[str, bool, torch.dtype]]:
@@ -396,7 +426,7 @@ class _RematForward(Function):
         call.autocast = _autocast_state(call.devices)
         before = _object_states(call)
         watch = _NoCapturedGrad(call, inputs, call.diff)
-        with torch.no_grad(), watch, recording(call.snapshots):
+        with torch.no_grad(), watch, recording(call.snapshots), _own_parametrize_cache(call.cached):
             outs = call.run(list(inputs))
         _check_unchanged(call, before)
         escaped = watch.escaped(outs)
@@ -451,7 +481,7 @@ class _RematBackward(Function):
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
         leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
         with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), outside_step_scope(), \
-                as_in_forward(call.bank, call.dtype), replaying(call.snapshots):
+                as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
             outs = call.run(leaves)
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         wrt = [x for x, need in zip(leaves, call.diff) if need]

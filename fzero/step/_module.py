@@ -78,6 +78,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
     if current_context().stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
         check_no_sync_batchnorm(module, api="fzero.apply")
+        check_no_parametrize_cache(module, api="fzero.apply")
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
     bank = current_buffers()
@@ -148,13 +149,22 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 # (``deepcopy``, a pickled module) starts its version counter again: there a count is no evidence of a write.
 
 
-def _mark(reader: Any, b: torch.Tensor) -> None:
+def _mark(reader: Any, b: torch.Tensor, module: nn.Module, name: str) -> None:
     if reader is not None:
         reader.seen[id(b)] = (b._version, b.untyped_storage().data_ptr())
+        reader.names[(id(module), name)] = id(b)
 
 
-def _written_since_read(reader: Any, b: torch.Tensor) -> bool:
-    mark = reader.seen.get(id(b)) if reader is not None else None
+def _written_since_read(reader: Any, b: torch.Tensor, module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s buffer ``name`` (now ``b``) was written since this state lineage last read it: ``b``
+    written in place, or another tensor put under the name on the same module (a buffer registered again). Another
+    module (a copy of the model run with this state) has no record: it is read, not a write."""
+    if reader is None:
+        return False
+    last = reader.names.get((id(module), name))
+    if last is not None and last != id(b):
+        return True
+    mark = reader.seen.get(id(b))
     return mark is not None and mark[1] == b.untyped_storage().data_ptr() and mark[0] != b._version
 
 
@@ -208,11 +218,11 @@ class Buffers:
                     )
                 self.dtypes[name] = b.dtype
                 self.values[name] = self._live(b.detach(), name)
-                _mark(self._reader, b)
-            elif not b.is_meta and _written_since_read(self._reader, b):
+                _mark(self._reader, b, module, name)
+            elif not b.is_meta and _written_since_read(self._reader, b, module, name):
                 self._check_unchanged(module, name, b)
             elif not b.is_meta:
-                _mark(self._reader, b)
+                _mark(self._reader, b, module, name)
             out[name] = self.values[name]
         return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
 
@@ -222,7 +232,7 @@ class Buffers:
         state carries the buffer, and the module's is not read again."""
         given = self._given.get(name)
         if given is not None and given.shape == b.shape and torch.equal(b.detach().to(given.device, given.dtype), given):
-            _mark(self._reader, b)
+            _mark(self._reader, b, module, name)
             return
         raise ValueError(
             f"fzero.apply: the buffer {name!r} of {type(module).__name__} was changed on the module after the state "
@@ -518,6 +528,29 @@ def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
                 f"CUDA tensors there), on local_mesh(1) or without a mesh (one rank: it is BatchNorm there), or "
                 f"simulate the ranks with BatchNorm layers in its place (per-rank statistics, as DDP without "
                 f"SyncBatchNorm). In eval mode (model.eval()) it syncs nothing and runs."
+            )
+
+
+def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:
+    """Refuse ``torch.nn.utils.parametrize.cached()`` around a parametrized model on a rank thread of a ``local_mesh`` of
+    several ranks. torch keeps the cache in one dict of the process, keyed by the ``id`` of the module the
+    parametrization was registered on, which every rank's copy of that module shares: each rank read the weight
+    another rank computed from its own params (and the gradient went to that rank's graph), silently (weight_norm,
+    orthogonal, spectral_norm: 10-200% off PyTorch after 4 AdamW steps at stages 0-3). Under torchrun each process
+    has its own cache."""
+    from torch.nn.utils import parametrize
+
+    if not parametrize._cache_enabled:
+        return
+    for path, m in module.named_modules():
+        if parametrize.is_parametrized(m):
+            raise ValueError(
+                f"{api}: torch.nn.utils.parametrize.cached() is on while {type(module).__name__} runs on a rank of a "
+                f"local_mesh of several ranks, and {path or '<root>'!r} is parametrized. torch's cache is one dict of "
+                f"the process, keyed by the module the parametrization was registered on, so the ranks (threads of one "
+                f"process) would read each other's cached weights. Leave cached() out here (it only saves computing "
+                f"the parametrization again; the results are the same), or run on local_mesh(1), without a mesh, or "
+                f"under torchrun with fzero.dist_mesh(), where each process has its own cache."
             )
 
 

@@ -42,12 +42,18 @@ class Reader:
     """What one state lineage last read of a module's persistent buffers: by the buffer tensor's ``id``, its version
     counter and memory then (``fzero.step._module.Buffers``). Kept here, not on the module's tensors: a record on the
     tensor is one for every state, and a second state's read (adopting a value written on the module since) hid the
-    write from the first, which then trained on without it, silently."""
+    write from the first, which then trained on without it, silently.
 
-    __slots__ = ("seen",)
+    ``names``: (``id`` of the module given to ``fzero.apply``, buffer name) -> the ``id`` of the tensor last read under
+    that name, so that a buffer replaced on the module by another tensor (``register_buffer`` again, as
+    ``torch.nn.utils.prune`` does with ``weight_mask`` when it prunes a pruned module again) counts as written. Before,
+    the new tensor had no record, was taken as read, and the state's old value trained on, silently."""
+
+    __slots__ = ("names", "seen")
 
     def __init__(self) -> None:
         self.seen: dict[int, tuple[int, int]] = {}
+        self.names: dict[tuple[int, str], int] = {}
 
     def __reduce__(self) -> tuple:
         """A copy (``deepcopy``, a pickled state) reads afresh: the ids it holds name this process's tensors of now."""

@@ -340,7 +340,9 @@ class Step:
         for name, t in model.state_dict(keep_vars=True).items():
             key = name if name in own else alias.get(id(t))
             out[name] = own[key] if key is not None else t.detach().clone()
-            if key is not None and tuple(out[name].shape) != tuple(t.shape):  # another width: load_state_dict would fail late
+            # another width: load_state_dict would fail late. Params only: a buffer's shape is the forward's to change
+            # (a per-channel FakeQuantize resizes its scale and zero_point at its first call, and loads them back so)
+            if key is not None and key in params and tuple(out[name].shape) != tuple(t.shape):
                 raise ValueError(f"fzero.Step.state_dict: {name!r} has shape {tuple(out[name].shape)} in the state but "
                                  f"{tuple(t.shape)} in {type(model).__name__}: the model is another configuration than the "
                                  f"one the state was made from. Pass that model.")
