@@ -93,15 +93,20 @@ def test_what_the_forward_writes_on_self_is_kept_as_in_pytorch(stages, ranks, ac
 def test_a_step_that_raises_keeps_no_write():
     """As it keeps no update: the module's attributes are those of before the call."""
     model = _Recorder()
+    _raise_after_the_forward(model, ranks=1)
+    assert (model.calls, model.rows, model.once) == (0, [], True) and not hasattr(model, "last")
+
+
+def _raise_after_the_forward(model, *, ranks):
+    """A stage-3 step of ``model`` whose ``loss_fn`` raises once the forward has run."""
 
     def loss_fn(params, x):
         fzero.apply(model, params, x)
         raise RuntimeError("after the forward")
 
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(1))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(ranks))
     with pytest.raises(RuntimeError, match="after the forward"):
         step(step.init(fzero.params_of(model)), _batches(1)[0])
-    assert (model.calls, model.rows, model.once) == (0, [], True) and not hasattr(model, "last")
 
 
 @pytest.mark.parametrize("stages", [0, 3])
@@ -401,14 +406,7 @@ def test_objects_the_modules_hold_are_written_by_rank_0_alone_on_a_local_mesh_of
 
 def test_a_step_that_raises_on_a_local_mesh_of_two_ranks_writes_no_object_the_modules_hold():
     model = _Tallies(None)
-
-    def loss_fn(params, x):
-        fzero.apply(model, params, x)
-        raise RuntimeError("after the forward")
-
-    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
-    with pytest.raises(RuntimeError, match="after the forward"):
-        step(step.init(fzero.params_of(model)), _batches(1)[0])
+    _raise_after_the_forward(model, ranks=2)
     assert _tallies_of(model) == (None, {"rows": []}, {}, [], 0.0)
 
 
