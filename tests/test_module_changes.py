@@ -141,6 +141,12 @@ def test_a_buffer_replaced_on_the_module_by_another_tensor_is_refused(stages, ra
     # another tensor holding the state's own value (a state dict loaded with assign=True): not a change
     model.bn.running_var = step.state_dict(state, model)["bn.running_var"]
     state, _ = step(state, batches[2])
+    # new tensors of the same values (model.to(...) and dtype round trips replace every buffer so): not a change either,
+    # though the module's running_mean is not the state's (the state took the statistics over at the first step)
+    before = model.bn.running_mean
+    model.double().float()
+    assert model.bn.running_mean is not before
+    step(state, batches[3])
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -152,18 +152,19 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def _mark(reader: Any, b: torch.Tensor, module: nn.Module, name: str) -> None:
     if reader is not None:
         reader.seen[id(b)] = (b._version, b.untyped_storage().data_ptr())
-        reader.names[(id(module), name)] = id(b)
+        reader.names[(id(module), name)] = b
 
 
 def _written_since_read(reader: Any, b: torch.Tensor, module: nn.Module, name: str) -> bool:
     """Whether ``module``'s buffer ``name`` (now ``b``) was written since this state lineage last read it: ``b``
-    written in place, or another tensor put under the name on the same module (a buffer registered again). Another
-    module (a copy of the model run with this state) has no record: it is read, not a write."""
+    written in place, or another tensor of other values put under the name on the same module (a buffer registered
+    again). Another tensor of the same values is a copy, not a write (``model.to(device)``, ``model.double().float()``
+    replace every buffer so). Another module (a copy of the model run with this state) has no record: it is read."""
     if reader is None:
         return False
     last = reader.names.get((id(module), name))
-    if last is not None and last != id(b):
-        return True
+    if last is not None and last is not b:
+        return last.shape != b.shape or not torch.equal(b.detach().to(last.device, last.dtype), last)
     mark = reader.seen.get(id(b))
     return mark is not None and mark[1] == b.untyped_storage().data_ptr() and mark[0] != b._version
 

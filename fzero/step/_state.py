@@ -44,16 +44,17 @@ class Reader:
     tensor is one for every state, and a second state's read (adopting a value written on the module since) hid the
     write from the first, which then trained on without it, silently.
 
-    ``names``: (``id`` of the module given to ``fzero.apply``, buffer name) -> the ``id`` of the tensor last read under
-    that name, so that a buffer replaced on the module by another tensor (``register_buffer`` again, as
-    ``torch.nn.utils.prune`` does with ``weight_mask`` when it prunes a pruned module again) counts as written. Before,
-    the new tensor had no record, was taken as read, and the state's old value trained on, silently."""
+    ``names``: (``id`` of the module given to ``fzero.apply``, buffer name) -> the tensor last read under that name, so
+    that a buffer replaced on the module by another tensor of other values (``register_buffer`` again, as
+    ``torch.nn.utils.prune`` does with ``weight_mask`` when it prunes a pruned module again) counts as written, and one
+    of the same values (``model.to(device)``) does not. Before, the new tensor had no record, was taken as read, and the
+    state's old value trained on, silently."""
 
     __slots__ = ("names", "seen")
 
     def __init__(self) -> None:
         self.seen: dict[int, tuple[int, int]] = {}
-        self.names: dict[tuple[int, str], int] = {}
+        self.names: dict[tuple[int, str], torch.Tensor] = {}
 
     def __reduce__(self) -> tuple:
         """A copy (``deepcopy``, a pickled state) reads afresh: the ids it holds name this process's tensors of now."""
