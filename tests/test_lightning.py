@@ -624,15 +624,20 @@ def test_detection_batches_with_accumulate_grad_batches_train_as_lightnings_own_
 @pytest.mark.usefixtures("one_process")
 @LIGHTNING_NOISE[0]
 @LIGHTNING_NOISE[1]
-def test_a_joined_detection_batch_the_step_would_read_by_dim_0_is_refused_by_name():
+def test_a_joined_detection_batch_whose_box_counts_equal_its_rows_trains_as_lightnings_own_strategy():
     """DETR's pixel_values of 2 rows per micro-batch beside images of 4 boxes each: each micro-batch reads as 2 images,
-    but joined every tensor has 4 on dim 0, which the step takes as the rows, splitting each image's boxes between the
-    micro-batches. Refused, with the cause and the fix."""
+    and joined every tensor has 4 on dim 0. The step read such a batch on dim 0 (each image's boxes split between the
+    micro-batches), so the strategy refused it; the step now reads a list of one dict per row as the rows wherever
+    counting it gives the tensors' count (fzero.step.batch_rows), so it trains as Lightning's default strategy."""
     batches = _detection_batches(2, detr=True, boxes=(4, 4, 4, 4))
-    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) joins 2 micro-batches of 2 images, image by image "
-                                         r".*each image's box count equals the joined rows, 4\)\. Use "
-                                         r"accumulate_grad_batches=1"):
-        _trainer("fzero_stage_3", accumulate_grad_batches=2).fit(_LitDetector(detr=True), _loader(batches))
+    got = {}
+    for name in ("auto", "fzero_stage_3"):
+        lit = _LitDetector(detr=True)
+        _trainer(name, accumulate_grad_batches=2).fit(lit, _loader(batches))
+        got[name] = (dict(lit.named_parameters()), lit.seen)
+    assert got["fzero_stage_3"][1] == got["auto"][1]
+    assert [[labels[:1] for _, labels in part] for part in got["auto"][1]] == [[[0], [1]], [[2], [3]]]
+    _close(got["fzero_stage_3"][0], got["auto"][0], rtol=1e-6, atol=1e-7)
 
 
 class _CollectsOutputs(LitCNN):

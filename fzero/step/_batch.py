@@ -121,16 +121,46 @@ def batch_rows(batch: Any) -> tuple[list[tuple[str, int]], bool]:
     counts and taking each record list as ``len`` rows gives one count, the batch is one of per-row records (a
     detection batch: images of their own sizes and targets of their own box counts, beside a ``pixel_values`` of as
     many rows, or alone). Split on the tensors' dim 0, every rank would get a part of each image's channels and
-    boxes; refused, a detection model could not be trained on a local mesh or with ``grad_accum``. Where neither
+    boxes; refused, a detection model could not be trained on a local mesh or with ``grad_accum``. A list of one dict
+    per row is the rows also where every tensor gives one count, if counting the dicts gives that count too (every
+    image with as many boxes as the batch has images). Where neither
     gives one count and the batch has such lists, they are counted by ``len``, which is what the error then names."""
     rows = row_leaves(batch)
+    counts = {n for _, n in rows}
     # the batch itself a list of tensors is default_collate's ``[x, y]`` (a tuple of inputs and targets), never one
     # image per row: records would give each rank some of the batch's fields (rank 0 ``x``, rank 1 ``y``)
-    if len({n for _, n in rows}) > 1 and not (record_list(batch) and isinstance(batch[0], torch.Tensor)):
+    if record_list(batch) and isinstance(batch[0], torch.Tensor):
+        return rows, False
+    if len(counts) > 1:
         by_record = row_leaves(batch, records=True)
         if len(by_record) < len(rows):
             return by_record, True
+    elif counts and _holds_dict_records(batch):
+        # one count, and a list of one dict per row beside it: every image has as many boxes as the batch has images
+        # (images stacked in one [B, 3, H, W] tensor, DETR's pixel_values). Read on the tensors' dim 0, every part would
+        # get all B target dicts cut to its own rows' boxes, and a detector pairs image i with targets[i]: it trained
+        # on other images' boxes, silently. Where the dicts, counted by their number, give that same count, they are
+        # the rows, as in every other batch of the run whose box counts differ.
+        by_record = row_leaves(batch, records=True)
+        if len(by_record) < len(rows) and {n for _, n in by_record} == counts:
+            return by_record, True
     return rows, False
+
+
+def _holds_dict_records(batch: Any) -> bool:
+    """Whether the batch holds a list of one dict of tensors per row (``record_list``: torchvision's targets, DETR's
+    ``labels``), inside dataclasses and mappings that are not dicts too."""
+    if batch is None:
+        return False
+    _, leaves, _ = _tree.flatten_with_paths(batch, is_leaf=record_list)
+    for x in leaves:
+        children = _children(x)
+        if children is not None:
+            if any(_holds_dict_records(child) for child in children.values()):
+                return True
+        elif record_list(x) and isinstance(x[0], dict):
+            return True
+    return False
 
 
 def _joined(prefix: str, path: str) -> str:
