@@ -443,3 +443,66 @@ def test_a_bound_module_that_cannot_be_copied_for_each_rank_is_named():
     one = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(1))
     one(one.init(fzero.params_of(model)), _batches(1)[0])  # one rank: written where it is, as in PyTorch
     assert model.counter.count == 8
+
+
+class _Held(nn.Module):
+    """A Counter the forward counts in, a tensor it only reads, and two objects ``loss_fn`` writes outside the modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 1)
+        self.sizes = collections.Counter()
+        self.table = torch.arange(float(WIDTH))  # read only (as a rotary table held as a plain attribute)
+        self.log = {"losses": []}
+        self.ema = torch.zeros(())
+
+    def forward(self, x):
+        self.sizes[x.shape[0]] += 1
+        return self.lin(x * self.table)[:, 0].square().mean()
+
+
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+def test_a_local_mesh_rank_writes_back_a_counter_as_counts_and_no_copy_it_left_over_what_loss_fn_wrote(autodiff):
+    """Rank 0's copies written back: a Counter's counts (its update() of (key, value) pairs counted the pairs as keys),
+    under torch.func too (requires_grad_(False) on a tensor's copy was refused inside torch.func.grad); and a copy the
+    rank left as it was does not overwrite what loss_fn wrote on the module's own objects (a list in a dict lost every
+    entry, a tensor went back to its old value)."""
+    import threading
+
+    model, lock = _Held(), threading.Lock()  # the lock: the two rank threads' adds must not race in the test itself
+
+    def loss_fn(params, x):
+        loss = fzero.apply(model, params, x)
+        model.log["losses"].append(x.shape[0])
+        if autodiff == "autograd":  # (torch.func.grad refuses an in-place write on a captured tensor)
+            with torch.no_grad(), lock:
+                model.ema.add_(1.0)
+        return loss
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2), autodiff=autodiff)
+    state = step.init(fzero.params_of(model))
+    for x in _batches(3):
+        state, _ = step(state, x)
+    assert model.sizes == collections.Counter({4: 3})  # rank 0's rows
+    assert model.log == {"losses": [4] * 6}  # both rank threads', written where they are
+    assert float(model.ema) == (6.0 if autodiff == "autograd" else 0.0)
+    assert torch.equal(model.table, torch.arange(float(WIDTH)))
+
+
+def test_a_tensor_computed_from_the_modules_params_is_refused_on_a_local_mesh_of_two_ranks_as_on_one():
+    """A public tensor with a graph back to the module's own parameters (not the state's) is refused as on one rank:
+    the rank's copy of it had been a detached clone, which trained silently on a constant."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, 1)
+            self.alpha = self.lin.weight.sum() * 0 + 1
+
+        def forward(self, x):
+            return (self.lin(x) * self.alpha).square().mean()
+
+    model = Scaled()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match="the module's own parameters"):
+        step(step.init(fzero.params_of(model)), _batches(1)[0])

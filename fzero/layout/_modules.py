@@ -444,15 +444,44 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
             items = [_private(x, memo) for x in c]
             c.clear()
             c.extend(items)
+        # the copy's entries as made: one the call left so is not written back over what loss_fn (or another path to
+        # ``v``) wrote on ``v`` itself during the call
+        memo[id(v)] = (c, v, dict(c) if isinstance(c, dict) else set(c) if kind is set else list(c))
         return c
     if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+        if v.requires_grad and not v.is_leaf:  # computed from the user's tensors: shared, as before, so that a loss it
+            return v                           # reaches is refused as on one rank (a detached copy trained silently)
         c = v.detach().clone()
-        memo[id(v)] = (c.requires_grad_(v.requires_grad) if v.is_leaf else c, v)
-        return memo[id(v)][0]
+        if v.requires_grad:  # never requires_grad_(False): under torch.func.grad any requires_grad_ call is refused
+            c.requires_grad_()
+        memo[id(v)] = (c, v, _version(v))  # v's version now: a write on v by another path (loss_fn, a private name)
+        return c
     if kind is tuple:
         items = tuple(_private(x, memo) for x in v)
         return items if any(a is not b for a, b in zip(items, v)) else v
     return v
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None where it has none (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _written(c: torch.Tensor, o: torch.Tensor, base: int | None) -> bool:
+    """Whether this rank's copy ``c`` of the tensor ``o`` (at version ``base`` when copied) holds a write of the call:
+    written in place (a fresh clone's version counter starts at 0), or, where nothing else wrote ``o`` meanwhile, values
+    other than ``o``'s (a write no counter sees: ``.data``, a kernel's in-place statistics). A copy left as it was never
+    writes its old values over ``o``: what ``loss_fn`` or a private name of the module wrote on ``o`` itself stays."""
+    if o.is_meta:
+        return False
+    if _version(c):
+        return True
+    if base is not None and _version(o) != base:
+        return False
+    return o.shape != c.shape or o.dtype != c.dtype or o.device != c.device or not torch.equal(o, c)
 
 
 def _private_module(m: nn.Module, memo: dict[int, tuple[Any, Any]]) -> nn.Module:
@@ -478,11 +507,10 @@ def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
     """Write rank 0's copies (``_private``, ``_private_module``) into the objects they copy, in place: a container's
     entries (each entry copied written back as the object it copies), a tensor's values, a module's state. Returns
     the map from a copy to what it copies (anything else: itself, detached if a tensor) for ``Writes.keep``."""
-    originals = {id(c): o for c, o in memo.values()}
+    originals = {id(c): o for c, o, *_ in memo.values()}
     # the tensors whose values the call changed, all found before any is written (two views of one tensor are copied
-    # apart, and the one left as it was must not write its old values over the other's; nobody wrote ``o`` meanwhile)
-    changed = {id(c) for c, o in memo.values() if isinstance(o, torch.Tensor) and not o.is_meta
-               and (o.shape != c.shape or o.dtype != c.dtype or o.device != c.device or not torch.equal(o, c))}
+    # apart, and the one left as it was must not write its old values over the other's)
+    changed = {id(c) for c, o, *base in memo.values() if isinstance(o, torch.Tensor) and _written(c, o, base[0])}
 
     def back(x: Any) -> Any:
         if type(x) is tuple:  # rebuilt by _private around copied entries
@@ -490,7 +518,7 @@ def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
         o = originals.get(id(x), _GONE)
         return _detached(x) if o is _GONE else o
 
-    for c, o in memo.values():
+    for c, o, *base in memo.values():
         if isinstance(o, nn.Module):
             _keep_module(o, c, back)
         elif isinstance(o, torch.Tensor):
@@ -501,9 +529,12 @@ def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
                     o.set_(_detached(c))
                 else:
                     o.copy_(c)
+        elif base and _same_entries(base[0], dict(c) if isinstance(c, dict) else list(c) if type(c) is collections.deque else c):
+            continue  # a container this rank left as it was copied
         elif isinstance(o, dict):
+            entries = {k: back(x) for k, x in c.items()}
             o.clear()
-            o.update((k, back(x)) for k, x in c.items())
+            o.update(entries)  # a mapping: a Counter's update(iterable) counts the (key, value) pairs as elements
         elif type(o) is list:
             o[:] = [back(x) for x in c]
         else:  # a set, a deque
