@@ -424,3 +424,74 @@ def test_parametrize_cached_on_a_local_mesh_of_several_ranks_is_refused(stages):
                                                                r"rank of a local_mesh of several ranks, and 'blocks.0'"):
         step(state, batch)
     state, _ = step(state, batch)  # without it: trains
+
+
+class _CheckpointedStage(torch.nn.Module):
+    """A unit of two blocks, each run through torch.utils.checkpoint (non-reentrant), as timm's
+    ``set_grad_checkpointing()`` runs the blocks of a ConvNeXt or Swin stage (the unit)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.BatchNorm1d(d))
+                                            for _ in range(2)])
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return torch.tanh(x)
+
+
+class _CheckpointedNet(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.stages = torch.nn.ModuleList([_CheckpointedStage(d), _CheckpointedStage(d)])
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_remat_unit_with_checkpoint_inside(stages, ranks):
+    """compile(remat=True) over units that run torch.utils.checkpoint inside (timm's set_grad_checkpointing() on a
+    ConvNeXt or Swin, whose units are stages of several blocks): the checkpoint calls its blocks again while remat's
+    recompute takes its product. At stages 2-3 that found the unit's params meta again ("was given a unit's parameter
+    ... outside that unit's call"), where PyTorch trains it; and the blocks' BatchNorm running stats must be updated
+    again by that call, as PyTorch's checkpoint does (it had updated a copy at stages 0-1 with the first fix). Params and
+    state_dict after 3 SGD steps against eager PyTorch with DDP's averaging."""
+    torch.manual_seed(0)
+    model = _CheckpointedNet()
+    replicas = [_CheckpointedNet() for _ in range(ranks)]
+    for rep in replicas:
+        rep.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(3)]
+    opt = torch.optim.SGD(replicas[0].parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        for rep in replicas[1:]:  # DDP: rank 0's params and buffers at every step
+            rep.load_state_dict(replicas[0].state_dict())
+        grads = []
+        for rep, xs, ys in zip(replicas, x.chunk(ranks), y.chunk(ranks)):
+            rep.zero_grad()
+            F.cross_entropy(rep(xs), ys).backward()
+            grads.append([p.grad for p in rep.parameters()])
+        for p, gs in zip(replicas[0].parameters(), zip(*grads)):
+            p.grad = sum(gs) / ranks
+        opt.step()
+    expected = replicas[0].state_dict()
+
+    step = fzero.compile(lambda p, b: F.cross_entropy(fzero.apply(model, p, b[0]), b[1]),
+                         optimizer=fzero.optim.sgd(0.1, momentum=0.9), stages=stages, mesh=fzero.local_mesh(ranks),
+                         remat=True)
+    state = step.init(fzero.params_of(model))
+    for batch in batches:
+        state, _ = step(state, batch)
+    got = step.state_dict(state, model)
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")

@@ -42,7 +42,7 @@ from fzero.step import (
     as_in_forward,
     current_buffers,
     current_compute_dtype,
-    outside_step_scope,
+    recompute_scope,
     recording,
     replaying,
 )
@@ -480,14 +480,16 @@ class _RematBackward(Function):
         # stream, ordered before the recompute that reads it.
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
         leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
-        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), outside_step_scope(), \
+        # The product is taken in the recompute's context and scope: a torch.utils.checkpoint inside fn calls its layers
+        # again during it, and they must find what the recompute ran with (recompute_scope).
+        with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), recompute_scope(), \
                 as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
             outs = call.run(leaves)
-        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
-        wrt = [x for x, need in zip(leaves, call.diff) if need]
-        grads = [None] * len(wrt)
-        if pairs:
-            grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+            pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+            wrt = [x for x, need in zip(leaves, call.diff) if need]
+            grads = [None] * len(wrt)
+            if pairs:
+                grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
         del outs, pairs, leaves, ins  # the recomputed graph is freed here, before the caller's backward goes on
         call.unused = [g is None for g in grads]
         # placeholders for unused inputs (_RematForward.backward turns them into None); a Function must not

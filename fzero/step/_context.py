@@ -119,15 +119,29 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
         with bound(module, tensors):
             return run(*args, **kwargs)
+    if current_context().replay:  # a remat recompute: see live_buffers
+        with bound(module, tensors):
+            out = run(*args, **kwargs)
+        scope.enter_context(bound(module, live_buffers(tensors)))
+        return out
     scope.enter_context(bound(module, tensors))
     return run(*args, **kwargs)
 
 
+def current_scope() -> "contextlib.ExitStack | None":
+    """The scope that ``call_module`` keeps a module's tensors in: the step's, or a remat recompute's own."""
+    return current_context().scope
+
+
 @contextlib.contextmanager
-def outside_step_scope() -> Iterator[None]:
-    """For fzero.remat's own recompute, which needs no module to keep its tensors (and must not keep a
-    stage-3 unit's gathered buffer alive until the step ends)."""
-    with with_context(scope=None):
+def recompute_scope() -> Iterator[None]:
+    """For fzero.remat's own recompute and the vector-Jacobian product it takes: a scope of its own, closed when
+    that product is taken, so a module keeps the tensors the recompute bound (``call_module``; a stage-3 unit its
+    gathered params) while the product runs, and no longer (a stage-3 unit's gathered buffer is not kept alive
+    until the step ends). The product needs them where the recomputed function has a ``torch.utils.checkpoint`` of
+    its own inside (timm's ``set_grad_checkpointing()`` in a unit of several blocks): that checkpoint calls its
+    layers again during the product, which read meta tensors at stages 2-3 when the binding had already ended."""
+    with contextlib.ExitStack() as stack, with_context(scope=stack):
         yield
 
 
@@ -185,7 +199,12 @@ def as_in_forward(bank: Any, dtype: "torch.dtype | None") -> Iterator[None]:
 
 class Snapshots(dict):
     """``{id(live buffer): (live buffer, its value when the forward first handed it out)}``, for one remat call
-    (the live tensor is kept so that its id stays its own)."""
+    (the live tensor is kept so that its id stays its own); ``handed``: ``{id(copy): (copy, live buffer)}`` of the
+    copies the recompute was handed (``buffers_for_run``), for ``live_buffers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @contextlib.contextmanager
@@ -208,11 +227,28 @@ def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if snapshots is None or not buffers:
         return buffers
     if current_context().replay:
-        return {k: snapshots[id(v)][1].clone() if id(v) in snapshots else v for k, v in buffers.items()}
+        out = {k: snapshots[id(v)][1].clone() if id(v) in snapshots else v for k, v in buffers.items()}
+        for k, v in buffers.items():
+            if out[k] is not v:
+                snapshots.handed[id(out[k])] = (out[k], v)
+        return out
     for v in buffers.values():
         if id(v) not in snapshots:
             snapshots[id(v)] = (v, v.detach().clone())
     return buffers
+
+
+def live_buffers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each buffer copy a remat recompute was handed (``buffers_for_run``) replaced by the step's live
+    buffer it copies: what a module holds while remat's product is taken (``recompute_scope``). A
+    ``torch.utils.checkpoint`` inside the recomputed function calls its layers again then, and PyTorch's recompute
+    writes the live buffers (a BatchNorm's running stats are updated once more, as in an eager step with that
+    checkpoint); the recompute itself ran on the copies, so that it never writes them twice."""
+    snapshots = current_context().snapshots
+    if snapshots is None or not snapshots.handed:
+        return tensors
+    return {k: snapshots.handed[id(v)][1] if id(v) in snapshots.handed and snapshots.handed[id(v)][0] is v else v
+            for k, v in tensors.items()}
 
 
 # -- usage ---------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from torch import nn
 from fzero.autodiff import remat
 from fzero.layout import Binding, bound, Layout, Unit, pytrees as _tree, split_sizes
 from fzero.mesh import events as _events, Function, GatherBucket, Pending, profiled
-from fzero.step import Pool, alloc_memory, can_move, forget, free_memory, give, move_into, take, usage as _usage
+from fzero.step import (current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
+                         take, usage as _usage)
 
 
 class UnitCall:
@@ -379,7 +380,17 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     shard = params.inputs[unit.name]
     if params.remat and torch.is_grad_enabled():
         def unit_forward(shard, /, *args, **kwargs):  # gathers again when remat recomputes it
-            return call.run(_UnitGather.apply(shard, call, False, _usage.active(unit)), args, kwargs)
+            views = _UnitGather.apply(shard, call, False, _usage.active(unit))
+            scope = current_scope()
+            if not torch.is_grad_enabled() or scope is None:
+                return call.run(views, args, kwargs)
+            # the recompute: the unit keeps its params until remat's product is taken (recompute_scope), for a
+            # torch.utils.checkpoint inside the unit, which calls its layers again then
+            out = call.run(views, args, kwargs, keep=True)
+            call.tensors = live_buffers(call.tensors)
+            call.bind()
+            scope.callback(call.done)
+            return out
 
         unit_forward.__qualname__ = f"unit {unit.name!r}"
         return remat(unit_forward)(shard, *args, **kwargs)
