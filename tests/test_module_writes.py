@@ -506,3 +506,45 @@ def test_a_tensor_computed_from_the_modules_params_is_refused_on_a_local_mesh_of
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x), optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
     with pytest.raises(ValueError, match="the module's own parameters"):
         step(step.init(fzero.params_of(model)), _batches(1)[0])
+
+
+class _DrawsFromItsGenerator(nn.Module):
+    """Noise drawn in the forward from a ``torch.Generator`` the module holds (``generator=self.gen``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        x = x + torch.randn(x.shape, generator=self.gen)
+        return self.blocks[1](self.blocks[0](x))
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_generator_the_module_holds_is_each_ranks_own_on_a_local_mesh_of_two_ranks(stages):
+    """Found by the diffusers sweep: the rank threads of a local_mesh(2) shared the module's generator, so the ranks drew
+    from one stream in the order the threads ran, where each torchrun process draws from its own copy (seeded alike):
+    3e-2 off DDP after 3 SGD steps, varying from run to run. Now each rank copies it, as a tensor the module holds, and
+    rank 0's is written back."""
+    x = torch.randn(3, 4, WIDTH, generator=torch.Generator().manual_seed(1))
+    ref = _DrawsFromItsGenerator()  # DDP: each rank's replica with its own generator, seeded alike
+    gens = [torch.Generator().manual_seed(5) for _ in range(2)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in x:
+        opt.zero_grad()
+        for r, rows in enumerate(b.chunk(2)):
+            ref.gen = gens[r]
+            (ref(rows).pow(2).mean() / 2).backward()
+        opt.step()
+    model = _DrawsFromItsGenerator()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    for b in x:
+        state, _ = step(state, b)
+    full = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(model.gen.get_state(), gens[0].get_state())  # rank 0's generator, as torchrun's rank 0 holds it

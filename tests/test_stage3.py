@@ -295,8 +295,8 @@ def test_a_weight_inside_a_unit_used_outside_it_is_refused_in_the_step_and_in_ev
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3)
     state = step.init(fzero.params_of(model))
-    match = (r"fzero.Step: loss_fn\(params, batch\) raised RuntimeError: linear\(\) was given a unit's parameter of shape "
-             r"\(4, 4\) outside that unit's call(.|\n)*self.blocks\[0\]\[0\].weight(.|\n)*units=fzero.units_of")
+    match = (r"fzero.Step: loss_fn\(params, batch\) raised RuntimeError: linear\(\) was given the parameter 'blocks.0.0.weight' "
+             r"\(shape \(4, 4\)\) of unit 'blocks.0' outside that unit's call(.|\n)*self.blocks\[0\]\[0\].weight(.|\n)*units=fzero.units_of")
     with pytest.raises(RuntimeError, match=match):
         step.evaluate(state, x)
     with pytest.raises(RuntimeError, match=match):
@@ -305,6 +305,40 @@ def test_a_weight_inside_a_unit_used_outside_it_is_refused_in_the_step_and_in_ev
     for stages, units in ((2, None), (3, ("blocks.1",))):
         step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, units=units)
         assert step.evaluate(step.init(fzero.params_of(model)), x)["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+class _ReadsASubmoduleOfTheFirstBlockAfterTheLoop(torch.nn.Module):
+    """As diffusers' DiTTransformer2DModel: after its blocks, the output layer's conditioning is computed by
+    ``self.transformer_blocks[0].norm1.emb(...)``, a submodule of the first block (a default unit) called outside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.blocks[1](self.blocks[0](x))
+        return h * self.blocks[0][1](x)
+
+
+def test_a_unit_submodule_called_outside_its_unit_is_named_in_the_error():
+    """Found by the diffusers sweep: DiT at stage 3 with its default units failed with "linear() was given a unit's
+    parameter of shape (16, 256) outside that unit's call", which named neither the parameter nor its unit, so the model's
+    ~100 params and 2 units left the user to guess which module to keep out of the units. Now the error names both."""
+    model = _ReadsASubmoduleOfTheFirstBlockAfterTheLoop()
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3)
+    state = step.init(fzero.params_of(model))
+    match = r"linear\(\) was given the parameter 'blocks.0.1.weight' \(shape \(4, 4\)\) of unit 'blocks.0' outside that unit's call"
+    with pytest.raises(RuntimeError, match=match):
+        step(state, x)
+    expected = loss_fn(dict(model.named_parameters()), x).item()
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, units=("blocks.1",))  # what the error points to
+    assert step.evaluate(step.init(fzero.params_of(model)), x)["loss"] == pytest.approx(expected, rel=1e-6)
 
 
 class _UnitWeightTiedOutside(torch.nn.Module):
@@ -336,7 +370,8 @@ def test_a_unit_weight_tied_to_a_module_outside_the_unit_is_refused_naming_the_t
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2))
     state = step.init(fzero.params_of(model))
-    match = (r"linear\(\) was given a unit's parameter of shape \(4, 4\) outside that unit's call(.|\n)*unit 'blocks.0' uses "
+    match = (r"linear\(\) was given the parameter 'blocks.0.weight' \(shape \(4, 4\)\) of unit 'blocks.0' outside that unit's "
+             r"call(.|\n)*unit 'blocks.0' uses "
              r"parameter 'blocks.0.weight', which is tied to \['out.weight'\] outside the unit(.|\n)*units=... without \['blocks.0'\]")
     with pytest.raises(RuntimeError, match=match):
         step(state, x)

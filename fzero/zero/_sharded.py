@@ -319,6 +319,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         trainable = set(shapes)
         owned = _own_trainable(every, [unit.name + "." for unit in layout.units if unit.name != ROOT])
         tied_names = _tie_groups(every)
+        by_name: dict[str, torch.Tensor] = {n: p for n, p in every if isinstance(p, _StandIn)}
         for unit in layout.units:
             unknown = [s.path for s in unit.slots if s.path not in trainable]
             if unknown:
@@ -354,6 +355,11 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             if missing:
                 raise ValueError(_tied_outside(api, unit.name, missing[0], every, layout))
             for s in unit.slots:  # the other way round: a unit's param that a module outside the unit holds too
+                # named in the error of an op given this stand-in outside its unit's call (a DiT's final layer reading
+                # transformer_blocks[0].norm1.emb)
+                placeholder = by_name.get(s.path)
+                if placeholder is not None:
+                    placeholder.__dict__["_fz_where"] = (unit.name, s.path)
                 names = tied_names.get(s.path)
                 if names is not None and any(not n.startswith(unit.name + ".") for n in names):
                     # refused where that module uses it (a tie whose other holder never runs trains as it is): the
@@ -390,10 +396,13 @@ class _StandIn(nn.Parameter):
                 return func(*args, **(kwargs or {}))
         stand_in = next((a for a in tensors if isinstance(a, _StandIn)), None)
         shape = "?" if stand_in is None else tuple(stand_in.shape)
+        where = None if stand_in is None else stand_in.__dict__.get("_fz_where")
+        what = (f"parameter {where[1]!r} (shape {shape}) of unit {where[0]!r}" if where
+                else f"unit's parameter of shape {shape}")
         # a weight of a unit tied to a module outside it (Bart's model.shared as a unit, read as encoder.embed_tokens)
         tied = "" if stand_in is None else stand_in.__dict__.get("_fz_tied", "")
         # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
-        raise RuntimeError(f"{getattr(func, '__name__', func)}() was given a unit's parameter of shape {shape} outside that "
+        raise RuntimeError(f"{getattr(func, '__name__', func)}() was given the {what} outside that "
                            f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
 
 
