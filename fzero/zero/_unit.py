@@ -468,6 +468,10 @@ class _UnitGather(Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if not ctx.free_after:  # a remat recompute's product: every use of the params is behind it (a
+            # torch.utils.checkpoint inside the unit has called its layers again), so the unit lets go of them now, as
+            # reduce() does at free_after; held until the product ends, the buffer lived beside the gradient's join
+            ctx.call.done()
         flat = _usage.join(grads, ctx.sizes, ctx.used, ctx.like, pool=ctx.call.params.pool)
         if ctx.call.params.sink is not None:  # plain autograd: the reduction in flight while the next unit's backward runs
             ctx.call.reduce(flat, free_after=ctx.free_after, sink=ctx.call.params.sink)
