@@ -273,8 +273,7 @@ class _Cloner:
         own_callable = False
         for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
             kind = type(v)
-            if private is not None and k[:1] != "_" and (kind in _PRIVATE or kind is tuple or isinstance(v, torch.Tensor)
-                                                          or kind is torch.Generator):
+            if private is not None and k[:1] != "_" and (kind in _COPIED or isinstance(v, torch.Tensor)):
                 c = d[k] = _private(v, private)  # one rank of several in this process: its own objects, all through
                 if c is not v:
                     self.copies[id(c)] = (c, v)
@@ -397,7 +396,7 @@ class Writes:
                 if v is _GONE:
                     d.pop(k, None)
                 elif type(v) in _CONTAINERS:
-                    v = type(v)((key, back(x)) for key, x in v.items()) if isinstance(v, dict) else type(v)(map(back, v))
+                    v = _entries_mapped(v, back)
                     if not in_place:
                         d[k] = v
                     elif type(v) is list:
@@ -409,6 +408,11 @@ class Writes:
                     d[k] = _detached(v)
         self.changed, self.copies = {}, {}
         self.private = None if self.private is None else {}
+
+
+def _entries_mapped(v: Any, fn: Callable[[Any], Any]) -> Any:
+    """A new built-in container of ``v``'s type whose entries (a dict's values) are ``fn`` of ``v``'s."""
+    return type(v)((k, fn(x)) for k, x in v.items()) if isinstance(v, dict) else type(v)(map(fn, v))
 
 
 def _detached(v: Any) -> Any:
@@ -423,6 +427,7 @@ def _detached(v: Any) -> Any:
 # what a rank of several in one process copies (``_private``): the built-in containers and the standard library's
 # mutable collections a forward appends to or counts in, tensors and ``torch.Generator``s; any other object is shared
 _PRIVATE = frozenset({dict, OrderedDict, list, set, collections.defaultdict, collections.Counter, collections.deque})
+_COPIED = _PRIVATE | {tuple, torch.Generator}  # what ``_private`` may copy, tensors aside (a tensor subclass is one)
 
 
 def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
@@ -548,9 +553,12 @@ def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
             o.update(entries)  # a mapping: a Counter's update(iterable) counts the (key, value) pairs as elements
         elif type(o) is list:
             o[:] = [back(x) for x in c]
-        else:  # a set, a deque
+        elif type(o) is collections.deque:
             o.clear()
-            o.extend(back(x) for x in c) if type(o) is collections.deque else o.update(back(x) for x in c)
+            o.extend(back(x) for x in c)
+        else:  # a set
+            o.clear()
+            o.update(back(x) for x in c)
     return back
 
 
@@ -565,8 +573,7 @@ def _keep_module(original: nn.Module, copy_: nn.Module, back: Callable[[Any], An
             if k == "_modules":
                 stack.extend((od["_modules"][n], sub) for n, sub in v.items() if sub is not None and od["_modules"].get(n) is not None)
             elif k not in _TREE and not _bound_to(v, c):
-                od[k] = (type(v)((key, back(x)) for key, x in v.items()) if type(v) in (dict, OrderedDict) else
-                         type(v)(back(x) for x in v) if type(v) in (list, set) else back(v))
+                od[k] = _entries_mapped(v, back) if type(v) in _CONTAINERS else back(v)
 
 
 def _names_a_module(v: Any) -> bool:

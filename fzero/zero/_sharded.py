@@ -364,8 +364,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                 if names is not None and any(not n.startswith(unit.name + ".") for n in names):
                     # refused where that module uses it (a tie whose other holder never runs trains as it is): the
                     # stand-in's error names the tie and the fix (_StandIn)
-                    stand_in = next(p for n, p in every if n == s.path)
-                    stand_in.__dict__["_fz_tied"] = _tied_outside(api, unit.name, s.path, every, layout)
+                    by_name[s.path].__dict__["_fz_tied"] = _tied_outside(api, unit.name, s.path, every, layout)
             sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
             sub.__dict__["_fz"] = (unit, params)
     return skel
@@ -435,11 +434,8 @@ def _tied_outside(api: str, unit: str, path: str, every: list[tuple[str, torch.T
 
     # every unit in a tie that crosses units, this one's and any other's: a fix naming this tie's alone failed next
     # on the next tie (an encoder-decoder sharing each layer's attention: layer.0's named, then layer.1's)
-    owners: dict[int, set[str]] = {}
-    for name, p in every:
-        if p.requires_grad:
-            owners.setdefault(id(p), set()).add(owner(name))
-    holders = {unit} | {owner(name) for name in tied} | {u for group in owners.values() if len(group) > 1 for u in group}
+    owners = [{owner(name) for name in names} for names in _tie_groups(every).values()]
+    holders = {unit} | {owner(name) for name in tied} | {u for group in owners if len(group) > 1 for u in group}
     holders.discard(ROOT)
     return (f"{api}: unit {unit!r} uses parameter {path!r}, which is tied to {tied} outside the unit (one tensor). A "
             f"unit must own all its parameters: make the tied modules one unit (a module that holds them all), or leave "
