@@ -33,6 +33,8 @@ from fzero.layout import empty_params, units_of
 from fzero.step import (
     buffers_of,
     apply,
+    free_frozen,
+    frozen_of,
     params_of,
     DynamicLossScale,
     Precision,
@@ -95,6 +97,8 @@ __all__ = [
     "ops",
     "optim",
     "params_of",
+    "free_frozen",
+    "frozen_of",
     "remat",
     "remat_units",
     "shard_grads",

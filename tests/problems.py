@@ -7,6 +7,7 @@ whose gradient is rounding noise), so Adam parity holds on every parameter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -180,15 +181,40 @@ def reference_run(problem: Problem, *, fused: bool) -> tuple[list[dict[str, torc
     return history, losses
 
 
-def fzero_run(problem: Problem, *, stages: int, mesh, unit_elements: int = 2048, meta_params: bool = False, **settings):
+def gathered_per_rank(ranks: int = 2) -> tuple[Any, dict[int, Any]]:
+    """A ``local_mesh(ranks)`` whose rank r counts its gathered stage-3 buffers (``fzero.memory.GatheredBytes``) in the
+    returned dict's entry r."""
+    from fzero.memory import GatheredBytes
+
+    peaks: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def per_rank(rank):
+        with GatheredBytes() as g:
+            peaks[rank] = g
+            yield
+
+    return dataclasses.replace(fzero.local_mesh(ranks), rank_context=per_rank), peaks
+
+
+def fzero_run(problem: Problem, *, stages: int, mesh, unit_elements: int = 2048, meta_params: bool = False,
+              shard_frozen: bool = False, **settings):
     """fzero with the same hyper-parameters. Params after each step, and the metrics of each step.
 
-    ``meta_params``: pass shapes only (meta tensors) to ``init``, as ranks other than 0 may under dist_mesh."""
+    ``meta_params``: pass shapes only (meta tensors) to ``init``, as ranks other than 0 may under dist_mesh.
+    ``shard_frozen``: freeze the model's matrices first and shard them (stage 3, ``init(..., frozen=...)``), the
+    module's own copies emptied (``fzero.free_frozen``)."""
     opt = fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     step = fzero.compile(problem.loss_fn, optimizer=opt, stages=stages, mesh=mesh,
                          **({"unit_elements": unit_elements} if stages < 2 else {}), **settings)
+    if shard_frozen:
+        for p in problem.model.parameters():
+            p.requires_grad_(p.dim() < 2)
     params = fzero.params_of(problem.model)
-    state = step.init({k: v.to("meta") for k, v in params.items()} if meta_params else params)
+    state = step.init({k: v.to("meta") for k, v in params.items()} if meta_params else params,
+                      frozen=fzero.frozen_of(problem.model) if shard_frozen else None)
+    if shard_frozen:
+        fzero.free_frozen(problem.model, state)
     history, metrics = [], []
     for b in problem.batches:
         state, m = step(state, b)

@@ -18,8 +18,8 @@ import torch
 
 import fzero
 from fzero.estimate import main as estimate_cli
-from fzero.memory import GatheredBytes, LiveBytes, state_bytes
-from problems import gpt_problem, mlp_problem
+from fzero.memory import LiveBytes, state_bytes
+from problems import gathered_per_rank, gpt_problem, mlp_problem
 
 GB = 1e9
 WIDTH, LAYERS = 128, 32
@@ -123,15 +123,7 @@ def test_estimate_of_offload_agrees_with_live_bytes_in_one_memory(tmp_path, stag
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gathered_working_set_is_what_stage_3_gathers(precision):
     prob = gpt_problem(steps=2, batch=2)  # 2 blocks and a root unit (embeddings, final norm)
-    peaks = {}
-
-    @contextlib.contextmanager
-    def per_rank(rank):
-        with GatheredBytes() as g:
-            peaks[rank] = g
-            yield
-
-    mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=per_rank)
+    mesh, peaks = gathered_per_rank(2)
     step = fzero.compile(prob.loss_fn, stages=3, mesh=mesh, precision=precision)
     state = step.init(fzero.params_of(prob.model))
     for b in prob.batches:

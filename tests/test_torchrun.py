@@ -42,6 +42,19 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
 
 
 @pytest.mark.torchrun
+def test_torchrun_with_sharded_frozen_params_equals_local_mesh_bitwise(tmp_path, one_thread):
+    """Stage 3 with the GPT's matrices frozen and sharded (``init(..., frozen=...)``, the module's emptied): each
+    process keeps its own shard of them and gathers them with their units, as each rank of a local mesh does."""
+    dist = run_torchrun(tmp_path, "gpt", 3, "--shard-frozen")
+    local, metrics = fzero_run(PROBLEMS["gpt"](), stages=3, mesh=fzero.local_mesh(2), shard_frozen=True)
+    assert len(dist["history"]) == len(local) == 5
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
+    assert any(label and label.endswith(":frozen") for label in dist["gathers"])  # the frozen params' own gathers
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [0, 3])
 def test_torchrun_under_torch_func_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
     """autodiff="func" runs the first step's structure check inside torch.func.grad, whose tensors have no storage:

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--collectives", choices=("auto", "native", "p2p"), default="auto")
     parser.add_argument("--bucket-elements", type=int, default=0)
     parser.add_argument("--autodiff", choices=("autograd", "func"), default=None)
+    parser.add_argument("--shard-frozen", action="store_true", help="freeze the matrices and shard them (init's frozen=)")
     args = parser.parse_args()
     mesh = fzero.count_collectives(fzero.dist_mesh(collectives=args.collectives))
     prob = PROBLEMS[args.problem]()
@@ -39,10 +40,12 @@ def main() -> None:
         extra["bucket_elements"] = args.bucket_elements
     if args.autodiff:
         extra["autodiff"] = args.autodiff
-    history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, meta_params=args.meta_init and mesh.rank != 0, **extra)
+    history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, meta_params=args.meta_init and mesh.rank != 0,
+                                 shard_frozen=args.shard_frozen, **extra)
     calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
     if mesh.rank == 0:
-        torch.save({"history": history, "metrics": metrics, "calls": calls, "world": mesh.size}, args.out)
+        gathers = [c.label for c in mesh.counter.calls if c.rank == mesh.rank and c.op == "all_gather"]
+        torch.save({"history": history, "metrics": metrics, "calls": calls, "gathers": gathers, "world": mesh.size}, args.out)
     # every rank tears down together: a rank that destroys its gloo group while the other is still in (or just
     # past) the last collective can abort in C++ ("terminate called without an active exception") under load
     torch.distributed.barrier()

@@ -11,6 +11,7 @@ that comes from elsewhere (a pretrained checkpoint under a LoRA adapter).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -21,13 +22,15 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._state import dtype_name
 
 
-def frozen_of(model: Any, *, api: str) -> dict[str, torch.Tensor]:
-    """``model``'s frozen parameters by name (a tied one once, under its first name, as ``named_parameters``)."""
+def frozen_of(model: Any, *, api: str, held: Any = ()) -> dict[str, torch.Tensor]:
+    """``model``'s frozen parameters by name (a tied one once, under its first name, as ``named_parameters``).
+    ``held``: the names a state holds sharded (``step.init(..., frozen=...)``), which may be meta in the module
+    (``fzero.free_frozen``): their values come from the state."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{api}: model must be the nn.Module the state trains (its frozen parameters are saved with "
                         f"it), got {type(model).__name__}.")
     out = {name: p for name, p in model.named_parameters() if not p.requires_grad}
-    meta = [name for name, p in out.items() if p.is_meta]
+    meta = [name for name, p in out.items() if p.is_meta and name not in held]
     if meta:
         raise ValueError(f"{api}: the frozen parameters {meta[:4]} of {type(model).__name__} are meta tensors, with no "
                          f"values to save. Give them values first (load the pretrained weights they come from), or save "
@@ -64,9 +67,12 @@ def _host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: t.detach().cpu()
 
 
-def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list[_dcp.Dest]], None], *, api: str) -> None:
-    """The checkpoint's frozen parameters into ``model``'s, by name, strict: the same names, shapes, and frozen.
-    ``read(dests)`` reads the checkpoint's tensors into the given views."""
+def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list[_dcp.Dest]], None], *, api: str,
+              held: Any = ()) -> dict[str, torch.Tensor]:
+    """The checkpoint's frozen parameters into ``model``'s, by name, strict: the same names, shapes, and frozen; returns
+    them by name. ``read(dests)`` reads the checkpoint's tensors into the given views. ``held``: the names the state
+    holds sharded (``step.init(..., frozen=...)``): a meta one in the module (``fzero.free_frozen``) gets its value in
+    the state alone (``into_state``)."""
     saved = info.get("frozen")
     if model is None:
         if saved:
@@ -76,8 +82,8 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
                 f"was saved with (save(..., model=model)); pass that model, load(path, like=..., model=model), so that they "
                 f"go back into it: without them a run resumes on whatever values the module was built with."
             )
-        return
-    have = frozen_of(model, api=api)
+        return {}
+    have = frozen_of(model, api=api, held=held)
     if saved is None:
         if have:
             raise CheckpointError(
@@ -85,7 +91,7 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
                 f"{type(model).__name__} ({list(have)[:4]}{' ...' if len(have) > 4 else ''}); load it without model= and "
                 f"give the module those values as when the checkpoint was saved (the pretrained weights they came from)."
             )
-        return
+        return {}
     want = {f["name"]: f for f in saved}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
@@ -104,4 +110,35 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
     read([_dcp.Dest(f"frozen/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for n, t in values.items()])
     with torch.no_grad():
         for n, t in values.items():
-            have[n].copy_(t)
+            if not have[n].is_meta:
+                have[n].copy_(t)
+    return values
+
+
+def held_names(state: Any) -> list[str]:
+    """The frozen params ``state`` (a TrainState or RankStates) holds sharded."""
+    first = state.states[0] if hasattr(state, "states") else state
+    return [s.path for g in first.meta.layout.frozen for s in g.slots] if first.meta is not None else []
+
+
+def into_state(state: Any, values: dict[str, torch.Tensor]) -> Any:
+    """``state`` whose sharded frozen params (``step.init(..., frozen=...)``) are ``values`` (a checkpoint's, by name),
+    on every rank it holds: a run resumed with ``load(..., model=)`` trains on the frozen values the checkpoint saved,
+    as the module does, not on those the state was made from. Groups the checkpoint does not hold keep the state's."""
+    def one(s: Any) -> Any:
+        layout = s.meta.layout
+        frozen = dict(s.frozen)
+        for g in layout.frozen:
+            if not all(slot.path in values for slot in g.slots):
+                continue
+            shard = frozen[g.name]
+            flat = torch.zeros(g.padded, dtype=shard.dtype, device=shard.device)
+            for slot in g.slots:
+                flat[slot.offset : slot.offset + slot.numel].copy_(values[slot.path].reshape(-1))
+            lo, hi = g.shard_range(s.meta.rank, layout.world_size)
+            frozen[g.name] = flat[lo:hi].clone()
+        return dataclasses.replace(s, frozen=frozen)
+
+    if hasattr(state, "states"):
+        return type(state)(tuple(one(s) for s in state.states))
+    return one(state)

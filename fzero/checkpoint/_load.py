@@ -61,9 +61,13 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     api = "fzero.checkpoint.load"
     found, info, manifest = open_checkpoint(path, api, verify=verify)
     metadata = _dcp.read_metadata(found)
-    _frozen.load_into(model, found, info, lambda todo: _dcp.load(found, metadata, todo, check=manifest.check), api=api)
+    sharded = _frozen.held_names(like) if isinstance(like, (TrainState, RankStates)) else []
+    frozen = _frozen.load_into(model, found, info, lambda todo: _dcp.load(found, metadata, todo, check=manifest.check), api=api,
+                               held=sharded)
     made_by = _step_of(like)  # before _target copies a state: the copy is no step's
     target = _with_buffers(_target(like, info, found, api), info)
+    if sharded and frozen:  # the state holds the frozen params sharded: the checkpoint's values go there too
+        target = _frozen.into_state(target, frozen)
     states, distributed = held(target, api)
     if distributed:
         agree_on_checkpoint(Ranks(api, True), found, info, manifest, api=api)

@@ -23,6 +23,20 @@ from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
 from fzero.step import RankStates, TrainState
 
 
+def _frozen_values(state: Any, model: Any, api: str) -> dict[str, torch.Tensor]:
+    """``save(..., model=)``'s frozen params: the module's, and those the state holds sharded (``step.init(...,
+    frozen=...)``) from the state, exact (the module's may be emptied by ``fzero.free_frozen``)."""
+    held = _frozen.held_names(state)
+    out = _frozen.frozen_of(model, api=api, held=held)
+    if held:
+        step = step_of(state.states[0] if isinstance(state, RankStates) else state)
+        if step is None:
+            raise ValueError(f"{api}: the state holds frozen params sharded (frozen=), and with model= they are saved "
+                             f"whole, which needs the step that made the state; save a state a step returned or made.")
+        out.update(step.gather_frozen(state))
+    return out
+
+
 def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any = None, keep: int | None = None,
          model: Any = None) -> str:
     """Save ``state`` (a ``TrainState``, or a local mesh's ``RankStates``) and return the checkpoint directory.
@@ -43,7 +57,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     """
     api = "fzero.checkpoint.save"
     states, distributed = held(state, api)
-    frozen = None if model is None else _frozen.frozen_of(model, api=api)
+    frozen = None if model is None else _frozen_values(state, model, api)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{api}: keep must be None (path is the checkpoint) or an int >= 1 (checkpoints to keep in path), got {keep!r}.")
     try:

@@ -153,6 +153,7 @@ def estimate_memory(
     unit_elements: int = DEFAULT_UNIT_ELEMENTS,
     prefetch: bool = True,
     sub_group_size: int = DEFAULT_SUB_GROUP,
+    shard_frozen: bool = False,
 ) -> MemoryEstimate:
     """Per-rank bytes of ZeRO stage ``stages`` on ``world_size`` ranks, by category, on device, host and disk.
 
@@ -165,7 +166,9 @@ def estimate_memory(
     ``prefetch`` as in ``fzero.compile``; ``sub_group_size`` for disk offload. Collectives are taken one unit at a
     time (``compile``'s default ``bucket_elements=0``): buckets hold more, up to about two buckets of gradient in
     backward, and at stage 3 a bucket of gathered params beside the unit that runs (tests/test_memory.py,
-    tests/test_stage3.py), which this estimate does not add.
+    tests/test_stage3.py), which this estimate does not add. ``shard_frozen=True`` (stage 3, a module): the frozen
+    params sharded as ``step.init(..., frozen=fzero.frozen_of(model))`` holds them, 1/N of them in ``frozen``, and each
+    unit's gathered with it, in the compute dtype, in ``gathered``.
     """
     _rules.check_stage(stages, api=API)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -204,6 +207,9 @@ def estimate_memory(
 
     params_e, grads_e, owned_e = per_rank(numel, stage=stages, world_size=n)  # elements held per rank; owned: optimizer's
     gathered = p_bytes * (largest + (second if prefetch else 0) + root) if _rules.sharded("params", stages) else 0.0
+    if shard_frozen:  # the frozen params gathered with their units (``step.init(..., frozen=...)``)
+        sharded_frozen, frozen_gathered = _sharded_frozen_bytes(model_or_params_or_count, stages, n, units, prec.compute, prefetch)
+        gathered += frozen_gathered
     if stages <= 1:  # beside the whole gradient (every size bucket lent): the largest of
         backward_extra = p_bytes * max(
             piece,  # a param's gradient, before it is copied into its bucket (the bucket is lent at its first)
@@ -257,6 +263,8 @@ def estimate_memory(
     # a module's frozen params: whole on every rank at every stage (fzero shards what trains), and under a bf16/fp16
     # policy a copy in the compute dtype of those of another dtype, made for each step and held through it
     frozen, frozen_cast = _frozen_bytes(model_or_params_or_count, prec.compute)
+    if shard_frozen:  # 1/N of them held; each unit's cast as it is gathered, in ``gathered`` (above)
+        frozen, frozen_cast = sharded_frozen, 0.0
     device["frozen"] = frozen
     device["transient"] = max(backward_peak, update_peak) - held - grads - gathered + frozen_cast
     # One memory (a CPU-only machine): the host's copies of device tensors are those tensors themselves
@@ -291,6 +299,37 @@ def _frozen_bytes(source: Any, compute: torch.dtype) -> tuple[float, float]:
     size = torch.empty((), dtype=compute).element_size()
     cast = float(sum(p.numel() * size for p in frozen if p.is_floating_point() and p.dtype != compute)) if compute != torch.float32 else 0.0
     return held, cast
+
+
+def _sharded_frozen_bytes(source: Any, stages: int, n: int, units: Any, compute: torch.dtype, prefetch: bool) -> tuple[float, float]:
+    """``shard_frozen=True``: (bytes of this rank's shards of the frozen params, bytes of them gathered at once: the
+    largest unit's, the next one's when prefetched, and the root's, in the compute dtype), grouped as ``step.init``
+    groups them (``fzero.layout.build_frozen``: with their unit where it trains, else with the root)."""
+    if stages != 3 or not isinstance(source, nn.Module):
+        raise ValueError(f"{API}: shard_frozen=True counts a module's frozen params sharded as stage 3 holds them "
+                         f"(step.init(..., frozen=...)); it needs stages=3 and the nn.Module, got stages={stages} and a "
+                         f"{type(source).__name__}.")
+    unit_of = by_container_child if units is None else by_prefixes(units, api=API)
+    named = list(source.named_parameters())
+    trained = {unit_of(name) for name, p in named if p.requires_grad}
+    per: dict[str, list[torch.Tensor]] = {}
+    for name, p in named:
+        if not p.requires_grad:
+            u = unit_of(name)
+            per.setdefault(u if u in trained else ROOT, []).append(p)
+    quantum = n * SHARD_ALIGN
+    held, sizes, root = 0.0, [], 0
+    for u, ps in per.items():
+        numel = sum(p.numel() for p in ps)
+        padded = math.ceil(numel / quantum) * quantum
+        held += padded * max(p.element_size() for p in ps) / n
+        if u == ROOT:
+            root = padded
+        else:
+            sizes.append(padded)
+    sizes = sorted(sizes, reverse=True) + [0, 0]
+    c_bytes = torch.empty((), dtype=compute).element_size()
+    return held, float(c_bytes * (sizes[0] + (sizes[1] if prefetch else 0) + root))
 
 
 def _frozen_count(source: Any) -> int:

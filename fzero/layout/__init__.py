@@ -4,7 +4,10 @@
 from fzero.layout._modules import (Binding, bound, check_no_meta, clone_structure, empty_params, META_BUFFER_FIX,
                                    named_tensors, walk, Writes)
 from fzero.layout._layout import (
+    build_frozen,
     build_layout,
+    frozen_region,
+    frozen_views,
     DEFAULT_UNIT_ELEMENTS,
     device_of,
     DEVICE_TYPES,

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, program_fields
-from fzero.layout import pytrees as _tree, DEVICE_TYPES, Layout, Slot, Unit, build_layout, device_of, LayoutSegments, check_units_exist
+from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of,
+                          LayoutSegments, check_units_exist)
 from fzero.optim import use_segments
 from fzero.step._update import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
@@ -30,7 +31,8 @@ API = "fzero.Step.init"
 
 
 def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | None,
-               materialize: Callable[[str, torch.Tensor], torch.Tensor] | None, donate: bool = False) -> TrainState | RankStates:
+               materialize: Callable[[str, torch.Tensor], torch.Tensor] | None, donate: bool = False,
+               frozen: dict[str, torch.Tensor] | None = None) -> TrainState | RankStates:
     """See ``Step.init``."""
     if materialize is not None and not callable(materialize):
         raise TypeError(f"{API}: materialize must be a function (path, meta_tensor) -> tensor, got {materialize!r}.")
@@ -50,6 +52,8 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
+    if frozen is not None:
+        layout = dataclasses.replace(layout, frozen=_frozen_layout(step, layout, params, frozen, low), frozen_compute=low)
     paths, leaves, _ = _tree.flatten_with_paths(params)
     device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)
     donated = _Donated(paths, leaves) if donate else None
@@ -122,8 +126,10 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
         if donated is not None:
             donated.packed(indices)
     device = device or torch.device("cpu")  # no unit at all had a value: nothing was packed
-    states = [dataclasses.replace(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r, device),
-                                  buffers={k: v.clone() for k, v in buffers.items()}) for r in ranks]
+    shards = _frozen_shards(layout, frozen or {}, ranks, device)
+    seen = {name: (t._version, t.data_ptr()) for name, t in (frozen or {}).items()}
+    states = [_with_frozen(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r, device), buffers, shards[r], seen)
+              for r in ranks]
     return RankStates(tuple(states)) if isinstance(step.mesh, LocalMesh) else states[0]
 
 
@@ -137,6 +143,73 @@ def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master
         params=flats, opt_state=opt_state, step=torch.zeros((), dtype=torch.int64),
         loss_scale=init_loss_scale(step.precision.loss_scale), meta=meta,
     )
+
+
+def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any, low: torch.dtype | None) -> tuple[Unit, ...]:
+    """``Step.init(..., frozen=...)``, checked: the frozen groups of the layout (``fzero.layout.build_frozen``).
+
+    Why: a frozen parameter is the module's, read whole on every rank; a frozen base under a LoRA adapter is most of
+    the model, so at stage 3 each rank would hold all of it beside its shard of what trains. DeepSpeed ZeRO-3 and
+    FSDP2 shard frozen parameters too; ``frozen=`` does here: each rank keeps its shard, and each unit's frozen params
+    are gathered with the unit."""
+    if not step.params.sharded:
+        raise ValueError(
+            f"{API}: frozen= shards frozen params across the ranks at stage 3, but this step is {step.stage_name}, where "
+            f"every rank holds the params whole and the frozen ones are read from the module. Leave frozen= out, or "
+            f"train at stages=3.")
+    if not isinstance(frozen, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in frozen.items()):
+        raise TypeError(f"{API}: frozen must be a dict of parameter name -> tensor, as fzero.frozen_of(model) returns; got "
+                        f"{type(frozen).__name__}.")
+    if not frozen:
+        raise ValueError(f"{API}: frozen= is an empty dict: the model has no frozen parameter (requires_grad=False) to "
+                         f"shard. Leave frozen= out.")
+    trained = set(layout.paths)
+    for name, t in frozen.items():
+        why = None
+        if name in trained:
+            why = "is in params too: a parameter either trains (params) or is frozen (frozen=)"
+        elif t.requires_grad:
+            why = "requires grad: a trained parameter belongs in params (fzero.params_of(model))"
+        elif type(t) not in (torch.Tensor, nn.Parameter):  # a quantized weight (bitsandbytes' Params4bit) is not its values
+            why = (f"is a {type(t).__name__}, whose data is not the values the module computes with (a quantized "
+                   f"weight); leave it out of frozen= and it is read from the module")
+        elif not t.is_floating_point():
+            why = f"has dtype {t.dtype}; frozen= shards floating-point params, leave it out and it is read from the module"
+        elif t.is_meta:
+            why = "is a meta tensor (a shape without a value): give it its value first (load the pretrained weights)"
+        if why is not None:
+            raise ValueError(f"{API}: frozen[{name!r}] {why}.")
+    paths, leaves, _ = _tree.flatten_with_paths(params)
+    at = device_of(paths, leaves, api=API)
+    devices = {t.device for t in frozen.values()}
+    if len(devices) > 1 or at is not None and devices != {at}:
+        raise ValueError(f"{API}: the frozen params are on {sorted(map(str, devices))} and params on {at}; a unit's frozen "
+                         f"params are gathered with it, so give them the params' device (model.to(device) before "
+                         f"fzero.params_of and fzero.frozen_of).")
+    unit_of = step.grads.unit_of(API)
+    return build_frozen(frozen, layout, unit_of=unit_of if unit_of is not None else (lambda p: ROOT), dtype=low, api=API)
+
+
+def _with_frozen(state: TrainState, buffers: dict, frozen: dict, seen: dict) -> TrainState:
+    """``state`` with (copies of) the buffers and its frozen shards."""
+    meta = state.meta
+    if seen and meta is not None:
+        meta = dataclasses.replace(meta, frozen_seen=seen)
+    return dataclasses.replace(state, buffers={k: v.clone() for k, v in buffers.items()}, frozen=frozen, meta=meta)
+
+
+def _frozen_shards(layout: Layout, frozen: dict[str, torch.Tensor], ranks: list[int], device: torch.device) -> dict[int, dict]:
+    """Each rank's shard of every frozen group, packed one group at a time, in the group's dtype (the params' own)."""
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
+    for group in layout.frozen:
+        flat = torch.zeros(group.padded, dtype=group.dtype, device=device)
+        for slot in group.slots:
+            flat[slot.offset : slot.offset + slot.numel].copy_(frozen[slot.path].detach().reshape(-1))
+        for r in ranks:
+            lo, hi = group.shard_range(r, layout.world_size)
+            out[r][group.name] = flat[lo:hi].clone()
+        del flat
+    return out
 
 
 def _reader_on_every_rank(materialize: Any, comm: Any, mesh: Any) -> Any:

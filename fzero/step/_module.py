@@ -54,6 +54,50 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
     return {name: p.detach().clone() if copy else p.detach() for name, p in module.named_parameters() if p.requires_grad}
 
 
+def frozen_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen parameters of ``module`` (``requires_grad=False``) as ``{name: tensor}``, detached, not copied, in
+    ``named_parameters`` order (a tied one once): for ``step.init(params, frozen=...)`` at stage 3, which shards them
+    across the ranks (and copies what each rank keeps)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.frozen_of: expected an nn.Module, got {type(module).__name__}.")
+    check_not_compiled(module, api="fzero.frozen_of")
+    return {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
+
+
+def free_frozen(module: nn.Module, state: Any) -> list[str]:
+    """Give back the memory of the frozen parameters of ``module`` that ``state`` holds sharded (``step.init(params,
+    frozen=fzero.frozen_of(model))``), and return their names: each becomes a meta parameter of its shape and dtype
+    (every name a tied one has), as DeepSpeed's ``zero.Init`` empties a partitioned parameter and FSDP2 keeps only
+    its shard. The step never reads them from the module; what does (``model.to(device)``, a forward outside
+    ``fzero.apply``, ``save(..., model=)``) gets torch's or fzero's error for a meta tensor, never a stale value.
+    ``step.gather_frozen(state)`` gives them back whole (``model.load_state_dict(step.state_dict(state, model),
+    assign=True)`` puts them back with the trained params)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fzero.free_frozen: expected an nn.Module, got {type(module).__name__}.")
+    first = state.states[0] if hasattr(state, "states") else state
+    meta = getattr(first, "meta", None)
+    paths = [s.path for g in meta.layout.frozen for s in g.slots] if meta is not None else []
+    if not paths:
+        raise ValueError("fzero.free_frozen: the state holds no frozen parameters, so freeing the module's would lose "
+                         "them. Make the state with step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)) at "
+                         "stages=3 first.")
+    named = dict(module.named_parameters(remove_duplicate=False))
+    missing = [p for p in paths if p not in named or named[p].requires_grad]
+    if missing:
+        raise ValueError(f"fzero.free_frozen: the state holds the frozen params {missing[:4]}, which "
+                         f"{type(module).__name__} does not have frozen: pass the model the state was made from.")
+    emptied: dict[int, nn.Parameter] = {}
+    for name in paths:
+        p = named[name]
+        if id(p) not in emptied:
+            emptied[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+    for sub in module.modules():
+        for key, q in sub._parameters.items():
+            if q is not None and id(q) in emptied:
+                sub._parameters[key] = emptied[id(q)]
+    return paths
+
+
 def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``module`` with ``params`` in place of its own (``torch.func.functional_call``); the module is unchanged.
 
@@ -84,7 +128,9 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     bank = current_buffers()
     # before the forward: a meta tensor it would read from the module is named here, not deep inside the model
     if isinstance(params, Mapping):  # else: the TypeError below
-        check_no_meta(module, params, state_buffers=bank is not None, api="fzero.apply")
+        paths = getattr(type(params), "frozen_paths", None)
+        held = paths(params) if paths is not None else None  # stage 3 with frozen=: the step holds those, sharded
+        check_no_meta(module, [*params, *held] if held else params, state_buffers=bank is not None, api="fzero.apply")
     run_module = getattr(type(params), "run_module", None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         return run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton

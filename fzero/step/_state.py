@@ -36,6 +36,9 @@ class StateMeta:
     # this state's lineage as a reader of the module's persistent buffers: made by init, one per rank, kept by the steps
     # that follow (``dataclasses.replace``), so that another state's read never hides a write from this one. Not compared.
     reader: "Reader" = dataclasses.field(default_factory=lambda: Reader(), compare=False, repr=False)
+    # ``init(..., frozen=...)``: each frozen param's (version counter, data pointer) when init copied it, so that a value
+    # written into the module's param since (``load_state_dict`` after init) is refused, not silently left unseen
+    frozen_seen: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 class Reader:
@@ -102,6 +105,9 @@ class TrainState:
       meta: static layout facts (not a leaf).
       buffers: dict buffer name -> tensor: the module's persistent buffers (BatchNorm statistics, ...), whole on
         every rank, as the forward left them; adopted from the module at the first step (see ``fzero.step._module``).
+      frozen: dict unit name -> this rank's shard of the unit's frozen params (stage 3, ``step.init(..., frozen=...)``;
+        ``meta.layout.frozen`` says which): read by the forward, never updated, not saved by a checkpoint (they are
+        the model's, as a pretrained base under an adapter).
     """
 
     params: Any
@@ -110,6 +116,7 @@ class TrainState:
     loss_scale: Any = None
     meta: StateMeta | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
+    frozen: dict = dataclasses.field(default_factory=dict)
     marks: Marks = dataclasses.field(init=False, default_factory=Marks, repr=False)  # not a leaf: see Marks
 
     @property
@@ -117,7 +124,7 @@ class TrainState:
         return int(self.step)
 
 
-_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "buffers"), static=("meta",))
+_tree.register_dataclass(TrainState, leaves=("params", "opt_state", "step", "loss_scale", "buffers", "frozen"), static=("meta",))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

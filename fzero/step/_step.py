@@ -94,7 +94,8 @@ class Step:
 
     # -- init --------------------------------------------------------------------------------------
     def init(self, params: Any, *, buffers: dict[str, torch.Tensor] | None = None,
-             materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None, donate: bool = False) -> TrainState | RankStates:
+             materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None, donate: bool = False,
+             frozen: dict[str, torch.Tensor] | None = None) -> TrainState | RankStates:
         """The initial state for ``params`` (a pytree of tensors, e.g. ``fzero.params_of(model)``; copied, never aliased).
 
         ``materialize(path, meta_tensor) -> tensor``: params may be meta tensors (a model built under
@@ -113,8 +114,13 @@ class Step:
         parameters go, and set-up peaks near the state instead of the module plus the state. The module's
         parameters keep their shapes but lose their values; it runs through ``fzero.apply`` with the state's params
         (``step.gather`` gives them back whole). Buffers are not donated.
+
+        ``frozen``: at stage 3, the module's frozen parameters (``fzero.frozen_of(model)``; copied), sharded across
+        the ranks as the trained ones are, as DeepSpeed ZeRO-3 and FSDP2 shard them: each unit's frozen params are
+        gathered with the unit and freed after it. Without it they are read from the module, whole on every rank. The
+        module's own copies are then no longer read: ``fzero.free_frozen(model)`` gives their memory back.
         """
-        state = init_state(self, params, buffers=buffers, materialize=materialize, donate=donate)
+        state = init_state(self, params, buffers=buffers, materialize=materialize, donate=donate, frozen=frozen)
         mark_verified(state, self)  # made by this step: nothing to compare at its first call
         return state
 
@@ -274,6 +280,23 @@ class Step:
                     release(t)
         return out
 
+    def gather_frozen(self, state: TrainState | RankStates) -> dict[str, torch.Tensor]:
+        """The frozen params the state holds sharded (``init(..., frozen=...)``), whole, as ``{name: tensor}`` in the
+        dtype they are held in (a precision policy's compute dtype, as the forward reads them); ``{}`` when it holds
+        none. A collective under ``dist_mesh``, as ``gather``. What ``fzero.free_frozen`` took from the module goes back
+        with ``model.load_state_dict(step.gather_frozen(state), strict=False, assign=True)``."""
+        self._check_state(state, api="fzero.Step.gather_frozen")
+        rank_state = state.states[0] if isinstance(state, RankStates) else state
+        layout = meta_of(rank_state).layout
+        flats = dict(rank_state.frozen)
+        if isinstance(state, RankStates):  # all the shards are in this process
+            flats = {g.name: torch.cat([s.frozen[g.name] for s in state.states]) for g in layout.frozen}
+        elif isinstance(self.mesh, DistMesh) and layout.frozen:  # a collective: under dist_mesh every rank must call it
+            comm = self.mesh.comm(api="fzero.Step.gather_frozen")
+            flats = {g.name: comm.all_gather(torch.empty(g.padded, dtype=flats[g.name].dtype, device=flats[g.name].device),
+                                             flats[g.name], tag="gather") for g in layout.frozen}
+        return {s.path: flats[g.name][s.offset : s.offset + s.numel].view(s.shape).clone() for g in layout.frozen for s in g.slots}
+
     def with_buffers(self, state: TrainState | RankStates, buffers: dict[str, Any]) -> TrainState | RankStates:
         """A new state whose persistent buffers ``buffers`` (name -> value, as ``model.state_dict()`` names them) replace
         the state's, on every rank this process holds: how a buffer is set between steps (BatchNorm's statistics reset,
@@ -318,7 +341,9 @@ class Step:
         whatever dtype the model's params had), buffers are rank 0's, each in its own dtype. Given
         ``model`` (the module the params came from), the dict has exactly its ``state_dict`` keys in its
         order: tied parameters under every name, and what the state does not hold (frozen parameters,
-        buffers a step has not adopted yet) from the model itself.
+        buffers a step has not adopted yet) from the model itself. Frozen parameters the state holds sharded
+        (``init(..., frozen=...)``) come from the state, so a module whose own ``fzero.free_frozen`` emptied gets them
+        back with ``model.load_state_dict(sd, assign=True)``.
         """
         self._check_state(state, api="fzero.Step.state_dict")
         params = self.gather(state)
@@ -326,7 +351,7 @@ class Step:
             raise TypeError(f"fzero.Step.state_dict: the params pytree is a {type(params).__name__}; a state dict needs "
                             f"params by name, as fzero.params_of(model) gives them.")
         first = state.states[0] if isinstance(state, RankStates) else state
-        own = {**params, **{k: v.detach().clone() for k, v in first.buffers.items()}}
+        own = {**params, **{k: v.detach().clone() for k, v in first.buffers.items()}, **self.gather_frozen(state)}
         if model is None:
             return own
         if not isinstance(model, nn.Module):

@@ -58,6 +58,7 @@ class UnitParams(Mapping):
         self._skeletons: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(module) -> (module, its skeleton)
         self.writes = current_writes()  # what the skeletons' forwards write on them (fzero.layout.Writes)
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
+        self._root_frozen: dict[str, torch.Tensor] | None = None  # stage 3, frozen=: gathered once a step (``root_frozen``)
 
     def run_module(self, module: nn.Module, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
         """What ``fzero.apply(module, self, ...)`` does: the model unit by unit (``apply_units``). ``fzero.apply``
@@ -105,6 +106,18 @@ class UnitParams(Mapping):
     def _whole(self, unit: Unit) -> torch.Tensor:
         raise NotImplementedError
 
+    def root_frozen(self) -> dict[str, torch.Tensor]:
+        """Frozen params the step holds sharded and gathers for the root unit (stage 3 only)."""
+        return {}
+
+    def frozen_paths(self) -> list[str]:
+        """The module's frozen params the step holds (sharded, stage 3) rather than reading them from the module."""
+        return []
+
+    def frozen_seen(self) -> dict:
+        """Those params as ``step.init`` copied them (``StateMeta.frozen_seen``)."""
+        return {}
+
     def run_unit(self, inner: nn.Module, unit: Unit, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
@@ -122,6 +135,7 @@ class UnitParams(Mapping):
             self._skeletons.clear()
             roots: list[torch.Tensor] = getattr(self, "_roots", [])
             self._roots: list[torch.Tensor] = []
+            self._root_frozen = None
             if self.pool is not None:
                 for root in roots:
                     self.pool.give(root)
@@ -205,6 +219,23 @@ class ShardedParams(UnitParams):
     def run_unit(self, inner, unit, args, kwargs):
         return run_unit(inner, unit, self, args, kwargs)
 
+    def root_frozen(self) -> dict[str, torch.Tensor]:
+        """The frozen params outside every unit (``step.init(..., frozen=...)``), gathered once for the step, as the root
+        unit: ``{path: view}``."""
+        if self._root_frozen is None:
+            got = self.schedule.gather_root_frozen()
+            self._root_frozen = {} if got is None else got[1]
+            if got is not None:
+                self._roots = [*getattr(self, "_roots", []), got[0]]  # back to the pool at ``release``
+        return self._root_frozen
+
+    def frozen_paths(self) -> list[str]:
+        """The module's frozen params this step holds sharded (``fzero.apply``'s check of meta tensors passes them)."""
+        return [s.path for g in self.layout.frozen for s in g.slots]
+
+    def frozen_seen(self) -> dict:
+        return self.schedule.frozen_seen
+
 
 class RematParams(Mapping):
     """What ``loss_fn`` receives at stages 0-1 under ``remat=True``: the params dict, whose ``fzero.apply`` recomputes
@@ -277,6 +308,7 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
     skel = params.skeleton(module)
     root = params.units.get(ROOT)
     views = params.views(root) if root is not None else {}
+    views = {**views, **params.root_frozen()}
     bank = current_buffers()
     if bank is not None:  # the state's buffers: the root's go to this call, each unit's to the unit's call
         params.buffers = bank.for_module(module)
@@ -290,8 +322,15 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
 
     hooked = []  # the user's trainable params with gradient hooks, which the step's gradient would never run
+    sharded = _sharded_frozen(module, params.layout, params.frozen_seen(), api) if params.layout.frozen else {}
 
     def skeleton_param(p):
+        held = sharded.get(id(p))
+        if held is not None:  # a frozen param the state holds sharded (frozen=): a stand-in, bound from its unit's gather
+            meta = torch.empty(p.shape, dtype=held[2], device="meta")
+            stand = torch.Tensor._make_subclass(_StandIn, meta, False)
+            stand.__dict__["_fz_where"] = held[:2]
+            return stand
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
             if has_grad_hooks(p):
                 hooked.append(p)
@@ -409,6 +448,47 @@ def _leaves(tree: Any) -> list:
     import torch.utils._pytree as torch_pytree
 
     return torch_pytree.tree_leaves(tree)
+
+
+def _sharded_frozen(module: nn.Module, layout: Layout, seen: dict, api: str) -> dict[int, tuple[str, str, torch.dtype]]:
+    """``id`` of each module parameter the state holds sharded (``step.init(..., frozen=...)``) -> (its unit, its path,
+    the dtype it is gathered in), checked against the module: still there, frozen, of the same shape, not written
+    since init copied it (``seen``; a meta one, emptied by ``fzero.free_frozen``, holds nothing to write), and not
+    tied to a name in another unit (whose call would not bind it)."""
+    every = named_tensors(module, "_parameters", remove_duplicate=False)
+    by_name = dict(every)
+    aliases: dict[int, list[str]] = {}
+    for name, t in every:
+        aliases.setdefault(id(t), []).append(name)
+    units = [u.name for u in layout.units if u.name != ROOT]
+    out = {}
+    for group in layout.frozen:
+        for s in group.slots:
+            p: torch.Tensor | None = by_name.get(s.path)
+            if p is None or p.requires_grad or tuple(p.shape) != s.shape:
+                what = ("has no such parameter" if p is None else "trains it now (requires_grad=True)" if p.requires_grad
+                        else f"has it with shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"{api}: the state holds the frozen param {s.path!r} (shape {s.shape}, frozen= at step.init), but "
+                    f"{type(module).__name__} {what}. Make the state from this model: step.init(fzero.params_of(model), "
+                    f"frozen=fzero.frozen_of(model)).")
+            if not p.is_meta and s.path in seen and seen[s.path] != (p._version, p.data_ptr()):
+                raise ValueError(
+                    f"{api}: the frozen param {s.path!r} of {type(module).__name__} was written (or replaced) since "
+                    f"step.init copied it into the state's shards (frozen=), which the step reads instead of the module: "
+                    f"the new value would be ignored. Give the module its values before step.init (load_state_dict "
+                    f"first), or make the state again: step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)) "
+                    f"(the optimizer's moments start again; model.load_state_dict(step.state_dict(state, model)) first "
+                    f"keeps the trained values).")
+            owners = {next((u for u in units if n.startswith(u + ".")), ROOT) for n in aliases[id(p)]}
+            if owners != {group.name}:
+                raise ValueError(
+                    f"{api}: the frozen param {s.path!r} is tied to {[n for n in aliases[id(p)] if n != s.path][:4]}, "
+                    f"which lie in units {sorted(owners)}; the state shards it with unit {group.name!r}, whose gather "
+                    f"the others' calls do not see. Leave it out of frozen= (it is then read from the module), or keep "
+                    f"the modules that share it in one unit (units=...).")
+            out[id(p)] = (group.name, s.path, layout.frozen_dtype(group))
+    return out
 
 
 def _tie_groups(every: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:

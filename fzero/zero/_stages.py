@@ -435,7 +435,8 @@ class ParamsSharded:
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
                             pool=pool, bucket_elements=settings.bucket_elements,
-                            cast=functools.partial(casts.cast, comm=comm) if casts is not None else None)
+                            cast=functools.partial(casts.cast, comm=comm) if casts is not None else None, frozen=state.frozen,
+                            frozen_seen=state.meta.frozen_seen)
         return _GatheredView(
             [flats[n] for n in names],
             lambda xs, sink: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
@@ -445,7 +446,8 @@ class ParamsSharded:
 
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
-        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device)
+        schedule = Schedule(comm, layout, state.params, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
+                            frozen=state.frozen, frozen_seen=state.meta.frozen_seen)
         return _GatheredView([], lambda xs, sink: ShardedParams(dict(state.params), layout, comm, schedule,
                                                                 jit_cache=settings.compiled if settings.jit else None), schedule)
 

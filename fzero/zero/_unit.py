@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fzero.autodiff import remat
-from fzero.layout import Binding, bound, Layout, Unit, pytrees as _tree, split_sizes
+from fzero.layout import Binding, bound, frozen_region, frozen_views, Layout, ROOT, Unit, pytrees as _tree, split_sizes
 from fzero.mesh import events as _events, Function, GatherBucket, Pending, profiled
 from fzero.step import (current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
@@ -47,6 +47,7 @@ class UnitCall:
         self.keeps_graph = False
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
         self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
+        self.frozen: dict[str, torch.Tensor] = {}  # its sharded frozen params (``frozen=``): views of ``full``'s tail
         self._bound: Any = None
         self._binding: Binding | None = None  # where the unit's module keeps each tensor: found once per call
 
@@ -58,6 +59,7 @@ class UnitCall:
         """The unit's forward on ``views`` (its params, in slot order); ``keep``: hold its tensors for ``bind`` in its backward."""
         prefix = len(self.unit.name) + 1
         self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
+        self.tensors.update(self.frozen)
         self.tensors.update(self.params.unit_buffers(self.unit))
         self.bind()
         try:
@@ -73,6 +75,7 @@ class UnitCall:
         which would keep the step's state (and a disk-offloaded state's files) alive."""
         self.unbind()
         self.tensors = {}
+        self.frozen = {}
 
     def bind(self) -> None:
         """The unit's module holds its gathered params (and its buffers of the step) while the unit is gathered:
@@ -159,8 +162,16 @@ class Schedule:
 
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
                  release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu"),
-                 pool: Pool | None = None, bucket_elements: int = 0, cast: Callable[[str], torch.Tensor | None] | None = None) -> None:
+                 pool: Pool | None = None, bucket_elements: int = 0, cast: Callable[[str], torch.Tensor | None] | None = None,
+                 frozen: dict[str, torch.Tensor] | None = None, frozen_seen: dict | None = None) -> None:
         self.comm = comm
+        # ``step.init(..., frozen=...)``: this rank's shards of the frozen params (the state's ``frozen``), and their
+        # groups by unit name: each is gathered into the tail of its unit's buffer (``fzero.layout.frozen_region``)
+        self.frozen = frozen or {}
+        self.frozen_seen = frozen_seen or {}  # the module's frozen params as init copied them (``StateMeta.frozen_seen``)
+        self.groups = {g.name: g for g in layout.frozen}
+        self.frozen_dtype = layout.frozen_compute  # what they are gathered in, where not their own dtype
+        self.sizes = {u.name: layout.gathered(u) for u in layout.units}  # elements of a unit's gathered buffer
         # stage 3 with fp32 masters beside the shards: what a unit's gather sends, its master cast to the compute dtype
         # (``fzero.zero._stages.CastFromMasters``; None for a unit whose shard is kept)
         self.cast = cast
@@ -199,11 +210,50 @@ class Schedule:
         if target is not None:  # a backward refill: into the buffer the graph already points at
             out = target.alloc()
             with _same_version(out):
-                handle = self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
+                handle = self._gather_async(out, name)
         else:
             out = self._fresh(unit)
-            handle = self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
+            handle = self._gather_async(out, name)
         self.pending[pos] = (name, handle, target)
+
+    def _gather_async(self, out: torch.Tensor, name: str) -> Any:
+        """Start the gather of unit ``name`` into ``out``: its params, and (``frozen=``) its frozen params into the tail."""
+        group = self.groups.get(name)
+        if group is None:
+            return self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
+        unit = self.units[name]
+        own = self.comm.all_gather_async(out.narrow(0, 0, unit.padded), self.input_of(name), tag="params", label=name)
+        frozen = self.comm.all_gather_async(frozen_region(out, unit, group, self.frozen_dtype or group.dtype), self._frozen_input(name),
+                                            tag="params", label=name + ":frozen")
+        return Pending(lambda: (own.wait(), frozen.wait(), out)[-1])
+
+    def _gather_now(self, out: torch.Tensor, name: str) -> None:
+        """Gather unit ``name`` into ``out`` now (see ``_gather_async``)."""
+        group = self.groups.get(name)
+        if group is None:
+            self.comm.all_gather(out, self.input_of(name), tag="params", label=name)
+            return
+        unit = self.units[name]
+        self.comm.all_gather(out.narrow(0, 0, unit.padded), self.input_of(name), tag="params", label=name)
+        self.comm.all_gather(frozen_region(out, unit, group, self.frozen_dtype or group.dtype), self._frozen_input(name), tag="params",
+                             label=name + ":frozen")
+
+    def _frozen_input(self, name: str) -> torch.Tensor:
+        """What this rank sends to the gather of unit ``name``'s frozen params: its shard, here, in the compute dtype."""
+        shard = self.frozen[name]
+        if self.frozen_dtype is not None and shard.dtype != self.frozen_dtype:  # an fp32 base under bf16: cast, as FSDP2
+            return shard.to(self.device, self.frozen_dtype, non_blocking=True)
+        return self._here(shard)
+
+    def gather_root_frozen(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The frozen params outside every unit (``frozen=``), gathered once for the step as the root unit is: the
+        buffer (the caller's to give back to the pool) and ``{path: view}``; None when there are none."""
+        group = self.groups.get(ROOT)
+        if group is None:
+            return None
+        buf = _events.gathered(take(self.pool, group.padded, dtype=self.frozen_dtype or group.dtype, device=self.device))
+        self.comm.all_gather(buf, self._frozen_input(ROOT), tag="params", label=ROOT + ":frozen")
+        return buf, frozen_views(buf, group)
 
     def _target(self, name: str) -> "UnitCall | None":
         """The call whose freed buffer a gather of ``name`` refills (its latest call still waiting for its backward),
@@ -225,11 +275,12 @@ class Schedule:
             return span
         first = self.units[self.order[pos]]
         total = first.padded
+        kind = self._frozen_kind(first.name)
         while total < self.bucket_elements and span[-1] + 1 < len(self.order):
             nxt = span[-1] + 1
             name = self.order[nxt]
             unit = self.units[name]
-            if name in {self.order[p] for p in span} or unit.dtype != first.dtype:
+            if name in {self.order[p] for p in span} or unit.dtype != first.dtype or self._frozen_kind(name) != kind:
                 break
             span.append(nxt)
             total += unit.padded
@@ -241,16 +292,26 @@ class Schedule:
         names = [self.order[p] for p in span]
         bucket = GatherBucket(self.comm, [self.input_of(n) for n in names], pool=self.pool, label="+".join(names),
                               mark=_events.gathered)
-        for p, name, at in zip(span, names, bucket.offsets):
+        frozen = None  # the units' frozen params (``frozen=``): a second bucket, beside the first (``_bucket_span``)
+        if names[0] in self.groups:
+            frozen = GatherBucket(self.comm, [self._frozen_input(n) for n in names], pool=self.pool,
+                                  label="+".join(names) + ":frozen", mark=_events.gathered)
+        for i, (p, name, at) in enumerate(zip(span, names, bucket.offsets)):
             unit, target = self.units[name], self._target(name)
             # the unit's buffer gets its memory when its part is filled in, not now: then the bucket and its units'
             # buffers are not all held while the gather runs
             dest = target.alloc if target is not None else functools.partial(self._fresh, unit)
-            self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest)), target)
+            tail = None if frozen is None else (frozen, frozen.offsets[i], unit, self.groups[name], self.frozen_dtype)
+            self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest, tail)), target)
+
+    def _frozen_kind(self, name: str) -> torch.dtype | None:
+        """What a bucket's units must share of their frozen params: the dtype they are gathered in (None: none)."""
+        group = self.groups.get(name)
+        return None if group is None else self.frozen_dtype or group.dtype
 
     def _fresh(self, unit: Unit) -> torch.Tensor:
         """A fresh buffer to gather ``unit`` into, from the step's pool (counted as gathered memory)."""
-        return _events.gathered(take(self.pool, unit.padded, dtype=unit.dtype, device=self.device))
+        return _events.gathered(take(self.pool, self.sizes[unit.name], dtype=unit.dtype, device=self.device))
 
     def input_of(self, name: str) -> torch.Tensor:
         """What this rank sends to a gather of unit ``name``: its shard on the gather's device, or its master cast."""
@@ -294,8 +355,8 @@ class Schedule:
         else:
             if self.following:
                 self._stop_following(ahead)
-            full = _events.gathered(take(self.pool, call.unit.padded, dtype=shard.dtype, device=self.device))
-            self.comm.all_gather(full, self.input_of(name), tag="params", label=name)
+            full = _events.gathered(take(self.pool, self.sizes[name], dtype=shard.dtype, device=self.device))
+            self._gather_now(full, name)
         self._after(name, pos, call)
         if call.keeps_graph:
             self.waiting.setdefault(name, []).append(call)
@@ -329,7 +390,7 @@ class Schedule:
                 self._stop_following(ahead)
             out = call.alloc()
             with _same_version(out):
-                self.comm.all_gather(out, self.input_of(name), tag="params", label=name)
+                self._gather_now(out, name)
         self._after(name, pos)
 
     def _after(self, name: str, pos: int, current: UnitCall | None = None) -> None:
@@ -359,10 +420,17 @@ def _same_version(buffer: torch.Tensor):
     return torch.autograd._unsafe_preserve_version_counter(buffer)
 
 
-def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor], frozen: tuple | None = None) -> torch.Tensor:
     """One unit's share of a ``GatherBucket`` (what ``Schedule.pending`` holds where a unit's own gather would be):
-    its buffer, given its memory now, filled from the bucket."""
-    return bucket.fill(at, dest())
+    its buffer, given its memory now, filled from the bucket; ``frozen``: (the frozen params' bucket, the unit's place
+    in it, the unit, its frozen group), filled into the buffer's tail."""
+    full = dest()
+    if frozen is None:
+        return bucket.fill(at, full)
+    fbucket, fat, unit, group, dtype = frozen
+    bucket.fill(at, full.narrow(0, 0, unit.padded))
+    fbucket.fill(fat, frozen_region(full, unit, group, dtype or group.dtype))
+    return full
 
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
@@ -453,6 +521,12 @@ class _UnitGather(Function):
             call.full = full
         else:  # a remat call's buffer is not freed into the pool: it goes with the views its recompute saved
             forget(call.schedule.pool, full)
+        group = call.schedule.groups.get(call.unit.name)
+        if group is not None:  # ``frozen=``: the unit's frozen params, views of the buffer's tail (no gradient)
+            prefix = len(call.unit.name) + 1
+            region = frozen_region(full, call.unit, group, call.schedule.frozen_dtype or group.dtype)
+            call.frozen = {k[prefix:]: v for k, v in frozen_views(region, group).items()}
+            full = full.narrow(0, 0, call.unit.padded)
         # one split into every slot (and the padding), then a view each: half the dispatcher calls of narrow + view
         pieces = full.split_with_sizes(split_sizes(call.unit))
         return tuple(piece.view(s.shape) for piece, s in zip(pieces, call.unit.slots))

@@ -1,0 +1,280 @@
+"""Frozen params sharded at stage 3: ``step.init(params, frozen=fzero.frozen_of(model))``.
+
+Without ``frozen=`` a frozen parameter is the module's, read whole on every rank: a LoRA adapter's frozen base (most of
+the model) was held in full by each rank beside its shard of what trains. With it each rank keeps its shard of the
+frozen params in the state, each unit's are gathered with the unit (into the tail of the unit's buffer, one storage
+freed and refilled with it) and the root's once a step; ``fzero.free_frozen(model, state)`` empties the module's copies.
+Asserted here: the same training, bitwise, as with the module's frozen params (and so as plain PyTorch, which
+tests/test_peft.py checks for those); 1/N of the frozen bytes per rank and the gathered working set the estimator
+predicts; checkpoints, ``state_dict`` and ``evaluate``; each misuse refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero.models.gpt import GPTConfig
+from problems import gathered_per_rank, gpt_problem
+from zoo import B1, B2, EPS, LR, SEED, WD, Entry, _seeded, _tokens, assert_params_match, gpt2, llama, reference_run
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
+
+
+def _lora_llama():
+    return peft.get_peft_model(llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+
+
+def _lora_gpt2():  # tied wte/lm_head, both frozen, outside every unit
+    return peft.get_peft_model(gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+
+
+MODELS = {"llama": _seeded(_lora_llama), "gpt2": _seeded(_lora_gpt2)}
+
+
+def _loss(model):
+    def loss_fn(params, batch):
+        return fzero.apply(model, params, input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+    return loss_fn
+
+
+def _run(name, *, ranks, frozen, free=False, steps=None, **settings):
+    """(losses, gathered params after each step, final state, step, model) of AdamW steps on the model's tokens."""
+    model = MODELS[name]()
+    step = fzero.compile(_loss(model), optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD), stages=3,
+                         mesh=fzero.local_mesh(ranks), **settings)
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+    if free:
+        fzero.free_frozen(model, state)
+    torch.manual_seed(SEED)
+    losses, params = [], []
+    for batch in _tokens(128, seed=1)()[:steps]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        params.append(step.gather(state))
+    return losses, params, state, step, model
+
+
+CASES = [
+    ("llama", 2, {}),
+    ("llama", 2, {"precision": "bf16"}),
+    ("llama", 2, {"remat": True}),
+    ("llama", 2, {"offload": "cpu"}),
+    ("llama", 2, {"grad_accum": 2}),
+    ("gpt2", 2, {"bucket_elements": 1 << 20}),
+    ("gpt2", 2, {"precision": "fp16"}),
+    ("gpt2", 1, {}),
+]
+
+
+@pytest.mark.parametrize("name, ranks, settings", CASES, ids=[f"{n}-{r}-{'-'.join(s) or 'default'}" for n, r, s in CASES])
+def test_sharded_frozen_params_train_bitwise_as_the_module_s_own(name, ranks, settings):
+    """Each step's loss and params bitwise those of the same step reading the module's frozen params; the module's
+    copies emptied (``free_frozen``), so the step can only have read the state's shards."""
+    plain = _run(name, ranks=ranks, frozen=False, **settings)
+    sharded = _run(name, ranks=ranks, frozen=True, free=True, **settings)
+    assert sharded[0] == plain[0]
+    for got, want in zip(sharded[1], plain[1]):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    model, state = sharded[4], sharded[2]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.is_meta for p in frozen)
+    layout = state[0].meta.layout
+    assert sum(g.numel for g in layout.frozen) == sum(p.numel() for p in frozen)
+    for r in range(ranks):  # each rank holds its 1/N of every group, no more
+        assert {k: v.numel() for k, v in state[r].frozen.items()} == {g.name: g.padded // ranks for g in layout.frozen}
+    assert any(g.name != "<root>" for g in layout.frozen)  # the blocks' frozen params go with their units
+
+
+def test_sharded_frozen_lora_trains_as_plain_pytorch():
+    """The adapter within 1e-5 of plain PyTorch with DDP's semantics after each of 4 AdamW steps, on 2 ranks."""
+    entry = Entry(MODELS["llama"], _tokens(128, seed=1), lambda call, b: call(input_ids=b["input_ids"], labels=b["labels"]).loss,
+                  hf=True)
+    ref = reference_run(entry, 2)
+    losses, params, *_ = _run("llama", ranks=2, frozen=True, free=True)
+    for k in range(len(ref.params)):
+        assert_params_match(params[k], ref, k)
+        assert losses[k] == pytest.approx(ref.losses[k], rel=1e-5, abs=1e-5)
+
+
+def _frozen_gpt():
+    """The repo's GPT (6 blocks, most of its bytes in them) with everything but the LayerNorms and biases frozen."""
+    prob = gpt_problem(steps=2, batch=2, cfg=GPTConfig.tiny(n_layer=6, d_model=64))
+    for name, p in prob.model.named_parameters():
+        if p.dim() > 1:
+            p.requires_grad_(False)
+    return prob
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_rank_holds_its_shard_of_the_frozen_params_and_gathers_them_unit_by_unit(precision):
+    """Per rank: the state's frozen bytes are 1/2 of them (padded), what ``estimate_memory(shard_frozen=True)`` puts
+    in ``frozen``; the peak of gathered buffers is the running unit, the prefetched one and the root, each with its
+    frozen params, as the estimate's ``gathered`` says, far under the whole frozen model."""
+    prob = _frozen_gpt()
+    whole = sum(p.numel() * p.element_size() for p in prob.model.parameters() if not p.requires_grad)
+    mesh, peaks = gathered_per_rank(2)
+    step = fzero.compile(prob.loss_fn, stages=3, mesh=mesh, precision=precision)
+    state = step.init(fzero.params_of(prob.model), frozen=fzero.frozen_of(prob.model))
+    fzero.free_frozen(prob.model, state)
+    for b in prob.batches:
+        state, _ = step(state, b)
+    est = fzero.estimate_memory(prob.model, stages=3, world_size=2, precision=precision, shard_frozen=True)
+    for r in range(2):
+        held = sum(t.numel() * t.element_size() for t in state[r].frozen.values())
+        assert held == est.device.frozen and whole / 2 <= held < whole / 2 * 1.05
+        assert peaks[r].peak == est.device.gathered < whole / 2
+    unsharded = fzero.estimate_memory(prob.model, stages=3, world_size=2, precision=precision)
+    assert unsharded.device.frozen == whole and est.device.total < unsharded.device.total
+
+
+def test_evaluate_and_state_dict_with_sharded_frozen_params():
+    """``evaluate`` gathers them as the step does; ``state_dict`` gives them whole from the state, so that a module
+    emptied by ``free_frozen`` gets its values back (``assign=True``) and runs as the trained model."""
+    losses, params, state, step, model = _run("gpt2", ranks=2, frozen=True, free=False, steps=2)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    batch = _tokens(128, seed=1)()[2]
+    model.eval()
+    before = step.evaluate(state, batch)["loss"]
+    fzero.free_frozen(model, state)
+    assert float(step.evaluate(state, batch)["loss"]) == float(before)
+    assert step.gather_frozen(state).keys() == base.keys()
+    assert all(torch.equal(step.gather_frozen(state)[n], base[n]) for n in base)
+    model.load_state_dict(step.state_dict(state, model), assign=True)
+    assert all(torch.equal(dict(model.named_parameters())[n], base[n]) for n in base)
+    with torch.no_grad():
+        plain = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    assert float(plain) == pytest.approx(float(before), rel=1e-6)
+
+
+def test_an_fp32_base_under_bf16_is_held_exact_and_gathered_in_bf16():
+    """Under a bf16 policy the shards keep the fp32 values as given (``gather_frozen`` returns them bitwise), and each
+    gather casts them, as FSDP2 casts its fp32 shards: the same training as the module's fp32 base cast per step."""
+    _, _, state, step, model = _run("llama", ranks=2, frozen=True, free=False, steps=1, precision="bf16")
+    base = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert all(t.dtype == torch.float32 for t in state[0].frozen.values())
+    got = step.gather_frozen(state)
+    assert all(torch.equal(got[n], base[n]) for n in base)
+
+
+def test_a_checkpoint_with_model_resumes_the_sharded_frozen_params(tmp_path):
+    """``save(..., model=)`` writes the frozen params from the state (the module's are emptied); ``load(..., model=)``
+    into a state made from another base puts the checkpoint's into its shards: the run goes on bitwise as one that
+    never stopped."""
+    whole = _run("llama", ranks=2, frozen=True, free=True)
+    first = _run("llama", ranks=2, frozen=True, free=True, steps=2)
+    fzero.checkpoint.save(tmp_path / "ckpt", first[2], model=first[4])
+    model = MODELS["llama"]()
+    with torch.no_grad():  # another base: its values must not be what trains on
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.add_(1.0)
+    step = fzero.compile(_loss(model), optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD), stages=3,
+                         mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    fzero.free_frozen(model, state)
+    state = fzero.checkpoint.load(tmp_path / "ckpt", like=state, model=model)
+    losses = []
+    for batch in _tokens(128, seed=1)()[2:]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses == whole[0][2:]
+    final = step.gather(state)
+    assert all(torch.equal(final[k], whole[1][-1][k]) for k in final)
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+
+
+def _tiny(stages=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), stages=stages, mesh=fzero.local_mesh(2))
+    return model, step
+
+
+def test_frozen_at_stages_0_to_2_is_refused():
+    model, step = _tiny(stages=2)
+    with pytest.raises(ValueError, match=r"fzero.Step.init: frozen= shards .* at stage 3.*stages=3"):
+        step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+
+
+@pytest.mark.parametrize("case", ["trained", "requires_grad", "meta", "integer", "empty"])
+def test_what_frozen_cannot_hold_is_refused_by_name(case):
+    model, step = _tiny()
+    frozen = fzero.frozen_of(model)
+    params = fzero.params_of(model)
+    match = {"trained": r"frozen\['1.weight'\] is in params too", "requires_grad": r"frozen\['0.weight'\] requires grad",
+             "meta": r"frozen\['0.weight'\] is a meta tensor", "integer": r"frozen\['0.weight'\] has dtype torch.int64",
+             "empty": r"frozen= is an empty dict"}[case]
+    if case == "trained":
+        frozen["1.weight"] = params["1.weight"]
+    elif case == "requires_grad":
+        frozen["0.weight"] = frozen["0.weight"].clone().requires_grad_()
+    elif case == "meta":
+        frozen["0.weight"] = frozen["0.weight"].to("meta")
+    elif case == "integer":
+        frozen["0.weight"] = frozen["0.weight"].long()
+    else:
+        frozen = {}
+    with pytest.raises(ValueError, match=match):
+        step.init(params, frozen=frozen)
+
+
+@pytest.mark.parametrize("write", ["in place", "load_state_dict", "replaced"])
+def test_a_frozen_param_written_on_the_module_after_init_is_refused(write):
+    """The step reads the state's shards, not the module: a value given the module after init would be ignored,
+    silently, so the next step refuses it by name; free_frozen's meta params hold nothing to write."""
+    model, step = _tiny()
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    batch = torch.randn(4, 4)
+    state, _ = step(state, batch)
+    with torch.no_grad():
+        if write == "in place":
+            model[0].weight.mul_(2)
+        elif write == "load_state_dict":
+            model[0].load_state_dict({"weight": torch.ones(4, 4), "bias": torch.zeros(4)})
+        else:
+            model[0].weight = nn.Parameter(torch.ones(4, 4), requires_grad=False)
+    with pytest.raises(ValueError, match=r"frozen param '0.weight' .* was written \(or replaced\) since step.init"):
+        step(state, batch)
+
+
+def test_free_frozen_without_sharded_frozen_params_is_refused():
+    model, step = _tiny()
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match="fzero.free_frozen: the state holds no frozen parameters"):
+        fzero.free_frozen(model, state)
+    assert not model[0].weight.is_meta
+
+
+class _Shared(nn.Module):
+    """A frozen projection shared by a block (a unit) and the head (the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 4)
+        self.head.weight = self.blocks[0].weight
+        self.blocks[0].weight.requires_grad_(False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_frozen_param_tied_across_units_is_refused():
+    torch.manual_seed(0)
+    model = _Shared()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    with pytest.raises(ValueError, match=r"frozen param 'blocks.0.weight' is tied to \['head.weight'\]"):
+        step(state, torch.randn(4, 4))
