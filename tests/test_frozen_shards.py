@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fzero
+from fzero.layout import frozen_key
 from fzero.models.gpt import GPTConfig
 from problems import gathered_per_rank, gpt_problem
 from zoo import B1, B2, EPS, LR, SEED, WD, Entry, _seeded, _tokens, assert_params_match, gpt2, llama, reference_run
@@ -88,7 +89,7 @@ def test_sharded_frozen_params_train_bitwise_as_the_module_s_own(name, ranks, se
     layout = state[0].meta.layout
     assert sum(g.numel for g in layout.frozen) == sum(p.numel() for p in frozen)
     for r in range(ranks):  # each rank holds its 1/N of every group, no more
-        assert {k: v.numel() for k, v in state[r].frozen.items()} == {g.name: g.padded // ranks for g in layout.frozen}
+        assert {k: v.numel() for k, v in state[r].frozen.items()} == {frozen_key(g): g.padded // ranks for g in layout.frozen}
     assert any(g.name != "<root>" for g in layout.frozen)  # the blocks' frozen params go with their units
 
 
@@ -134,9 +135,10 @@ def test_each_rank_holds_its_shard_of_the_frozen_params_and_gathers_them_unit_by
     assert unsharded.device.frozen == whole and est.device.total < unsharded.device.total
 
 
-def test_evaluate_and_state_dict_with_sharded_frozen_params():
-    """``evaluate`` gathers them as the step does; ``state_dict`` gives them whole from the state, so that a module
-    emptied by ``free_frozen`` gets its values back (``assign=True``) and runs as the trained model."""
+def test_evaluate_state_dict_and_restore_with_sharded_frozen_params():
+    """``evaluate`` gathers them as the step does; ``restore_frozen`` puts them back into a module ``free_frozen``
+    emptied, GPT-2's tied wte/lm_head one parameter again, and with ``state_dict``'s trained params it runs as the
+    trained model."""
     losses, params, state, step, model = _run("gpt2", ranks=2, frozen=True, free=False, steps=2)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     batch = _tokens(128, seed=1)()[2]
@@ -146,8 +148,12 @@ def test_evaluate_and_state_dict_with_sharded_frozen_params():
     assert float(step.evaluate(state, batch)["loss"]) == float(before)
     assert step.gather_frozen(state).keys() == base.keys()
     assert all(torch.equal(step.gather_frozen(state)[n], base[n]) for n in base)
-    model.load_state_dict(step.state_dict(state, model), assign=True)
-    assert all(torch.equal(dict(model.named_parameters())[n], base[n]) for n in base)
+    assert sorted(step.restore_frozen(state, model)) == sorted(base)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(named[n], base[n]) and not named[n].requires_grad for n in base)
+    head = [n for n in named if n.endswith("lm_head.weight")]
+    assert head and named[head[0]] is named[head[0].replace("lm_head", "transformer.wte")]  # the tie kept
+    model.load_state_dict(step.state_dict(state, model))
     with torch.no_grad():
         plain = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     assert float(plain) == pytest.approx(float(before), rel=1e-6)
@@ -187,6 +193,81 @@ def test_a_checkpoint_with_model_resumes_the_sharded_frozen_params(tmp_path):
     assert losses == whole[0][2:]
     final = step.gather(state)
     assert all(torch.equal(final[k], whole[1][-1][k]) for k in final)
+
+
+def test_a_checkpoint_loads_into_a_state_whose_module_keeps_its_frozen_params(tmp_path):
+    """``load(..., model=)`` writes the checkpoint's frozen values into a module that ``free_frozen`` did not empty: that
+    write is the checkpoint's own, so the next step takes it as read (it refused it as a write the state would miss)."""
+    whole = _run("gpt2", ranks=2, frozen=True)
+    first = _run("gpt2", ranks=2, frozen=True, steps=2)
+    fzero.checkpoint.save(tmp_path / "ckpt", first[2], model=first[4])
+    model = MODELS["gpt2"]()
+    step = fzero.compile(_loss(model), optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD), stages=3,
+                         mesh=fzero.local_mesh(2))
+    state = fzero.checkpoint.load(tmp_path / "ckpt", like=step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)),
+                                  model=model)
+    losses = []
+    for batch in _tokens(128, seed=1)()[2:]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses == whole[0][2:]
+
+
+class _MixedBlock(nn.Module):
+    """Frozen params of two dtypes (``a`` bf16, ``b`` fp32) beside a trained layer, as a bf16 Hugging Face model with
+    fp32 ``_keep_in_fp32_modules`` under an adapter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a.requires_grad_(False)
+        self.b.requires_grad_(False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.c(self.b(x) + self.a(x.to(self.a.weight.dtype)).to(x.dtype)))
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_MixedBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("precision, buckets", [("fp32", 0), ("bf16", 0), ("bf16", 1 << 20)])
+def test_a_unit_of_frozen_params_of_two_dtypes_keeps_each_in_its_own(precision, buckets):
+    """One group per unit and dtype: each param held in its own dtype (bf16 at 2 bytes, fp32 exact), gathered in the
+    compute dtype under a policy; the same training, bitwise, as the module's own, and ``gather_frozen`` the values
+    given, in their dtypes."""
+    def run(frozen):
+        torch.manual_seed(0)
+        model = _Mixed()
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b), stages=3, mesh=fzero.local_mesh(2), precision=precision,
+                             bucket_elements=buckets)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        if frozen:
+            fzero.free_frozen(model, state)
+        out = []
+        for k in range(3):
+            state, metrics = step(state, torch.randn(4, 8, generator=torch.Generator().manual_seed(k)))
+            out.append((float(metrics["loss"]), step.gather(state)))
+        return out, state, step, base
+
+    plain, *_ = run(False)
+    sharded, state, step, base = run(True)
+    for (la, pa), (lb, pb) in zip(plain, sharded):
+        assert la == lb and all(torch.equal(pa[k], pb[k]) for k in pa)
+    layout = state[0].meta.layout
+    assert sorted(frozen_key(g) for g in layout.frozen) == sorted(f"blocks.{i}:{d}" for i in range(3) for d in ("bfloat16", "float32"))
+    held = {frozen_key(g): t.dtype for g in layout.frozen for t in [state[0].frozen[frozen_key(g)]]}
+    assert all(d == (torch.bfloat16 if k.endswith("bfloat16") else torch.float32) for k, d in held.items())
+    got = step.gather_frozen(state)
+    assert all(got[n].dtype == base[n].dtype and torch.equal(got[n], base[n]) for n in base)
 
 
 # ------------------------------------------------------------------------------------------------- refusals

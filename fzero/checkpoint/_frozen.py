@@ -20,6 +20,7 @@ from torch import nn
 from fzero.checkpoint import _dcp
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._state import dtype_name
+from fzero.layout import frozen_key
 
 
 def frozen_of(model: Any, *, api: str, held: Any = ()) -> dict[str, torch.Tensor]:
@@ -121,23 +122,30 @@ def held_names(state: Any) -> list[str]:
     return [s.path for g in first.meta.layout.frozen for s in g.slots] if first.meta is not None else []
 
 
-def into_state(state: Any, values: dict[str, torch.Tensor]) -> Any:
+def into_state(state: Any, values: dict[str, torch.Tensor], model: nn.Module) -> Any:
     """``state`` whose sharded frozen params (``step.init(..., frozen=...)``) are ``values`` (a checkpoint's, by name),
     on every rank it holds: a run resumed with ``load(..., model=)`` trains on the frozen values the checkpoint saved,
-    as the module does, not on those the state was made from. Groups the checkpoint does not hold keep the state's."""
+    as the module does, not on those the state was made from. Groups the checkpoint does not hold keep the state's.
+    ``model``'s copies (``load_into`` wrote the values into those ``fzero.free_frozen`` left real) are recorded as read
+    (``StateMeta.frozen_seen``): that write is the checkpoint's, not one the state would miss."""
+    named = dict(model.named_parameters())
+    seen = {n: (p._version, p.data_ptr()) for n, p in named.items() if n in values and not p.is_meta}
+
     def one(s: Any) -> Any:
         layout = s.meta.layout
         frozen = dict(s.frozen)
         for g in layout.frozen:
             if not all(slot.path in values for slot in g.slots):
                 continue
-            shard = frozen[g.name]
+            key = frozen_key(g)
+            shard = frozen[key]
             flat = torch.zeros(g.padded, dtype=shard.dtype, device=shard.device)
             for slot in g.slots:
                 flat[slot.offset : slot.offset + slot.numel].copy_(values[slot.path].reshape(-1))
             lo, hi = g.shard_range(s.meta.rank, layout.world_size)
-            frozen[g.name] = flat[lo:hi].clone()
-        return dataclasses.replace(s, frozen=frozen)
+            frozen[key] = flat[lo:hi].clone()
+        meta = dataclasses.replace(s.meta, frozen_seen={**s.meta.frozen_seen, **seen})
+        return dataclasses.replace(s, frozen=frozen, meta=meta)
 
     if hasattr(state, "states"):
         return type(state)(tuple(one(s) for s in state.states))

@@ -67,7 +67,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     made_by = _step_of(like)  # before _target copies a state: the copy is no step's
     target = _with_buffers(_target(like, info, found, api), info)
     if sharded and frozen:  # the state holds the frozen params sharded: the checkpoint's values go there too
-        target = _frozen.into_state(target, frozen)
+        target = _frozen.into_state(target, frozen, model)
     states, distributed = held(target, api)
     if distributed:
         agree_on_checkpoint(Ranks(api, True), found, info, manifest, api=api)

@@ -312,24 +312,22 @@ def _sharded_frozen_bytes(source: Any, stages: int, n: int, units: Any, compute:
     unit_of = by_container_child if units is None else by_prefixes(units, api=API)
     named = list(source.named_parameters())
     trained = {unit_of(name) for name, p in named if p.requires_grad}
-    per: dict[str, list[torch.Tensor]] = {}
+    per: dict[tuple[str, torch.dtype], int] = {}  # (unit, dtype) -> elements: a group each, as build_frozen makes them
     for name, p in named:
         if not p.requires_grad:
             u = unit_of(name)
-            per.setdefault(u if u in trained else ROOT, []).append(p)
+            key = (u if u in trained else ROOT, p.dtype)
+            per[key] = per.get(key, 0) + p.numel()
     quantum = n * SHARD_ALIGN
-    held, sizes, root = 0.0, [], 0
-    for u, ps in per.items():
-        numel = sum(p.numel() for p in ps)
+    held, by_unit = 0.0, {}  # by_unit: bytes of a unit's frozen params gathered (in the compute dtype under a policy)
+    for (u, dtype), numel in per.items():
         padded = math.ceil(numel / quantum) * quantum
-        held += padded * max(p.element_size() for p in ps) / n
-        if u == ROOT:
-            root = padded
-        else:
-            sizes.append(padded)
-    sizes = sorted(sizes, reverse=True) + [0, 0]
-    c_bytes = torch.empty((), dtype=compute).element_size()
-    return held, float(c_bytes * (sizes[0] + (sizes[1] if prefetch else 0) + root))
+        held += padded * dtype.itemsize / n
+        gathered_as = compute if compute != torch.float32 else dtype
+        by_unit[u] = by_unit.get(u, 0) + padded * gathered_as.itemsize
+    root = by_unit.pop(ROOT, 0)
+    sizes = sorted(by_unit.values(), reverse=True) + [0, 0]
+    return held, float(sizes[0] + (sizes[1] if prefetch else 0) + root)
 
 
 def _frozen_count(source: Any) -> int:

@@ -6,7 +6,8 @@ from fzero.layout._modules import (Binding, bound, check_no_meta, clone_structur
 from fzero.layout._layout import (
     build_frozen,
     build_layout,
-    frozen_region,
+    frozen_key,
+    frozen_regions,
     frozen_views,
     DEFAULT_UNIT_ELEMENTS,
     device_of,

@@ -92,7 +92,8 @@ class Layout:
     world_size: int
     order: tuple[int, ...]  # pytree leaf index of each slot, in unit order
     # stage 3 with ``step.init(..., frozen=...)``: the frozen params sharded beside the trainable ones, one group per unit
-    # (by the unit's name; ROOT for those outside every unit), gathered into the tail of the unit's buffer (``gathered``)
+    # and dtype (named as the unit; ROOT for those outside every unit), gathered into the tail of the unit's buffer
+    # (``gathered``); the state keeps each group's shard under ``frozen_key(group)``
     frozen: tuple[Unit, ...] = ()
     # the dtype the frozen groups are gathered in (a precision policy's compute dtype), when not each group's own: the
     # shards keep the values as given (an fp32 base stays exact in the state), and each gather casts, as FSDP2 does
@@ -102,15 +103,15 @@ class Layout:
         """The dtype ``group`` is gathered in, and the forward reads it in."""
         return self.frozen_compute or group.dtype
 
-    def frozen_unit(self, name: str) -> Unit | None:
-        """The frozen group gathered with unit ``name``, if any."""
-        return next((g for g in self.frozen if g.name == name), None)
+    def frozen_groups(self, name: str) -> tuple[Unit, ...]:
+        """The frozen groups gathered with unit ``name`` (one per dtype), in layout order."""
+        return tuple(g for g in self.frozen if g.name == name)
 
     def gathered(self, unit: Unit) -> int:
         """How many elements of ``unit.dtype`` a stage-3 gather of ``unit`` fills: its padded buffer, then (frozen params
-        sharded) the frozen group's padded buffer, in its own dtype, over the same memory (``frozen_region``)."""
-        group = self.frozen_unit(unit.name)
-        return unit.padded + (0 if group is None else group.padded * self.frozen_dtype(group).itemsize // unit.dtype.itemsize)
+        sharded) each frozen group's padded buffer, in the dtype it is gathered in, over the same memory
+        (``frozen_regions``)."""
+        return unit.padded + sum(_extent(g, self.frozen_dtype(g), unit.dtype) for g in self.frozen_groups(unit.name))
 
     @property
     def numel(self) -> int:
@@ -227,13 +228,30 @@ class Layout:
         return flats
 
 
-def frozen_region(full: torch.Tensor, unit: Unit, group: Unit, dtype: torch.dtype) -> torch.Tensor:
-    """The frozen group's gathered buffer inside ``full`` (a stage-3 unit buffer of ``Layout.gathered`` elements): the
-    tail after the unit's own padded buffer, viewed as ``dtype`` (``Layout.frozen_dtype``). One storage for both, so
-    that the unit's free, refill and pool moves carry the frozen params with the trainable ones. (Exact sizes: a padded
-    size is a multiple of ``SHARD_ALIGN``.)"""
-    tail = full.narrow(0, unit.padded, full.numel() - unit.padded)
-    return tail if dtype == unit.dtype else tail.view(dtype)
+def _extent(group: Unit, dtype: torch.dtype, unit_dtype: torch.dtype) -> int:
+    """Elements of ``unit_dtype`` that hold ``group``'s padded buffer in ``dtype`` (exact: a padded size is a multiple
+    of ``SHARD_ALIGN``, so every region also starts on a multiple of its own element size)."""
+    return group.padded * dtype.itemsize // unit_dtype.itemsize
+
+
+def frozen_key(group: Unit) -> str:
+    """The key of a frozen group's shard in a state's ``frozen``: its unit's name and its dtype (a unit may hold
+    frozen params of several dtypes: a bf16 model whose ``_keep_in_fp32_modules`` stay fp32)."""
+    return f"{group.name}:{str(group.dtype).removeprefix('torch.')}"
+
+
+def frozen_regions(full: torch.Tensor, unit: Unit, groups: Sequence[Unit], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """Each frozen group's gathered buffer inside ``full`` (a stage-3 unit buffer of ``Layout.gathered`` elements): the
+    tail after the unit's own padded buffer, group after group, each viewed as the dtype it is gathered in
+    (``Layout.frozen_dtype``). One storage for all, so that the unit's free, refill and pool moves carry the frozen
+    params with the trainable ones."""
+    out, at = [], unit.padded
+    for group, dtype in zip(groups, dtypes):
+        size = _extent(group, dtype, unit.dtype)
+        region = full.narrow(0, at, size)
+        out.append(region if dtype == unit.dtype else region.view(dtype))
+        at += size
+    return out
 
 
 def frozen_views(flat: torch.Tensor, group: Unit) -> dict[str, torch.Tensor]:
@@ -241,34 +259,24 @@ def frozen_views(flat: torch.Tensor, group: Unit) -> dict[str, torch.Tensor]:
     return {s.path: p.view(s.shape) for p, s in zip(flat.detach().split_with_sizes(split_sizes(group)), group.slots)}
 
 
-def build_frozen(frozen: dict[str, torch.Tensor], layout: Layout, *, unit_of: Callable[[str], str], dtype: torch.dtype | None,
-                 api: str) -> tuple[Unit, ...]:
+def build_frozen(frozen: dict[str, torch.Tensor], layout: Layout, *, unit_of: Callable[[str], str]) -> tuple[Unit, ...]:
     """The frozen groups of ``frozen`` (name -> tensor, ``fzero.frozen_of``): each param goes with the unit
     ``unit_of`` gives it when that unit holds trainable params, else with the root unit (gathered for the whole
-    step). Each group is held in its params' dtype (under a precision policy, ``dtype``, the widest of them where they
-    differ); without a policy one unit's frozen params must share one."""
+    step), one group per unit and dtype: each is held in its params' own dtype, exact, and gathered in the layout's
+    ``frozen_compute`` (a precision policy's compute dtype) or its own."""
     trained = {u.name for u in layout.units}
-    groups: dict[str, list[str]] = {}
+    groups: dict[tuple[str, torch.dtype], list[str]] = {}
     for path in frozen:
         name = unit_of(path)
-        groups.setdefault(name if name in trained else ROOT, []).append(path)
+        groups.setdefault((name if name in trained else ROOT, frozen[path].dtype), []).append(path)
     out = []
-    for name, paths in groups.items():
-        dtypes = {frozen[p].dtype for p in paths}
-        if len(dtypes) > 1 and dtype is not None:  # held in the widest (exact for each), gathered in ``dtype``
-            dtypes = {max(dtypes, key=lambda d: d.itemsize)}
-        if len(dtypes) > 1:
-            raise TypeError(
-                f"{api}: the frozen params of unit {name!r} mix dtypes {sorted(map(str, dtypes))}, and one unit's frozen "
-                f"params are sharded in one buffer. Give them one dtype (e.g. load the model with one torch_dtype), train "
-                f"under a bf16/fp16 policy (its buffer holds the compute dtype), or leave the odd ones out of frozen= (they "
-                f"are then read from the module, whole on every rank).")
+    for (name, own), paths in groups.items():
         slots, offset = [], 0
         for path in paths:
             slots.append(Slot(path, tuple(frozen[path].shape), offset))
             offset += frozen[path].numel()
         quantum = layout.world_size * SHARD_ALIGN
-        out.append(Unit(name, tuple(slots), offset, math.ceil(offset / quantum) * quantum, next(iter(dtypes))))
+        out.append(Unit(name, tuple(slots), offset, math.ceil(offset / quantum) * quantum, own))
     return tuple(out)
 
 

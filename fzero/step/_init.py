@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, program_fields
-from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of,
+from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of, frozen_key,
                           LayoutSegments, check_units_exist)
 from fzero.optim import use_segments
 from fzero.step._update import init_loss_scale
@@ -53,7 +53,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
     if frozen is not None:
-        layout = dataclasses.replace(layout, frozen=_frozen_layout(step, layout, params, frozen, low), frozen_compute=low)
+        layout = dataclasses.replace(layout, frozen=_frozen_layout(step, layout, params, frozen), frozen_compute=low)
     paths, leaves, _ = _tree.flatten_with_paths(params)
     device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)
     donated = _Donated(paths, leaves) if donate else None
@@ -145,7 +145,7 @@ def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master
     )
 
 
-def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any, low: torch.dtype | None) -> tuple[Unit, ...]:
+def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any) -> tuple[Unit, ...]:
     """``Step.init(..., frozen=...)``, checked: the frozen groups of the layout (``fzero.layout.build_frozen``).
 
     Why: a frozen parameter is the module's, read whole on every rank; a frozen base under a LoRA adapter is most of
@@ -187,7 +187,7 @@ def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any, low: tor
                          f"params are gathered with it, so give them the params' device (model.to(device) before "
                          f"fzero.params_of and fzero.frozen_of).")
     unit_of = step.grads.unit_of(API)
-    return build_frozen(frozen, layout, unit_of=unit_of if unit_of is not None else (lambda p: ROOT), dtype=low, api=API)
+    return build_frozen(frozen, layout, unit_of=unit_of if unit_of is not None else (lambda p: ROOT))
 
 
 def _with_frozen(state: TrainState, buffers: dict, frozen: dict, seen: dict) -> TrainState:
@@ -207,7 +207,7 @@ def _frozen_shards(layout: Layout, frozen: dict[str, torch.Tensor], ranks: list[
             flat[slot.offset : slot.offset + slot.numel].copy_(frozen[slot.path].detach().reshape(-1))
         for r in ranks:
             lo, hi = group.shard_range(r, layout.world_size)
-            out[r][group.name] = flat[lo:hi].clone()
+            out[r][frozen_key(group)] = flat[lo:hi].clone()
         del flat
     return out
 

@@ -70,8 +70,7 @@ def free_frozen(module: nn.Module, state: Any) -> list[str]:
     (every name a tied one has), as DeepSpeed's ``zero.Init`` empties a partitioned parameter and FSDP2 keeps only
     its shard. The step never reads them from the module; what does (``model.to(device)``, a forward outside
     ``fzero.apply``, ``save(..., model=)``) gets torch's or fzero's error for a meta tensor, never a stale value.
-    ``step.gather_frozen(state)`` gives them back whole (``model.load_state_dict(step.state_dict(state, model),
-    assign=True)`` puts them back with the trained params)."""
+    ``step.restore_frozen(state, model)`` puts them back (ties kept), ``step.gather_frozen(state)`` gives them whole."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.free_frozen: expected an nn.Module, got {type(module).__name__}.")
     first = state.states[0] if hasattr(state, "states") else state

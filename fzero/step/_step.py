@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, frozen_key, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
@@ -281,21 +281,46 @@ class Step:
         return out
 
     def gather_frozen(self, state: TrainState | RankStates) -> dict[str, torch.Tensor]:
-        """The frozen params the state holds sharded (``init(..., frozen=...)``), whole, as ``{name: tensor}`` in the
-        dtype they are held in (a precision policy's compute dtype, as the forward reads them); ``{}`` when it holds
-        none. A collective under ``dist_mesh``, as ``gather``. What ``fzero.free_frozen`` took from the module goes back
-        with ``model.load_state_dict(step.gather_frozen(state), strict=False, assign=True)``."""
+        """The frozen params the state holds sharded (``init(..., frozen=...)``), whole, as ``{name: tensor}``, each in its
+        own dtype, the values ``init`` was given (the forward reads them cast to a precision policy's compute dtype);
+        ``{}`` when it holds none. A collective under ``dist_mesh``, as ``gather``. ``restore_frozen`` puts them back
+        into a module ``fzero.free_frozen`` emptied."""
         self._check_state(state, api="fzero.Step.gather_frozen")
         rank_state = state.states[0] if isinstance(state, RankStates) else state
         layout = meta_of(rank_state).layout
+        keys = [frozen_key(g) for g in layout.frozen]
         flats = dict(rank_state.frozen)
         if isinstance(state, RankStates):  # all the shards are in this process
-            flats = {g.name: torch.cat([s.frozen[g.name] for s in state.states]) for g in layout.frozen}
-        elif isinstance(self.mesh, DistMesh) and layout.frozen:  # a collective: under dist_mesh every rank must call it
+            flats = {k: torch.cat([s.frozen[k] for s in state.states]) for k in keys}
+        elif isinstance(self.mesh, DistMesh) and keys:  # a collective: under dist_mesh every rank must call it
             comm = self.mesh.comm(api="fzero.Step.gather_frozen")
-            flats = {g.name: comm.all_gather(torch.empty(g.padded, dtype=flats[g.name].dtype, device=flats[g.name].device),
-                                             flats[g.name], tag="gather") for g in layout.frozen}
-        return {s.path: flats[g.name][s.offset : s.offset + s.numel].view(s.shape).clone() for g in layout.frozen for s in g.slots}
+            flats = {k: comm.all_gather(torch.empty(g.padded, dtype=flats[k].dtype, device=flats[k].device), flats[k], tag="gather")
+                     for k, g in zip(keys, layout.frozen)}
+        return {s.path: flats[k][s.offset : s.offset + s.numel].view(s.shape).clone() for k, g in zip(keys, layout.frozen)
+                for s in g.slots}
+
+    def restore_frozen(self, state: TrainState | RankStates, model: nn.Module) -> list[str]:
+        """Put the frozen params ``state`` holds sharded back into ``model``, in place of the meta tensors
+        ``fzero.free_frozen`` left, and return their names: each a parameter again (frozen, every name of a tied one
+        the same object, as before). Then ``model`` runs and exports as a plain module (``load_state_dict(
+        step.state_dict(state, model))`` for the trained params, ``save_pretrained``, ``merge_and_unload``). A collective
+        under ``dist_mesh``, as ``gather``."""
+        values = self.gather_frozen(state)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fzero.Step.restore_frozen: model must be the nn.Module the state was made from, got "
+                            f"{type(model).__name__}.")
+        named = dict(model.named_parameters(remove_duplicate=False))
+        wrong = [n for n, v in values.items() if n not in named or tuple(named[n].shape) != tuple(v.shape) or named[n].requires_grad]
+        if wrong:
+            raise ValueError(f"fzero.Step.restore_frozen: the state holds the frozen params {wrong[:4]}, which "
+                             f"{type(model).__name__} does not have frozen with those shapes: pass the model the state was "
+                             f"made from.")
+        new = {id(named[n]): nn.Parameter(v, requires_grad=False) for n, v in values.items()}
+        for sub in model.modules():
+            for key, p in sub._parameters.items():
+                if p is not None and id(p) in new:
+                    sub._parameters[key] = new[id(p)]
+        return list(values)
 
     def with_buffers(self, state: TrainState | RankStates, buffers: dict[str, Any]) -> TrainState | RankStates:
         """A new state whose persistent buffers ``buffers`` (name -> value, as ``model.state_dict()`` names them) replace
@@ -342,8 +367,8 @@ class Step:
         ``model`` (the module the params came from), the dict has exactly its ``state_dict`` keys in its
         order: tied parameters under every name, and what the state does not hold (frozen parameters,
         buffers a step has not adopted yet) from the model itself. Frozen parameters the state holds sharded
-        (``init(..., frozen=...)``) come from the state, so a module whose own ``fzero.free_frozen`` emptied gets them
-        back with ``model.load_state_dict(sd, assign=True)``.
+        (``init(..., frozen=...)``) come from the state, in their own dtypes (into a module ``fzero.free_frozen``
+        emptied, ``restore_frozen`` first: loaded into its meta parameters they would be dropped).
         """
         self._check_state(state, api="fzero.Step.state_dict")
         params = self.gather(state)

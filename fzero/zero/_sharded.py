@@ -223,10 +223,8 @@ class ShardedParams(UnitParams):
         """The frozen params outside every unit (``step.init(..., frozen=...)``), gathered once for the step, as the root
         unit: ``{path: view}``."""
         if self._root_frozen is None:
-            got = self.schedule.gather_root_frozen()
-            self._root_frozen = {} if got is None else got[1]
-            if got is not None:
-                self._roots = [*getattr(self, "_roots", []), got[0]]  # back to the pool at ``release``
+            bufs, self._root_frozen = self.schedule.gather_root_frozen()
+            self._roots = [*getattr(self, "_roots", []), *bufs]  # back to the pool at ``release``
         return self._root_frozen
 
     def frozen_paths(self) -> list[str]:
@@ -485,8 +483,8 @@ def _sharded_frozen(module: nn.Module, layout: Layout, seen: dict, api: str) -> 
                 raise ValueError(
                     f"{api}: the frozen param {s.path!r} is tied to {[n for n in aliases[id(p)] if n != s.path][:4]}, "
                     f"which lie in units {sorted(owners)}; the state shards it with unit {group.name!r}, whose gather "
-                    f"the others' calls do not see. Leave it out of frozen= (it is then read from the module), or keep "
-                    f"the modules that share it in one unit (units=...).")
+                    f"the others' calls do not see. Leave it out of frozen= (it is then read from the module), or give "
+                    f"units= that put every module sharing it in one unit, or all of them outside the units (the root).")
             out[id(p)] = (group.name, s.path, layout.frozen_dtype(group))
     return out
 

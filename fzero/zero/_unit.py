@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from fzero.autodiff import remat
-from fzero.layout import Binding, bound, frozen_region, frozen_views, Layout, ROOT, Unit, pytrees as _tree, split_sizes
+from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
+                          split_sizes)
 from fzero.mesh import events as _events, Function, GatherBucket, Pending, profiled
 from fzero.step import (current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
@@ -166,11 +167,11 @@ class Schedule:
                  frozen: dict[str, torch.Tensor] | None = None, frozen_seen: dict | None = None) -> None:
         self.comm = comm
         # ``step.init(..., frozen=...)``: this rank's shards of the frozen params (the state's ``frozen``), and their
-        # groups by unit name: each is gathered into the tail of its unit's buffer (``fzero.layout.frozen_region``)
+        # groups by unit name (one per dtype): gathered into the tail of their unit's buffer (``fzero.layout.frozen_regions``)
         self.frozen = frozen or {}
         self.frozen_seen = frozen_seen or {}  # the module's frozen params as init copied them (``StateMeta.frozen_seen``)
-        self.groups = {g.name: g for g in layout.frozen}
-        self.frozen_dtype = layout.frozen_compute  # what they are gathered in, where not their own dtype
+        self.groups = {g.name: layout.frozen_groups(g.name) for g in layout.frozen}
+        self.dtypes = {g.name: tuple(layout.frozen_dtype(x) for x in self.groups[g.name]) for g in layout.frozen}  # gathered in
         self.sizes = {u.name: layout.gathered(u) for u in layout.units}  # elements of a unit's gathered buffer
         # stage 3 with fp32 masters beside the shards: what a unit's gather sends, its master cast to the compute dtype
         # (``fzero.zero._stages.CastFromMasters``; None for a unit whose shard is kept)
@@ -218,42 +219,47 @@ class Schedule:
 
     def _gather_async(self, out: torch.Tensor, name: str) -> Any:
         """Start the gather of unit ``name`` into ``out``: its params, and (``frozen=``) its frozen params into the tail."""
-        group = self.groups.get(name)
-        if group is None:
+        groups = self.groups.get(name)
+        if groups is None:
             return self.comm.all_gather_async(out, self.input_of(name), tag="params", label=name)
         unit = self.units[name]
-        own = self.comm.all_gather_async(out.narrow(0, 0, unit.padded), self.input_of(name), tag="params", label=name)
-        frozen = self.comm.all_gather_async(frozen_region(out, unit, group, self.frozen_dtype or group.dtype), self._frozen_input(name),
-                                            tag="params", label=name + ":frozen")
-        return Pending(lambda: (own.wait(), frozen.wait(), out)[-1])
+        handles = [self.comm.all_gather_async(out.narrow(0, 0, unit.padded), self.input_of(name), tag="params", label=name)]
+        for region, group, dtype in zip(self.frozen_regions(out, name), groups, self.dtypes[name]):
+            handles.append(self.comm.all_gather_async(region, self._frozen_input(group, dtype), tag="params",
+                                                      label=name + ":frozen"))
+        return Pending(lambda: ([h.wait() for h in handles], out)[1])
 
     def _gather_now(self, out: torch.Tensor, name: str) -> None:
         """Gather unit ``name`` into ``out`` now (see ``_gather_async``)."""
-        group = self.groups.get(name)
-        if group is None:
+        groups = self.groups.get(name)
+        if groups is None:
             self.comm.all_gather(out, self.input_of(name), tag="params", label=name)
             return
-        unit = self.units[name]
-        self.comm.all_gather(out.narrow(0, 0, unit.padded), self.input_of(name), tag="params", label=name)
-        self.comm.all_gather(frozen_region(out, unit, group, self.frozen_dtype or group.dtype), self._frozen_input(name), tag="params",
-                             label=name + ":frozen")
+        self.comm.all_gather(out.narrow(0, 0, self.units[name].padded), self.input_of(name), tag="params", label=name)
+        for region, group, dtype in zip(self.frozen_regions(out, name), groups, self.dtypes[name]):
+            self.comm.all_gather(region, self._frozen_input(group, dtype), tag="params", label=name + ":frozen")
 
-    def _frozen_input(self, name: str) -> torch.Tensor:
-        """What this rank sends to the gather of unit ``name``'s frozen params: its shard, here, in the compute dtype."""
-        shard = self.frozen[name]
-        if self.frozen_dtype is not None and shard.dtype != self.frozen_dtype:  # an fp32 base under bf16: cast, as FSDP2
-            return shard.to(self.device, self.frozen_dtype, non_blocking=True)
-        return self._here(shard)
+    def frozen_regions(self, full: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """The frozen groups' regions in unit ``name``'s gathered buffer ``full``."""
+        return frozen_regions(full, self.units[name], self.groups[name], self.dtypes[name])
 
-    def gather_root_frozen(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    def _frozen_input(self, group: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """What this rank sends to the gather of a frozen group: its shard, here, in ``dtype`` (an fp32 base under a bf16
+        policy is cast as it is gathered, as FSDP2 casts its fp32 shards)."""
+        shard = self.frozen[frozen_key(group)]
+        return shard.to(self.device, dtype, non_blocking=True) if shard.dtype != dtype else self._here(shard)
+
+    def gather_root_frozen(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """The frozen params outside every unit (``frozen=``), gathered once for the step as the root unit is: the
-        buffer (the caller's to give back to the pool) and ``{path: view}``; None when there are none."""
-        group = self.groups.get(ROOT)
-        if group is None:
-            return None
-        buf = _events.gathered(take(self.pool, group.padded, dtype=self.frozen_dtype or group.dtype, device=self.device))
-        self.comm.all_gather(buf, self._frozen_input(ROOT), tag="params", label=ROOT + ":frozen")
-        return buf, frozen_views(buf, group)
+        buffers (the caller's to give back to the pool) and ``{path: view}``."""
+        bufs: list[torch.Tensor] = []
+        views: dict[str, torch.Tensor] = {}
+        for group, dtype in zip(self.groups.get(ROOT, ()), self.dtypes.get(ROOT, ())):
+            buf = _events.gathered(take(self.pool, group.padded, dtype=dtype, device=self.device))
+            self.comm.all_gather(buf, self._frozen_input(group, dtype), tag="params", label=ROOT + ":frozen")
+            bufs.append(buf)
+            views.update(frozen_views(buf, group))
+        return bufs, views
 
     def _target(self, name: str) -> "UnitCall | None":
         """The call whose freed buffer a gather of ``name`` refills (its latest call still waiting for its backward),
@@ -292,22 +298,23 @@ class Schedule:
         names = [self.order[p] for p in span]
         bucket = GatherBucket(self.comm, [self.input_of(n) for n in names], pool=self.pool, label="+".join(names),
                               mark=_events.gathered)
-        frozen = None  # the units' frozen params (``frozen=``): a second bucket, beside the first (``_bucket_span``)
-        if names[0] in self.groups:
-            frozen = GatherBucket(self.comm, [self._frozen_input(n) for n in names], pool=self.pool,
-                                  label="+".join(names) + ":frozen", mark=_events.gathered)
+        # the units' frozen params (``frozen=``): one more bucket per frozen group, beside the first (the span's units
+        # have groups of the same dtypes: ``_bucket_span``)
+        frozen = [GatherBucket(self.comm, [self._frozen_input(self.groups[n][k], self.dtypes[n][k]) for n in names], pool=self.pool,
+                               label="+".join(names) + ":frozen", mark=_events.gathered)
+                  for k in range(len(self.dtypes.get(names[0], ())))]
         for i, (p, name, at) in enumerate(zip(span, names, bucket.offsets)):
             unit, target = self.units[name], self._target(name)
             # the unit's buffer gets its memory when its part is filled in, not now: then the bucket and its units'
             # buffers are not all held while the gather runs
             dest = target.alloc if target is not None else functools.partial(self._fresh, unit)
-            tail = None if frozen is None else (frozen, frozen.offsets[i], unit, self.groups[name], self.frozen_dtype)
-            self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest, tail)), target)
+            tails = [(b, b.offsets[i]) for b in frozen]
+            regions = functools.partial(self.frozen_regions, name=name) if frozen else None
+            self.pending[p] = (name, Pending(functools.partial(_fill, bucket, at, dest, unit, tails, regions)), target)
 
-    def _frozen_kind(self, name: str) -> torch.dtype | None:
-        """What a bucket's units must share of their frozen params: the dtype they are gathered in (None: none)."""
-        group = self.groups.get(name)
-        return None if group is None else self.frozen_dtype or group.dtype
+    def _frozen_kind(self, name: str) -> tuple[torch.dtype, ...]:
+        """What a bucket's units must share of their frozen params: the dtypes they are gathered in (none: ())."""
+        return self.dtypes.get(name, ())
 
     def _fresh(self, unit: Unit) -> torch.Tensor:
         """A fresh buffer to gather ``unit`` into, from the step's pool (counted as gathered memory)."""
@@ -420,16 +427,17 @@ def _same_version(buffer: torch.Tensor):
     return torch.autograd._unsafe_preserve_version_counter(buffer)
 
 
-def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor], frozen: tuple | None = None) -> torch.Tensor:
+def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor], unit: Unit, tails: list,
+          regions: Callable[[torch.Tensor], list[torch.Tensor]] | None) -> torch.Tensor:
     """One unit's share of a ``GatherBucket`` (what ``Schedule.pending`` holds where a unit's own gather would be):
-    its buffer, given its memory now, filled from the bucket; ``frozen``: (the frozen params' bucket, the unit's place
-    in it, the unit, its frozen group), filled into the buffer's tail."""
+    its buffer, given its memory now, filled from the bucket; ``tails``: (the bucket of a frozen group, the unit's place
+    in it) for each of the unit's frozen groups, filled into ``regions(full)``, the buffer's tail."""
     full = dest()
-    if frozen is None:
+    if regions is None:
         return bucket.fill(at, full)
-    fbucket, fat, unit, group, dtype = frozen
     bucket.fill(at, full.narrow(0, 0, unit.padded))
-    fbucket.fill(fat, frozen_region(full, unit, group, dtype or group.dtype))
+    for (fbucket, fat), region in zip(tails, regions(full)):
+        fbucket.fill(fat, region)
     return full
 
 
@@ -521,11 +529,11 @@ class _UnitGather(Function):
             call.full = full
         else:  # a remat call's buffer is not freed into the pool: it goes with the views its recompute saved
             forget(call.schedule.pool, full)
-        group = call.schedule.groups.get(call.unit.name)
-        if group is not None:  # ``frozen=``: the unit's frozen params, views of the buffer's tail (no gradient)
+        groups = call.schedule.groups.get(call.unit.name)
+        if groups is not None:  # ``frozen=``: the unit's frozen params, views of the buffer's tail (no gradient)
             prefix = len(call.unit.name) + 1
-            region = frozen_region(full, call.unit, group, call.schedule.frozen_dtype or group.dtype)
-            call.frozen = {k[prefix:]: v for k, v in frozen_views(region, group).items()}
+            for region, group in zip(call.schedule.frozen_regions(full, call.unit.name), groups):
+                call.frozen.update({k[prefix:]: v for k, v in frozen_views(region, group).items()})
             full = full.narrow(0, 0, call.unit.padded)
         # one split into every slot (and the padding), then a view each: half the dispatcher calls of narrow + view
         pieces = full.split_with_sizes(split_sizes(call.unit))
