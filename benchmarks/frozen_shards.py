@@ -52,8 +52,8 @@ def measure(*, layers: int, width: int, ranks: int, shard: bool) -> dict[str, fl
     for _ in range(2):
         state, _ = step(state, torch.randint(0, 1024, (2 * ranks, 64), generator=gen))
     rank0 = state[0]
-    frozen = sum(t.numel() * t.element_size() for t in rank0.frozen.values()) if shard else whole
     held = state_bytes(rank0)
+    frozen = held["frozen"] if shard else whole
     return {"frozen": frozen, "state": held["params"] + held["optimizer"], "peak": counters[0].peak, "whole": whole}
 
 

@@ -39,10 +39,12 @@ def _storage_bytes(tensors: Any, files: Any = None) -> int:
 
 
 def state_bytes(state: Any) -> dict[str, int]:
-    """Bytes that one rank's ``TrainState`` holds in memory: params and optimizer state (distinct storages;
-    the files of disk offload, mapped param shards included, are not counted)."""
+    """Bytes that one rank's ``TrainState`` holds in memory: params, optimizer state and (stage 3, ``init(...,
+    frozen=...)``) its shards of the frozen params (distinct storages; the files of disk offload, mapped param shards
+    included, are not counted)."""
     files = getattr(state.opt_state, "store", None)
-    return {"params": _storage_bytes(state.params, files), "optimizer": _storage_bytes(state.opt_state, files)}
+    return {"params": _storage_bytes(state.params, files), "optimizer": _storage_bytes(state.opt_state, files),
+            "frozen": _storage_bytes(state.frozen)}
 
 
 def state_categories(state: Any) -> dict[str, int]:

@@ -11,6 +11,8 @@ predicts; checkpoints, ``state_dict`` and ``evaluate``; each misuse refused by n
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -359,3 +361,112 @@ def test_a_frozen_param_tied_across_units_is_refused():
     state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
     with pytest.raises(ValueError, match=r"frozen param 'blocks.0.weight' is tied to \['head.weight'\]"):
         step(state, torch.randn(4, 4))
+
+
+# ------------------------------------------------------------------------------------ found by the review of the change
+
+
+class _Blocks(nn.Module):
+    """Three blocks (units) between a frozen input projection (the root's frozen group) and a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(3)])
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _blocks(seed=0):
+    torch.manual_seed(seed)
+    model = _Blocks()
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.dim() < 2 or name.startswith("head."))
+    return model
+
+
+def _blocks_run(frozen, *, free=True, steps=3, model=None, mesh=None, **settings):
+    model = model if model is not None else _blocks()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.adamw(1e-2),
+                         stages=3, mesh=mesh or fzero.local_mesh(2), **settings)
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+    if frozen and free:
+        fzero.free_frozen(model, state)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, torch.randn(4, 4, generator=g))
+        losses.append(float(metrics["loss"]))
+    return losses, step.gather(state), state, step, model
+
+
+def test_the_root_s_frozen_params_under_torch_func():
+    """The root's frozen groups are gathered in a Function's forward, as every other gather: under torch.func a buffer
+    made in the transform is a wrapped tensor, which the gather could not write ("Cannot access data pointer")."""
+    plain, sharded = _blocks_run(False, autodiff="func"), _blocks_run(True, autodiff="func")
+    assert sharded[0] == plain[0] and all(torch.equal(sharded[1][k], plain[1][k]) for k in plain[1])
+
+
+def test_remat_lets_go_of_each_unit_s_buffer_after_its_forward():
+    """Under remat a unit's frozen views stayed with the call its recompute keeps, and with them its whole buffer: every
+    unit's stayed alive until its backward. When the head runs only the root's buffers are gathered."""
+    mesh, peaks = gathered_per_rank(2)
+    model = _blocks()
+    live = []
+
+    def at_head(module, args):
+        if not live:
+            gc.collect()  # what only a cycle holds is not the views' (a remat call's last unit, as without frozen=)
+            live.append(peaks[0].live)
+
+    model.head.register_forward_pre_hook(at_head)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), stages=3, mesh=mesh, remat=True, prefetch=False)
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    step(state, torch.randn(4, 4))
+    layout = state[0].meta.layout
+    root = 4 * (next(u for u in layout.units if u.name == "<root>").padded + sum(g.padded for g in layout.frozen_groups("<root>")))
+    assert live[0] == root  # (27136 bytes before: every unit's buffer too)
+
+
+def test_a_state_load_returned_saves_with_model_and_restore_frozen_goes_on_training(tmp_path):
+    """A state ``load`` returned (no step made it) saves with ``model=`` (its frozen params gathered in this process);
+    ``restore_frozen`` gives the module the state's values as new parameters, which the next step takes as read."""
+    whole = _blocks_run(True, steps=3)
+    first = _blocks_run(True, steps=2)
+    fzero.checkpoint.save(tmp_path / "ckpt", first[2], model=first[4])
+    model = _blocks(seed=1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.adamw(1e-2),
+                         stages=3, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    fzero.free_frozen(model, state)
+    state = fzero.checkpoint.load(tmp_path / "ckpt", like=state, model=model)
+    fzero.checkpoint.save(tmp_path / "again", state, model=model)
+    again = fzero.checkpoint.load(tmp_path / "again", like=step, model=_blocks(seed=2))
+    assert all(torch.equal(again[r].params[k], state[r].params[k]) for r in range(2) for k in state[r].params)
+    assert sorted(step.restore_frozen(state, model)) == sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    _, metrics = step(state, batches[2])
+    assert float(metrics["loss"]) == whole[0][2]
+
+
+def test_a_checkpoint_loads_its_frozen_params_into_a_module_emptied_by_free_frozen(tmp_path):
+    """``load(..., like=step, model=)`` (a state without ``frozen=``) gives a module whose frozen params are meta (emptied
+    by ``free_frozen``) the checkpoint's values as parameters, ties kept; the run goes on reading them there."""
+    whole = _blocks_run(True, steps=3)
+    first = _blocks_run(True, steps=2)
+    fzero.checkpoint.save(tmp_path / "ckpt", first[2], model=first[4])
+    model = first[4]  # its frozen params are meta
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.adamw(1e-2),
+                         stages=3, mesh=fzero.local_mesh(2))
+    state = fzero.checkpoint.load(tmp_path / "ckpt", like=step, model=model)
+    assert not any(p.is_meta for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    _, metrics = step(state, batches[2])
+    assert float(metrics["loss"]) == whole[0][2]

@@ -21,6 +21,7 @@ from fzero.checkpoint import _dcp
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._state import dtype_name
 from fzero.layout import frozen_key
+from fzero.step import replace_params
 
 
 def frozen_of(model: Any, *, api: str, held: Any = ()) -> dict[str, torch.Tensor]:
@@ -84,7 +85,7 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
                 f"go back into it: without them a run resumes on whatever values the module was built with."
             )
         return {}
-    have = frozen_of(model, api=api, held=held)
+    have = frozen_of(model, api=api, held=[n for n, p in model.named_parameters()])  # meta ones get the checkpoint's below
     if saved is None:
         if have:
             raise CheckpointError(
@@ -113,6 +114,11 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
         for n, t in values.items():
             if not have[n].is_meta:
                 have[n].copy_(t)
+    # a meta one (``fzero.free_frozen``, or a model built on meta) becomes a parameter of the checkpoint's value, unless
+    # the state holds it sharded (``held``: it gets the value there, ``into_state``, and the module stays emptied)
+    real = (t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+    device = next(real, torch.device("cpu"))  # where the module's real tensors are
+    replace_params(model, {n: t.to(device) for n, t in values.items() if have[n].is_meta and n not in held})
     return values
 
 

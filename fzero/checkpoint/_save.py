@@ -20,7 +20,8 @@ from fzero.checkpoint._groups import labels, step_of
 from fzero.checkpoint._oserrors import check_space
 from fzero.checkpoint._state import describe, entries, held, pieces, size_lower_bound, which_process
 from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
-from fzero.step import RankStates, TrainState
+from fzero.mesh import DistMesh
+from fzero.step import RankStates, TrainState, whole_frozen
 
 
 def _frozen_values(state: Any, model: Any, api: str) -> dict[str, torch.Tensor]:
@@ -28,12 +29,17 @@ def _frozen_values(state: Any, model: Any, api: str) -> dict[str, torch.Tensor]:
     frozen=...)``) from the state, exact (the module's may be emptied by ``fzero.free_frozen``)."""
     held = _frozen.held_names(state)
     out = _frozen.frozen_of(model, api=api, held=held)
-    if held:
-        step = step_of(state.states[0] if isinstance(state, RankStates) else state)
-        if step is None:
-            raise ValueError(f"{api}: the state holds frozen params sharded (frozen=), and with model= they are saved "
-                             f"whole, which needs the step that made the state; save a state a step returned or made.")
-        out.update(step.gather_frozen(state))
+    if held:  # one group at a time, each to the host once whole: the device never holds the whole frozen model
+        first = state.states[0] if isinstance(state, RankStates) else state
+        step = step_of(first)
+        mesh = getattr(step, "mesh", None)
+        distributed = first.meta.layout.world_size > 1 and not isinstance(state, RankStates)
+        if distributed and not isinstance(mesh, DistMesh):
+            raise ValueError(f"{api}: the state holds frozen params sharded over the processes of a dist_mesh "
+                             f"(frozen=), and with model= they are saved whole, gathered by the step that made the state, "
+                             f"which this state does not know (a copy, or one load returned): save a state a step "
+                             f"returned or made with step.init.")
+        out.update(whole_frozen(state, mesh.comm(api=api) if distributed else None, host=True))
     return out
 
 

@@ -191,7 +191,10 @@ def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any) -> tuple
 
 
 def _with_frozen(state: TrainState, buffers: dict, frozen: dict, seen: dict) -> TrainState:
-    """``state`` with (copies of) the buffers and its frozen shards."""
+    """``state`` with (copies of) the buffers and its frozen shards, kept where it keeps its params' shards (the host,
+    with ``offload_params``; each comes to the device to be gathered, as theirs do)."""
+    where = next((t.device for t in state.params.values()), None)
+    frozen = {k: v.to(where) for k, v in frozen.items()} if where is not None else frozen
     meta = state.meta
     if seen and meta is not None:
         meta = dataclasses.replace(meta, frozen_seen=seen)

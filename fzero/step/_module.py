@@ -85,16 +85,21 @@ def free_frozen(module: nn.Module, state: Any) -> list[str]:
     if missing:
         raise ValueError(f"fzero.free_frozen: the state holds the frozen params {missing[:4]}, which "
                          f"{type(module).__name__} does not have frozen: pass the model the state was made from.")
-    emptied: dict[int, nn.Parameter] = {}
-    for name in paths:
-        p = named[name]
-        if id(p) not in emptied:
-            emptied[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+    replace_params(module, {name: torch.empty(named[name].shape, dtype=named[name].dtype, device="meta") for name in paths})
+    return paths
+
+
+def replace_params(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Each parameter of ``module`` named in ``values`` becomes a new frozen parameter holding that tensor, under every
+    name it has (a tied one stays one parameter, as ``load_state_dict(..., assign=True)`` would not keep it)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    new: dict[int, nn.Parameter] = {}
+    for name, value in values.items():
+        new.setdefault(id(named[name]), nn.Parameter(value, requires_grad=False))
     for sub in module.modules():
         for key, q in sub._parameters.items():
-            if q is not None and id(q) in emptied:
-                sub._parameters[key] = emptied[id(q)]
-    return paths
+            if q is not None and id(q) in new:
+                sub._parameters[key] = new[id(q)]
 
 
 def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:

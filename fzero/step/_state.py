@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import optree
 import torch
 
-from fzero.layout import pytrees as _tree, Layout
+from fzero.layout import pytrees as _tree, frozen_key, Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,3 +394,30 @@ def is_verified(state: TrainState, step: Any) -> bool:
 def made_by(state: TrainState) -> Any:
     """The step that made ``state`` (by ``Step.init`` or a step call) or checked it, or None."""
     return state.marks.made_by
+
+
+def whole_frozen(state: TrainState | RankStates, comm: Any = None, *, host: bool = False) -> dict[str, torch.Tensor]:
+    """The frozen params ``state`` holds sharded (``init(..., frozen=...)``), whole, ``{name: tensor}`` in their own
+    dtypes, gathered one group at a time: from the ranks of a local mesh in this process, or over ``comm`` (every rank
+    calls it, under ``dist_mesh``). ``host``: each group moved to the host as soon as it is whole, so that the device
+    holds one group at a time (a checkpoint's save)."""
+    first = state.states[0] if isinstance(state, RankStates) else state
+    layout = meta_of(first).layout
+    out: dict[str, torch.Tensor] = {}
+    for group in layout.frozen:
+        key = frozen_key(group)
+        if isinstance(state, RankStates):  # all the shards are in this process
+            flat = torch.cat([s.frozen[key] for s in state.states])
+        elif layout.world_size == 1:
+            flat = first.frozen[key]
+        elif comm is not None:
+            mine = first.frozen[key]
+            flat = comm.all_gather(torch.empty(group.padded, dtype=mine.dtype, device=mine.device), mine, tag="gather")
+        else:
+            raise ValueError("fzero: the frozen params of this state are sharded over the processes of a dist_mesh; gather "
+                             "them with the step that made it (step.gather_frozen(state), on every rank).")
+        if host:
+            flat = flat.cpu()
+        out.update({s.path: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in group.slots})
+        del flat
+    return out

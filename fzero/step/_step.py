@@ -31,17 +31,17 @@ import torch
 from torch import nn
 
 from fzero._rules import STAGE_NAMES
-from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, frozen_key, Writes
+from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
-from fzero.step._module import Buffers, broadcast_buffers, check_export_model
+from fzero.step._module import Buffers, broadcast_buffers, check_export_model, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
-                               mark_verified, meta_of, share_marks)
+                               mark_verified, meta_of, share_marks, whole_frozen)
 from fzero.step._update import MasterState, Precision, finish, loss_seed
 
 
@@ -286,18 +286,7 @@ class Step:
         ``{}`` when it holds none. A collective under ``dist_mesh``, as ``gather``. ``restore_frozen`` puts them back
         into a module ``fzero.free_frozen`` emptied."""
         self._check_state(state, api="fzero.Step.gather_frozen")
-        rank_state = state.states[0] if isinstance(state, RankStates) else state
-        layout = meta_of(rank_state).layout
-        keys = [frozen_key(g) for g in layout.frozen]
-        flats = dict(rank_state.frozen)
-        if isinstance(state, RankStates):  # all the shards are in this process
-            flats = {k: torch.cat([s.frozen[k] for s in state.states]) for k in keys}
-        elif isinstance(self.mesh, DistMesh) and keys:  # a collective: under dist_mesh every rank must call it
-            comm = self.mesh.comm(api="fzero.Step.gather_frozen")
-            flats = {k: comm.all_gather(torch.empty(g.padded, dtype=flats[k].dtype, device=flats[k].device), flats[k], tag="gather")
-                     for k, g in zip(keys, layout.frozen)}
-        return {s.path: flats[k][s.offset : s.offset + s.numel].view(s.shape).clone() for k, g in zip(keys, layout.frozen)
-                for s in g.slots}
+        return whole_frozen(state, self.mesh.comm(api="fzero.Step.gather_frozen") if isinstance(self.mesh, DistMesh) else None)
 
     def restore_frozen(self, state: TrainState | RankStates, model: nn.Module) -> list[str]:
         """Put the frozen params ``state`` holds sharded back into ``model``, in place of the meta tensors
@@ -315,11 +304,11 @@ class Step:
             raise ValueError(f"fzero.Step.restore_frozen: the state holds the frozen params {wrong[:4]}, which "
                              f"{type(model).__name__} does not have frozen with those shapes: pass the model the state was "
                              f"made from.")
-        new = {id(named[n]): nn.Parameter(v, requires_grad=False) for n, v in values.items()}
-        for sub in model.modules():
-            for key, p in sub._parameters.items():
-                if p is not None and id(p) in new:
-                    sub._parameters[key] = new[id(p)]
+        replace_params(model, values)
+        # the module's copies are the state's values now: not a write the state would miss (``StateMeta.frozen_seen``)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        for s in state.states if isinstance(state, RankStates) else (state,):
+            meta_of(s).frozen_seen.update({n: (named[n]._version, named[n].data_ptr()) for n in values})
         return list(values)
 
     def with_buffers(self, state: TrainState | RankStates, buffers: dict[str, Any]) -> TrainState | RankStates:

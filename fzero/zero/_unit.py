@@ -67,8 +67,9 @@ class UnitCall:
             return self.params.runner(self.inner, self.unit)(*args, **kwargs)
         finally:
             self.unbind()
-            if not keep:
+            if not keep:  # the frozen views too: they hold the whole buffer (a remat call's is never freed into the pool)
                 self.tensors = {}
+                self.frozen = {}
 
     def done(self) -> None:
         """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
@@ -255,8 +256,10 @@ class Schedule:
         bufs: list[torch.Tensor] = []
         views: dict[str, torch.Tensor] = {}
         for group, dtype in zip(self.groups.get(ROOT, ()), self.dtypes.get(ROOT, ())):
-            buf = _events.gathered(take(self.pool, group.padded, dtype=dtype, device=self.device))
-            self.comm.all_gather(buf, self._frozen_input(group, dtype), tag="params", label=ROOT + ":frozen")
+            # in a Function's forward, as every other gather: under torch.func a buffer made in the transform is a
+            # wrapped tensor, which a collective cannot write ("Cannot access data pointer of Tensor that doesn't have
+            # storage")
+            buf = _GatherFrozen.apply(self.frozen[frozen_key(group)], self, group, dtype)
             bufs.append(buf)
             views.update(frozen_views(buf, group))
         return bufs, views
@@ -419,6 +422,24 @@ class Schedule:
         self.calls.clear()
         self.waiting.clear()
         return tuple(self.seen)
+
+
+class _GatherFrozen(Function):
+    """Forward: a frozen group of the root gathered (``Schedule.gather_root_frozen``), with no gradient."""
+
+    @staticmethod
+    def forward(shard, schedule, group, dtype):
+        buf = _events.gathered(take(schedule.pool, group.padded, dtype=dtype, device=schedule.device))
+        schedule.comm.all_gather(buf, schedule._frozen_input(group, dtype), tag="params", label=ROOT + ":frozen")
+        return buf
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None
 
 
 def _same_version(buffer: torch.Tensor):
