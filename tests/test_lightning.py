@@ -339,6 +339,46 @@ def test_disk_offload_under_lightning_trains_as_cpu_offload(tmp_path):
     assert any(not torch.equal(p, q) for p, q in zip(LitCNN().parameters(), disk.parameters()))
 
 
+def _frozen_gpt():
+    """LitGPT with its blocks' MLPs and its embeddings frozen: the blocks' go with their units, the embeddings (tied
+    wte/lm_head) with the root."""
+    lit = LitGPT()
+    for name, p in lit.named_parameters():
+        p.requires_grad_(not (".mlp." in name or ".wte." in name or ".wpe." in name))
+    return lit
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_shard_frozen_trains_as_the_module_s_frozen_params_and_gives_them_back(tmp_path):
+    """FZeroStrategy(stages=3, shard_frozen=True): the same params, bitwise, as without it; the module's frozen params
+    are the state's while it runs and its own again after fit (the same values, the tie kept); a checkpoint resumes
+    into sharded frozen params and goes on as the straight run."""
+    batches = gpt_batches(4)
+    plain = _frozen_gpt()
+    _trainer(fzero.lightning.FZeroStrategy(stages=3), max_epochs=2).fit(plain, _loader(batches))
+    lit = _frozen_gpt()
+    before = {n: p.detach().clone() for n, p in lit.named_parameters() if not p.requires_grad}
+    seen = []
+    lit.on_train_epoch_start = lambda: seen.append(lit.model.transformer.h[0].mlp.c_fc.weight.is_meta)
+    trainer = _trainer(fzero.lightning.FZeroStrategy(stages=3, shard_frozen=True), max_epochs=1)
+    trainer.fit(lit, _loader(batches))
+    assert seen == [True] and trainer.strategy.state.frozen  # emptied while it ran, held by the state
+    after = dict(lit.named_parameters())
+    assert all(torch.equal(after[n], before[n]) and not after[n].requires_grad for n in before)
+    assert lit.model.lm_head.weight is lit.model.transformer.wte.weight
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = _frozen_gpt()
+    _trainer(fzero.lightning.FZeroStrategy(stages=3, shard_frozen=True), max_epochs=2).fit(
+        resumed, _loader(batches), ckpt_path=tmp_path / "ckpt")
+    want = dict(plain.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in resumed.named_parameters())
+    with pytest.raises(ValueError, match=r"FZeroStrategy: shard_frozen=True shards the frozen params at stage 3, but stages=2"):
+        fzero.lightning.FZeroStrategy(stages=2, shard_frozen=True)
+
+
 def test_compile_keywords_that_lightning_sets_are_refused():
     with pytest.raises(TypeError, match=r"grad_accum= is set by Lightning here.*Trainer\(accumulate_grad_batches=...\)"):
         fzero.lightning.FZeroStrategy(stages=3, grad_accum=2)

@@ -62,11 +62,16 @@ class FZeroStrategy(DDPStrategy):
     inside ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``. When ``fit`` ends, the trained
     params and buffers are loaded into it (``load_trained=False``: left as they were, e.g. for a stage-3 model too
     large to gather; ``strategy.state`` and ``strategy.step`` hold the result).
+
+    ``shard_frozen=True`` (``stages=3``): the module's frozen parameters (a LoRA adapter's base) are sharded across the
+    ranks too, as DeepSpeed's stage 3 shards them (``step.init(..., frozen=...)``), and the module's own copies emptied
+    while the strategy runs (``fzero.free_frozen``); they go back into it at teardown (``step.restore_frozen``).
     """
 
     strategy_name = "fzero"
 
     def __init__(self, stages: int = 2, *, offload: Any = None, offload_params: bool = False, load_trained: bool = True,
+                 shard_frozen: bool = False,
                  accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = timedelta(minutes=30), start_method: str = "popen", **compile_kwargs: Any) -> None:
@@ -78,6 +83,13 @@ class FZeroStrategy(DDPStrategy):
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self.compile_kwargs = dict(stages=stages, offload=offload, offload_params=offload_params, **compile_kwargs)
         self.load_trained = load_trained
+        if not isinstance(shard_frozen, bool):
+            raise TypeError(f"FZeroStrategy: shard_frozen must be True or False, got {shard_frozen!r}.")
+        if shard_frozen and stages != 3:
+            raise ValueError(f"FZeroStrategy: shard_frozen=True shards the frozen params at stage 3, but stages={stages!r}, "
+                             f"where every rank holds the params whole. Pass stages=3, or leave shard_frozen out.")
+        self.shard_frozen = shard_frozen
+        self._emptied = False  # the module's frozen params are the state's now (``fzero.free_frozen``)
         self.step: fzero.Step | None = None
         self._trainable: tuple[str, ...] = ()  # the params the state trains, by name (set by setup when fitting)
         self.state: Any = None
@@ -124,7 +136,11 @@ class FZeroStrategy(DDPStrategy):
         self.step = fzero.compile(self._loss_fn, mesh=mesh, **kwargs)
         params = fzero.params_of(module, copy=False)
         self._trainable = tuple(params)  # what the state trains: fixed for the fit (``_check_trainable``)
-        self.state = self.step.init(params, buffers=fzero.buffers_of(module))
+        frozen = (fzero.frozen_of(module) or None) if self.shard_frozen else None
+        self.state = self.step.init(params, buffers=fzero.buffers_of(module), frozen=frozen)
+        if frozen is not None:
+            fzero.free_frozen(module, self.state)
+            self._emptied = True
         self.setup_precision_plugin()
 
     @property
@@ -229,11 +245,20 @@ class FZeroStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.load_trained:  # a collective under torchrun: every rank is here
             module = self.lightning_module
+            self._restore_frozen()
             module.load_state_dict(self.step.state_dict(self.state, module))
+
+    def _restore_frozen(self) -> None:
+        """The frozen params ``shard_frozen`` took from the module, back into it (a collective under torchrun)."""
+        if self._emptied:
+            self.step.restore_frozen(self.state, self.lightning_module)
+            self._emptied = False
 
     def teardown(self) -> None:
         # step and state stay for the caller (trainer.strategy.state); the next setup makes new ones
         self._kept, self._calls = [], collections.deque()
+        if self.lightning_module is not None:
+            self._restore_frozen()  # after validate/test/predict too: the user's module is whole again
         super().teardown()
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -272,7 +297,10 @@ class FZeroStrategy(DDPStrategy):
         checkpoint = self.checkpoint_io.load_checkpoint(os.path.join(path, _LIGHTNING_FILE), weights_only=weights_only)
         # outside fit (trainer.validate/test/predict with ckpt_path=) the step has no optimizer: the weights only
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=self.step, model=self.lightning_module,
+        # shard_frozen: into the state setup made, whose frozen params stay sharded (a state like=step makes reads them
+        # from the module)
+        like = self.state if self._emptied else self.step
+        self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=like, model=self.lightning_module,
                                            optimizer=fitting)
         return {**checkpoint, "state_dict": {}}
 
