@@ -470,3 +470,16 @@ def test_a_checkpoint_loads_its_frozen_params_into_a_module_emptied_by_free_froz
     batches = [torch.randn(4, 4, generator=g) for _ in range(3)]
     _, metrics = step(state, batches[2])
     assert float(metrics["loss"]) == whole[0][2]
+
+
+def test_restore_frozen_into_a_module_that_kept_its_copies_leaves_other_states_valid():
+    """``restore_frozen`` on a module ``free_frozen`` never emptied replaced every frozen param with a new one, so a
+    second state made from the module (another init, another step sharing it) refused its next step as a write."""
+    model = _blocks()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), stages=3, mesh=fzero.local_mesh(2))
+    first = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    second = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    before = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert sorted(step.restore_frozen(first, model)) == sorted(before)
+    assert all(p is before[n] for n, p in model.named_parameters() if not p.requires_grad)  # already the state's values
+    step(second, torch.randn(4, 4))

@@ -34,12 +34,10 @@ def _frozen_values(state: Any, model: Any, api: str) -> dict[str, torch.Tensor]:
         step = step_of(first)
         mesh = getattr(step, "mesh", None)
         distributed = first.meta.layout.world_size > 1 and not isinstance(state, RankStates)
-        if distributed and not isinstance(mesh, DistMesh):
-            raise ValueError(f"{api}: the state holds frozen params sharded over the processes of a dist_mesh "
-                             f"(frozen=), and with model= they are saved whole, gathered by the step that made the state, "
-                             f"which this state does not know (a copy, or one load returned): save a state a step "
-                             f"returned or made with step.init.")
-        out.update(whole_frozen(state, mesh.comm(api=api) if distributed else None, host=True))
+        comm = None
+        if distributed:  # the step's mesh; for a state no step made (a copy, one load returned), the job's process group
+            comm = mesh.comm(api=api) if isinstance(mesh, DistMesh) else Ranks(api, True).comm
+        out.update(whole_frozen(state, comm, host=True))
     return out
 
 

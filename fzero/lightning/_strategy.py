@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -90,6 +91,7 @@ class FZeroStrategy(DDPStrategy):
                              f"where every rank holds the params whole. Pass stages=3, or leave shard_frozen out.")
         self.shard_frozen = shard_frozen
         self._emptied = False  # the module's frozen params are the state's now (``fzero.free_frozen``)
+        self._failed = False  # an exception ended the run (``on_exception``): teardown does no collective
         self.step: fzero.Step | None = None
         self._trainable: tuple[str, ...] = ()  # the params the state trains, by name (set by setup when fitting)
         self.state: Any = None
@@ -254,10 +256,31 @@ class FZeroStrategy(DDPStrategy):
             self.step.restore_frozen(self.state, self.lightning_module)
             self._emptied = False
 
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failed = True  # teardown follows on this process alone: see there
+
     def teardown(self) -> None:
         # step and state stay for the caller (trainer.strategy.state); the next setup makes new ones
         self._kept, self._calls = [], collections.deque()
-        if self.lightning_module is not None:
+        failed, self._failed = self._failed, False
+        module = self.lightning_module
+        if module is not None and self._emptied and failed and self.world_size > 1:
+            # an exception may be this rank's alone: restore_frozen's gather would meet the other ranks' step
+            # collectives (a gloo abort, or "ranks disagree", in place of the error); the module stays emptied
+            # (its frozen params are meta), and Lightning's teardown, which moves the module to the CPU, cannot copy it
+            self._emptied = False
+            warnings.warn("FZeroStrategy: the run failed, and the module's frozen params (shard_frozen=True) were left "
+                          "emptied (meta tensors): their values are in trainer.strategy.state, and "
+                          "trainer.strategy.step.restore_frozen(trainer.strategy.state, module) on every rank puts them back.",
+                          RuntimeWarning, stacklevel=2)
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
+        if module is not None:
             self._restore_frozen()  # after validate/test/predict too: the user's module is whole again
         super().teardown()
 

@@ -295,6 +295,7 @@ class Step:
         step.state_dict(state, model))`` for the trained params, ``save_pretrained``, ``merge_and_unload``). A collective
         under ``dist_mesh``, as ``gather``."""
         values = self.gather_frozen(state)
+        held = list(values)
         if not isinstance(model, nn.Module):
             raise TypeError(f"fzero.Step.restore_frozen: model must be the nn.Module the state was made from, got "
                             f"{type(model).__name__}.")
@@ -304,12 +305,20 @@ class Step:
             raise ValueError(f"fzero.Step.restore_frozen: the state holds the frozen params {wrong[:4]}, which "
                              f"{type(model).__name__} does not have frozen with those shapes: pass the model the state was "
                              f"made from.")
-        replace_params(model, values)
+        # a copy the module still holds as init read it is the state's value already: left as it is, so that no other
+        # state made from this module (a second init, another step sharing the module) reads it as a write
+        first = state.states[0] if isinstance(state, RankStates) else state
+        seen = meta_of(first).frozen_seen
+        values = {n: v for n, v in values.items()
+                  if named[n].is_meta or seen.get(n) != (named[n]._version, named[n].data_ptr())}
+        # on the module's device: the state keeps its shards on the host under offload_params (as load_into does)
+        device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta), None)
+        replace_params(model, {n: v.to(device) if device is not None else v for n, v in values.items()})
         # the module's copies are the state's values now: not a write the state would miss (``StateMeta.frozen_seen``)
         named = dict(model.named_parameters(remove_duplicate=False))
         for s in state.states if isinstance(state, RankStates) else (state,):
             meta_of(s).frozen_seen.update({n: (named[n]._version, named[n].data_ptr()) for n in values})
-        return list(values)
+        return list(held)
 
     def with_buffers(self, state: TrainState | RankStates, buffers: dict[str, Any]) -> TrainState | RankStates:
         """A new state whose persistent buffers ``buffers`` (name -> value, as ``model.state_dict()`` names them) replace

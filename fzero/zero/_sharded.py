@@ -474,8 +474,9 @@ def _sharded_frozen(module: nn.Module, layout: Layout, seen: dict, api: str) -> 
                 raise ValueError(
                     f"{api}: the frozen param {s.path!r} of {type(module).__name__} was written (or replaced) since "
                     f"step.init copied it into the state's shards (frozen=), which the step reads instead of the module: "
-                    f"the new value would be ignored. Give the module its values before step.init (load_state_dict "
-                    f"first), or make the state again: step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)) "
+                    f"the new value would be ignored (restore_frozen or load(..., model=) for another state made from this "
+                    f"module replaces it too: after free_frozen, each state its own module). Give the module its values "
+                    f"before step.init (load_state_dict first), or make the state again: step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)) "
                     f"(the optimizer's moments start again; model.load_state_dict(step.state_dict(state, model)) first "
                     f"keeps the trained values).")
             owners = {next((u for u in units if n.startswith(u + ".")), ROOT) for n in aliases[id(p)]}
