@@ -483,3 +483,55 @@ def test_restore_frozen_into_a_module_that_kept_its_copies_leaves_other_states_v
     assert sorted(step.restore_frozen(first, model)) == sorted(before)
     assert all(p is before[n] for n, p in model.named_parameters() if not p.requires_grad)  # already the state's values
     step(second, torch.randn(4, 4))
+
+
+class _PartlyFrozen(nn.Module):
+    """Six blocks, the first three frozen whole (a partial fine-tune, a frozen tower): units that train nothing."""
+
+    def __init__(self, inp_trains):
+        super().__init__()
+        self.inp = nn.Linear(4, 32).requires_grad_(inp_trains)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(i >= 3)
+                                     for i in range(6)])
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("inp_trains", [True, False], ids=["backward-through-them", "no-backward-through-them"])
+@pytest.mark.parametrize("settings", [{}, {"remat": True}, {"bucket_elements": 1 << 16}, {"autodiff": "func"}],
+                         ids=["default", "remat", "buckets", "func"])
+def test_blocks_that_train_nothing_are_units_of_their_own(inp_trains, settings):
+    """A block whose params are all frozen gets a unit of no trainable slot: gathered when it runs and freed after its
+    forward, refilled for its backward when a gradient passes through it and freed once it has (the gradient of its
+    inputs), so the peak of gathered buffers stays that of the run without frozen= plus the root's frozen layer, not
+    the frozen blocks whole (they went with the root, gathered for the whole step). Bitwise the same training."""
+    runs = []
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        model = _PartlyFrozen(inp_trains)
+        mesh, peaks = gathered_per_rank(2)
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.adamw(1e-2),
+                             stages=3, mesh=mesh, **settings)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+        if frozen:
+            fzero.free_frozen(model, state)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, torch.randn(4, 4, generator=g))
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, step.gather(state), peaks[0].peak, state))
+    (plain, plain_params, plain_peak, _), (losses, params, peak, state) = runs
+    assert losses == plain and all(torch.equal(params[k], plain_params[k]) for k in plain_params)
+    layout = state[0].meta.layout
+    empty = [u.name for u in layout.units if not u.slots]
+    assert empty == ["blocks.0", "blocks.1", "blocks.2"] and all(layout.frozen_groups(n) for n in empty)
+    root_frozen = sum(g.padded * 4 for g in layout.frozen_groups("<root>"))  # fp32
+    assert peak <= plain_peak + root_frozen
+    blocks = sum(g.padded * 4 for n in empty for g in layout.frozen_groups(n))
+    assert peak < plain_peak + blocks  # never the frozen blocks all at once

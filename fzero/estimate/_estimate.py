@@ -304,19 +304,17 @@ def _frozen_bytes(source: Any, compute: torch.dtype) -> tuple[float, float]:
 def _sharded_frozen_bytes(source: Any, stages: int, n: int, units: Any, compute: torch.dtype, prefetch: bool) -> tuple[float, float]:
     """``shard_frozen=True``: (bytes of this rank's shards of the frozen params, bytes of them gathered at once: the
     largest unit's, the next one's when prefetched, and the root's, in the compute dtype), grouped as ``step.init``
-    groups them (``fzero.layout.build_frozen``: with their unit where it trains, else with the root)."""
+    groups them (``fzero.layout.build_frozen``: with their unit, one per dtype)."""
     if stages != 3 or not isinstance(source, nn.Module):
         raise ValueError(f"{API}: shard_frozen=True counts a module's frozen params sharded as stage 3 holds them "
                          f"(step.init(..., frozen=...)); it needs stages=3 and the nn.Module, got stages={stages} and a "
                          f"{type(source).__name__}.")
     unit_of = by_container_child if units is None else by_prefixes(units, api=API)
     named = list(source.named_parameters())
-    trained = {unit_of(name) for name, p in named if p.requires_grad}
     per: dict[tuple[str, torch.dtype], int] = {}  # (unit, dtype) -> elements: a group each, as build_frozen makes them
     for name, p in named:
-        if not p.requires_grad:
-            u = unit_of(name)
-            key = (u if u in trained else ROOT, p.dtype)
+        if not p.requires_grad:  # with its unit, one of its own where the unit trains nothing (``step.init``)
+            key = (unit_of(name), p.dtype)
             per[key] = per.get(key, 0) + p.numel()
     quantum = n * SHARD_ALIGN
     held, by_unit = 0.0, {}  # by_unit: bytes of a unit's frozen params gathered (in the compute dtype under a policy)

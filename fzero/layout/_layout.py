@@ -261,9 +261,10 @@ def frozen_views(flat: torch.Tensor, group: Unit) -> dict[str, torch.Tensor]:
 
 def build_frozen(frozen: dict[str, torch.Tensor], layout: Layout, *, unit_of: Callable[[str], str]) -> tuple[Unit, ...]:
     """The frozen groups of ``frozen`` (name -> tensor, ``fzero.frozen_of``): each param goes with the unit
-    ``unit_of`` gives it when that unit holds trainable params, else with the root unit (gathered for the whole
-    step), one group per unit and dtype: each is held in its params' own dtype, exact, and gathered in the layout's
-    ``frozen_compute`` (a precision policy's compute dtype) or its own."""
+    ``unit_of`` gives it when ``layout`` has that unit (``fzero.step._init`` gives a module unit whose params are all
+    frozen a unit of its own, with no trainable slot), else with the root unit (gathered for the whole step), one group
+    per unit and dtype: each is held in its params' own dtype, exact, and gathered in the layout's ``frozen_compute`` (a
+    precision policy's compute dtype) or its own."""
     trained = {u.name for u in layout.units}
     groups: dict[tuple[str, torch.dtype], list[str]] = {}
     for path in frozen:

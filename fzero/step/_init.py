@@ -53,7 +53,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
         check_units_exist(step.grads.units, layout.paths, api=API)
     if frozen is not None:
-        layout = dataclasses.replace(layout, frozen=_frozen_layout(step, layout, params, frozen), frozen_compute=low)
+        layout = _frozen_layout(step, layout, params, frozen, low)
     paths, leaves, _ = _tree.flatten_with_paths(params)
     device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)
     donated = _Donated(paths, leaves) if donate else None
@@ -145,8 +145,11 @@ def _init_rank(step: Any, layout: Layout, flats: dict[str, torch.Tensor], master
     )
 
 
-def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any) -> tuple[Unit, ...]:
-    """``Step.init(..., frozen=...)``, checked: the frozen groups of the layout (``fzero.layout.build_frozen``).
+def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any, low: torch.dtype | None) -> Layout:
+    """``Step.init(..., frozen=...)``, checked: ``layout`` with the frozen groups (``fzero.layout.build_frozen``), and
+    a unit of no trainable params for each module unit whose params are all frozen (a frozen block of a partial
+    fine-tune, a frozen vision tower): gathered and freed as the others are, rather than with the root for the whole
+    step.
 
     Why: a frozen parameter is the module's, read whole on every rank; a frozen base under a LoRA adapter is most of
     the model, so at stage 3 each rank would hold all of it beside its shard of what trains. DeepSpeed ZeRO-3 and
@@ -186,8 +189,12 @@ def _frozen_layout(step: Any, layout: Layout, params: Any, frozen: Any) -> tuple
         raise ValueError(f"{API}: the frozen params are on {sorted(map(str, devices))} and params on {at}; a unit's frozen "
                          f"params are gathered with it, so give them the params' device (model.to(device) before "
                          f"fzero.params_of and fzero.frozen_of).")
-    unit_of = step.grads.unit_of(API)
-    return build_frozen(frozen, layout, unit_of=unit_of if unit_of is not None else (lambda p: ROOT))
+    unit_of = step.grads.unit_of(API) or (lambda p: ROOT)
+    trained = {u.name for u in layout.units}
+    empty = dict.fromkeys(u for u in map(unit_of, frozen) if u != ROOT and u not in trained)
+    units = (*layout.units, *(Unit(name, (), 0, 0, layout.units[0].dtype) for name in empty))
+    layout = dataclasses.replace(layout, units=units)
+    return dataclasses.replace(layout, frozen=build_frozen(frozen, layout, unit_of=unit_of), frozen_compute=low)
 
 
 def _with_frozen(state: TrainState, buffers: dict, frozen: dict, seen: dict) -> TrainState:

@@ -493,6 +493,8 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
         return remat(unit_forward)(shard, *args, **kwargs)
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
+    if not unit.slots and call.keeps_graph:  # frozen params alone: no gradient of its own says its backward is over
+        args, kwargs = _after_backward((args, kwargs), call)
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
     if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
@@ -532,6 +534,43 @@ def _before_backward(out: Any, call: UnitCall) -> Any:
     for i, t in zip(wanted, passed):
         found[i] = t
     return rebuild(found)
+
+
+def _after_backward(inputs: Any, call: UnitCall) -> Any:
+    """``inputs`` with their differentiable tensors passed through ``_FreeAfterBackward``: for a unit of frozen params
+    alone (``step.init(..., frozen=...)``), whose gather has no gradient to join and reduce, the gradient of its inputs
+    is where its backward ends and its buffer can be freed again. (No input with a gradient: no backward reaches the
+    unit, and its buffer, freed after the forward, is never refilled.)"""
+    found, rebuild = _tree.tensors_and_rebuild(inputs)
+    wanted = [i for i, t in enumerate(found) if t.requires_grad]
+    if not wanted:
+        return inputs
+    passed = _FreeAfterBackward.apply(call, *[found[i] for i in wanted])
+    for i, t in zip(wanted, passed):
+        found[i] = t
+    return rebuild(found)
+
+
+class _FreeAfterBackward(Function):
+    """Forward: the unit's inputs (views). Backward: the unit's backward is over: let go of its views and free its
+    buffer, as ``UnitCall.reduce`` does for a unit that trains; gradients unchanged."""
+
+    @staticmethod
+    def forward(call, *inputs):
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call = ctx.call
+        if call.refilled:
+            call.done()
+            call.free()
+            call.refilled = False
+        return (None, *grads)
 
 
 class _UnitGather(Function):
