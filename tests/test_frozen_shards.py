@@ -535,3 +535,85 @@ def test_blocks_that_train_nothing_are_units_of_their_own(inp_trains, settings):
     assert peak <= plain_peak + root_frozen
     blocks = sum(g.padded * 4 for n in empty for g in layout.frozen_groups(n))
     assert peak < plain_peak + blocks  # never the frozen blocks all at once
+
+
+class _Tower(nn.Module):
+    """A frozen tower (one module, named as a unit) whose first layer writes its input in place, then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.tower = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(False)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h.clone() + self.tower(h.clone()))
+
+
+@pytest.mark.parametrize("settings", [{}, {"offload": "disk"}, {"bucket_elements": 1 << 16}], ids=["default", "disk", "buckets"])
+def test_a_frozen_tower_named_as_a_unit_writing_its_input_in_place(tmp_path, settings):
+    """``units=`` may name a module whose params are all frozen when ``frozen=`` shards them; its unit runs a layer that
+    writes the unit's input in place (a Function between them made the input a view: "is being modified inplace"),
+    and disk offload maps its empty optimizer state (an empty file cannot be mapped). Bitwise as without frozen=."""
+    if settings.get("offload") == "disk":
+        settings = {**settings, "offload_dir": str(tmp_path)}
+    runs = []
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        model = _Tower()
+        units = ("tower",) if frozen else None  # without frozen= the tower trains nothing and names no unit
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.adamw(1e-2),
+                             stages=3, mesh=fzero.local_mesh(2), units=units, **settings)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, torch.randn(4, 4, generator=g))
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, step.gather(state)))
+    assert runs[1][0] == runs[0][0] and all(torch.equal(runs[1][1][k], runs[0][1][k]) for k in runs[0][1])
+
+
+def test_buckets_fill_by_what_a_unit_gathers_not_by_what_it_trains():
+    """A bucket counts each unit's gathered buffer, frozen params included: units that train nothing (padded 0) no
+    longer all went into one bucket, gathering every frozen block at once."""
+    peaks = {}
+    for blocks in (3, 6):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 32), *[nn.Sequential(nn.Linear(32, 32), nn.Tanh()).requires_grad_(False)
+                                                  for _ in range(blocks)], nn.Linear(32, 1))
+        mesh, peak = gathered_per_rank(2)
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), stages=3, mesh=mesh, bucket_elements=2000)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+        for _ in range(2):
+            state, _ = step(state, torch.randn(4, 4))
+        peaks[blocks] = peak[0].peak
+    assert peaks[6] == peaks[3]  # (before: 7.2 blocks more with 8 frozen blocks than with 2)
+
+
+class _NoGradTower(_Tower):
+    def forward(self, x):
+        with torch.no_grad():  # a frozen encoder's features, as a frozen CLIP tower feeds a trained head
+            f = self.tower(x.repeat(1, 8))
+        return self.head(self.inp(x) + f)
+
+
+def test_a_frozen_block_run_under_no_grad_inside_torch_func():
+    """The frozen-tower pattern (``with torch.no_grad(): f = tower(x)``) under ``autodiff="func"``: the unit's output
+    is searched for views of its buffer through functorch's wrappers ("Cannot access storage of TensorWrapper")."""
+    def run(frozen):
+        torch.manual_seed(0)
+        model = _NoGradTower()
+
+        def loss_fn(p, b):
+            return fzero.apply(model, p, b).square().mean()
+
+        step = fzero.compile(loss_fn, stages=3, mesh=fzero.local_mesh(2), autodiff="func", units=("tower",) if frozen else None)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+        out = []
+        for k in range(2):
+            state, metrics = step(state, torch.randn(4, 4, generator=torch.Generator().manual_seed(k)))
+            out.append(float(metrics["loss"]))
+        return out
+    assert run(True) == run(False)

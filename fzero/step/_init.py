@@ -51,7 +51,8 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     check_params_train(params, low_precision=low is not None, compute=prec.compute, master=prec.has_master)
     layout = build_layout(params, world_size=n, unit_elements=step.unit_elements, unit_of=step.grads.unit_of(API), dtype=low, api=API)
     if step.grads.units is not None:  # a typo would otherwise silently leave its params in the root unit
-        check_units_exist(step.grads.units, layout.paths, api=API)
+        # with frozen=, a unit may hold frozen params alone (a frozen tower named as one unit)
+        check_units_exist(step.grads.units, [*layout.paths, *(frozen if isinstance(frozen, dict) else ())], api=API)
     if frozen is not None:
         layout = _frozen_layout(step, layout, params, frozen, low)
     paths, leaves, _ = _tree.flatten_with_paths(params)

@@ -81,6 +81,9 @@ class DiskStore:
 
     def map(self, key: str, source: torch.Tensor) -> torch.Tensor:
         """``source`` written to a fresh file, and a tensor of its dtype whose memory is that file."""
+        if source.numel() == 0:  # a unit with no trainable slot (frozen params alone): an empty file cannot be mapped
+            self.sizes[key] = 0
+            return torch.empty(0, dtype=source.dtype)
         path = self.path(key)
         with open(path, "wb") as f:
             f.write(_bytes(source.detach().contiguous()))

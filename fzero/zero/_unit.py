@@ -283,7 +283,7 @@ class Schedule:
         if not self.bucket_elements:
             return span
         first = self.units[self.order[pos]]
-        total = first.padded
+        total = self.sizes[first.name]  # the gathered buffer, frozen tail included (a unit of frozen params alone: padded 0)
         kind = self._frozen_kind(first.name)
         while total < self.bucket_elements and span[-1] + 1 < len(self.order):
             nxt = span[-1] + 1
@@ -292,7 +292,7 @@ class Schedule:
             if name in {self.order[p] for p in span} or unit.dtype != first.dtype or self._frozen_kind(name) != kind:
                 break
             span.append(nxt)
-            total += unit.padded
+            total += self.sizes[name]
         return span
 
     def _issue_bucket(self, span: list[int]) -> None:
@@ -509,11 +509,19 @@ def _unalias(out: Any, full: torch.Tensor) -> Any:
     """``out`` with any tensor that shares the gathered buffer's memory copied (the buffer is about to be freed).
     Searched as ``_before_backward`` searches (dataclasses and ``ModelOutput``s too): a dataclass holding a view of a
     param was handed back over the freed buffer, and reading it crashed the process."""
-    ptr = full.untyped_storage().data_ptr()
+    ptr = _storage_ptr(full)
     found, rebuild = _tree.tensors_and_rebuild(out)
-    if not any(t.untyped_storage().data_ptr() == ptr for t in found):
+    if not any(_storage_ptr(t) == ptr for t in found):
         return out
-    return rebuild([t.clone() if t.untyped_storage().data_ptr() == ptr else t for t in found])
+    return rebuild([t.clone() if _storage_ptr(t) == ptr else t for t in found])
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s memory is; under ``torch.func`` (a unit run under ``torch.no_grad()`` inside the transform) the
+    tensor a wrapper holds ("Cannot access storage of TensorWrapper")."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.untyped_storage().data_ptr()
 
 
 def _before_backward(out: Any, call: UnitCall) -> Any:
@@ -545,10 +553,26 @@ def _after_backward(inputs: Any, call: UnitCall) -> Any:
     wanted = [i for i, t in enumerate(found) if t.requires_grad]
     if not wanted:
         return inputs
+    if not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]]):
+        # plain autograd: a hook on the inputs themselves, not a Function between them and the unit. A Function's
+        # outputs are views that the unit may not modify in place (``F.relu(x, inplace=True)`` on its input raised
+        # "Output 0 of _FreeAfterBackward is a view and is being modified inplace"), and its node summed the gradients
+        # of the input's uses inside the unit before the uses outside it (not bitwise the run without frozen=)
+        torch.autograd.graph.register_multi_grad_hook([found[i] for i in wanted],
+                                                      functools.partial(_free_after_backward, call), mode="all")
+        return inputs
     passed = _FreeAfterBackward.apply(call, *[found[i] for i in wanted])
     for i, t in zip(wanted, passed):
         found[i] = t
     return rebuild(found)
+
+
+def _free_after_backward(call: UnitCall, grads: Any) -> None:
+    """The unit's backward is over (its inputs' gradients are computed): let go of its views and free its buffer."""
+    if call.refilled:
+        call.done()
+        call.free()
+        call.refilled = False
 
 
 class _FreeAfterBackward(Function):
