@@ -367,12 +367,12 @@ def test_a_frozen_param_tied_across_units_is_refused():
 
 
 class _Blocks(nn.Module):
-    """Three blocks (units) between a frozen input projection (the root's frozen group) and a trained head."""
+    """Blocks (units, three by default) between an input projection and a head."""
 
-    def __init__(self):
+    def __init__(self, blocks=3):
         super().__init__()
         self.inp = nn.Linear(4, 32)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(3)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(blocks)])
         self.head = nn.Linear(32, 1)
 
     def forward(self, x):
@@ -414,7 +414,8 @@ def test_the_root_s_frozen_params_under_torch_func():
 
 def test_remat_lets_go_of_each_unit_s_buffer_after_its_forward():
     """Under remat a unit's frozen views stayed with the call its recompute keeps, and with them its whole buffer: every
-    unit's stayed alive until its backward. When the head runs only the root's buffers are gathered."""
+    unit's stayed alive until its backward. When the head runs, the root's buffers are gathered and at most one unit's
+    (the last one's, as without frozen=, at times not yet let go by the rank thread: both counts seen)."""
     mesh, peaks = gathered_per_rank(2)
     model = _blocks()
     live = []
@@ -430,7 +431,8 @@ def test_remat_lets_go_of_each_unit_s_buffer_after_its_forward():
     step(state, torch.randn(4, 4))
     layout = state[0].meta.layout
     root = 4 * (next(u for u in layout.units if u.name == "<root>").padded + sum(g.padded for g in layout.frozen_groups("<root>")))
-    assert live[0] == root  # (27136 bytes before: every unit's buffer too)
+    unit = 4 * layout.gathered(next(u for u in layout.units if u.name == "blocks.0"))
+    assert live[0] in (root, root + unit)  # (before: root + every unit's, 27136 bytes)
 
 
 def test_a_state_load_returned_saves_with_model_and_restore_frozen_goes_on_training(tmp_path):
@@ -485,21 +487,14 @@ def test_restore_frozen_into_a_module_that_kept_its_copies_leaves_other_states_v
     step(second, torch.randn(4, 4))
 
 
-class _PartlyFrozen(nn.Module):
+class _PartlyFrozen(_Blocks):
     """Six blocks, the first three frozen whole (a partial fine-tune, a frozen tower): units that train nothing."""
 
     def __init__(self, inp_trains):
-        super().__init__()
-        self.inp = nn.Linear(4, 32).requires_grad_(inp_trains)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(i >= 3)
-                                     for i in range(6)])
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
+        super().__init__(blocks=6)
+        self.inp.requires_grad_(inp_trains)
+        for block in self.blocks[:3]:
+            block.requires_grad_(False)
 
 
 @pytest.mark.parametrize("inp_trains", [True, False], ids=["backward-through-them", "no-backward-through-them"])
