@@ -87,6 +87,38 @@ def test_a_step_leaves_no_cyclic_garbage(name):
     assert not held, f"{name}: {count} objects were left to the cyclic collector, among them {held}"
 
 
+@pytest.mark.parametrize("settings", [{}, {"bucket_elements": 1 << 16}], ids=["default", "buckets"])
+def test_sharded_frozen_params_leave_no_cyclic_garbage(settings):
+    """Stage 3 with ``frozen=``, a block frozen whole (a unit of frozen params alone, whose backward ends at a hook on
+    its inputs: the hook held the unit's call, and through it the step, until a later step dropped them as cyclic
+    garbage) and the position table frozen (the root's frozen group)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, d_model=16, n_head=2, seq_len=8, vocab_size=32, bias=True))
+    model.blocks[0].requires_grad_(False)
+    model.pos_emb.weight.requires_grad_(False)
+    tokens = torch.randint(0, 32, (4, 9))
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+    def loss_fn(params, b):
+        logits = fzero.apply(model, params, b["x"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["y"].flatten())
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(2), **settings)
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    fzero.free_frozen(model, state)
+    assert any(not u.slots for u in state[0].meta.layout.units)
+    state, _ = step(state, batch)
+    box = {"state": state}
+
+    def run():
+        for _ in range(2):
+            box["state"], _ = step(box["state"], batch)
+        step.evaluate(box["state"], batch)
+
+    count, held = _garbage_of(run)
+    assert not held, f"{count} objects were left to the cyclic collector, among them {held}"
+
+
 @pytest.mark.parametrize("entry", ["llama", "gpt2_checkpointing", "t5", "gemma_hidden_states", "bn_cnn", "hook_aux"])
 @pytest.mark.parametrize("stages", [0, 3])
 def test_models_we_did_not_write_leave_no_cyclic_garbage(entry, stages):

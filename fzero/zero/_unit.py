@@ -49,6 +49,7 @@ class UnitCall:
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
         self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
         self.frozen: dict[str, torch.Tensor] = {}  # its sharded frozen params (``frozen=``): views of ``full``'s tail
+        self.hooks: Any = None  # a unit of frozen params alone: the hook on its inputs that ends its backward
         self._bound: Any = None
         self._binding: Binding | None = None  # where the unit's module keeps each tensor: found once per call
 
@@ -419,6 +420,9 @@ class Schedule:
         for c in self.calls:  # those whose backward never came, or came without reaching their params
             c.done()
             c.free()
+            if c.hooks is not None:  # off the inputs' graph, which would hold the call (and with it the step) otherwise
+                c.hooks.remove()
+                c.hooks = None
         self.calls.clear()
         self.waiting.clear()
         return tuple(self.seen)
@@ -558,8 +562,8 @@ def _after_backward(inputs: Any, call: UnitCall) -> Any:
         # outputs are views that the unit may not modify in place (``F.relu(x, inplace=True)`` on its input raised
         # "Output 0 of _FreeAfterBackward is a view and is being modified inplace"), and its node summed the gradients
         # of the input's uses inside the unit before the uses outside it (not bitwise the run without frozen=)
-        torch.autograd.graph.register_multi_grad_hook([found[i] for i in wanted],
-                                                      functools.partial(_free_after_backward, call), mode="all")
+        call.hooks = torch.autograd.graph.register_multi_grad_hook([found[i] for i in wanted],
+                                                                   functools.partial(_free_after_backward, call), mode="all")
         return inputs
     passed = _FreeAfterBackward.apply(call, *[found[i] for i in wanted])
     for i, t in zip(wanted, passed):
