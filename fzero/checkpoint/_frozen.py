@@ -20,8 +20,8 @@ from torch import nn
 from fzero.checkpoint import _dcp
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._state import dtype_name
-from fzero.layout import frozen_key
-from fzero.step import replace_params
+from fzero.layout import frozen_key, pack_frozen
+from fzero.step import module_device, replace_params
 
 
 def frozen_of(model: Any, *, api: str, held: Any = ()) -> dict[str, torch.Tensor]:
@@ -116,8 +116,7 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
                 have[n].copy_(t)
     # a meta one (``fzero.free_frozen``, or a model built on meta) becomes a parameter of the checkpoint's value, unless
     # the state holds it sharded (``held``: it gets the value there, ``into_state``, and the module stays emptied)
-    real = (t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
-    device = next(real, torch.device("cpu"))  # where the module's real tensors are
+    device = module_device(model) or torch.device("cpu")
     replace_params(model, {n: t.to(device) for n, t in values.items() if have[n].is_meta and n not in held})
     return values
 
@@ -137,22 +136,18 @@ def into_state(state: Any, values: dict[str, torch.Tensor], model: nn.Module) ->
     named = dict(model.named_parameters())
     seen = {n: (p._version, p.data_ptr()) for n, p in named.items() if n in values and not p.is_meta}
 
-    def one(s: Any) -> Any:
-        layout = s.meta.layout
-        frozen = dict(s.frozen)
-        for g in layout.frozen:
-            if not all(slot.path in values for slot in g.slots):
-                continue
-            key = frozen_key(g)
-            shard = frozen[key]
-            flat = torch.zeros(g.padded, dtype=shard.dtype, device=shard.device)
-            for slot in g.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(values[slot.path].reshape(-1))
+    states = list(state.states) if hasattr(state, "states") else [state]
+    layout = states[0].meta.layout
+    frozen = [dict(s.frozen) for s in states]
+    for g in layout.frozen:  # each group packed once, every rank's shard cut from it
+        if not all(slot.path in values for slot in g.slots):
+            continue
+        key = frozen_key(g)
+        like = frozen[0][key]
+        flat = pack_frozen(g, values, dtype=like.dtype, device=like.device)
+        for s, mine in zip(states, frozen):
             lo, hi = g.shard_range(s.meta.rank, layout.world_size)
-            frozen[key] = flat[lo:hi].clone()
-        meta = dataclasses.replace(s.meta, frozen_seen={**s.meta.frozen_seen, **seen})
-        return dataclasses.replace(s, frozen=frozen, meta=meta)
-
-    if hasattr(state, "states"):
-        return type(state)(tuple(one(s) for s in state.states))
-    return one(state)
+            mine[key] = flat[lo:hi].clone()
+    out = [dataclasses.replace(s, frozen=mine, meta=dataclasses.replace(s.meta, frozen_seen={**s.meta.frozen_seen, **seen}))
+           for s, mine in zip(states, frozen)]
+    return type(state)(tuple(out)) if hasattr(state, "states") else out[0]

@@ -13,6 +13,7 @@ from fzero.layout._layout import (
     device_of,
     DEVICE_TYPES,
     Layout,
+    pack_frozen,
     LayoutSegments,
     ROOT,
     SHARD_ALIGN,

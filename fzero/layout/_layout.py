@@ -281,6 +281,15 @@ def build_frozen(frozen: dict[str, torch.Tensor], layout: Layout, *, unit_of: Ca
     return tuple(out)
 
 
+def pack_frozen(group: Unit, values: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A frozen group's whole padded flat buffer from ``values`` (path -> tensor), in ``dtype``: what each rank's shard
+    is cut from (``step.init``, a checkpoint's values put back into a state)."""
+    flat = torch.zeros(group.padded, dtype=dtype, device=device)
+    for slot in group.slots:
+        flat[slot.offset : slot.offset + slot.numel].copy_(values[slot.path].detach().reshape(-1))
+    return flat
+
+
 def split_sizes(unit: Unit) -> list[int]:
     """The sizes ``unit``'s flat buffer is cut into: its slots, then its padding (if any)."""
     sizes = [s.numel for s in unit.slots]

@@ -17,7 +17,7 @@ from fzero.step._context import (
     replaying,
     Snapshots,
 )
-from fzero.step._module import apply, apply_dict, buffers_of, free_frozen, frozen_of, params_of, replace_params
+from fzero.step._module import apply, apply_dict, buffers_of, free_frozen, frozen_of, module_device, params_of, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, View
 from fzero.step._protocols import GradsPart, OffloadPolicy, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import (

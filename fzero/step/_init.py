@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, program_fields
-from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of, frozen_key,
+from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of, frozen_key, pack_frozen,
                           LayoutSegments, check_units_exist)
 from fzero.optim import use_segments
 from fzero.step._update import init_loss_scale
@@ -213,9 +213,7 @@ def _frozen_shards(layout: Layout, frozen: dict[str, torch.Tensor], ranks: list[
     """Each rank's shard of every frozen group, packed one group at a time, in the group's dtype (the params' own)."""
     out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     for group in layout.frozen:
-        flat = torch.zeros(group.padded, dtype=group.dtype, device=device)
-        for slot in group.slots:
-            flat[slot.offset : slot.offset + slot.numel].copy_(frozen[slot.path].detach().reshape(-1))
+        flat = pack_frozen(group, frozen, dtype=group.dtype, device=device)
         for r in ranks:
             lo, hi = group.shard_range(r, layout.world_size)
             out[r][frozen_key(group)] = flat[lo:hi].clone()

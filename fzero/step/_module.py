@@ -89,6 +89,12 @@ def free_frozen(module: nn.Module, state: Any) -> list[str]:
     return paths
 
 
+def module_device(module: nn.Module) -> torch.device | None:
+    """Where ``module``'s real tensors are (its first non-meta parameter or buffer), None when all are meta: where values
+    put back into it go (``Step.restore_frozen``, a checkpoint's frozen params into an emptied module)."""
+    return next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), None)
+
+
 def replace_params(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Each parameter of ``module`` named in ``values`` becomes a new frozen parameter holding that tensor, under every
     name it has (a tied one stays one parameter, as ``load_state_dict(..., assign=True)`` would not keep it)."""

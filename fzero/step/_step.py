@@ -36,7 +36,7 @@ from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
-from fzero.step._module import Buffers, broadcast_buffers, check_export_model, replace_params
+from fzero.step._module import Buffers, broadcast_buffers, check_export_model, module_device, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
@@ -312,7 +312,7 @@ class Step:
         values = {n: v for n, v in values.items()
                   if named[n].is_meta or seen.get(n) != (named[n]._version, named[n].data_ptr())}
         # on the module's device: the state keeps its shards on the host under offload_params (as load_into does)
-        device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta), None)
+        device = module_device(model)
         replace_params(model, {n: v.to(device) if device is not None else v for n, v in values.items()})
         # the module's copies are the state's values now: not a write the state would miss (``StateMeta.frozen_seen``)
         named = dict(model.named_parameters(remove_duplicate=False))
