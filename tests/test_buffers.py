@@ -359,3 +359,89 @@ def test_a_buffer_the_forward_resizes_exports_in_its_new_shape(stages, ranks):
     fresh = build()
     fresh.load_state_dict(sd)  # strict
     Q.convert(fresh.eval())
+
+
+class _SharedNorm(nn.Module):
+    """One BatchNorm registered under two names and run twice in a forward: its statistics are one tensor under two
+    ``state_dict`` keys (tied buffers, as peft's VeRA and RandLoRA tie their projections across layers)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.bn1 = self.bn2 = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.head(self.bn2(self.fc2(self.bn1(self.fc1(x)))))
+
+
+def _shared_norm_batches():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 4, generator=gen) for _ in range(3)]
+
+
+def _ddp_shared_norm(model, ranks):
+    """Plain PyTorch with DDP's semantics: rank 0's statistics broadcast to every replica before each forward."""
+    ref = copy.deepcopy(model)
+    reps = [ref] + [copy.deepcopy(ref) for _ in range(ranks - 1)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in _shared_norm_batches():
+        for rep in reps[1:]:
+            rep.load_state_dict(ref.state_dict())
+        grads = []
+        for rep, half in zip(reps, b.chunk(ranks)):
+            rep.zero_grad()
+            _loss(rep(half)).backward()
+            grads.append([p.grad for p in rep.parameters()])
+        for p, gs in zip(ref.parameters(), zip(*grads)):
+            p.grad = sum(gs) / ranks
+        opt.step()
+    return dict(ref.state_dict())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("settings", [{"stages": 0}, {"stages": 0, "autodiff": "func"}, {"stages": 0, "remat": True},
+                                      {"stages": 2}, {"stages": 3, "units": ["fc1", "fc2", "head"]},
+                                      {"stages": 3, "units": ["fc1", "fc2", "head"], "remat": True}],
+                         ids=lambda s: "-".join(f"{k}{v if not isinstance(v, list) else ''}" for k, v in s.items()))
+def test_a_buffer_tied_under_two_names_trains_as_in_pytorch(settings, ranks):
+    """Each name was a copy of its own in the state, and torch's functional_call refused the two values ("got multiple
+    values for keys ... which are tied"): a model with tied buffers did not train at all. Now one tensor serves both
+    names, written twice per forward as in the module."""
+    model = _SharedNorm()
+
+    def loss_fn(params, b):
+        return _loss(fzero.apply(model, params, b))
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), mesh=fzero.local_mesh(ranks), **settings)
+    state = step.init(fzero.params_of(model), buffers=fzero.buffers_of(model))
+    for b in _shared_norm_batches():
+        state, _ = step(state, b)
+    got = step.state_dict(state, model)
+    expected = _ddp_shared_norm(model, ranks)
+    assert int(expected["bn1.num_batches_tracked"]) == 6  # the reference runs the norm twice a forward
+    assert_trees_equal(got, expected)
+    copy.deepcopy(model).load_state_dict(got, strict=True)
+
+
+def test_tied_buffers_resume_from_a_checkpoint_and_two_values_for_them_are_refused(tmp_path):
+    model = _SharedNorm()
+    step = fzero.compile(lambda p, b: _loss(fzero.apply(model, p, b)), optimizer=fzero.optim.adamw(1e-2), stages=3,
+                         units=["fc1", "fc2", "head"], mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    b0, b1, b2 = _shared_norm_batches()
+    state, _ = step(state, b0)
+    fzero.checkpoint.save(tmp_path, state)
+    resumed = fzero.checkpoint.load(tmp_path, like=state)
+    state, _ = step(state, b1)
+    resumed, _ = step(resumed, b1)
+    assert_trees_equal(step.state_dict(resumed, model), step.state_dict(state, model))
+    one = step.with_buffers(resumed, {"bn1.running_mean": torch.ones(4)})  # the other name keeps its value: which is it?
+    with pytest.raises(ValueError, match=r"fzero.apply: the buffers 'bn1.running_mean' and 'bn2.running_mean' of "
+                                         r"_SharedNorm are one tensor.*step.with_buffers\(state, \{'bn1.running_mean'"):
+        step(one, b2)
+    both = step.with_buffers(state, {"bn1.running_mean": torch.ones(4), "bn2.running_mean": torch.ones(4)})
+    both, _ = step(both, b2)
+    got = step.state_dict(both, model)
+    assert got["bn1.running_mean"].equal(got["bn2.running_mean"])
+    assert (got["bn1.running_mean"] - 1).abs().max() < 0.5  # started from the ones set under both names

@@ -80,6 +80,24 @@ def test_lora_trains_as_pytorch(name, stages, ranks):
     check(entry, ref, run)
 
 
+def _vera_llama():  # VeRA's random projections: buffers shared by every adapted layer (one tensor, many names)
+    return peft.get_peft_model(llama(), peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("stages", [0, 3])
+def test_vera_whose_projections_are_tied_buffers_trains_as_pytorch(stages, ranks):
+    """VeRA failed at every stage: its shared ``vera_A``/``vera_B`` were a copy per name in the state, which torch's
+    functional_call refuses for tied names. The trained vectors and the state_dict (its tied projections too) against
+    plain PyTorch."""
+    entry = Entry(_seeded(_vera_llama), _tokens(128, seed=1), _hf_loss, hf=True)
+    ref = reference_run(entry, ranks)
+    run = fzero_run(entry, stages=stages, ranks=ranks)
+    assert {n.rsplit(".", 2)[-2] for n in run.params[0]} == {"vera_lambda_b", "vera_lambda_d"}
+    assert sum(".vera_A." in k for k in run.state_dict) > 1  # tied: one tensor under several names
+    check(entry, ref, run)
+
+
 def _trained(model, *, stages, ranks, steps=slice(0, STEPS), state=None, step=None):
     step = step or fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b["input_ids"], labels=b["labels"]).loss,
                                  optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(ranks))

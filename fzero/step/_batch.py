@@ -568,7 +568,8 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             _refuse_skipped_reentrant_checkpoint(scaled)
             del leaves
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
-        new_buffers = {k: v.detach() for k, v in new_buffers.items()}
+        detached: dict[int, torch.Tensor] = {}  # one per tensor: tied buffer names stay one tensor (``Buffers._tie``)
+        new_buffers = {k: detached.setdefault(id(v), v.detach()) for k, v in new_buffers.items()}
     it = iter(tensors)
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
     return grads, loss, aux, new_buffers

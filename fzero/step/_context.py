@@ -227,7 +227,9 @@ def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if snapshots is None or not buffers:
         return buffers
     if current_context().replay:
-        out = {k: snapshots[id(v)][1].clone() if id(v) in snapshots else v for k, v in buffers.items()}
+        copies: dict[int, torch.Tensor] = {}  # one copy per tensor: tied buffer names (``Buffers._tie``) stay tied
+        out = {k: copies.setdefault(id(v), snapshots[id(v)][1].clone()) if id(v) in snapshots else v
+               for k, v in buffers.items()}
         for k, v in buffers.items():
             if out[k] is not v:
                 snapshots.handed[id(out[k])] = (out[k], v)

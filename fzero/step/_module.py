@@ -260,6 +260,7 @@ class Buffers:
         from the same code as the model) is refused: it would read and write the model's values (a BatchNorm
         running on the student's statistics, and writing its own into them), silently."""
         out = {}
+        first_name: dict[int, str] = {}  # id(buffer) -> its first name: a buffer registered under several (tied)
         for name, b in persistent_buffers(module).items():
             if name in given:
                 continue
@@ -280,8 +281,29 @@ class Buffers:
                 self._check_unchanged(module, name, b)
             elif not b.is_meta:
                 _mark(self._reader, b, module, name)
+            tied = first_name.setdefault(id(b), name)
+            if tied != name:
+                self._tie(name, tied, module)
             out[name] = self.values[name]
-        return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
+        return buffers_for_run(out)
+
+    def _tie(self, name: str, first: str, module: nn.Module) -> None:
+        """``name`` is the module's buffer ``first`` under another name (peft's VeRA and RandLoRA share their random
+        projections so across layers): one tensor, as in the module, so that the forward reads and writes one value
+        under both names (``functional_call`` refuses two values for tied names). The state holds each name (as
+        ``state_dict`` does), and the two must agree: a value set under one name alone would be lost silently."""
+        if self.values[name] is self.values[first]:
+            return
+        a, b = self._given.get(name), self._given.get(first)
+        if a is not None and b is not None and a is not b and not (a.shape == b.shape and torch.equal(a, b.to(a.device))):
+            raise ValueError(
+                f"fzero.apply: the buffers {first!r} and {name!r} of {type(module).__name__} are one tensor in the module "
+                f"(tied), but the state holds different values for them, and a forward can read only one. Set both "
+                f"names to the same value: state = step.with_buffers(state, {{{first!r}: value, {name!r}: value}})."
+            )
+        self.values[name] = self.values[first]
+        if first in self._before:
+            self._before[name] = self._before[first]  # under fzero.remat's recompute: copies of what the forward read
 
     def _check_unchanged(self, module: nn.Module, name: str, b: torch.Tensor) -> None:
         """The module's buffer ``name`` was written since a step last read it. Unless it now holds the state's value
@@ -302,7 +324,13 @@ class Buffers:
         """The values after the forward, each in its own dtype: a cast buffer the forward did not change keeps its
         value from before the cast (a copy), which the round trip through the compute dtype would round (pi in a
         float64 buffer became 3.140625 in the state and in ``step.state_dict`` after one bf16 step)."""
-        return {k: _unless_unchanged(v, self._before.get(k), self.dtypes[k]) for k, v in self.values.items()}
+        out: dict[str, torch.Tensor] = {}
+        made: dict[int, torch.Tensor] = {}  # by the forward's tensor: tied names (``_tie``) stay one tensor in the state
+        for k, v in self.values.items():
+            if id(v) not in made:
+                made[id(v)] = _unless_unchanged(v, self._before.get(k), self.dtypes[k])
+            out[k] = made[id(v)]
+        return out
 
 
 def _unless_unchanged(value: torch.Tensor, before: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
