@@ -106,7 +106,8 @@ def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: A
         _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in loaded.items()],
                   check=manifest.check)
         for (_, n), t in loaded.items():
-            w.put(rename[n], t)
+            if n in rename:  # a tied buffer once (``names``)
+                w.put(rename[n], t)
         for n, t in extras:
             w.put(n, t)
         w.close()

@@ -33,7 +33,8 @@ DEFAULT_SHARD = "5GB"  # save_pretrained's default until transformers 5 (now 50G
 
 def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module | None, *, api: str,
           complete: bool = False) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
-    """(held name -> name in the file, [(name, tensor)] the model adds) for tensors the state or checkpoint holds.
+    """(held name -> name in the file, [(name, tensor)] the model adds) for tensors the state or checkpoint holds; a
+    held name the first one is written for (a tied buffer, which the state holds under each of its names) is left out.
 
     Without ``model``: the held names. With ``model``: every tensor of ``model.state_dict()`` once. Tensors that
     are one object under several names (tied weights: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
@@ -65,7 +66,7 @@ def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module
         if tuple(held[source][0]) != tuple(tensors[key].shape):
             raise CheckpointError(f"{api}: {source} has shape {list(tensors[key].shape)} in the model but {list(held[source][0])} in the state.")
         rename[source] = keep
-        used.add(source)
+        used.update(n for n in group if n in held)  # a tied buffer the state holds under each name: written once
     prefix = _wrapper_prefix([n for n in held if n not in used], model)
     if prefix:
         raise CheckpointError(
@@ -106,7 +107,7 @@ def items_for(held: dict[str, tuple[tuple[int, ...], torch.dtype]], rename: dict
     def out(d: torch.dtype) -> torch.dtype:
         return dtype if d.is_floating_point else d
 
-    return [Item(rename[n], tuple(shape), out(d)) for n, (shape, d) in held.items()] + \
+    return [Item(rename[n], tuple(shape), out(d)) for n, (shape, d) in held.items() if n in rename] + \
         [Item(n, tuple(t.shape), out(t.dtype)) for n, t in extras]
 
 
@@ -233,7 +234,8 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
         if writer is not None and error is None:
             try:
                 for n, t in first.buffers.items():
-                    writer.put(rename[n], t)
+                    if n in rename:  # a tied buffer once (``names``)
+                        writer.put(rename[n], t)
                 for n, t in extras:
                     writer.put(n, t)
                 writer.close()
