@@ -382,7 +382,11 @@ def broadcast_buffers(comm, buffers: dict[str, torch.Tensor], *, copy: bool = Fa
     In place into the state's own tensors (a step owns the state it is given), or into copies with ``copy``.
     One collective per buffer, in name order, so every rank issues the same ones.
     """
-    out = {k: v.clone() for k, v in buffers.items()} if copy else dict(buffers)
+    if copy:
+        copies: dict[int, torch.Tensor] = {}  # one per tensor: tied names stay one tensor (``Buffers._tie``)
+        out = {k: copies[id(v)] if id(v) in copies else copies.setdefault(id(v), v.clone()) for k, v in buffers.items()}
+    else:
+        out = dict(buffers)
     if comm.size > 1:
         for name in sorted(out):
             comm.broadcast(out[name], src=0, tag="buffers", label=name)
