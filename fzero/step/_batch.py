@@ -569,7 +569,9 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             del leaves
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
         detached: dict[int, torch.Tensor] = {}  # one per tensor: tied buffer names stay one tensor (``Buffers._tie``)
-        new_buffers = {k: detached.setdefault(id(v), v.detach()) for k, v in new_buffers.items()}
+        for v in new_buffers.values():
+            detached.setdefault(id(v), v.detach())
+        new_buffers = {k: detached[id(v)] for k, v in new_buffers.items()}
     it = iter(tensors)
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
     return grads, loss, aux, new_buffers

@@ -228,8 +228,11 @@ def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         return buffers
     if current_context().replay:
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor: tied buffer names (``Buffers._tie``) stay tied
-        out = {k: copies.setdefault(id(v), snapshots[id(v)][1].clone()) if id(v) in snapshots else v
-               for k, v in buffers.items()}
+        out = {}
+        for k, v in buffers.items():
+            if id(v) in snapshots and id(v) not in copies:
+                copies[id(v)] = snapshots[id(v)][1].clone()
+            out[k] = copies.get(id(v), v)
         for k, v in buffers.items():
             if out[k] is not v:
                 snapshots.handed[id(out[k])] = (out[k], v)
