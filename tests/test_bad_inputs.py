@@ -842,3 +842,32 @@ def test_a_rank_that_reaches_its_first_forward_late_is_checked_too(monkeypatch):
     step = fzero.compile(_tokens_loss(model), optimizer=O.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
     with pytest.raises(ValueError, match=r"fzero.Step: the Embedding 'layers.0' of _Tokens has sparse=True"):
         step(step.init(fzero.params_of(model)), {"x": torch.randint(0, 16, (4, 6)), "y": torch.randint(0, 16, (4, 6))})
+
+
+def test_params_of_a_lazy_module_before_its_first_forward_names_the_parameters_and_the_fix():
+    """torch's own "Attempted to use an uninitialized parameter in <method 'detach'>" named neither the API nor the
+    parameter. After a forward on a sample batch the module trains as PyTorch (the zoo's reference applies)."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"fzero.params_of: 2 parameter\(s\) of Sequential are uninitialized.*LazyLinear.*"
+                                         r"\['0.weight', '0.bias'\].*with torch.no_grad\(\): model\(x\)"):
+        fzero.params_of(model)
+    with torch.no_grad():
+        model(torch.randn(1, 5))
+    assert set(fzero.params_of(model)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_a_time_major_batch_beside_per_row_labels_is_refused_with_the_layout_named():
+    """``nn.LSTM``'s default input is (seq, batch, features): beside labels of one per row the row counts differ, and
+    the error says where the batch belongs (with labels per time step the counts agree, and docs/migrating.md warns)."""
+    lstm, head = torch.nn.LSTM(5, 8), torch.nn.Linear(8, 2)
+    model = torch.nn.ModuleDict({"lstm": lstm, "head": head})
+
+    def loss_fn(params, b):
+        out, _ = fzero.apply(model.lstm, {k[5:]: v for k, v in params.items() if k.startswith("lstm.")}, b["x"])
+        return torch.nn.functional.cross_entropy(fzero.apply(model.head, {k[5:]: v for k, v in params.items()
+                                                                          if k.startswith("head.")}, out[-1]), b["y"])
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), mesh=fzero.local_mesh(2))
+    with pytest.raises(ValueError, match=r"row counts differ.*batch on dim 1 \(nn.LSTM's.*\(seq, batch, \.\.\.\) layout\).*"
+                                         r"transposed inside loss_fn"):
+        step(step.init(fzero.params_of(model)), {"x": torch.randn(6, 4, 5), "y": torch.randint(0, 2, (4,))})

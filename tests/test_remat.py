@@ -526,3 +526,26 @@ def test_stage3_remat_lets_go_of_a_units_buffer_before_its_gradient_is_joined(au
     state = step.init(fzero.params_of(model))
     step(state, (x, y))
     assert len(at_join) >= 3 and max(at_join) < block_bytes, (at_join, block_bytes)
+
+
+def test_the_refusal_of_a_tensor_a_unit_keeps_names_the_attribute_holding_it():
+    """RecurrentGemma's recurrent block keeps ``self.recurrent_states`` even without a cache: under ``remat=True`` the
+    refusal gave the tensor's shape alone, and the user had to find which of the model's modules held it."""
+
+    class Keeper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.kept = None
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            self.kept = h * 2  # a state kept on the module, read by nobody
+            return h
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Keeper() for _ in range(2)])
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         remat=True)
+    with pytest.raises(RuntimeError, match=r"(?s)outlive its forward.*\(2, 4\) torch.float32 held as Keeper.kept"):
+        step(step.init(fzero.params_of(model)), torch.randn(2, 4))

@@ -473,3 +473,81 @@ def test_a_tied_lm_head_named_as_a_unit_is_refused_with_the_tie_named():
     with pytest.raises(ValueError, match=r"units entry 'lm_head' matches no module with trainable parameters .*tied to the "
                                          r"token embedding"):
         step.init(fzero.params_of(model))
+
+
+class _PaddedEncoder(torch.nn.Module):
+    """An ``nn.TransformerEncoder`` (default units: its layers) under a padding mask, its output summed over the
+    sequence, padded positions included: what PyTorch's eval fast path (a nested tensor, zeros at padded positions)
+    changes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(30, 16)
+        self.enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x, pad):
+        return self.out(self.enc(self.emb(x), src_key_padding_mask=pad).sum(1))
+
+
+def _padded_batch():
+    gen = torch.Generator().manual_seed(3)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[1, 3:], pad[3, 5:] = True, True
+    return {"x": torch.randint(0, 30, (4, 6), generator=gen), "pad": pad, "y": torch.tensor([0, 1, 2, 0])}
+
+
+def _padded_loss(model):
+    return lambda p, b: torch.nn.functional.cross_entropy(fzero.apply(model, p, b["x"], b["pad"]), b["y"])
+
+
+_NESTED = "ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning"  # torch's, from its fast path
+
+
+@pytest.mark.filterwarnings(_NESTED)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_evaluate_of_a_transformer_encoder_in_eval_mode_takes_pytorchs_fast_path(ranks):
+    """The encoder decides on its fast path by its first layer's params, which at stage 3 are stand-ins until the layer
+    runs: torch took them for foreign tensors and ran the standard path, so evaluate gave 0.925 where PyTorch's eval
+    (and FSDP2's) gives 0.683, silently."""
+    model = _PaddedEncoder().eval()
+    batch = _padded_batch()
+    assert fzero.units_of(model) == ("enc.layers.0", "enc.layers.1")
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(model(batch["x"], batch["pad"]), batch["y"]))
+    step = fzero.compile(_padded_loss(model), optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(ranks))
+    got = float(step.evaluate(step.init(fzero.params_of(model)), batch)["loss"])
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    with torch.no_grad():  # and the path matters here: the standard path's loss is far from it
+        model.enc.use_nested_tensor = False
+        assert abs(float(torch.nn.functional.cross_entropy(model(batch["x"], batch["pad"]), batch["y"])) - expected) > 0.1
+
+
+@pytest.mark.filterwarnings(_NESTED)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_head_on_a_frozen_transformer_encoder_sharded_by_frozen_trains_as_pytorch(ranks):
+    """The frozen encoder's sharded params are stand-ins too: with no gradient through them PyTorch runs the fast path
+    in training as well, and the head trained 0.70 off it."""
+    base = _PaddedEncoder()
+    for p in [*base.emb.parameters(), *base.enc.parameters()]:
+        p.requires_grad_(False)
+    base.enc.eval()
+    batch = _padded_batch()
+    plain = _PaddedEncoder()
+    plain.load_state_dict(base.state_dict())
+    for p in [*plain.emb.parameters(), *plain.enc.parameters()]:
+        p.requires_grad_(False)
+    plain.enc.eval()
+    opt = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(plain(batch["x"], batch["pad"]), batch["y"]).backward()
+        opt.step()
+    step = fzero.compile(_padded_loss(base), optimizer=fzero.optim.sgd(0.5), stages=3, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(base), frozen=fzero.frozen_of(base))
+    fzero.free_frozen(base, state)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert_trees_close(step.gather(state), {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad},
+                       rtol=1e-5, atol=1e-6)

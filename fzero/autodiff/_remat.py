@@ -334,6 +334,21 @@ class _NoCapturedGrad(TorchFunctionMode):
         return out
 
 
+def _held_where(t: torch.Tensor) -> str:
+    """Where an escaped tensor is held, when a module attribute holds it (for the error only): " held as
+    ClassName.attr" (a Hugging Face recurrent state kept on the module, RecurrentGemma's rg_lru.recurrent_states)."""
+    import gc
+
+    for holder in gc.get_referrers(t):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, torch.nn.Module) and getattr(owner, "__dict__", None) is holder:
+                name = next((k for k, v in holder.items() if v is t), "?")
+                return f" held as {type(owner).__name__}.{name}"
+    return ""
+
+
 def _storage(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -432,7 +447,7 @@ class _RematForward(Function):
         escaped = watch.escaped(outs)
         if escaped:
             raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
-                                               what=", ".join(f"{tuple(t.shape)} {t.dtype}" for t in escaped[:3])))
+                                               what=", ".join(f"{tuple(t.shape)} {t.dtype}{_held_where(t)}" for t in escaped[:3])))
         del watch
         # A Function must not return one of its inputs as is, nor one tensor twice.
         seen: set[int] = set()

@@ -202,7 +202,9 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
                  "counted by its length)") if records else ""
         raise ValueError(
             f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
-            f"row counts differ{lists}: {rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}."
+            f"row counts differ{lists}: {rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}. A tensor "
+            f"with the batch on dim 1 (nn.LSTM's and nn.Transformer's default (seq, batch, ...) layout) belongs in the "
+            f"batch as (batch, seq, ...), transposed inside loss_fn: on dim 0 it would be split along its time steps."
         )
     if not records:
         message = _with_list_hint(batch, message)

@@ -51,6 +51,13 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
     check_not_compiled(module, api="fzero.params_of")
     if not isinstance(copy, bool):
         raise TypeError(f"fzero.params_of: copy must be True or False, got {copy!r}.")
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"fzero.params_of: {len(lazy)} parameter(s) of {type(module).__name__} are uninitialized (a lazy module, such "
+            f"as nn.LazyLinear, before its first forward): {lazy[:4]}. Run the model once on a sample batch "
+            f"(with torch.no_grad(): model(x)) so that they get their shapes and values, then call fzero.params_of(model)."
+        )
     return {name: p.detach().clone() if copy else p.detach() for name, p in module.named_parameters() if p.requires_grad}
 
 

@@ -404,6 +404,11 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                     by_name[s.path].__dict__["_fz_tied"] = _tied_outside(api, unit.name, s.path, every, layout)
             sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
             sub.__dict__["_fz"] = (unit, params)
+            owner_path, _, last = unit.name.rpartition(".")[0].rpartition(".")
+            if last == "layers" and params.jit_cache is None:  # a unit of layers[i], whose owner may be a TransformerEncoder
+                owner = skel.get_submodule(owner_path) if owner_path else skel
+                if isinstance(owner, nn.TransformerEncoder) and not isinstance(owner, (_UnitSkin, _EncoderSkin)):
+                    owner.__class__ = _encoder_skin(type(owner))  # type: ignore[arg-type]
     return skel
 
 
@@ -569,6 +574,31 @@ class _UnitSkin(nn.Module):
                 f"keep the module in the root unit (units=... without {unit.name!r})."
             ) from None
         return value
+
+
+class _EncoderSkin(nn.Module):
+    """An ``nn.TransformerEncoder`` of the skeleton whose layers are units. In eval mode, with a padding mask and no
+    gradient needed, PyTorch runs its layers on a nested tensor (its fast path), whose padded positions come out as
+    zeros, where the standard path computes them. It decides by its first layer's params, which here are stand-ins
+    (``_StandIn``, a class with ``__torch_function__``) until that layer's unit runs: torch counted them as foreign
+    tensors and took the standard path, so ``step.evaluate`` at stage 3 gave another loss than PyTorch's eval (and
+    FSDP2's) wherever the padded positions count (a sum over the sequence). Its forward runs with subclasses' torch
+    functions off, so the stand-ins read as the parameters they stand for; the layers run as units, gathered.
+
+    Not under ``jit``: a compiled layer given the fast path's nested tensor aborts the process in torch (its
+    NestedTensorImpl "doesn't support strides"); there the standard path runs, as under a ``torch.compile`` of the
+    whole model, which PyTorch keeps off the fast path too."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return type(self).__dict__["_fz_class"].forward(self, *args, **kwargs)
+
+
+@functools.cache
+def _encoder_skin(cls: type) -> type:
+    """The ``_EncoderSkin`` subclass of ``cls``, named as ``cls``: one per class (see ``_skin``)."""
+    return type(cls.__name__, (_EncoderSkin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                     "_fz_class": cls})
 
 
 @functools.cache
