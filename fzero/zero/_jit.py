@@ -11,8 +11,9 @@ blocks reuse it). A block whose inner modules carry other hooks gets graphs of i
 Dropout draws from torch's generator as in eager (inductor's ``fallback_random``), so a jit step equals an eager one
 within rounding and every rank draws its own stream. ``step.evaluate`` runs compiled units at stage 3 and the whole
 model eagerly at stage 2 (whose evaluation has no units). Refused by name where torch.compile would run a unit
-eagerly without a word: under ``torch.func``, a dispatch mode, ``fzero.remat``'s watch, an RNN in the unit, and a
-Hugging Face cache handed to each layer (``use_cache=True``).
+eagerly without a word: under ``torch.func``, a dispatch mode, ``fzero.remat``'s watch, an RNN in the unit, a
+Hugging Face cache handed to each layer (``use_cache=True``), a ``forward`` set on a unit's module itself, and a class's
+units past torch.compile's recompile limit (more param shapes and modes than it keeps graphs for).
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callabl
     if fn is None:
         _refuse_uncompiled_modules(inner, unit, cls)  # once per compiled forward: a class's modules are its own
         forward = cls.forward
-        frame = _inline(forward) if getattr(forward, "__module__", "").startswith("torch.") else forward
-        if hooks:  # a code object of its own: torch keeps compiled graphs per code object, with no guard on inner hooks
+        inline = getattr(forward, "__module__", "").startswith("torch.")
+        frame = _inline(forward) if inline else forward
+        if hooks or inline:  # a code object of its own: torch keeps compiled graphs per code object (with no guard on
+            # inner hooks), and counts its recompile limit per code object: one _inline for every torch class would
+            # share one budget of graphs among nn.Sequential, nn.TransformerEncoderLayer, ...
             frame = _own_code(frame, len(cache))
         # fallback_random: dropout draws from torch's generator, as eager does, not inductor's own (whose masks differ:
         # 1.3e-2 off the eager step after one step); the ranks' streams stay fzero's
@@ -61,10 +65,31 @@ def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callabl
         _refuse_hf_cache(unit, args, kwargs)
         d = inner.__dict__
         had, before = "forward" in d, d.get("forward")
+        if had and not (isinstance(before, types.MethodType) and before.__func__ is fn):
+            # a forward set on the instance (module.forward = ..., as accelerate's hooks or a user skipping a layer set
+            # it): eager runs it, and the class's compiled forward bound over it would train another function, silently
+            raise UnitCompileError(
+                f"fzero (jit=True): unit {unit!r} ({cls.__name__}) has a forward set on the module itself "
+                f"(module.forward = {getattr(before, '__qualname__', type(before).__name__)}), which jit=True compiles "
+                f"from its class, {cls.__name__}.forward, and would run instead. Build the step without jit=True, move "
+                f"the change into a subclass's forward, or keep that module out of the units."
+            )
         d["forward"] = types.MethodType(fn, inner)  # nn.Module.__call__ calls self.forward: hooks eager, forward compiled
+        config = torch._dynamo.config
+        strict = config.fail_on_recompile_limit_hit
+        config.fail_on_recompile_limit_hit = True  # past torch's limit of graphs per forward: an error, not eager (below)
         try:
             return inner(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise UnitCompileError(
+                f"fzero (jit=True): unit {unit!r} ({cls.__name__}) needs another compiled graph of {cls.__name__}.forward, "
+                f"past torch.compile's limit of {config.recompile_limit} per forward (torch._dynamo.config.recompile_limit): "
+                f"one graph for each param shape, train/eval mode and gradient mode its units run with (step.evaluate "
+                f"is a mode of its own). Past it torch would run the unit eagerly, without a word. Raise the limit "
+                f"before the first step (torch._dynamo.config.recompile_limit = 32), or build the step without jit=True."
+            ) from e
         finally:
+            config.fail_on_recompile_limit_hit = strict
             if had:
                 d["forward"] = before
             else:
@@ -88,6 +113,15 @@ def _inner_hooks(inner: nn.Module) -> tuple:
             hooks = d.get(kind)
             if hooks:
                 out.append((path, kind, tuple(id(h) for h in hooks.values())))
+    # torch's global module hooks (nn.modules.module.register_module_forward_hook, ..._full_backward_hook) run for
+    # every module inside the unit too, traced into its graph with no guard either: one registered (or removed) after
+    # the first step never ran inside the compiled units (found: 9.9e-3 off eager in the loss of the step after)
+    from torch.nn.modules import module as torch_module
+
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
+        hooks = getattr(torch_module, kind, None)
+        if hooks:
+            out.append(("", kind, tuple(id(h) for h in hooks.values())))
     return tuple(out)
 
 
