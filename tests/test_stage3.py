@@ -525,10 +525,12 @@ def test_evaluate_of_a_transformer_encoder_in_eval_mode_takes_pytorchs_fast_path
 
 
 @pytest.mark.filterwarnings(_NESTED)
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_head_on_a_frozen_transformer_encoder_sharded_by_frozen_trains_as_pytorch(ranks):
+@pytest.mark.parametrize("ranks, remat", [(1, False), (2, False), (1, True)])
+def test_a_head_on_a_frozen_transformer_encoder_sharded_by_frozen_trains_as_pytorch(ranks, remat):
     """The frozen encoder's sharded params are stand-ins too: with no gradient through them PyTorch runs the fast path
-    in training as well, and the head trained 0.70 off it."""
+    in training as well, and the head trained 0.70 off it. Under remat, a unit nothing needs a gradient through runs
+    without remat's watch (a torch function mode, which kept the layers off their fast path: MultiheadAttention
+    refused the nested tensor)."""
     base = _PaddedEncoder()
     for p in [*base.emb.parameters(), *base.enc.parameters()]:
         p.requires_grad_(False)
@@ -544,10 +546,55 @@ def test_a_head_on_a_frozen_transformer_encoder_sharded_by_frozen_trains_as_pyto
         opt.zero_grad()
         torch.nn.functional.cross_entropy(plain(batch["x"], batch["pad"]), batch["y"]).backward()
         opt.step()
-    step = fzero.compile(_padded_loss(base), optimizer=fzero.optim.sgd(0.5), stages=3, mesh=fzero.local_mesh(ranks))
+    step = fzero.compile(_padded_loss(base), optimizer=fzero.optim.sgd(0.5), stages=3, mesh=fzero.local_mesh(ranks),
+                         remat=remat)
     state = step.init(fzero.params_of(base), frozen=fzero.frozen_of(base))
     fzero.free_frozen(base, state)
     for _ in range(3):
         state, _ = step(state, batch)
     assert_trees_close(step.gather(state), {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad},
                        rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings(_NESTED)
+def test_a_transformer_encoder_subclass_reading_a_layers_param_outside_the_layer_is_still_named():
+    """The fast-path decision reads the stand-ins with their guard off; a subclass's own forward, which may compute with
+    a layer's params outside its unit, keeps the guard: evaluate returned 1962141.1 (CPU kernels reading a meta tensor's
+    memory) instead of the named error."""
+
+    class Reuses(torch.nn.TransformerEncoder):
+        def forward(self, src, src_key_padding_mask=None):
+            h = super().forward(src, src_key_padding_mask=src_key_padding_mask)
+            first = self.layers[0]
+            return torch.nn.functional.linear(torch.nn.functional.linear(h, first.linear1.weight), first.linear2.weight)
+
+    model = _PaddedEncoder().eval()
+    model.enc = Reuses(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2)
+    step = fzero.compile(_padded_loss(model), optimizer=fzero.optim.sgd(0.1), stages=3)
+    with pytest.raises(RuntimeError, match=r"given the parameter 'enc.layers.0.linear1.weight'.*of unit 'enc.layers.0' outside"):
+        step.evaluate(step.init(fzero.params_of(model)), _padded_batch())
+
+
+def test_a_view_of_a_units_param_used_outside_the_unit_is_named_not_computed_with():
+    """``self.blocks[0][0].weight.t()`` read by the model's own forward: the view of a stand-in was a plain meta
+    tensor, unguarded, and the CPU kernel computed with its missing memory: evaluate gave 0.477 where PyTorch gives
+    0.856, silently. The view is a stand-in too now, refused by name at the op that computes with it."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(2)])
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return self.head(torch.nn.functional.linear(x, self.blocks[0][0].weight.t()))
+
+    model = Net()
+    step = fzero.compile(lambda p, b: torch.nn.functional.cross_entropy(fzero.apply(model, p, b["x"]), b["y"]),
+                         optimizer=fzero.optim.sgd(0.1), stages=3)
+    with pytest.raises(RuntimeError, match=r"linear\(\) was given the parameter 'blocks.0.0.weight' \(shape \(4, 4\)\) of "
+                                           r"unit 'blocks.0' outside that unit's call"):
+        step.evaluate(step.init(fzero.params_of(model)), {"x": torch.ones(3, 4), "y": torch.tensor([0, 1, 0])})

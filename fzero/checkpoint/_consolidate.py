@@ -16,7 +16,7 @@ from fzero.checkpoint._files import fsync_dir, open_checkpoint
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
 from fzero.checkpoint._safetensors import out_dtype, parse_size
 from fzero.step import check_export_model
-from fzero.checkpoint._weights import DEFAULT_SHARD, check_format, items_for, names, prepare_dir, writing
+from fzero.checkpoint._weights import DEFAULT_SHARD, check_format, check_tied_values, items_for, names, prepare_dir, writing
 
 
 def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: torch.nn.Module | None = None, verify: bool = True,
@@ -105,6 +105,7 @@ def _to_safetensors(found: str, info: dict[str, Any], manifest: Any, metadata: A
         loaded = {key: torch.empty(shape, dtype=d) for key, (shape, d) in buffers.items()}
         _dcp.load(found, metadata, [_dcp.Dest(f"{kind}/{n}", (0,) * t.dim(), tuple(t.shape), t.dtype, view=t) for (kind, n), t in loaded.items()],
                   check=manifest.check)
+        check_tied_values({n: t for (_, n), t in loaded.items()}, model, api=api)
         for (_, n), t in loaded.items():
             if n in rename:  # a tied buffer once (``names``)
                 w.put(rename[n], t)

@@ -81,6 +81,30 @@ def names(held: dict[str, tuple[tuple[int, ...], torch.dtype]], model: nn.Module
     return rename, extras
 
 
+def check_tied_values(values: dict[str, torch.Tensor], model: nn.Module | None, *, api: str) -> None:
+    """Refuse to write a tied buffer once (``names``) where ``values`` holds another value under one of its names: a
+    state trained with those buffers apart (another model, or fzero before it kept tied buffers as one tensor),
+    written for a ``model`` that ties them, would lose all but one of them."""
+    if model is None:
+        return
+    groups: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(n)
+    for group in groups.values():
+        held = [n for n in group if n in values]
+        if len(held) < 2:
+            continue
+        first = values[held[0]]
+        apart = [n for n in held[1:] if values[n] is not first
+                 and not (values[n].shape == first.shape and torch.equal(values[n], first.to(values[n].device)))]
+        if apart:
+            raise CheckpointError(
+                f"{api}: the state holds separate values for {[held[0], *apart]}, which are one tied buffer in "
+                f"{type(model).__name__}: one file entry would keep one of them and lose the others. Pass the model the "
+                f"state was trained from, or set one value under every name first (step.with_buffers)."
+            )
+
+
 def _wrapper_prefix(unknown: list[str], model: nn.Module) -> str | None:
     """The prefix ("net.") shared by ``unknown`` names that ``model`` has without it: a state of a module holding it."""
     if not unknown or "." not in unknown[0]:
@@ -194,6 +218,7 @@ def save_weights(step: Any, state: Any, out_dir: str | os.PathLike, *, model: nn
     held = {s.path: (s.shape, torch.float32 if has_master else u.dtype) for u in layout.units for s in u.slots}
     held.update({n: (tuple(t.shape), t.dtype) for n, t in first.buffers.items()})
     rename, extras = names(held, model, api=api)
+    check_tied_values(first.buffers, model, api=api)
     items = items_for(held, rename, extras, dt)
     directory = os.path.abspath(os.fspath(out_dir))
     comm = step.mesh.comm(api="fzero.checkpoint.save_weights") if distributed else None

@@ -305,8 +305,9 @@ class Buffers:
         if a is not None and b is not None and a is not b and not (a.shape == b.shape and torch.equal(a, b.to(a.device))):
             raise ValueError(
                 f"fzero.apply: the buffers {first!r} and {name!r} of {type(module).__name__} are one tensor in the module "
-                f"(tied), but the state holds different values for them, and a forward can read only one. Set both "
-                f"names to the same value: state = step.with_buffers(state, {{{first!r}: value, {name!r}: value}})."
+                f"(tied), but the state holds different values for them, and a forward can read only one (a state "
+                f"saved by an fzero that kept a copy per name holds such values). Set both names to the value to keep: "
+                f"state = step.with_buffers(state, {{{first!r}: value, {name!r}: value}})."
             )
         self.values[name] = self.values[first]
         if first in self._before:

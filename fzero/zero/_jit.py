@@ -18,6 +18,7 @@ units past torch.compile's recompile limit (more param shapes and modes than it 
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Any, Callable
 
@@ -81,12 +82,16 @@ def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callabl
         try:
             return inner(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            found = re.search(r"Limit type: (\w+)", str(e.__cause__ or ""))
+            limit = found.group(1) if found else "recompile_limit"
             raise UnitCompileError(
                 f"fzero (jit=True): unit {unit!r} ({cls.__name__}) needs another compiled graph of {cls.__name__}.forward, "
-                f"past torch.compile's limit of {config.recompile_limit} per forward (torch._dynamo.config.recompile_limit): "
-                f"one graph for each param shape, train/eval mode and gradient mode its units run with (step.evaluate "
-                f"is a mode of its own). Past it torch would run the unit eagerly, without a word. Raise the limit "
-                f"before the first step (torch._dynamo.config.recompile_limit = 32), or build the step without jit=True."
+                f"past torch.compile's limit of {getattr(config, limit, '?')} (torch._dynamo.config.{limit}). A graph is "
+                f"made for each param shape, train/eval mode and gradient mode the units of {cls.__name__} run with "
+                f"(step.evaluate is a mode of its own), and the graphs of earlier steps in this process count too (steps "
+                f"built for other model widths, say). Past the limit torch would run the unit eagerly, without a word. "
+                f"Raise the limit before the first step (torch._dynamo.config.{limit} = 64), call torch._dynamo.reset() "
+                f"between steps of other widths, or build the step without jit=True."
             ) from e
         finally:
             config.fail_on_recompile_limit_hit = strict
@@ -118,6 +123,8 @@ def _inner_hooks(inner: nn.Module) -> tuple:
     # the first step never ran inside the compiled units (found: 9.9e-3 off eager in the loss of the step after)
     from torch.nn.modules import module as torch_module
 
+    # (so a global hook registered anew for each step, a ModuleTracker entered per step, compiles the units anew:
+    # register it once)
     for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
         hooks = getattr(torch_module, kind, None)
         if hooks:

@@ -407,7 +407,8 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             owner_path, _, last = unit.name.rpartition(".")[0].rpartition(".")
             if last == "layers" and params.jit_cache is None:  # a unit of layers[i], whose owner may be a TransformerEncoder
                 owner = skel.get_submodule(owner_path) if owner_path else skel
-                if isinstance(owner, nn.TransformerEncoder) and not isinstance(owner, (_UnitSkin, _EncoderSkin)):
+                if (isinstance(owner, nn.TransformerEncoder) and type(owner).forward is nn.TransformerEncoder.forward
+                        and not isinstance(owner, (_UnitSkin, _EncoderSkin))):  # torch's forward, not a subclass's own
                     owner.__class__ = _encoder_skin(type(owner))  # type: ignore[arg-type]
     return skel
 
@@ -431,11 +432,17 @@ class _StandIn(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        # properties (.shape, .dtype, ...), and ops on meta tensors alone, whose result is meta too (named downstream)
-        if getattr(func, "__name__", None) == "__get__" or func in _STAND_IN_METADATA or all(t.is_meta for t in tensors):
+        if func in _STAND_IN_METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         stand_in = next((a for a in tensors if isinstance(a, _StandIn)), None)
+        # properties (.shape, .dtype, .T, ...), and ops on meta tensors alone, whose result is meta too: a stand-in
+        # again, guarded as the one it came from (a plain meta view, self.blocks[0].fc.weight.t(), met a real tensor in
+        # a CPU kernel unguarded and computed with missing memory: a wrong loss, silently)
+        if getattr(func, "__name__", None) == "__get__" or all(t.is_meta for t in tensors):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            return _guarded(out, stand_in)
         shape = "?" if stand_in is None else tuple(stand_in.shape)
         where = None if stand_in is None else stand_in.__dict__.get("_fz_where")
         what = (f"parameter {where[1]!r} (shape {shape}) of unit {where[0]!r}" if where
@@ -445,6 +452,21 @@ class _StandIn(nn.Parameter):
         # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
         raise RuntimeError(f"{getattr(func, '__name__', func)}() was given the {what} outside that "
                            f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
+
+
+def _guarded(out: Any, like: "_StandIn | None") -> Any:
+    """``out`` with each meta tensor in it a ``_StandIn`` that names what ``like`` names (its unit and path)."""
+    if like is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        if not out.is_meta or isinstance(out, _StandIn):
+            return out
+        guarded = out.as_subclass(_StandIn)
+        guarded.__dict__.update({k: v for k, v in like.__dict__.items() if k in ("_fz_where", "_fz_tied")})
+        return guarded
+    if isinstance(out, (tuple, list)):
+        return type(out)(_guarded(o, like) for o in out)
+    return out
 
 
 def _leaves(tree: Any) -> list:
@@ -559,6 +581,9 @@ class _UnitSkin(nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         unit, params = self.__dict__["_fz"]
+        if not torch._C._is_torch_function_enabled() and not torch._C._is_torch_function_all_disabled():
+            with torch._C._EnableTorchFunction():  # a layer of an ``_EncoderSkin``: the unit runs as any other
+                return params.run_unit(self, unit, args, kwargs)
         return params.run_unit(self, unit, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -582,8 +607,10 @@ class _EncoderSkin(nn.Module):
     zeros, where the standard path computes them. It decides by its first layer's params, which here are stand-ins
     (``_StandIn``, a class with ``__torch_function__``) until that layer's unit runs: torch counted them as foreign
     tensors and took the standard path, so ``step.evaluate`` at stage 3 gave another loss than PyTorch's eval (and
-    FSDP2's) wherever the padded positions count (a sum over the sequence). Its forward runs with subclasses' torch
-    functions off, so the stand-ins read as the parameters they stand for; the layers run as units, gathered.
+    FSDP2's) wherever the padded positions count (a sum over the sequence). Its forward (torch's own: a subclass with
+    a forward of its own is left alone) runs with subclasses' torch functions off, so the stand-ins read as the
+    parameters they stand for in its decision; each layer's unit call turns them on again (``_UnitSkin.__call__``),
+    so a layer runs, gathered, as any unit does.
 
     Not under ``jit``: a compiled layer given the fast path's nested tensor aborts the process in torch (its
     NestedTensorImpl "doesn't support strides"); there the standard path runs, as under a ``torch.compile`` of the

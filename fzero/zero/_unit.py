@@ -479,7 +479,7 @@ def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dic
 def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
     call = UnitCall(inner, unit, params)
     shard = params.inputs[unit.name]
-    if params.remat and torch.is_grad_enabled():
+    if params.remat and torch.is_grad_enabled() and (unit.slots or _any_requires_grad((args, kwargs))):
         def unit_forward(shard, /, *args, **kwargs):  # gathers again when remat recomputes it
             views = _UnitGather.apply(shard, call, False, _usage.active(unit))
             scope = current_scope()
@@ -507,6 +507,14 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     if not call.params.schedule.kept(call):
         call.free()
     return _before_backward(out, call)
+
+
+def _any_requires_grad(inputs: Any) -> bool:
+    """Whether a gradient can flow through a unit called on ``inputs``, besides its trainable params. Where nothing
+    can (a frozen block fed by frozen embeddings, under ``remat=True``), remat has no graph to spare and nothing to
+    recompute, and its watch (a torch function mode) would keep torch's fast paths from what the unit runs: a frozen
+    ``nn.TransformerEncoder`` in eval mode hands its layers a nested tensor, which only the fast path takes."""
+    return any(t.requires_grad for t in _tree.tensors_and_rebuild(inputs)[0])
 
 
 def _unalias(out: Any, full: torch.Tensor) -> Any:
