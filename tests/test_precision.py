@@ -430,3 +430,43 @@ def test_a_model_of_several_dtypes_without_master_weights_is_refused_by_name():
     model.to(torch.bfloat16)
     state, _ = step(step.init(fzero.params_of(model)), _kept_batches()[0])
     assert {t.dtype for t in step.gather(state).values()} == {torch.bfloat16}
+
+
+def test_stage3_model_dtype_read_outside_a_unit_is_the_compute_dtype():
+    # transformers' PreTrainedModel.dtype is its first param's: a unit's stand-in at stages 2-3, which kept the
+    # module's fp32 under bf16, so a mask built in that dtype promoted the scores to fp32 at stage 3 only (stages 0-1
+    # read the bf16 params): "expected scalar type Float but found BFloat16" where the other stages ran
+    import torch.nn.functional as F
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])  # the first param is a unit's
+            self.emb = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x, keep):
+            dtype = next(self.parameters()).dtype
+            h = self.emb(x)
+            scores = h @ h.transpose(1, 2) + (1 - keep[:, None, :].to(dtype)) * torch.finfo(dtype).min
+            h = torch.softmax(scores, -1) @ h
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return self.head(h.mean(1))
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    keep = torch.ones(4, 5)
+    keep[2, 3:] = 0
+    batch = {"x": torch.randn(4, 5, 8), "k": keep, "y": torch.randint(0, 3, (4,))}
+    losses = []
+    for stages in (0, 2, 3):
+        step = fzero.compile(lambda p, b: F.cross_entropy(fzero.apply(model, p, b["x"], b["k"]).float(), b["y"]),
+                             stages=stages, precision="bf16")
+        state = step.init(fzero.params_of(model))
+        losses.append(step.evaluate(state, batch)["loss"])
+        model.train()
+        _, metrics = step(state, batch)
+        model.eval()
+        losses.append(metrics["loss"])
+    assert len(set(losses)) == 1

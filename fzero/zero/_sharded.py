@@ -308,10 +308,13 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
     views = params.views(root) if root is not None else {}
     views = {**views, **params.root_frozen()}
     bank = current_buffers()
-    if bank is not None:  # the state's buffers: the root's go to this call, each unit's to the unit's call
+    if bank is not None:  # the state's buffers: every one to this call, each unit's again to the unit's call
+        # A unit's buffers are whole on every rank (never sharded): the skeleton holds the state's values for them
+        # between the unit's calls too, so that code outside the unit reading them (the root undoing a unit's
+        # BatchNorm with its running_var, a residual VQ's codebooks read by decode) reads the state's, not the
+        # module's own, which the state took over at init and which no step writes (stage 3 read those: 8% off).
         params.buffers = bank.for_module(module)
-        units = [u + "." for u in params.units if u != ROOT]
-        views = {**{k: v for k, v in params.buffers.items() if not k.startswith(tuple(units))}, **views}
+        views = {**params.buffers, **views}
     return call_module(skel, views, args, kwargs, call=None if method is None else types.MethodType(method, skel))
 
 
@@ -332,7 +335,11 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
             if has_grad_hooks(p):
                 hooked.append(p)
-            meta = p.detach() if p.is_meta else torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device="meta")
+            # in the dtype the unit runs it in (a bf16/fp16 policy's): ``model.dtype`` (transformers: the first param's)
+            # read outside the unit says what stages 0-2 say, not the module's fp32 (a mask built in fp32 at stage 3 only)
+            low = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            meta = (p.detach() if p.is_meta and low == p.dtype else
+                    torch.empty_strided(p.size(), p.stride(), dtype=low, device="meta"))
             return torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
