@@ -251,3 +251,17 @@ def test_evaluate_without_aux_has_no_aux_per_rank():
     model = torch.nn.Linear(2, 1)
     step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), stages=0, mesh=fzero.local_mesh(2))
     assert set(step.evaluate(step.init(fzero.params_of(model)), torch.randn(4, 2))) == {"loss"}
+
+
+def test_evaluate_names_itself_when_loss_fn_returns_no_scalar_loss():
+    """A per-row loss or a count from loss_fn in evaluate was refused as ``fzero.train_step``'s, which the caller never
+    called, with "an integer loss has no gradient", which evaluate needs none of."""
+    model = torch.nn.Linear(4, 1)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).squeeze(-1), optimizer=fzero.optim.sgd(0.1))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=r"^fzero.Step.evaluate: loss_fn must return a 0-d floating-point loss; got a "
+                                         r"torch.float32 tensor of shape \(3,\)"):
+        step.evaluate(state, torch.randn(3, 4))
+    counts = fzero.compile(lambda p, b: (fzero.apply(model, p, b) > 0).sum(), optimizer=fzero.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"^fzero.Step.evaluate: .*torch.int64.*averaged\), e.g. loss.float\(\)"):
+        counts.evaluate(counts.init(fzero.params_of(model)), torch.randn(3, 4))

@@ -2,6 +2,7 @@
 modules that a unit cannot support. Parity and communication at stage 3 are in test_parity/test_comm."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -598,3 +599,39 @@ def test_a_view_of_a_units_param_used_outside_the_unit_is_named_not_computed_wit
     with pytest.raises(RuntimeError, match=r"linear\(\) was given the parameter 'blocks.0.0.weight' \(shape \(4, 4\)\) of "
                                            r"unit 'blocks.0' outside that unit's call"):
         step.evaluate(step.init(fzero.params_of(model)), {"x": torch.ones(3, 4), "y": torch.tensor([0, 1, 0])})
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_model_device_read_outside_a_unit_is_the_params_device(stages):
+    """transformers' ``model.device`` is its first param's; where that param is a unit's, it read ``meta`` outside the
+    unit, and ``torch.arange(n, device=model.device)`` made meta positions, which the CPU embedding took as values from
+    missing memory: evaluate gave 1e27 where PyTorch gives 1.05, a training step an infinite gradient norm."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])  # the first param is a unit's
+            self.pos = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 3)
+
+        @property
+        def device(self):  # as transformers' PreTrainedModel.device
+            return next(self.parameters()).device
+
+        def forward(self, x):
+            h = x + self.pos(torch.arange(x.shape[1], device=self.device))
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return self.head(h.mean(1))
+
+    model = Net().eval()
+    batch = {"x": torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1)), "y": torch.tensor([0, 1, 2, 0])}
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]))
+    step = fzero.compile(lambda p, b: torch.nn.functional.cross_entropy(fzero.apply(model, p, b["x"]), b["y"]),
+                         optimizer=fzero.optim.sgd(0.1), stages=stages)
+    state = step.init(fzero.params_of(model))
+    assert float(step.evaluate(state, batch)["loss"]) == pytest.approx(expected, rel=1e-6)
+    _, metrics = step(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-6) and math.isfinite(float(metrics["grad_norm"]))

@@ -643,17 +643,19 @@ def _named_meta_failure(units: bool) -> Iterator[None]:
         raise RuntimeError(f"fzero.Step: the backward raised RuntimeError: {e}\n{UNIT_OUTSIDE_ITS_CALL}") from e
 
 
-def split_loss(out: Any) -> tuple[torch.Tensor, Any]:
+def split_loss(out: Any, *, api: str = "fzero.train_step") -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` of what ``loss_fn`` returned, checked; ``api``: who called it (a step, or ``step.evaluate``)."""
     loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
-            f"fzero.train_step: loss_fn must return a scalar tensor or a (loss, aux) pair; got {type(out).__name__}. "
+            f"{api}: loss_fn must return a scalar tensor or a (loss, aux) pair; got {type(out).__name__}. "
             f"Return e.g. F.cross_entropy(logits, y), or (loss, {{'acc': acc}})."
         )
     if loss.dim() != 0 or not loss.is_floating_point():
+        why = "(an integer loss has no gradient)" if api == "fzero.train_step" else "(the ranks' losses are averaged)"
         raise ValueError(
-            f"fzero.train_step: loss_fn must return a 0-d floating-point loss; got a {loss.dtype} tensor of shape "
+            f"{api}: loss_fn must return a 0-d floating-point loss; got a {loss.dtype} tensor of shape "
             f"{tuple(loss.shape)}. " + ("Reduce it to a scalar, e.g. loss.mean()." if loss.is_floating_point() else
-                                         "Compute it in floating point (an integer loss has no gradient), e.g. loss.float().")
+                                         f"Compute it in floating point {why}, e.g. loss.float().")
         )
     return loss, aux

@@ -547,7 +547,7 @@ def eval_program(step: Any, comm: Any, state: TrainState, batch: Any) -> dict[st
     bank = Buffers(broadcast_buffers(comm, state.buffers, copy=True), lift=lambda t: t.clone(), dtype=low,
                    reader=meta_of(state).reader)
     with torch.no_grad(), compute_dtype(low), step_buffers(bank):
-        loss, aux = split_loss(step.loss_fn(view.build([]), batch))
+        loss, aux = split_loss(step.loss_fn(view.build([]), batch), api="fzero.Step.evaluate")
     if isinstance(loss, torch.Tensor) and loss.is_meta:  # torch would say only that .item() cannot read a meta tensor
         view.release()
         view.finish(state.meta)

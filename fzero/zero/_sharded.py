@@ -323,6 +323,9 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
 
     hooked = []  # the user's trainable params with gradient hooks, which the step's gradient would never run
+    # where the params compute (a stand-in's ``device``): stage 3's gathers land there, stage 2's params are there
+    schedule = getattr(params, "schedule", None)
+    device = schedule.device if schedule is not None else next((t.device for t in params.inputs.values()), None)
     sharded = _sharded_frozen(module, params.layout, params.frozen_seen(), api) if params.layout.frozen else {}
 
     def skeleton_param(p):
@@ -330,7 +333,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         if held is not None:  # a frozen param the state holds sharded (frozen=): a stand-in, bound from its unit's gather
             meta = torch.empty(p.shape, dtype=held[2], device="meta")
             stand = torch.Tensor._make_subclass(_StandIn, meta, False)
-            stand.__dict__["_fz_where"] = held[:2]
+            stand.__dict__.update(_fz_where=held[:2], _fz_device=device)
             return stand
         if p.requires_grad:  # a data-less stand-in; empty_like(device="meta") costs ~40 us a call, a step makes one per param
             if has_grad_hooks(p):
@@ -340,7 +343,9 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             low = dtype if dtype is not None and p.is_floating_point() else p.dtype
             meta = (p.detach() if p.is_meta and low == p.dtype else
                     torch.empty_strided(p.size(), p.stride(), dtype=low, device="meta"))
-            return torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
+            stand = torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
+            stand.__dict__["_fz_device"] = device
+            return stand
         return nn.Parameter(cast_floating(p.detach(), dtype), requires_grad=False) if dtype is not None else p
 
     # persistent buffers in the compute dtype (the step's bank replaces them); non-persistent ones (rotary inv_freq,
@@ -427,6 +432,9 @@ _STAND_IN_METADATA = frozenset({torch.Tensor.size, torch.Tensor.stride, torch.Te
                                 torch.Tensor.__repr__, torch.Tensor.__format__})
 
 
+_DEVICE = torch._C.TensorBase.device  # a read of ``tensor.device`` comes to __torch_function__ as its ``__get__``
+
+
 class _StandIn(nn.Parameter):
     """A trainable parameter of a stage 2-3 skeleton between its unit's calls: a meta tensor of its shape. The unit's
     own attributes are guarded by ``_UnitSkin``, but a parameter of a module inside a unit (``self.blocks[0].fc.weight``
@@ -442,6 +450,12 @@ class _StandIn(nn.Parameter):
         if func in _STAND_IN_METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if getattr(func, "__self__", None) is _DEVICE and args and args[0].__dict__.get("_fz_device") is not None:
+            # ``.device`` read in Python is where the param computes, not meta: ``model.device`` (transformers': its
+            # first param's) read outside a unit gave meta, and torch.arange(n, device=model.device) made meta positions,
+            # which a CPU embedding took as values from missing memory (evaluate 1e27 where PyTorch gives 1.05,
+            # silently). torch's own kernels still see the meta tensor (the guard below)
+            return args[0].__dict__["_fz_device"]
         stand_in = next((a for a in tensors if isinstance(a, _StandIn)), None)
         # properties (.shape, .dtype, .T, ...), and ops on meta tensors alone, whose result is meta too: a stand-in
         # again, guarded as the one it came from (a plain meta view, self.blocks[0].fc.weight.t(), met a real tensor in
@@ -469,7 +483,7 @@ def _guarded(out: Any, like: "_StandIn | None") -> Any:
         if not out.is_meta or isinstance(out, _StandIn):
             return out
         guarded = out.as_subclass(_StandIn)
-        guarded.__dict__.update({k: v for k, v in like.__dict__.items() if k in ("_fz_where", "_fz_tied")})
+        guarded.__dict__.update({k: v for k, v in like.__dict__.items() if k in ("_fz_where", "_fz_tied", "_fz_device")})
         return guarded
     if isinstance(out, (tuple, list)):
         return type(out)(_guarded(o, like) for o in out)
