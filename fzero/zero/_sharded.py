@@ -434,6 +434,55 @@ _STAND_IN_METADATA = frozenset({torch.Tensor.size, torch.Tensor.stride, torch.Te
 
 _DEVICE = torch._C.TensorBase.device  # a read of ``tensor.device`` comes to __torch_function__ as its ``__get__``
 
+# Ops whose result is the stand-in's own values in another shape or dtype (a view, a cast): guarded as it is, so that
+# self.blocks[0].fc.weight.t() meeting a real tensor is refused, not computed from missing memory. Other ops on stand-ins
+# alone give plain meta tensors, whose shapes code outside a unit may read (a parametrization run for its shape: its
+# values are never used); a loss made of them is refused where the step meets it (a meta loss).
+_VIEWS = frozenset({"t", "transpose", "permute", "view", "view_as", "reshape", "reshape_as", "expand", "expand_as",
+                    "narrow", "select", "__getitem__", "unsqueeze", "squeeze", "flatten", "unflatten", "contiguous",
+                    "as_strided", "detach", "unbind", "split", "chunk", "movedim", "moveaxis", "swapaxes", "swapdims",
+                    "clone", "to", "type_as", "float", "half", "bfloat16", "double", "T", "mT", "H", "mH", "data"})
+
+
+def _guard(func: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """``__torch_function__`` of the stand-ins (``_StandIn``) and their views (``_StandInView``)."""
+    tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if func in _STAND_IN_METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    stand_in = next((a for a in tensors if isinstance(a, _GUARDED)), None)
+    getter = getattr(func, "__self__", None) if getattr(func, "__name__", None) == "__get__" else None
+    where = None if stand_in is None else stand_in.__dict__.get("_fz_device")
+    if getter is _DEVICE and where is not None:
+        # ``.device`` read in Python is where the param computes, not meta: ``model.device`` (transformers': its
+        # first param's) read outside a unit gave meta, and torch.arange(n, device=model.device) made meta positions,
+        # which a CPU embedding took as values from missing memory (evaluate 1e27 where PyTorch gives 1.05,
+        # silently). torch's own kernels still see the meta tensor (the guard below)
+        return where
+    name = getattr(getter, "__name__", None) if getter is not None else getattr(func, "__name__", None)
+    if name in ("to", "cpu", "cuda") and where is not None and stand_in is args[0]:
+        # to the device it reports (w.to(w.device)): no move, as for a real tensor already there (a move out of meta
+        # would be torch's "Cannot copy out of meta tensor"); a dtype change stays a cast on meta
+        target, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **(kwargs or {})) if name == "to" else (
+            torch.device("cpu") if name == "cpu" else None, None, None, None)
+        if target is None or target == where or (target.type == where.type and target.index is None):
+            first: Any = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                out = first if dtype is None else first.to(dtype=dtype)
+            return out if out is first else _guarded(out, stand_in)
+    if getter is not None or all(t.is_meta for t in tensors):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return _guarded(out, stand_in) if name in _VIEWS else out
+    shape = "?" if stand_in is None else tuple(stand_in.shape)
+    at = None if stand_in is None else stand_in.__dict__.get("_fz_where")
+    what = f"parameter {at[1]!r} (shape {shape}) of unit {at[0]!r}" if at else f"unit's parameter of shape {shape}"
+    # a weight of a unit tied to a module outside it (Bart's model.shared as a unit, read as encoder.embed_tokens)
+    tied = "" if stand_in is None else stand_in.__dict__.get("_fz_tied", "")
+    # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
+    raise RuntimeError(f"{getattr(func, '__name__', func)}() was given the {what} outside that "
+                       f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
+
 
 class _StandIn(nn.Parameter):
     """A trainable parameter of a stage 2-3 skeleton between its unit's calls: a meta tensor of its shape. The unit's
@@ -441,48 +490,34 @@ class _StandIn(nn.Parameter):
     read by the model's forward, a weight shared across layers) is reached without it, and torch's CPU kernels take a
     meta operand beside real ones and read its missing memory as values (``F.linear(h, meta)`` returns numbers): under
     ``step.evaluate`` a silently wrong loss, in a step an error about "the module's own parameters". So an op that
-    meets a stand-in with a real tensor raises, and the step's wrapper names the batch and the fix (``UNIT_OUTSIDE_ITS_CALL``); its metadata
-    (shape, dtype, device) stays readable."""
+    meets a stand-in (or a view of one, ``_StandInView``) with a real tensor raises, and the step's wrapper names the
+    batch and the fix (``UNIT_OUTSIDE_ITS_CALL``); its metadata (shape, dtype, device) stays readable (``_guard``)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if func in _STAND_IN_METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if getattr(func, "__self__", None) is _DEVICE and args and args[0].__dict__.get("_fz_device") is not None:
-            # ``.device`` read in Python is where the param computes, not meta: ``model.device`` (transformers': its
-            # first param's) read outside a unit gave meta, and torch.arange(n, device=model.device) made meta positions,
-            # which a CPU embedding took as values from missing memory (evaluate 1e27 where PyTorch gives 1.05,
-            # silently). torch's own kernels still see the meta tensor (the guard below)
-            return args[0].__dict__["_fz_device"]
-        stand_in = next((a for a in tensors if isinstance(a, _StandIn)), None)
-        # properties (.shape, .dtype, .T, ...), and ops on meta tensors alone, whose result is meta too: a stand-in
-        # again, guarded as the one it came from (a plain meta view, self.blocks[0].fc.weight.t(), met a real tensor in
-        # a CPU kernel unguarded and computed with missing memory: a wrong loss, silently)
-        if getattr(func, "__name__", None) == "__get__" or all(t.is_meta for t in tensors):
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **(kwargs or {}))
-            return _guarded(out, stand_in)
-        shape = "?" if stand_in is None else tuple(stand_in.shape)
-        where = None if stand_in is None else stand_in.__dict__.get("_fz_where")
-        what = (f"parameter {where[1]!r} (shape {shape}) of unit {where[0]!r}" if where
-                else f"unit's parameter of shape {shape}")
-        # a weight of a unit tied to a module outside it (Bart's model.shared as a unit, read as encoder.embed_tokens)
-        tied = "" if stand_in is None else stand_in.__dict__.get("_fz_tied", "")
-        # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
-        raise RuntimeError(f"{getattr(func, '__name__', func)}() was given the {what} outside that "
-                           f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
+        return _guard(func, args, kwargs)
 
 
-def _guarded(out: Any, like: "_StandIn | None") -> Any:
-    """``out`` with each meta tensor in it a ``_StandIn`` that names what ``like`` names (its unit and path)."""
+class _StandInView(torch.Tensor):
+    """A view or cast of a stand-in (``_VIEWS``), guarded as the stand-in is. A plain tensor subclass, not a parameter:
+    assigned to a module (``self.wt = w.t()``) it is an attribute, as the real view would be."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _guard(func, args, kwargs)
+
+
+_GUARDED = (_StandIn, _StandInView)
+
+
+def _guarded(out: Any, like: Any) -> Any:
+    """``out`` with each meta tensor in it a ``_StandInView`` that names what ``like`` names (its unit and path)."""
     if like is None:
         return out
     if isinstance(out, torch.Tensor):
-        if not out.is_meta or isinstance(out, _StandIn):
+        if not out.is_meta or isinstance(out, _GUARDED):
             return out
-        guarded = out.as_subclass(_StandIn)
+        guarded = out.as_subclass(_StandInView)
         guarded.__dict__.update({k: v for k, v in like.__dict__.items() if k in ("_fz_where", "_fz_tied", "_fz_device")})
         return guarded
     if isinstance(out, (tuple, list)):
@@ -602,8 +637,8 @@ class _UnitSkin(nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         unit, params = self.__dict__["_fz"]
-        if not torch._C._is_torch_function_enabled() and not torch._C._is_torch_function_all_disabled():
-            with torch._C._EnableTorchFunction():  # a layer of an ``_EncoderSkin``: the unit runs as any other
+        if self.__dict__.get("_fz_encoder_layer") and not torch._C._is_torch_function_enabled():
+            with torch._C._EnableTorchFunction():  # a layer of an ``_EncoderSkin``, which turned them off: on again
                 return params.run_unit(self, unit, args, kwargs)
         return params.run_unit(self, unit, args, kwargs)
 
@@ -630,16 +665,27 @@ class _EncoderSkin(nn.Module):
     tensors and took the standard path, so ``step.evaluate`` at stage 3 gave another loss than PyTorch's eval (and
     FSDP2's) wherever the padded positions count (a sum over the sequence). Its forward (torch's own: a subclass with
     a forward of its own is left alone) runs with subclasses' torch functions off, so the stand-ins read as the
-    parameters they stand for in its decision; each layer's unit call turns them on again (``_UnitSkin.__call__``),
-    so a layer runs, gathered, as any unit does.
+    parameters they stand for in its decision; each layer's unit call turns them on again (``_UnitSkin.__call__``, for
+    the layers this forward marks), so a layer runs, gathered, as any unit does. Where the caller turned them off
+    itself, the forward and its layers run as it asked.
 
     Not under ``jit``: a compiled layer given the fast path's nested tensor aborts the process in torch (its
     NestedTensorImpl "doesn't support strides"); there the standard path runs, as under a ``torch.compile`` of the
     whole model, which PyTorch keeps off the fast path too."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._C.DisableTorchFunctionSubclass():
-            return type(self).__dict__["_fz_class"].forward(self, *args, **kwargs)
+        forward = type(self).__dict__["_fz_class"].forward
+        if not torch._C._is_torch_function_enabled():  # the caller turned them off itself: its layers run so too
+            return forward(self, *args, **kwargs)
+        layers = [m for m in getattr(self, "layers") if isinstance(m, _UnitSkin)]
+        for m in layers:  # on the skeleton's own objects (one per step and rank): these calls turn them on again
+            m.__dict__["_fz_encoder_layer"] = True
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return forward(self, *args, **kwargs)
+        finally:
+            for m in layers:
+                m.__dict__.pop("_fz_encoder_layer", None)
 
 
 @functools.cache
