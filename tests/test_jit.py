@@ -289,21 +289,22 @@ def test_a_global_module_hook_added_after_the_first_step_runs_inside_the_compile
         assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_units_past_torch_compiles_recompile_limit_are_refused_not_run_eagerly(monkeypatch):
+def test_units_past_torch_compiles_recompile_limit_are_refused_not_run_eagerly():
     """Each param shape of a class's units is a graph of its own, and torch runs a forward eagerly past its limit of
     graphs (8), with only a log line; every torch class's units shared one budget. Refused by name; the fix (a higher
     limit) trains as eager."""
     widths = [4, 5, 6, 7]  # three units of nn.Sequential, three shapes
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    with pytest.raises(UnitCompileError, match=r"unit '2' \(Sequential\) needs another compiled graph.*limit of 2.*"
-                                               r"torch._dynamo.config.recompile_limit = 64.*torch._dynamo.reset\(\)"):
+    # torch's config.patch, not pytest's monkeypatch: its undo deletes the option from torch's config module
+    refused = r"unit '2' \(Sequential\) needs another compiled graph.*limit of 2.*recompile_limit = 64.*torch._dynamo.reset\(\)"
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(UnitCompileError, match=refused):
         _blocks_run(_tanh_blocks(widths), jit=True, steps=1)
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
     counters.clear()
-    jitted = _blocks_run(_tanh_blocks(widths), jit=True, steps=2)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        jitted = _blocks_run(_tanh_blocks(widths), jit=True, steps=2)
     assert counters["stats"]["unique_graphs"] == 3
     for got, expected in zip(jitted, _blocks_run(_tanh_blocks(widths), jit=False, steps=2)):
         assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # the user's setting, back after each unit
+    assert torch._dynamo.config.recompile_limit == 8  # and torch's own limit, back after the test
