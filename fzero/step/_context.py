@@ -46,6 +46,7 @@ plain autograd. For the 6-layer benchmark GPT that is 1-3 ms of a 0.4 s step, be
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Iterator, cast
 
 import torch
@@ -99,7 +100,8 @@ def step_scope() -> Iterator[None]:
         yield
 
 
-def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any, *, call: Any = None) -> Any:
+def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any, *, call: Any = None,
+                owned: Mapping[str, torch.Tensor] | None = None, prefix: str = "") -> Any:
     """``torch.func.functional_call(module, tensors, args, kwargs)``, but within a step the module keeps
     ``tensors`` until the step's backward is done, not only until the forward returns.
 
@@ -108,6 +110,8 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     would read the module's own stale weights (or a skeleton's meta tensors) and train silently wrong.
     The module is restored when the step's scope closes; the user's module is never left changed.
     ``call``: what to call instead of ``module`` while it holds ``tensors`` (its compiled forward, ``jit=True``).
+    ``owned``: the step's buffers this call was handed (by name in the step's module; ``prefix`` + a name here), whose
+    replacement by the forward the step's bank takes over (``Buffers.adopt_replaced``).
     """
     from fzero.layout import bound
 
@@ -116,16 +120,23 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     args = args if isinstance(args, tuple) else (args,)  # as functional_call takes a single argument
     kwargs = kwargs or {}
     tensors = tensors if type(tensors) is dict else dict(tensors)  # a dict of the caller's gets torch's write-back
+    bank = current_buffers() if owned else None
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
         with bound(module, tensors):
-            return run(*args, **kwargs)
+            out = run(*args, **kwargs)
+            if bank is not None:
+                bank.adopt_replaced(module, tensors, owned, prefix=prefix)
+            return out
     if current_context().replay:  # a remat recompute: see live_buffers
         with bound(module, tensors):
             out = run(*args, **kwargs)
         scope.enter_context(bound(module, live_buffers(tensors)))
         return out
     scope.enter_context(bound(module, tensors))
-    return run(*args, **kwargs)
+    out = run(*args, **kwargs)
+    if bank is not None:
+        bank.adopt_replaced(module, tensors, owned, prefix=prefix)
+    return out
 
 
 def current_scope() -> "contextlib.ExitStack | None":

@@ -168,8 +168,10 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
         check_trainable_set(named, params, module, api="fzero.apply")
         if torch.is_grad_enabled():  # a gradient step (evaluate runs under no_grad): hooks there would be lost
             check_no_grad_hooks(named, module, api="fzero.apply", step_params=params)
+    handed: dict[str, torch.Tensor] = {}
     if bank is not None:  # in a step: the state's buffers, never the module's (see fzero.step._module)
-        params = {**bank.for_module(module, given=params), **params}
+        handed = bank.for_module(module, given=params)
+        params = {**handed, **params}
     if dtype is not None:  # frozen params and persistent buffers meet the low-precision params in the compute dtype;
         # non-persistent buffers (rotary inv_freq, masks: constants) keep their own, as FSDP2 and DeepSpeed keep them.
         # What params gives is cast too: the step's own are in that dtype already (a no-op), and another model's
@@ -177,7 +179,8 @@ def apply_dict(module: nn.Module, params: Any, args: tuple, kwargs: dict, *, met
         extra = {n: t for n, t in (*named_tensors(target, "_parameters"), *named_tensors(target, "_buffers", persistent_only=True))
                  if n not in params}
         params = {**cast_floating(extra, dtype), **_in_dtype(params, dtype)}
-    return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target))
+    return call_module(target, params, args, kwargs, call=None if method is None else types.MethodType(method, target),
+                       owned=handed)
 
 
 def _in_dtype(tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -327,6 +330,31 @@ class Buffers:
             f"forward writes, e.g. BatchNorm's statistics), and the module's are not read again. Set the new value in "
             f"the state instead: state = step.with_buffers(state, {{{name!r}: value}}); or undo the change on the module."
         )
+
+    def adopt_replaced(self, module: nn.Module, bound: Mapping[str, torch.Tensor], owned: Mapping[str, torch.Tensor], *,
+                       prefix: str = "") -> None:
+        """Take over what the forward put in a buffer's slot in place of the tensor it was handed (``self.n = self.n +
+        1``, where torch's module keeps the new tensor as the buffer): the state's value for that name (and the names
+        tied to it) from here on. It was lost: the next step started from the old value, silently. ``module`` runs
+        with ``bound`` (names relative to it); ``owned``: the bank's buffers handed to this call, by name in the
+        step's module (``prefix`` + a name in ``module``)."""
+        for name, handed in bound.items():
+            full = prefix + name
+            if full not in owned:
+                continue
+            path, _, key = name.rpartition(".")
+            try:
+                holder = module.get_submodule(path) if path else module
+            except AttributeError:
+                continue
+            now = holder.__dict__.get("_buffers", {}).get(key)
+            if now is None or now is handed or not isinstance(now, torch.Tensor):
+                continue
+            old = self.values.get(full)
+            for k, v in list(self.values.items()):
+                if v is old:
+                    self.values[k] = now
+                    self._before.pop(k, None)
 
     def result(self) -> dict[str, torch.Tensor]:
         """The values after the forward, each in its own dtype: a cast buffer the forward did not change keeps its

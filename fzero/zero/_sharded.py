@@ -177,7 +177,8 @@ class ReplicatedParams(UnitParams):
         run = self.runner(inner, unit)
 
         def unit_forward(views, /, *args, **kwargs):  # under remat: the step's buffers as remat hands them out
-            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run)
+            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run, owned=self.buffers,
+                               prefix=unit.name + ".")
 
         if not (self.remat and torch.is_grad_enabled()):
             return unit_forward(views, *args, **kwargs)
@@ -315,7 +316,8 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
         # module's own, which the state took over at init and which no step writes (stage 3 read those: 8% off).
         params.buffers = bank.for_module(module)
         views = {**params.buffers, **views}
-    return call_module(skel, views, args, kwargs, call=None if method is None else types.MethodType(method, skel))
+    return call_module(skel, views, args, kwargs, call=None if method is None else types.MethodType(method, skel),
+                       owned=params.buffers)
 
 
 def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:

@@ -25,8 +25,8 @@ from torch import nn
 from fzero.autodiff import remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
                           split_sizes)
-from fzero.mesh import events as _events, Function, GatherBucket, Pending, profiled
-from fzero.step import (current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
+from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
+from fzero.step import (current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
 
 
@@ -65,7 +65,11 @@ class UnitCall:
         self.tensors.update(self.params.unit_buffers(self.unit))
         self.bind()
         try:
-            return self.params.runner(self.inner, self.unit)(*args, **kwargs)
+            out = self.params.runner(self.inner, self.unit)(*args, **kwargs)
+            bank = current_buffers()
+            if bank is not None and self.params.buffers and not current_context().replay:  # a buffer the forward replaced
+                bank.adopt_replaced(self.inner, self.tensors, self.params.buffers, prefix=self.unit.name + ".")
+            return out
         finally:
             self.unbind()
             if not keep:  # the frozen views too: they hold the whole buffer (a remat call's is never freed into the pool)
