@@ -35,7 +35,7 @@ from torch import nn
 from fzero.mesh import current_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, lift_for
-from fzero.step._context import step_buffers, step_scope
+from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 
 
@@ -570,10 +570,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             _refuse_skipped_reentrant_checkpoint(scaled)
             del leaves
         loss, tensors = loss.detach(), [t.detach() for t in tensors]
-        detached: dict[int, torch.Tensor] = {}  # one per tensor: tied buffer names stay one tensor (``Buffers._tie``)
-        for v in new_buffers.values():
-            detached.setdefault(id(v), v.detach())
-        new_buffers = {k: detached[id(v)] for k, v in new_buffers.items()}
+        new_buffers = per_tensor(new_buffers, lambda k, v: v.detach())
     it = iter(tensors)
     aux = box["spec"].unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]])
     return grads, loss, aux, new_buffers

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, Iterator, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
@@ -232,18 +232,25 @@ def replaying(snapshots: Snapshots) -> Iterator[None]:
         yield
 
 
+def per_tensor(tensors: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: fn(name, t)}``, with ``fn`` called once per tensor (for its first name): names of one tensor (tied
+    buffers, ``Buffers._tie``) stay one tensor in the result, as they are one in the module."""
+    made: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in tensors.items():
+        if id(t) not in made:
+            made[id(t)] = fn(name, t)
+        out[name] = made[id(t)]
+    return out
+
+
 def buffers_for_run(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The step's ``buffers`` as a module should run with them now (see the comment above)."""
     snapshots = current_context().snapshots
     if snapshots is None or not buffers:
         return buffers
     if current_context().replay:
-        copies: dict[int, torch.Tensor] = {}  # one copy per tensor: tied buffer names (``Buffers._tie``) stay tied
-        out = {}
-        for k, v in buffers.items():
-            if id(v) in snapshots and id(v) not in copies:
-                copies[id(v)] = snapshots[id(v)][1].clone()
-            out[k] = copies.get(id(v), v)
+        out = per_tensor(buffers, lambda k, v: snapshots[id(v)][1].clone() if id(v) in snapshots else v)
         for k, v in buffers.items():
             if out[k] is not v:
                 snapshots.handed[id(out[k])] = (out[k], v)

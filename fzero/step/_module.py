@@ -35,7 +35,8 @@ from torch import nn
 
 from fzero.layout import check_no_meta, named_tensors
 from fzero.mesh import current_context
-from fzero.step._context import buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype, module_for_thread, note_applied
+from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
+                                 module_for_thread, note_applied, per_tensor)
 
 
 def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -295,7 +296,7 @@ class Buffers:
             if tied != name:
                 self._tie(name, tied, module)
             out[name] = self.values[name]
-        return buffers_for_run(out)
+        return buffers_for_run(out)  # under fzero.remat's recompute: copies of what the forward read
 
     def _tie(self, name: str, first: str, module: nn.Module) -> None:
         """``name`` is the module's buffer ``first`` under another name (peft's VeRA and RandLoRA share their random
@@ -314,7 +315,7 @@ class Buffers:
             )
         self.values[name] = self.values[first]
         if first in self._before:
-            self._before[name] = self._before[first]  # under fzero.remat's recompute: copies of what the forward read
+            self._before[name] = self._before[first]
 
     def _check_unchanged(self, module: nn.Module, name: str, b: torch.Tensor) -> None:
         """The module's buffer ``name`` was written since a step last read it. Unless it now holds the state's value
@@ -360,13 +361,7 @@ class Buffers:
         """The values after the forward, each in its own dtype: a cast buffer the forward did not change keeps its
         value from before the cast (a copy), which the round trip through the compute dtype would round (pi in a
         float64 buffer became 3.140625 in the state and in ``step.state_dict`` after one bf16 step)."""
-        out: dict[str, torch.Tensor] = {}
-        made: dict[int, torch.Tensor] = {}  # by the forward's tensor: tied names (``_tie``) stay one tensor in the state
-        for k, v in self.values.items():
-            if id(v) not in made:
-                made[id(v)] = _unless_unchanged(v, self._before.get(k), self.dtypes[k])
-            out[k] = made[id(v)]
-        return out
+        return per_tensor(self.values, lambda k, v: _unless_unchanged(v, self._before.get(k), self.dtypes[k]))
 
 
 def _unless_unchanged(value: torch.Tensor, before: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -418,11 +413,7 @@ def broadcast_buffers(comm, buffers: dict[str, torch.Tensor], *, copy: bool = Fa
     In place into the state's own tensors (a step owns the state it is given), or into copies with ``copy``.
     One collective per buffer, in name order, so every rank issues the same ones.
     """
-    if copy:
-        copies: dict[int, torch.Tensor] = {}  # one per tensor: tied names stay one tensor (``Buffers._tie``)
-        out = {k: copies[id(v)] if id(v) in copies else copies.setdefault(id(v), v.clone()) for k, v in buffers.items()}
-    else:
-        out = dict(buffers)
+    out = per_tensor(buffers, lambda k, v: v.clone()) if copy else dict(buffers)
     if comm.size > 1:
         for name in sorted(out):
             comm.broadcast(out[name], src=0, tag="buffers", label=name)

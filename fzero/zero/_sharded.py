@@ -243,7 +243,7 @@ class RematParams(Mapping):
 
     Units at stages 0-1 are flat buffers by size, not modules, so the units to recompute are found on the module when
     ``fzero.apply`` first runs it in a step: this step's clone of it (the user's module is never changed) gets each
-    unit's class swapped for a subclass (``_remat_skin``) whose call goes through ``fzero.remat``."""
+    unit's class swapped for a subclass (``_skinned``) whose call goes through ``fzero.remat``."""
 
     def __init__(self, params: dict[str, torch.Tensor]) -> None:
         self.params = params
@@ -263,7 +263,7 @@ class RematParams(Mapping):
             target.__dict__["_fz_remat"] = True
             for path in units_of(target):
                 sub = target.get_submodule(path)
-                sub.__class__ = _remat_skin(type(sub))  # type: ignore[arg-type]  # (classes hash)
+                sub.__class__ = _skinned(_RematUnit, type(sub))  # type: ignore[arg-type]  # (classes hash)
                 sub.__dict__["_fz_unit"] = path
         return apply_dict(module, self.params, args, kwargs, method=method)
 
@@ -286,13 +286,6 @@ class _RematUnit(nn.Module):
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
         return remat(unit_forward)(params, *args, **kwargs)
-
-
-@functools.cache
-def _remat_skin(cls: type) -> type:
-    """The ``_RematUnit`` subclass of ``cls``, named as ``cls`` (as ``_skin`` makes the stage 2-3 ones)."""
-    return type(cls.__name__, (_RematUnit, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                  "_fz_class": cls})
 
 
 def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict, *, method: Any = None) -> Any:
@@ -416,14 +409,14 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                     # refused where that module uses it (a tie whose other holder never runs trains as it is): the
                     # stand-in's error names the tie and the fix (_StandIn)
                     by_name[s.path].__dict__["_fz_tied"] = _tied_outside(api, unit.name, s.path, every, layout)
-            sub.__class__ = _skin(type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
+            sub.__class__ = _skinned(_UnitSkin, type(sub))  # type: ignore[arg-type]  # (classes hash)  sub is the skeleton's own clone: the user's module keeps its class
             sub.__dict__["_fz"] = (unit, params)
             owner_path, _, last = unit.name.rpartition(".")[0].rpartition(".")
             if last == "layers" and params.jit_cache is None:  # a unit of layers[i], whose owner may be a TransformerEncoder
                 owner = skel.get_submodule(owner_path) if owner_path else skel
                 if (isinstance(owner, nn.TransformerEncoder) and type(owner).forward is nn.TransformerEncoder.forward
                         and not isinstance(owner, (_UnitSkin, _EncoderSkin))):  # torch's forward, not a subclass's own
-                    owner.__class__ = _encoder_skin(type(owner))  # type: ignore[arg-type]
+                    owner.__class__ = _skinned(_EncoderSkin, type(owner))  # type: ignore[arg-type]
     return skel
 
 
@@ -628,7 +621,7 @@ def _own_trainable(every: list[tuple[str, torch.Tensor]], prefixes: list[str]) -
 
 class _UnitSkin(nn.Module):
     """What a unit of the skeleton is between its calls: the unit's own module object (a clone), at its own path, of a
-    subclass of its own class (``_skin``), as FSDP2 gives ``fully_shard``'s modules a subclass of theirs. So the
+    subclass of its own class (``_skinned``), as FSDP2 gives ``fully_shard``'s modules a subclass of theirs. So the
     skeleton's ``named_modules()``/``named_children()`` show the user's tree, ``isinstance`` holds, and what walks the
     tree (Hugging Face installing its output-capturing hooks) reaches the unit and what is inside it.
 
@@ -691,18 +684,12 @@ class _EncoderSkin(nn.Module):
 
 
 @functools.cache
-def _encoder_skin(cls: type) -> type:
-    """The ``_EncoderSkin`` subclass of ``cls``, named as ``cls``: one per class (see ``_skin``)."""
-    return type(cls.__name__, (_EncoderSkin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                     "_fz_class": cls})
-
-
-@functools.cache
-def _skin(cls: type) -> type:
-    """The ``_UnitSkin`` subclass of ``cls``, named as ``cls`` (``str(type(m))`` unchanged: Hugging Face keys its
-    output-capture registry on it). One per class, made once: a cache of types, no state."""
-    return type(cls.__name__, (_UnitSkin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                  "_fz_class": cls})
+def _skinned(skin: type, cls: type) -> type:
+    """The ``skin`` subclass of ``cls`` (``_UnitSkin``, ``_RematUnit``, ``_EncoderSkin``), named as ``cls``
+    (``str(type(m))`` unchanged: Hugging Face keys its output-capture registry on it), with ``cls`` as ``_fz_class``.
+    One per pair, made once: a cache of types, no state."""
+    return type(cls.__name__, (skin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                            "_fz_class": cls})
 
 
 def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -710,7 +697,7 @@ def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> 
     ``__call__`` run as in eager PyTorch, and ``torch.compile`` (``jit``, made on the first call) sees the class it
     would see there."""
     skin = type(module)
-    module.__class__ = getattr(skin, "_fz_class")  # set by _skin
+    module.__class__ = getattr(skin, "_fz_class")  # set by _skinned
     try:
         return runner()(*args, **kwargs)
     finally:
