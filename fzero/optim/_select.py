@@ -171,10 +171,37 @@ def select(tree: Any, groups_of_params: Sequence[int], n_groups: int, segments: 
             if g == NONE:
                 leaf_runs.append((a, b, NONE, -1))
                 continue
-            leaf_runs.append((a, b, g, len(pieces[g])))
-            pieces[g].append(Piece(j, a, b, a == 0 and b == numel, tuple((x - a, y - a, i) for x, y, i in rel)))
+            for x, y, cut in _aligned(a, b, rel):
+                leaf_runs.append((x, y, g, len(pieces[g])))
+                pieces[g].append(Piece(j, x, y, x == 0 and y == numel, tuple((u - x, v - x, i) for u, v, i in cut)))
         runs_of_leaves.append(tuple(leaf_runs))
     return Selection(tuple(tuple(p) for p in pieces), tuple(runs_of_leaves), tuple(t.numel() for t in leaves))
+
+
+# A group's run of a leaf that starts off a multiple of this many elements is cut there too (``_aligned``).
+PIECE_ALIGN = 64
+
+
+def _aligned(a: int, b: int, rel: list) -> list[tuple[int, int, list]]:
+    """Run ``a:b`` of one group (``rel``: its ``(start, stop, param)`` ranges in the leaf) as the pieces handed to the
+    group's transform: the run itself, or, when it starts off a multiple of ``PIECE_ALIGN`` and goes past the next
+    one ``c``, ``a:c`` and ``c:b``.
+
+    Why: torch's fused CPU Adam kernel runs the last ``numel % 16`` elements of each tensor (32 in bf16/fp16) through
+    a scalar loop that rounds differently from its vector loop (fzero/optim/_fused.py), so an element's bits depend on
+    where its piece starts and ends. ZeRO shards and ``DiskOffload``'s sub-groups cut leaves on multiples of
+    ``SHARD_ALIGN`` (64) elements from the unit's start, which falls inside such a run at an offset that is no multiple
+    of 16 from the run's start: the pieces after the cut ended on other elements than the whole run did, and one
+    element in a thousand came out one rounding apart (a BatchNorm CNN's group of conv weights under bf16, stage 2
+    with ``DiskOffload(sub_group_size=64)`` against no offload: 1.9e-9). Cut at ``c`` in every layout, every later
+    cut of the same run lands a multiple of 64 from ``c``, so each element sits at the same place in its piece
+    whatever the stage, world size or sub-group size."""
+    c = -(-a // PIECE_ALIGN) * PIECE_ALIGN
+    if not a < c < b:
+        return [(a, b, rel)]
+    before = [(x, min(y, c), i) for x, y, i in rel if x < c]
+    after = [(max(x, c), y, i) for x, y, i in rel if y > c]
+    return [(a, c, before), (c, b, after)]
 
 
 class Selections:
