@@ -624,15 +624,30 @@ class _LazyStat(torch.nn.Module):
         return self.lin(x) + self.stat
 
 
-@pytest.mark.parametrize("stages,ranks", [(0, 1), (1, 2), (3, 2)])
-def test_a_buffer_the_forward_creates_from_none_is_refused_by_name(stages, ranks):
+class _LazyBlocks(torch.nn.Module):
+    """Two of them as the blocks of a ModuleList: stage 2-3 units, whose calls run inside the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_LazyStat(), _LazyStat()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("stages,ranks,blocks,remat", [(0, 1, False, False), (1, 2, False, False), (3, 2, False, False),
+                                                       (2, 2, True, False), (3, 2, True, True)])
+def test_a_buffer_the_forward_creates_from_none_is_refused_by_name(stages, ranks, blocks, remat):
     """It was not in the state: every step started from None again and step.state_dict and checkpoints left it out,
     where PyTorch keeps it (params 2e-2 off after 4 AdamW steps at lr 1e-2, silently)."""
     torch.manual_seed(0)
-    model = _LazyStat()
+    model = _LazyBlocks() if blocks else _LazyStat()
     step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), stages=stages,
-                         mesh=fzero.local_mesh(ranks) if ranks > 1 else None)
+                         mesh=fzero.local_mesh(ranks) if ranks > 1 else None, remat=remat)
     state = step.init(fzero.params_of(model))
-    with pytest.raises(ValueError, match=r"persistent buffer 'stat', which was registered as None.*register_buffer\('stat'"):
+    name = "blocks.0.stat" if blocks else "stat"
+    with pytest.raises(ValueError, match=rf"persistent buffer '{name}', which was registered as None.*register_buffer\('stat'"):
         step(state, torch.randn(4, 8))
-    assert model.stat is None
+    assert all(m.stat is None for m in model.modules() if isinstance(m, _LazyStat))

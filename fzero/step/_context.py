@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from fzero.mesh import Function, current_context, with_context
-from fzero.layout import Layout, Unit, clone_structure, split_sizes
+from fzero.layout import Layout, Unit, clone_structure, split_sizes, walk
 
 
 def module_for_thread(module: nn.Module) -> nn.Module:
@@ -121,9 +121,12 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     kwargs = kwargs or {}
     tensors = tensors if type(tensors) is dict else dict(tensors)  # a dict of the caller's gets torch's write-back
     bank = current_buffers() if owned else None
+    # the root's call covers the whole tree (a unit is a subtree the root's forward runs): one walk per forward
+    unset = _unset_buffers(module) if not prefix and current_buffers() is not None and not current_context().replay else ()
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
         with bound(module, tensors):
             out = run(*args, **kwargs)
+            _refuse_created(module, unset, prefix)
             if bank is not None:
                 bank.adopt_replaced(module, tensors, owned, prefix=prefix)
             return out
@@ -134,9 +137,35 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
         return out
     scope.enter_context(bound(module, tensors))
     out = run(*args, **kwargs)
+    _refuse_created(module, unset, prefix)
     if bank is not None:
         bank.adopt_replaced(module, tensors, owned, prefix=prefix)
     return out
+
+
+def _unset_buffers(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """The persistent buffer slots of ``module`` that hold None (``register_buffer(name, None)``): (name, holder, key)."""
+    return [(prefix + key, sub, key) for prefix, sub in walk(module)
+            for key, b in sub.__dict__["_buffers"].items() if b is None and key not in sub._non_persistent_buffers_set]
+
+
+def _refuse_created(module: nn.Module, unset: Any, prefix: str) -> None:
+    """Refuse a persistent buffer the forward created in a slot that held None (``register_buffer(name, None)``, then
+    ``self.stat = x.mean(0)`` at the first call): it is not among the buffers the state carries, so every step started
+    from None again and ``step.state_dict``/checkpoints left it out, where PyTorch keeps it (and its state_dict holds it):
+    params 2e-2 off PyTorch after 4 AdamW steps, silently."""
+    for name, sub, key in unset:
+        now = sub.__dict__.get("_buffers", {}).get(key)
+        if isinstance(now, torch.Tensor):
+            sub._buffers[key] = None  # the module as it was; the state has no value for it
+            raise ValueError(
+                f"fzero.apply: the forward of {type(module).__name__} set the persistent buffer {prefix + name!r}, which "
+                f"was registered as None, to a tensor ({tuple(now.shape)}, {now.dtype}). The state carries the buffers "
+                f"the model has at step.init (state.buffers), so this one would start from None at every step and be "
+                f"left out of step.state_dict and checkpoints, silently. Register it with its initial value before "
+                f"step.init (module.register_buffer({key!r}, torch.zeros(...)), with a flag or a counter buffer in place of "
+                f"the None test), or with persistent=False if it is not state to keep."
+            )
 
 
 def current_scope() -> "contextlib.ExitStack | None":
