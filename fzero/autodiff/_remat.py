@@ -381,7 +381,9 @@ The recompute in backward runs {name} again with the same object, which would ch
 cache appended to twice makes backward differentiate attention over twice the keys: silently wrong gradients), so
 the step stops here, before any update. Fix: {fix}"""
 _FIX_CACHE = ("turn the model's cache off for training, as Hugging Face's own gradient checkpointing does: "
-              "model.config.use_cache = False, or pass use_cache=False to the model's forward.")
+              "pass use_cache=False to the model's forward, or build the model from a config with use_cache=False "
+              "(setting model.config.use_cache afterwards is not enough for an encoder-decoder such as T5, whose decoder "
+              "keeps a copy of the config).")
 _FIX_OTHER = "pass a fresh object on each call or one that the function does not change, or do not remat this function."
 _DEPTH = 4
 

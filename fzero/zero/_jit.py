@@ -161,8 +161,10 @@ def _refuse_hf_cache(unit: str, args: tuple, kwargs: dict) -> None:
             raise UnitCompileError(
                 f"fzero (jit=True): unit {unit!r} is given a Hugging Face {kind.__name__} (use_cache=True, the default): "
                 f"torch.compile would compile it once per layer and run the layers past its recompile limit eagerly. "
-                f"Run it with use_cache=False (model(..., use_cache=False), or model.config.use_cache = False; "
-                f"transformers turns the cache on by default, in eval mode too, so step.evaluate needs it as well)."
+                f"Run it with use_cache=False (model(..., use_cache=False), or build the model from a config with "
+                f"use_cache=False: setting model.config.use_cache afterwards is not enough for an encoder-decoder such as "
+                f"T5, whose decoder keeps a copy of the config; transformers turns the cache on by default, in eval mode "
+                f"too, so step.evaluate needs it as well)."
             )
 
 
