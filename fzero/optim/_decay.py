@@ -39,8 +39,8 @@ def no_decay_reason(path: str, shape: Sequence[int]) -> str | None:
 
 
 def decay_mask(params: Any) -> Any:
-    """The usual rule for weight decay (nanoGPT's ``configure_optimizers`` and the Hugging Face Trainer's, together):
-    a pytree like ``params``, True where the parameter is decayed.
+    """A common rule for weight decay (close to nanoGPT's ``configure_optimizers`` and the Hugging Face Trainer's, equal
+    to neither: see below): a pytree like ``params``, True where the parameter is decayed.
 
     A parameter is **not** decayed when any of these holds (paths are dotted, as ``fzero.params_of`` and
     ``named_parameters`` give them; name matches ignore case):
@@ -58,6 +58,12 @@ def decay_mask(params: Any) -> Any:
 
     Everything else is decayed: linear and convolution weights, and token embeddings (``wte``, ``tok_emb``,
     ``embed_tokens``, ``word_embeddings``), as both nanoGPT and the HF Trainer decay them.
+
+    It is not the HF Trainer's rule (``Trainer.get_decay_parameter_names``: no decay for ``nn.LayerNorm`` modules and
+    names matching ``bias``, ``layernorm``, ``rmsnorm``, ``norm``), which decays positional tables (GPT-2's ``wpe``,
+    BERT's ``position_embeddings``) and BatchNorm weights, and does not decay T5's ``relative_attention_bias.weight``.
+    To train as the Trainer does, pass its names:
+    ``dn = set(trainer.get_decay_parameter_names(model)); mask = lambda params: {n: n in dn for n in params}``.
 
     >>> decay_mask({"h.0.ln_1.weight": w1, "h.0.attn.c_attn.weight": w2, "wpe.weight": w3})   # shapes (d,), (d, 3d), (T, d)
     {'h.0.ln_1.weight': False, 'h.0.attn.c_attn.weight': True, 'wpe.weight': False}
