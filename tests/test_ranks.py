@@ -426,3 +426,45 @@ def test_a_reseed_between_steps_restarts_every_rank_from_it():
     again = mesh.run(draw, [(2,), (2,)])
     torch.manual_seed(4)
     assert torch.equal(again[0], torch.rand(2)) and torch.equal(again[1], again[0])
+
+
+def test_a_generate_that_stops_at_another_length_on_each_rank_is_named_with_the_fix():
+    """At stage 3 every new token runs the units, so ranks whose generation ends at different lengths issue different
+    collectives: the error names generate and the fixes (DeepSpeed ZeRO-3 users know synced_gpus=True)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=32, n_embd=16, n_layer=2,
+                                                                 n_head=2, pad_token_id=0)).eval()
+    prompts = torch.tensor([[4, 5, 6], [7, 8, 9]])  # one row per rank
+    with torch.no_grad():  # greedy: rank 0's first new token is the end of its sequence, rank 1's is not
+        first = model(prompts).logits[:, -1].argmax(-1)
+    assert first[0] != first[1]
+    eos = int(first[0])
+
+    def loss_fn(params, ids):
+        with torch.no_grad():
+            out = fzero.apply(model.generate, params, ids, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                              attention_mask=torch.ones_like(ids))
+        return fzero.apply(model, params, input_ids=out, labels=out).loss
+
+    step = fzero.compile(loss_fn, stages=3, mesh=fzero.local_mesh(2, timeout=60))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RanksDisagree, match=r"ranks disagree at collective .*model\.generate that stops at another "
+                                            r"length on each rank.*min_new_tokens=max_new_tokens.*synced_gpus=True"):
+        step(state, prompts)
+
+
+@pytest.mark.torchrun
+def test_generate_with_synced_gpus_at_stage3_under_torchrun_runs_each_rank_to_its_own_length(tmp_path):
+    """What the error above tells a user to do works: each rank generates what the plain model generates (rank 0 one
+    token, rank 1 six), and the step's loss is the mean of the plain model's losses on them."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "g.pt"
+    torchrun([os.path.join(HERE, "generate_worker.py"), "--out", str(out)])
+    got = torch.load(out, weights_only=True)
+    lengths = []
+    for rank in got["ranks"]:
+        assert torch.equal(rank["fzero"], rank["plain"])
+        lengths.append(rank["fzero"].shape[1])
+    assert lengths == [4, 9]
+    assert got["loss"] == pytest.approx(sum(r["plain_loss"] for r in got["ranks"]) / 2, rel=1e-6)

@@ -249,7 +249,10 @@ def vanished(board: Board, gone: list[int], where: str, detail: str) -> RankFail
                 f"checkpoints) the same number of times")
     else:
         text = (f"rank {culprit} vanished: its process (pid {pid} on {host}) ended without reporting an error (killed by "
-                f"a signal such as SIGKILL or the out-of-memory killer, or a crash in C++; see the launcher's output and dmesg)")
+                f"a signal such as SIGKILL or the out-of-memory killer, or a crash in C++; see the launcher's output and dmesg). "
+                f"Where that output shows gloo's \"Received data size doesn't match expected size\", the ranks issued "
+                f"collectives of different sizes here and gloo aborted the rank: look for what differs per rank (a unit "
+                f"skipped on some ranks, control flow that depends on the rank or its data, {GENERATE_HINT})")
     board.publish(culprit, text)
     others = f" (also gone: ranks {gone[1:]})" if len(gone) > 1 else ""
     return RankFailed(f"fzero.dist_mesh: {text}{others}. This rank ({board.rank}) stopped {where}. [{detail}]",
@@ -287,7 +290,13 @@ def disagree_text(board: Board, call: Call, other: int, theirs: tuple[int, str])
             f"{theirs[1]} (in {call.phase} on rank {board.rank}). Every rank must run the same model with the same units "
             f"and issue the same collectives in the same order: look for what differs per rank (a model or settings "
             f"built differently, a unit skipped on some ranks, control flow that depends on the rank or its data, a "
-            f"call such as Step.gather or Step.evaluate made on some ranks only).")
+            f"call such as Step.gather or Step.evaluate made on some ranks only, {GENERATE_HINT}).")
+
+
+# model.generate at stage 3: each new token runs every unit, so ranks that stop at different lengths issue different
+# collectives (DeepSpeed ZeRO-3 has the same rule, and Hugging Face's synced_gpus=True for it)
+GENERATE_HINT = ("a model.generate that stops at another length on each rank: pass synced_gpus=True, as under DeepSpeed "
+                 "ZeRO-3, or min_new_tokens=max_new_tokens")
 
 
 def wait_for(predicate, *, seconds: float, every: float = 0.05) -> bool:

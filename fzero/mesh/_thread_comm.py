@@ -44,7 +44,9 @@ _AGREE = "agree"
 _MISMATCH_FIX = (
     "Every rank must run the same model with the same units and issue the same collectives in the same order. "
     "Look for what differs per rank: a model or settings built differently on one rank, a unit skipped on some "
-    "ranks only (LayerDrop, early exit, routing), or control flow that depends on the rank or on its data."
+    "ranks only (LayerDrop, early exit, routing), or control flow that depends on the rank or on its data (a "
+    "model.generate that stops at another length on each rank: at stage 3 every new token runs the units, so give "
+    "min_new_tokens=max_new_tokens; a local mesh cannot take Hugging Face's synced_gpus=True, which needs torchrun)."
 )
 
 
