@@ -425,6 +425,29 @@ def test_an_optimizer_keyword_does_not_drop_the_configs_scheduler():
         state, metrics = step(state, b)
         lrs.append(metrics["lr"])
     assert lrs == [settings.learning_rate(k) for k in range(4)] and lrs[0] == 0.0 and lrs[3] == 0.01
+    # groups at other learning rates on the same schedule (DeepSpeed's scheduler moves every client group): one group on
+    # settings.learning_rate, the others on schedules of the user's own
+    with pytest.raises(ValueError, match=r"for groups at other learning rates, a multi_transform"):
+        fzero.compile(prob.loss_fn, config=settings, optimizer=fo.multi_transform(
+            {"a": fo.adamw(0.01), "b": fo.adamw(0.001)}, lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()}))
+    tenth = lambda t: 0.1 * settings.learning_rate(t)  # noqa: E731
+    groups = fo.multi_transform({"a": fo.adamw(settings.learning_rate), "b": fo.adamw(tenth)},
+                                lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()})
+    step = fzero.compile(prob.loss_fn, config=settings, optimizer=groups)
+    model = prob.model
+    ref = {k: v.detach().clone().requires_grad_(True) for k, v in fzero.params_of(model).items()}
+    torch_opt = torch.optim.AdamW([{"params": [v for v in ref.values() if v.ndim > 1]},
+                                   {"params": [v for v in ref.values() if v.ndim == 1]}], lr=0.0, weight_decay=0.01)
+    state = step.init(fzero.params_of(model))
+    for k, b in enumerate(prob.batches):
+        state, _ = step(state, b)
+        torch_opt.param_groups[0]["lr"], torch_opt.param_groups[1]["lr"] = settings.learning_rate(k), tenth(k)
+        torch_opt.zero_grad()
+        prob.loss_fn(ref, b).backward()
+        torch_opt.step()
+    got = step.gather(state)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v.detach(), rtol=1e-5, atol=1e-6)
     # a config without a scheduler: the keyword wins, as every keyword does
     no_schedule = {k: v for k, v in config.items() if k != "scheduler"}
     assert fzero.compile(prob.loss_fn, config=no_schedule, optimizer=fo.sgd(0.1)).optimizer.learning_rate == 0.1
@@ -455,3 +478,13 @@ def test_an_auto_warmup_of_zero_steps_is_one_as_the_hf_trainer_fills_it():
     assert dict((p, v) for p, v, _ in s.resolved)["scheduler.params.warmup_num_steps"] == 1
     expected = fo.warmup_decay_lr(warmup_min_lr=0.0, warmup_max_lr=3e-4, warmup_num_steps=1, total_num_steps=100)
     assert [s.learning_rate(k) for k in range(5)] == [expected(k) for k in range(5)]
+
+
+def test_a_lion_block_notes_where_it_steps_otherwise_than_deepspeeds_lion():
+    """DeepSpeed's Lion kernels move a param whose interpolated momentum is exactly 0 (an embedding row no batch used)
+    by lr every step; fzero's lion leaves it (sign(0) = 0). Measured 1e-2 apart on GPT-2's unused position rows after
+    one step at lr 1e-2 (a helper's DeepSpeed parity sweep): the reader says so rather than train otherwise silently."""
+    s = from_deepspeed({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
+    assert any(n.startswith("optimizer Lion: ") and "sign(0) = 0" in n and "DeepSpeedCPULion" in n for n in s.notes)
+    adamw = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    assert not any(n.startswith("optimizer Lion") for n in adamw.notes)

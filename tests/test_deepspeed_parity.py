@@ -8,6 +8,10 @@ gradient accumulation, DeepSpeed's lr schedules), and every step's fp32 params, 
 compared. DeepSpeed runs on its CPU accelerator over gloo, with the client optimizer its config names
 (``"torch_adam": true``: torch's Adam/AdamW, as DeepSpeed builds it on a machine without its fused ops).
 
+Under bf16 the two sides' Adam arithmetic may differ in an fp32 ulp of a master (fzero runs torch's fused kernel on
+flat buffers); where such an ulp flips a bf16 rounding, the next steps differ by about 1e-4, which is rounding and not
+a mapping difference. The bf16 cases here (their seeds and 4 steps) have no such flip: the params agree to 1.2e-7.
+
 Not compared: the key third of GPT-2's fused ``c_attn.bias``. Adding a constant to every key of a query does not
 change its softmax, so that bias gets rounding noise as its gradient on both sides, which Adam turns into O(lr)
 steps of either sign.

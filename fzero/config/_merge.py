@@ -66,7 +66,13 @@ def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings
     ``"scheduler"`` block would be dropped without a word. DeepSpeed applies the config's scheduler to a client
     optimizer, so refuse, unless the given optimizer scales by the config's own schedule (``settings.learning_rate``)."""
     sched = (settings.config or {}).get("scheduler")
-    if optimizer is None or not sched or getattr(optimizer, "learning_rate", None) is settings.learning_rate:
+    rate = getattr(optimizer, "learning_rate", None)
+    # a multi_transform's groups (GroupRates): kept when one of them runs on the schedule itself; the others' rates are
+    # then the user's own choice (a schedule of their own, often a multiple of it: lambda t: 0.1 * settings.learning_rate(t))
+    groups = getattr(rate, "group_rates", None)
+    on_schedule = rate is settings.learning_rate or (isinstance(groups, dict)
+                                                     and any(r is settings.learning_rate for r in groups.values()))
+    if optimizer is None or not sched or on_schedule:
         return
     kind = sched.get("type") if isinstance(sched, dict) else None
     raise ValueError(
@@ -75,8 +81,10 @@ def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings
         f"the config's scheduler to a client optimizer). To keep it, build your optimizer on the config's schedule: "
         f"settings = fzero.config.from_deepspeed(config, world_size=...), then fzero.compile(loss_fn, config=settings, "
         f"optimizer=fzero.optim.adamw(settings.learning_rate, ...)) (for a no-decay group with the config's optimizer: "
-        f"from_deepspeed(..., no_decay=[...]) and no optimizer=). To train without it, remove the \"scheduler\" block "
-        f"from the config."
+        f"from_deepspeed(..., no_decay=[...]) and no optimizer=; for groups at other learning rates, a multi_transform "
+        f"with one group on settings.learning_rate and the others on schedules of your own, such as "
+        f"fzero.optim.adamw(lambda t: 0.1 * settings.learning_rate(t))). To train without it, remove the \"scheduler\" "
+        f"block from the config."
     )
 
 

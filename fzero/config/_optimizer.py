@@ -91,6 +91,14 @@ def build_optimizer(cfg: dict, ctx: Ctx) -> tuple[Any, str | None, Any]:
                 f"max_coeff={max_coeff:g}, min_coeff={min_coeff:g})  [DeepSpeed Lamb: FusedLamb]")
     elif kind == "lion":
         opt = optim.lion(schedule, b1=b1, b2=b2, weight_decay=wd, mask=mask)
+        # not silent: an element whose b1 * m + (1 - b1) * g is exactly 0 (an embedding row no token of the step used, a
+        # position past the sequence length) stays put here, and DeepSpeed's kernels move it by the whole lr each step
+        ctx.notes.append(
+            "optimizer Lion: where b1 * m + (1 - b1) * g is exactly 0 (a param with zero gradient and momentum: embedding "
+            "rows of tokens or positions no batch used yet), fzero's lion takes sign(0) = 0 and leaves the param (as the "
+            "Lion paper and optax do); DeepSpeed's FusedLion/DeepSpeedCPULion move it by lr every step (CUDA: +lr, CPU: "
+            "-lr). Everything else steps as DeepSpeed's Lion does."
+        )
         desc = f"fzero.optim.lion(lr={lr_text}, b1={b1:g}, b2={b2:g}, weight_decay={wd:g}{mask_text})  [DeepSpeed Lion: FusedLion]"
     else:  # sgd
         if as_float(f"{path}.dampening", p.get("dampening", 0)) != 0:
