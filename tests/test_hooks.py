@@ -190,7 +190,7 @@ def test_remat_on_an_hf_decoder_with_its_default_cache_raises_before_any_update(
     state = step.init(fzero.params_of(model))
     first = step.gather(state)
     with pytest.raises(RuntimeError, match=r"(?s)unit 'model\.layers\.0' changed an argument .*DynamicCache.*"
-                                           r"use_cache = False"):
+                                           r"pass use_cache=False to the model.s forward"):
         step(state, torch.randint(0, 128, (4, 8)))
     assert all(torch.equal(v, first[k]) for k, v in fzero.params_of(model).items())
 
