@@ -66,17 +66,31 @@ CASES = {
         optimizer={"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "adam_w_mode": False, "torch_adam": True}},
         scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
                                                   "warmup_type": "linear"}}),
+    "cnn_stage3_buffers": _case(
+        "cnn", bf16=None, gradient_clipping=0.5,
+        scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2}}),
     "gpt2_stage2_bf16_clipped": _case(
         "gpt2", zero_optimization={"stage": 2}, gradient_clipping=0.05,
         scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}}),
 }
 
 
+def _cnn() -> torch.nn.Module:
+    """Convolutions without biases before BatchNorms (whose statistics the steps write), and a linear head."""
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
 def build(kind: str, config: dict) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind == "cnn":
+        model = _cnn()
+    elif kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4))
     else:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -90,11 +104,29 @@ def build(kind: str, config: dict) -> torch.nn.Module:
     return model.train()
 
 
-def batches(config: dict, rank: int, world: int) -> list[torch.Tensor]:
+def batches(kind: str, config: dict, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     """This rank's rows of each step's global batch: micro-batch m is rows [m * micro, (m + 1) * micro)."""
     micro, accum = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (world, accum * micro, SEQ), generator=gen)[rank] for _ in range(STEPS)]
+    out = []
+    for _ in range(STEPS):
+        if kind == "cnn":
+            out.append({"x": torch.randn(world, accum * micro, 3, 6, 6, generator=gen)[rank],
+                        "y": torch.randint(0, 5, (world, accum * micro), generator=gen)[rank]})
+        else:
+            out.append({"ids": torch.randint(0, VOCAB, (world, accum * micro, SEQ), generator=gen)[rank]})
+    return out
+
+
+def loss_of(kind: str, run, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss a script computes with ``run`` (the engine, or ``fzero.apply`` of the model) on ``batch``."""
+    if kind == "cnn":
+        return torch.nn.functional.cross_entropy(run(batch["x"]), batch["y"])
+    return run(input_ids=batch["ids"], labels=batch["ids"]).loss
+
+
+def _rows(batch: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:
+    return {k: v[a:b] for k, v in batch.items()}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -103,7 +135,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for n, p in named if any(s in n for s in NO_DECAY)], "weight_decay": 0.0}]
 
 
-def run_deepspeed(case: dict, rows: list[torch.Tensor], seed: int) -> dict:
+def run_deepspeed(case: dict, rows: list[dict[str, torch.Tensor]], seed: int) -> dict:
     import deepspeed
     import deepspeed.ops
     from deepspeed.utils import safe_get_full_fp32_param
@@ -122,8 +154,7 @@ def run_deepspeed(case: dict, rows: list[torch.Tensor], seed: int) -> dict:
         out["lr"].append(engine.get_lr()[0])  # what this step's update uses (the scheduler steps after it)
         total = torch.zeros(())
         for m in range(accum):
-            ids = x[m * micro:(m + 1) * micro]
-            loss = engine(input_ids=ids, labels=ids).loss
+            loss = loss_of(case["model"], engine, _rows(x, m * micro, (m + 1) * micro))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -132,16 +163,18 @@ def run_deepspeed(case: dict, rows: list[torch.Tensor], seed: int) -> dict:
         out["grad_norm"].append(float(engine.get_global_grad_norm()))
         out["params"].append({n: safe_get_full_fp32_param(p).detach().clone() if safe_get_full_fp32_param(p) is not None
                               else p.detach().float().clone() for n, p in zip(names, engine.module.parameters())})
+    buffers = dict(engine.module.named_buffers())
+    out["buffers"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items() if k in buffers}
     return out
 
 
-def run_fzero(case: dict, rows: list[torch.Tensor], seed: int) -> dict:
+def run_fzero(case: dict, rows: list[dict[str, torch.Tensor]], seed: int) -> dict:
     import fzero
 
     model = build(case["model"], case["config"])
 
-    def loss_fn(params, ids):
-        return fzero.apply(model, params, input_ids=ids, labels=ids).loss
+    def loss_fn(params, batch):
+        return loss_of(case["model"], lambda *a, **k: fzero.apply(model, params, *a, **k), batch)
 
     settings = fzero.config.from_deepspeed(case["config"], world_size=dist.get_world_size(),
                                            **({"no_decay": list(NO_DECAY)} if case["groups"] else {}))
@@ -154,6 +187,8 @@ def run_fzero(case: dict, rows: list[torch.Tensor], seed: int) -> dict:
         out["params"].append(step.gather(state))
         for key in ("loss", "lr", "grad_norm"):
             out[key].append(float(metrics[key]))
+    buffers = dict(model.named_buffers())
+    out["buffers"] = {k: v for k, v in step.state_dict(state, model).items() if k in buffers}
     return out
 
 
@@ -169,7 +204,7 @@ def main() -> None:
     results = {}
     for name in args.cases.split(","):
         case = CASES[name]
-        rows = batches(case["config"], mesh.rank, mesh.size)
+        rows = batches(case["model"], case["config"], mesh.rank, mesh.size)
         seed = 100 + mesh.rank
         results[name] = {"deepspeed": run_deepspeed(case, rows, seed), "fzero": run_fzero(case, rows, seed)}
     save_and_finish(mesh, results, args.out)

@@ -3,7 +3,8 @@
 A DeepSpeed user's first step is ``fzero.compile(loss_fn, config="ds_config.json")``: the same file, read by
 ``fzero.config``. Here both run it, on 2 processes under torchrun, on tiny Hugging Face models with their default
 configs (``tests/deepspeed_parity_worker.py``: Llama at stage 3 in bf16; GPT-2 with its tied head and dropout at
-stage 1 with Adam's L2 decay and the HF scripts' no-decay groups, and at stage 2 in bf16 with clipping that bites;
+stage 1 with Adam's L2 decay and the HF scripts' no-decay groups, and at stage 2 in bf16 with clipping that bites; a
+BatchNorm CNN at stage 3, whose statistics are compared too;
 gradient accumulation, DeepSpeed's lr schedules), and every step's fp32 params, loss, lr and gradient norm are
 compared. DeepSpeed runs on its CPU accelerator over gloo, with the client optimizer its config names
 (``"torch_adam": true``: torch's Adam/AdamW, as DeepSpeed builds it on a machine without its fused ops).
@@ -28,7 +29,7 @@ import torch
 from launch import torchrun
 
 HERE = os.path.dirname(__file__)
-CASES = ("llama_stage3_bf16", "gpt2_stage1_adam_l2_groups", "gpt2_stage2_bf16_clipped")
+CASES = ("llama_stage3_bf16", "gpt2_stage1_adam_l2_groups", "cnn_stage3_buffers", "gpt2_stage2_bf16_clipped")
 N_EMBD = 32  # the worker's GPT-2 width
 
 
@@ -63,6 +64,11 @@ def test_a_deepspeed_config_trains_as_deepspeeds_engine_trains_it(runs, case):
             a, b = _compared(name, want[name].float()), _compared(name, got[name].float())
             assert torch.allclose(b, a, rtol=1e-5, atol=1e-6), (
                 f"{case} step {k}: {name} is {float((b - a).abs().max()):.3g} off DeepSpeed's")
+    assert set(fz["buffers"]) == set(ds["buffers"])  # BatchNorm's statistics and counts, in the state_dict
+    assert len(ds["buffers"]) == (6 if case.startswith("cnn") else 0) or not case.startswith("cnn")
+    for name, want in ds["buffers"].items():
+        assert torch.allclose(fz["buffers"][name].double(), want.double(), rtol=1e-5, atol=1e-6), (
+            f"{case}: buffer {name} is {float((fz['buffers'][name].double() - want.double()).abs().max()):.3g} off DeepSpeed's")
     assert fz["lr"] == pytest.approx(ds["lr"], rel=1e-9, abs=1e-12)  # the lr each update used
     assert fz["loss"] == pytest.approx(ds["loss"], rel=1e-5)
     assert fz["grad_norm"] == pytest.approx(ds["grad_norm"], rel=1e-4)
