@@ -8,6 +8,7 @@ this process on one device."""
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -321,6 +322,96 @@ def test_windows_that_never_step_are_dropped_as_under_ddp_and_adam_decoupled_is_
         _close(dict(lit.named_parameters()), want, _with_gradient(biggest))
 
 
+class _DropoutCNN(LitCNN):
+    """LitCNN with dropout before its head: every forward draws from torch's CPU generator."""
+
+    def forward(self, x):
+        return self.net[-1](F.dropout(self.net[:-1](x), 0.2, self.training))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch["x"]), batch["y"]))
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Noise drawn from torch's generator in __getitem__: a random augmentation in the main process (num_workers=0)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return {**self.batches[i], "x": self.batches[i]["x"] + 0.1 * torch.randn_like(self.batches[i]["x"])}
+
+
+def _fzero_warnings(cls, data, **settings):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runs = {}
+        for name in ("ddp", "fzero_stage_2"):
+            torch.manual_seed(0)
+            lit = cls()
+            _trainer(name, accumulate_grad_batches=2, **settings).fit(lit, *data)
+            runs[name] = {n: p.detach() for n, p in lit.named_parameters()}
+    messages = [str(w.message) for w in seen if str(w.message).startswith("FZeroStrategy")]
+    return messages, max(float((runs["ddp"][n] - p).abs().max()) for n, p in runs["fzero_stage_2"].items())
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+def test_what_runs_between_a_windows_batches_is_said_where_it_changes_the_numbers():
+    """Under accumulate_grad_batches=k a window's forwards run together at its k-th batch, so what runs between its
+    batches comes before them rather than between them as under DDP. Silent before: a Dataset that draws augmentations
+    from torch's generator in the main process beside dropout (the dropout masks and the noise other draws: params 7e-2
+    off DDP's after 4 steps of a BatchNorm CNN), and a validation mid-window (it saw BatchNorm statistics without the
+    window's first micro-batch, and its DataLoader's seed draw came before that micro-batch's dropout). Each warns once,
+    naming the fix; augmentation without dropout, or dropout alone, trains as DDP and warns nothing."""
+    batches = cnn_batches(4, micro=2)
+    said, off = _fzero_warnings(_DropoutCNN, (_loader(_Augmented(batches)),))
+    assert len(said) == 1 and "torch's random generator was drawn between its batches" in said[0] and off > 1e-3
+    assert "num_workers > 0" in said[0]
+    for cls, data in ((LitCNN, (_loader(_Augmented(batches)),)), (_DropoutCNN, (_loader(batches),))):
+        said, off = _fzero_warnings(cls, data)
+        assert said == [] and off < 1e-5, (cls.__name__, said, off)
+    said, off = _fzero_warnings(_DropoutCNN, (_loader(batches), _loader(batches[:2])), val_check_interval=3)
+    assert any(m.startswith("FZeroStrategy: validation runs in the middle of an accumulation window "
+                            "(Trainer(val_check_interval=3, accumulate_grad_batches=2): 1 micro-batch(es) kept)") for m in said)
+    assert any("Make val_check_interval a multiple of accumulate_grad_batches" in m for m in said) and off > 1e-3
+    said, off = _fzero_warnings(_DropoutCNN, (_loader(batches), _loader(batches[:2])), val_check_interval=4)
+    assert said == [] and off < 1e-5
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # the resumed run's: it is
+def test_resuming_under_accumulation_with_a_step_checkpoint_goes_on_as_lightnings_own_strategy(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=2), accumulate_grad_batches=2, fit(ckpt_path=...): ModelCheckpoint does not
+    keep the step it last saved at, so at the first batch after the restore (mid-window, global_step still 2) it saved
+    again, and the strategy's refusal of kept micro-batches ended the resumed run (advising every_n_train_steps, which
+    the script used). It goes on now to the params of Lightning's DDP strategy, without that save of the step it
+    resumed from (DDP writes it, mid-window: a file more)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    batches = cnn_batches(2, micro=2)
+    got = {}
+    for name in ("ddp", "fzero_stage_2"):
+        path = tmp_path / name
+        _trainer(name, accumulate_grad_batches=2, max_steps=2, enable_checkpointing=True,
+                 callbacks=[ModelCheckpoint(dirpath=path, every_n_train_steps=2, save_top_k=-1)]).fit(LitCNN(), _loader(batches))
+        lit = LitCNN()
+        trainer = _trainer(name, accumulate_grad_batches=2, max_steps=6, max_epochs=-1, enable_checkpointing=True,
+                           callbacks=[ModelCheckpoint(dirpath=path, every_n_train_steps=2, save_top_k=-1)])
+        trainer.fit(lit, _loader(batches), ckpt_path=path / "epoch=0-step=2.ckpt")
+        got[name] = (dict(lit.named_parameters()), sorted(os.listdir(path)), trainer.global_step)
+    # DDP's one more file is that save: step 2 again, from the middle of the resumed run's first window
+    assert got["ddp"][1:] == (["epoch=0-step=2.ckpt", "epoch=1-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"], 6)
+    assert got["fzero_stage_2"][1:] == (["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"], 6)
+    _close(got["fzero_stage_2"][0], got["ddp"][0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.usefixtures("one_process")
 @LIGHTNING_NOISE[0]
 @LIGHTNING_NOISE[1]
@@ -571,6 +662,33 @@ def test_validate_with_a_checkpoint_path_after_fit_loads_the_weights(tmp_path):
     now = trainer.validate(lit, _loader(batches[:2]))  # the trained weights, loaded into the module when fit ended
     from_file = trainer.validate(lit, _loader(batches[:2]), ckpt_path=saver.last_model_path)
     assert from_file == now
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_validate_with_a_checkpoint_path_loads_its_weights_into_the_module_as_lightnings_own_strategy(tmp_path):
+    """Lightning's own strategies load the checkpoint of trainer.validate/test/predict(ckpt_path=...) into the
+    LightningModule; here it went into the step's state only, and the module kept the weights it had, so the module
+    and a later call without ckpt_path used those, silently (a BatchNorm CNN's predictions after test(ckpt_path="best")
+    were 1.46 off DDP's, from the last epoch's weights). The module now holds the checkpoint's weights after the call."""
+    batches = gpt_batches(2)
+    got = {}
+    for name in ("auto", "fzero_stage_3"):
+        lit = LitGPT()
+        trainer = _trainer(name)
+        trainer.fit(lit, _loader(batches))
+        trainer.save_checkpoint(tmp_path / name)
+        saved = {n: p.detach().clone() for n, p in lit.named_parameters()}
+        _trainer(name).fit(lit, _loader(batches))  # trains on from there: the module moves away from the checkpoint
+        assert not torch.equal(lit.model.transformer.h[0].mlp.c_fc.weight, saved["model.transformer.h.0.mlp.c_fc.weight"])
+        trainer = _trainer(name)
+        from_file = trainer.validate(lit, _loader(batches), ckpt_path=tmp_path / name)
+        got[name] = (from_file, {n: p.detach().clone() for n, p in lit.named_parameters()}, trainer.validate(lit, _loader(batches)))
+        _close(got[name][1], saved, rtol=0, atol=0)
+    (fz,), (auto,), (after,) = got["fzero_stage_3"][0], got["auto"][0], got["fzero_stage_3"][2]
+    assert fz["val_loss"] == pytest.approx(auto["val_loss"], rel=1e-5) and after == fz  # the next call: the same weights
 
 
 class _WithIds(LitCNN):

@@ -36,7 +36,9 @@ see the state's params inside ``training_step``/``validation_step``/``test_step`
 reads ``pl_module.parameters()`` mid-fit sees the initial ones); the trained ones are loaded into it when ``fit``
 ends. ``training_step``'s return value is the loss of the whole step, the mean over ranks and micro-batches; with
 ``accumulate_grad_batches=k`` the first k-1 micro-batches return NaN (their forward runs at the k-th) and what they
-``self.log`` is logged at the k-th. The gradient norm is logged as ``"fzero/grad_norm"``. A checkpoint is a
+``self.log`` is logged at the k-th; so a validation mid-window (``val_check_interval`` not a multiple of k) sees buffers
+without them, and draws from torch's generator between the batches (augmentations in the main process) come before
+their dropout, not between (each warned once). The gradient norm is logged as ``"fzero/grad_norm"``. A checkpoint is a
 directory; ``fzero.checkpoint.consolidate(path + "/fzero", "model.pt", model=lit_module)`` makes one state dict of it.
 What ``training_step``/``validation_step`` write on ``self`` (Lightning 2.x's ``self.training_step_outputs.append(loss)``
 read in ``on_train_epoch_end``, a counter ``self.n += 1``) is kept as under DDP: the step runs on a copy of the module,

@@ -61,8 +61,9 @@ class FZeroStrategy(DDPStrategy):
 
     The LightningModule's own parameters are not trained while ``fit`` runs: its methods see the state's params only
     inside ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``. When ``fit`` ends, the trained
-    params and buffers are loaded into it (``load_trained=False``: left as they were, e.g. for a stage-3 model too
-    large to gather; ``strategy.state`` and ``strategy.step`` hold the result).
+    params and buffers are loaded into it, and when ``validate``/``test``/``predict(ckpt_path=...)`` ends, the
+    checkpoint's (``load_trained=False``: left as they were, e.g. for a stage-3 model too large to gather;
+    ``strategy.state`` and ``strategy.step`` hold the result).
 
     ``shard_frozen=True`` (``stages=3``): the module's frozen parameters (a LoRA adapter's base) are sharded across the
     ranks too, as DeepSpeed's stage 3 shards them (``step.init(..., frozen=...)``), and the module's own copies emptied
@@ -99,6 +100,10 @@ class FZeroStrategy(DDPStrategy):
         self._kept: list[tuple[Any, int]] = []  # micro-batches before the accumulation boundary
         self._calls: collections.deque[_Call] = collections.deque()
         self._at_boundary = False
+        self._rng_after: torch.Tensor | None = None  # torch's CPU generator after this window's last kept micro-batch
+        self._drawn_between = False  # drawn between this window's micro-batches (``training_step``)
+        self._warned: set[str] = set()  # the once-per-fit warnings given
+        self._from_checkpoint = False  # validate/test/predict(ckpt_path=...) loaded weights into the state
 
     # -- set-up ----------------------------------------------------------------------------------------------------
     def _get_process_group_backend(self) -> str:
@@ -136,6 +141,7 @@ class FZeroStrategy(DDPStrategy):
                           clip_grad_norm=clip_of(trainer))
         mesh = fzero.dist_mesh() if self.world_size > 1 else None  # over the process group Lightning set up
         self.step = fzero.compile(self._loss_fn, mesh=mesh, **kwargs)
+        self._warned = set()
         params = fzero.params_of(module, copy=False)
         self._trainable = tuple(params)  # what the state trains: fixed for the fit (``_check_trainable``)
         frozen = (fzero.frozen_of(module) or None) if self.shard_frozen else None
@@ -182,12 +188,21 @@ class FZeroStrategy(DDPStrategy):
             raise TypeError("FZeroStrategy: training_step(batch, batch_idx) takes no other arguments here (a "
                             "dataloader_iter training_step is not supported); iterate the batches in the DataLoader.")
         k = self.lightning_module.trainer.accumulate_grad_batches
-        if batch_idx % k == 0 and self._kept:
-            # micro-batches of a window that never reached its step (on_train_batch_start returned -1, ending the epoch
-            # mid-window): Lightning zeroes the gradients at a window's first batch, so under DDP they are dropped too
-            self._kept = []
+        if batch_idx % k == 0:
+            self._drawn_between = False
+            if self._kept:
+                # micro-batches of a window that never reached its step (on_train_batch_start returned -1, ending the
+                # epoch mid-window): Lightning zeroes the gradients at a window's first batch, so under DDP they are
+                # dropped too
+                self._kept = []
+        elif self._kept and not self._drawn_between and self._rng_after is not None:
+            # torch's CPU generator drawn since the last kept micro-batch (a dataset's random augmentation in the main
+            # process, the DataLoader seed of a validation run): under DDP after that micro-batch's forward, here before
+            # it (see _warn_rng_order)
+            self._drawn_between = not torch.equal(torch.get_rng_state(), self._rng_after)
         self._kept.append((batch, batch_idx))
         if not self._at_boundary:  # accumulating: the step runs at the boundary, with every kept micro-batch
+            self._rng_after = torch.get_rng_state()
             return torch.tensor(float("nan"))  # a placeholder; Lightning only passes it on to on_train_batch_end
         kept, self._kept = self._kept, []
         if len(kept) != k:
@@ -200,8 +215,11 @@ class FZeroStrategy(DDPStrategy):
         self._optimizer.check_unchanged()
         self._check_trainable()
         self._calls.extend(_Call("training_step", (i,), {}) for _, i in kept)
+        before = torch.get_rng_state() if self._drawn_between and "rng" not in self._warned else None
         self.state, metrics = self.step(self.state, _join([b for b, _ in kept], k))
         self._calls.clear()
+        if before is not None and not torch.equal(before, torch.get_rng_state()):
+            self._warn_rng_order(k)
         self.lightning_module.log("fzero/grad_norm", float(metrics["grad_norm"]), on_step=True, on_epoch=False,
                                   batch_size=1)
         loss = torch.tensor(float(metrics["loss"]))  # the mean over ranks and micro-batches
@@ -223,6 +241,51 @@ class FZeroStrategy(DDPStrategy):
               "optimizer's groups. Freeze before Trainer.fit (in __init__ or configure_model), or run one fit per phase "
               "and carry the weights between them (load_state_dict)."
         )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _warn_rng_order(self, k: int) -> None:
+        """torch's CPU generator was drawn between a window's micro-batches and by their forwards (dropout): under DDP
+        each forward runs at its own batch, so those draws interleave; here the forwards run together at the k-th
+        batch, after the draws between them, and every draw after the first forward's is another number than DDP's."""
+        self._warn_once("rng", (
+            f"FZeroStrategy: with Trainer(accumulate_grad_batches={k}) a window's micro-batches run their forwards together "
+            f"at its last batch, and torch's random generator was drawn between its batches (a Dataset or collate_fn that "
+            f"draws random augmentations in the main process, num_workers=0; or a validation run) as well as by "
+            f"training_step (dropout). Under DDP those draws interleave with the forwards; here they come first, so the "
+            f"dropout masks and augmentations are other draws than DDP's (same distributions: the run no longer equals "
+            f"DDP's step by step). Draw augmentations in DataLoader workers (num_workers > 0, which have generators of "
+            f"their own) or from a torch.Generator the dataset owns, and keep val_check_interval a multiple of "
+            f"accumulate_grad_batches."))
+
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if self._kept and trainer.state.fn == TrainerFn.FITTING:
+            k = trainer.accumulate_grad_batches
+            self._warn_once("validation", (
+                f"FZeroStrategy: validation runs in the middle of an accumulation window (Trainer(val_check_interval="
+                f"{trainer.val_check_interval!r}, accumulate_grad_batches={k}): {len(self._kept)} micro-batch(es) kept). "
+                f"Their forwards run at the window's last batch, after this validation, where under DDP they ran before "
+                f"it: what they write (BatchNorm running statistics, attributes on self) is not there yet for validation, "
+                f"and the validation's draw from torch's generator (its DataLoader's seed) comes before their dropout, so "
+                f"the validation metrics (and, with dropout, the training) differ from DDP's. Make val_check_interval a "
+                f"multiple of accumulate_grad_batches."))
+        super().on_validation_start()
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if trainer.global_step:  # resumed by fit(ckpt_path=...)
+            # ModelCheckpoint does not keep the step it last saved at in its state, so after a resume its
+            # every_n_train_steps test passes again at the first batch, while global_step is still the restored one:
+            # under accumulation that batch is mid-window, and the save (of the very step the run resumed from) would
+            # meet save_checkpoint's refusal of kept micro-batches. DDP rewrites the file there; it holds that step.
+            for callback in trainer.checkpoint_callbacks:
+                if getattr(callback, "_last_global_step_saved", trainer.global_step) < trainer.global_step:
+                    callback._last_global_step_saved = trainer.global_step
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # the fzero step took the gradient and updated already
@@ -264,6 +327,7 @@ class FZeroStrategy(DDPStrategy):
         # step and state stay for the caller (trainer.strategy.state); the next setup makes new ones
         self._kept, self._calls = [], collections.deque()
         failed, self._failed = self._failed, False
+        from_checkpoint, self._from_checkpoint = self._from_checkpoint, False
         module = self.lightning_module
         if module is not None and self._emptied and failed and self.world_size > 1:
             # an exception may be this rank's alone: restore_frozen's gather would meet the other ranks' step
@@ -282,6 +346,11 @@ class FZeroStrategy(DDPStrategy):
             return
         if module is not None:
             self._restore_frozen()  # after validate/test/predict too: the user's module is whole again
+            if from_checkpoint and self.load_trained and not failed:
+                # trainer.validate/test/predict(ckpt_path=...): the checkpoint's weights into the module, as Lightning's
+                # own strategies load them there, so that the module and a later call without ckpt_path use them (a
+                # collective under torchrun, as at the end of fit)
+                module.load_state_dict(self.step.state_dict(self.state, module))
         super().teardown()
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -298,7 +367,9 @@ class FZeroStrategy(DDPStrategy):
             raise RuntimeError(
                 f"FZeroStrategy: a checkpoint was asked for with {len(self._kept)} micro-batches kept for the next step "
                 f"(accumulate_grad_batches={self.lightning_module.trainer.accumulate_grad_batches}); they would be lost. "
-                f"Save at an optimizer step: ModelCheckpoint(every_n_train_steps=...) or at the end of an epoch."
+                f"Save at an optimizer step: ModelCheckpoint(every_n_train_steps=...) or at the end of an epoch; a save "
+                f"after validation (ModelCheckpoint(monitor=...)) needs a val_check_interval that is a multiple of "
+                f"accumulate_grad_batches, and ModelCheckpoint(train_time_interval=...) saves at any batch."
             )
         path = str(self.broadcast(str(filepath)))  # rank 0's name: every rank writes into one checkpoint
         if self.is_global_zero:
@@ -325,6 +396,7 @@ class FZeroStrategy(DDPStrategy):
         like = self.state if self._emptied else self.step
         self.state = fzero.checkpoint.load(os.path.join(path, _FZERO_DIR), like=like, model=self.lightning_module,
                                            optimizer=fitting)
+        self._from_checkpoint = not fitting  # loaded into the module at teardown (fit: at its end, on_train_end)
         return {**checkpoint, "state_dict": {}}
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
