@@ -638,7 +638,8 @@ class _LazyBlocks(torch.nn.Module):
 
 
 @pytest.mark.parametrize("stages,ranks,blocks,remat", [(0, 1, False, False), (1, 2, False, False), (3, 2, False, False),
-                                                       (2, 2, True, False), (3, 2, True, True)])
+                                                       (2, 2, True, False), (3, 2, True, True),
+                                                       (0, 1, True, True), (1, 2, True, True)])
 def test_a_buffer_the_forward_creates_from_none_is_refused_by_name(stages, ranks, blocks, remat):
     """It was not in the state: every step started from None again and step.state_dict and checkpoints left it out,
     where PyTorch keeps it (params 2e-2 off after 4 AdamW steps at lr 1e-2, silently)."""

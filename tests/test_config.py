@@ -431,6 +431,15 @@ def test_an_optimizer_keyword_does_not_drop_the_configs_scheduler():
         fzero.compile(prob.loss_fn, config=settings, optimizer=fo.multi_transform(
             {"a": fo.adamw(0.01), "b": fo.adamw(0.001)}, lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()}))
     tenth = lambda t: 0.1 * settings.learning_rate(t)  # noqa: E731
+    # a group at a constant rate beside the scheduled one: DeepSpeed's scheduler would set its lr too (refused, named)
+    for other in (fo.adamw(0.001), fo.multi_transform({"c": fo.adamw(tenth), "d": fo.sgd(0.1)}, lambda params: "d")):
+        with pytest.raises(ValueError, match=r"groups \['b.*'\] run at a constant learning rate"):
+            fzero.compile(prob.loss_fn, config=settings, optimizer=fo.multi_transform(
+                {"a": fo.adamw(settings.learning_rate), "b": other},
+                lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()}))
+    frozen = fo.multi_transform({"a": fo.adamw(settings.learning_rate), "b": fo.set_to_zero()},
+                                lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()})
+    fzero.compile(prob.loss_fn, config=settings, optimizer=frozen)  # nothing to schedule in a frozen group
     groups = fo.multi_transform({"a": fo.adamw(settings.learning_rate), "b": fo.adamw(tenth)},
                                 lambda params: {k: "a" if v.ndim > 1 else "b" for k, v in params.items()})
     step = fzero.compile(prob.loss_fn, config=settings, optimizer=groups)

@@ -67,14 +67,25 @@ def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings
     optimizer, so refuse, unless the given optimizer scales by the config's own schedule (``settings.learning_rate``)."""
     sched = (settings.config or {}).get("scheduler")
     rate = getattr(optimizer, "learning_rate", None)
-    # a multi_transform's groups (GroupRates): kept when one of them runs on the schedule itself; the others' rates are
-    # then the user's own choice (a schedule of their own, often a multiple of it: lambda t: 0.1 * settings.learning_rate(t))
-    groups = getattr(rate, "group_rates", None)
-    on_schedule = rate is settings.learning_rate or (isinstance(groups, dict)
+    # a multi_transform's groups (GroupRates): kept when one of them runs on the schedule itself and none at a constant
+    # rate (DeepSpeed's scheduler sets every client group's lr, so a constant group would drop it for that group); the
+    # others' schedules are the user's own (often a multiple of it: lambda t: 0.1 * settings.learning_rate(t)); a group
+    # with no rate (set_to_zero, identity) has nothing to schedule
+    groups = _group_rates(rate)
+    constant = sorted(label for label, r in (groups or {}).items() if r is not None and not callable(r))
+    on_schedule = rate is settings.learning_rate or (groups is not None and not constant
                                                      and any(r is settings.learning_rate for r in groups.values()))
     if optimizer is None or not sched or on_schedule:
         return
     kind = sched.get("type") if isinstance(sched, dict) else None
+    if constant and any(r is settings.learning_rate for r in groups.values()):
+        raise ValueError(
+            f"fzero.compile: optimizer= is a multi_transform whose groups {constant} run at a constant learning rate "
+            f"beside a group on the config's \"scheduler\" block ({kind}): DeepSpeed's scheduler sets the lr of every "
+            f"param group of a client optimizer, so here that schedule would be dropped for them without a word. Give "
+            f"them a schedule too: the config's (settings.learning_rate) or one of your own, such as "
+            f"fzero.optim.adamw(lambda t: 0.1 * settings.learning_rate(t)); fzero.optim.set_to_zero() freezes a group."
+        )
     raise ValueError(
         f"fzero.compile: optimizer= replaces the config's optimizer, and with it the schedule of its \"scheduler\" block "
         f"({kind}): an fzero optimizer holds its own learning rate, so that schedule would not run (DeepSpeed applies "
@@ -86,6 +97,19 @@ def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings
         f"fzero.optim.adamw(lambda t: 0.1 * settings.learning_rate(t))). To train without it, remove the \"scheduler\" "
         f"block from the config."
     )
+
+
+def _group_rates(rate: Any) -> dict[str, Any] | None:
+    """A multi_transform's rates by group (``GroupRates.group_rates``), nested ones flattened (``outer/inner``); None
+    when ``rate`` is not a ``GroupRates``."""
+    groups = getattr(rate, "group_rates", None)
+    if not isinstance(groups, dict):
+        return None
+    out: dict[str, Any] = {}
+    for label, r in groups.items():
+        inner = _group_rates(r)
+        out.update({f"{label}/{k}": v for k, v in inner.items()} if inner is not None else {label: r})
+    return out
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -281,8 +281,9 @@ class _RematUnit(nn.Module):
         params = {n: p for n, p in named_tensors(self, "_parameters") if p.requires_grad}
         buffers = dict(named_tensors(self, "_buffers"))
 
-        def unit_forward(params, /, *args, **kwargs):
-            return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run)
+        def unit_forward(params, /, *args, **kwargs):  # prefix: a unit, not the root (whose call checks the whole tree)
+            return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run,
+                               prefix=self.__dict__["_fz_unit"] + ".")
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
         return remat(unit_forward)(params, *args, **kwargs)
