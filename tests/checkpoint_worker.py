@@ -43,6 +43,8 @@ def train(args) -> None:
         batches = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in batches]
     step = make_step(prob, stages=args.stages, mesh=mesh, precision=args.precision)
     state = fzero.checkpoint.load(args.load, like=step) if args.load else step.init(fzero.params_of(prob.model))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     losses = []
     for b in batches[args.first : args.last]:
         state, m = step(state, b)
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--last", type=int, default=5)
     parser.add_argument("--load")
+    parser.add_argument("--seed", type=int, default=None, help="train: torch.manual_seed before the first step")
     parser.add_argument("--save")
     parser.add_argument("--out")
     parser.add_argument("--keep", action="store_true")

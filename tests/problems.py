@@ -135,7 +135,18 @@ def any_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
     return Problem(model, loss_fn, batches)
 
 
-PROBLEMS = {"mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem}
+def dropout_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
+    """``mlp_problem`` with dropout on its output: each rank draws from its own torch stream every step."""
+    prob = mlp_problem(steps=steps, batch=batch)
+
+    def loss_fn(params, b):
+        out = torch.nn.functional.dropout(fzero.apply(prob.model, params, b["x"]), 0.5, training=True)
+        return torch.nn.functional.mse_loss(out, b["y"])
+
+    return Problem(prob.model, loss_fn, prob.batches)
+
+
+PROBLEMS = {"dropout": dropout_problem, "mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem}
 
 
 class SkippyBlocks(torch.nn.Module):

@@ -39,7 +39,8 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     Python, NumPy), into the mesh of the step ``like`` is or was made by, when it has as many ranks as the one that
     saved (else its ranks start from the restored global state, rank 0's). So a resumed run draws what the straight
     run draws, bit for bit. A checkpoint saved before these keys existed restores the torch CPU generator only.
-    With another process count nothing is restored; ``restore_rng=False`` leaves every generator alone. Not
+    A local_mesh(n) and n torchrun processes map rank to process (each rank its own streams, either way); with
+    another process count nothing is restored; ``restore_rng=False`` leaves every generator alone. Not
     restored: a local mesh's per-rank CUDA streams (its ranks go on from the restored device state, rank 0's), and
     generators of your own (``torch.Generator()``, ``np.random.default_rng()``): save their states yourself.
 
@@ -84,6 +85,11 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if restore_rng and processes == info["processes"]:
         rng_dests, set_rngs = _rng.restore(metadata, process, made_by)
         todo += rng_dests
+    elif restore_rng:  # a local_mesh(n) and n torchrun processes are the same n ranks: each gets its own streams
+        across = _rng.restore_across(metadata, info["processes"], process, processes, made_by)
+        if across is not None:
+            todo += across[0]
+            set_rngs = across[1]
     _dcp.load(found, metadata, todo, check=manifest.check)
     if set_rngs is not None:
         set_rngs()
