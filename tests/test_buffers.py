@@ -574,7 +574,8 @@ class _CountedNet(nn.Module):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("settings", [{"stages": 0}, {"stages": 0, "autodiff": "func"}, {"stages": 2}, {"stages": 3},
-                                      {"stages": 3, "remat": True}, {"stages": 3, "autodiff": "func"}],
+                                      {"stages": 3, "remat": True}, {"stages": 3, "autodiff": "func"},
+                                      {"stages": 0, "remat": True}, {"stages": 1, "remat": True}],
                          ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_a_buffer_the_forward_replaces_is_kept_as_pytorch_keeps_it(settings, ranks):
     """``self.n = self.n + 1`` puts a new tensor in the buffer's slot, which torch's module keeps; the step kept the

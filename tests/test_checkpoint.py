@@ -118,6 +118,27 @@ def test_dropout_resumes_bitexact_across_local_mesh_and_torchrun(tmp_path, one_t
     assert_trees_equal(step.gather(state), params)
 
 
+@pytest.mark.torchrun
+def test_local_mesh_checkpoint_after_a_draw_between_step_and_save_resumes_bitexact_under_torchrun(tmp_path, one_thread):
+    """A draw from torch's generator between the local mesh's last step and the save (a DataLoader's RandomSampler at
+    an epoch's start, an augmentation in the main thread) leaves no per-rank rows: every rank of the local mesh goes on
+    from the global state the checkpoint holds, and so must every torchrun process (before: nothing was restored,
+    silently, while the same checkpoint resumed on the local mesh bit for bit)."""
+    ck, out = str(tmp_path / "local"), str(tmp_path / "out.pt")
+    prob = PROBLEMS["dropout"](steps=10)
+    step = make_step(prob, stages=2, mesh=fzero.local_mesh(2))
+    torch.manual_seed(7)
+    state, _ = train(step, step.init(fzero.params_of(prob.model)), prob.batches[:5])
+    torch.rand(1)
+    fzero.checkpoint.save(ck, state)
+    state, losses = train(step, state, prob.batches[5:])
+    worker("train", "--dist", "--problem", "dropout", "--stages", "2", "--first", "5", "--last", "10", "--load", ck,
+           "--out", out, torchrun=True)
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["losses"] == losses
+    assert_trees_equal(resumed["params"], step.gather(state))
+
+
 # -- resharding ----------------------------------------------------------------------------------------------
 
 

@@ -86,7 +86,8 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
         rng_dests, set_rngs = _rng.restore(metadata, process, made_by)
         todo += rng_dests
     elif restore_rng:  # a local_mesh(n) and n torchrun processes are the same n ranks: each gets its own streams
-        across = _rng.restore_across(metadata, info["processes"], process, processes, made_by)
+        across = _rng.restore_across(metadata, info["processes"], info.get("world_size"), process, processes,
+                                       made_by)
         if across is not None:
             todo += across[0]
             set_rngs = across[1]

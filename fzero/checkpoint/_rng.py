@@ -148,13 +148,18 @@ def restore(metadata: Any, process: int, step: Any) -> tuple[list[_dcp.Dest], Ca
     return dests, apply
 
 
-def restore_across(metadata: Any, saved: int, process: int, processes: int,
+def restore_across(metadata: Any, saved: int, world: int | None, process: int, processes: int,
                    step: Any) -> tuple[list[_dcp.Dest], Callable[[], None]] | None:
     """The per-rank streams between a ``local_mesh(n)`` and ``n`` torchrun processes, which are the same ``n`` ranks:
     a checkpoint of a local mesh (1 process, ``rng_ranks/0/*`` of n rows) loaded by n processes gives process p row p;
     a checkpoint of n processes (``rng/<p>``...) loaded into a ``local_mesh(n)`` gives rank p process p's generators
     (the global ones rank 0's). Without this, a resume across mesh kinds drew other dropout masks than the straight
-    run, silently (3e-3 off it on GPT-2 after two steps). None where the ranks do not correspond."""
+    run, silently (3e-3 off it on GPT-2 after two steps). None where the ranks do not correspond.
+
+    Each generator the local mesh saved no per-rank rows for (something drew from the global generator between the
+    mesh's last step and the save, or a checkpoint from before the rows existed) goes on in every process from the
+    global state the checkpoint holds (rank 0's), as every rank of the local mesh would have; CUDA's device state is
+    rank 0's either way (a local mesh's per-rank CUDA streams are not saved), as ``restore`` sets it."""
     md = metadata.state_dict_metadata
     got: dict[str, torch.Tensor] = {}
     dests: list[_dcp.Dest] = []
@@ -164,20 +169,36 @@ def restore_across(metadata: Any, saved: int, process: int, processes: int,
             t = got[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
             dests.append(_dcp.Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
 
+    def set_cuda() -> None:
+        cuda = got.get("rng_cuda/0")
+        if cuda is not None and torch.cuda.device_count() == cuda.shape[0]:
+            torch.cuda.set_rng_state_all([r.clone() for r in cuda])
+
     carry = _local_carry(step)
     if saved == 1 and processes > 1:  # local_mesh(n) -> n processes: process p takes rank p's streams
-        if "rng_ranks/0/cpu" not in md or tuple(md["rng_ranks/0/cpu"].size)[0] != processes:
+        if world != processes:
             return None
-        for name in ("cpu", "python", "numpy"):
-            read(f"rng_ranks/0/{name}")
+        for key in ("rng/0", "rng_python/0", "rng_numpy/0", "rng_cuda/0", "rng_ranks/0/cpu", "rng_ranks/0/python",
+                    "rng_ranks/0/numpy"):
+            read(key)
+
+        def own(name: str, whole: str) -> torch.Tensor | None:
+            """Rank ``process``'s row of ``rng_ranks/0/<name>``, else the global state (rank 0's), else None."""
+            rows = got.get(f"rng_ranks/0/{name}")
+            if rows is not None and rows.shape[0] == processes:
+                return rows[process].clone()
+            return got.get(whole)
 
         def apply() -> None:
-            torch.set_rng_state(got["rng_ranks/0/cpu"][process].clone())
-            if "rng_ranks/0/python" in got:
-                random.setstate(py_decode(got["rng_ranks/0/python"][process]))
-            np = _numpy(load="rng_ranks/0/numpy" in got)
-            if np is not None and "rng_ranks/0/numpy" in got:
-                np.random.set_state(np_decode(got["rng_ranks/0/numpy"][process], np))
+            cpu, py, nps = own("cpu", "rng/0"), own("python", "rng_python/0"), own("numpy", "rng_numpy/0")
+            if cpu is not None:
+                torch.set_rng_state(cpu)
+            if py is not None:
+                random.setstate(py_decode(py))
+            np = _numpy(load=nps is not None)
+            if np is not None and nps is not None:
+                np.random.set_state(np_decode(nps, np))
+            set_cuda()
 
         return dests, apply
     if saved > 1 and processes == 1 and carry is not None and step.mesh.size == saved:  # n processes -> local_mesh(n)
@@ -186,9 +207,11 @@ def restore_across(metadata: Any, saved: int, process: int, processes: int,
         for p in range(saved):
             for name in ("rng", "rng_python", "rng_numpy"):
                 read(f"{name}/{p}")
+        read("rng_cuda/0")
 
         def apply() -> None:
             n = saved
+            set_cuda()
             carry.__init__()
             torch.set_rng_state(got["rng/0"])
             carry.cpu, carry.left, carry.cuda = [got[f"rng/{p}"].clone() for p in range(n)], torch.get_rng_state(), [{} for _ in range(n)]

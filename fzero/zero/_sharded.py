@@ -281,9 +281,16 @@ class _RematUnit(nn.Module):
         params = {n: p for n, p in named_tensors(self, "_parameters") if p.requires_grad}
         buffers = dict(named_tensors(self, "_buffers"))
 
-        def unit_forward(params, /, *args, **kwargs):  # prefix: a unit, not the root (whose call checks the whole tree)
-            return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run,
-                               prefix=self.__dict__["_fz_unit"] + ".")
+        prefix = self.__dict__["_fz_unit"] + "."  # a unit, not the root (whose call checks the whole tree)
+        bank = current_buffers()
+        # the step's buffers this unit holds (by name in the step's module), as a stage 2-3 unit's call is handed them:
+        # the remat forward runs under no_grad, whose binding ends with the call, so a buffer the forward replaced
+        # (self.n = self.n + 1) was put back before the root's call could take it over (the counters stayed 0)
+        owned = {} if bank is None else {prefix + n: v for n, v in buffers.items() if prefix + n in bank.values}
+
+        def unit_forward(params, /, *args, **kwargs):
+            return call_module(self, {**buffers_for_run(buffers), **params}, args, kwargs, call=run, owned=owned,
+                               prefix=prefix)
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
         return remat(unit_forward)(params, *args, **kwargs)
