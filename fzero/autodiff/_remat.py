@@ -370,7 +370,8 @@ def _has_tensor(out) -> bool:
 
 # -- arguments the forward changes ---------------------------------------------------------------------------
 # The recompute calls fn with the same Python objects its forward got. Tensors are saved and checked by autograd
-# (an in-place change is refused when backward unpacks them) and the step's buffers are snapshotted (above); any
+# (an in-place change after the forward is refused when backward unpacks them; one during it, by
+# _check_inputs_unwritten) and the step's buffers are snapshotted (above); any
 # other object that fn changes (a Hugging Face Cache appended to by every attention layer) would be changed a
 # second time by the recompute, and backward would differentiate another computation than the forward ran.
 # The objects among fn's arguments are described before and after the forward, a few levels into their
@@ -435,6 +436,48 @@ def _check_unchanged(call: "_Call", before: list[tuple[str, Any, Any]]) -> None:
                                                         fix=_FIX_CACHE if cache else _FIX_OTHER))
 
 
+_WRITTEN_INPUT = """fzero.remat: {name} wrote its tensor argument {where} ({shape} {dtype}) in place during its forward
+(x.add_(...), x += ..., x[...] = ...). remat saves its arguments and recomputes the forward from them in backward, so the
+recompute would start from the written values, not from what the forward was given, and differentiate another computation
+(the write applied twice: silently wrong gradients; or torch's raw "a leaf Variable that requires grad is being used in
+an in-place operation" in backward), so the step stops here, before any update. Fix: write out of place (x = x + s), or
+clone the argument before writing it (x = x.clone()), or do not remat this function (compile(..., remat=False))."""
+
+
+def _check_inputs_unwritten(call: "_Call", inputs: tuple, versions: list[int]) -> None:
+    """Refuse a forward that wrote one of its tensor arguments in place (its version counter moved): autograd checks
+    the saved inputs only from the moment they are saved, after the forward, so the recompute would read the written
+    values unnoticed."""
+    for i, (x, v) in enumerate(zip(inputs, versions)):
+        if x._version != v:
+            tree = torch_pytree.tree_unflatten(call.leaves, call.spec)
+            paths = [path for path, _ in torch_pytree.tree_flatten_with_path(tree)[0]]
+            raise RuntimeError(_WRITTEN_INPUT.format(name=call.name, where=_where(paths[call.tensor_pos[i]]),
+                                                     shape=tuple(x.shape), dtype=x.dtype))
+
+
+_HOOKED_UNDER_FUNC = """fzero (remat=True, autodiff='func'): unit {name!r} ({kind}) has forward hooks ({hooks}). Under remat a unit's
+forward runs inside remat's Function, so a forward hook there sees the unit's output as computed without a graph;
+under plain autograd that is the very tensor the step differentiates, but under torch.func the Function's output is
+a new tensor, and what the hook keeps (an auxiliary loss on a unit's output, a captured hidden state) carries no
+gradient: the loss's gradient through it would be dropped silently (measured: 6e-4 off PyTorch in one SGD step).
+Fix: use the default autodiff ('autograd'), or compile(..., remat=False), or register the hook on a module outside the
+unit (on a layer inside it, remat refuses what the hook keeps by name)."""
+
+
+def check_unit_hooks(module: torch.nn.Module, name: str) -> None:
+    """Refuse forward hooks on a unit run through remat under ``torch.func`` (see ``_HOOKED_UNDER_FUNC``). Under plain
+    autograd, or with pre-hooks only, nothing to refuse."""
+    if torch._C._functorch.peek_interpreter_stack() is None:  # plain autograd: the hook keeps the differentiated tensor
+        return
+    from torch.nn.modules import module as _module
+
+    hooks = [*module._forward_hooks.values(), *_module._global_forward_hooks.values()]
+    if hooks:
+        what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
+        raise RuntimeError(_HOOKED_UNDER_FUNC.format(name=name, kind=type(module).__name__, hooks=what))
+
+
 class _RematForward(Function):
     @staticmethod
     def forward(call, *inputs):
@@ -442,9 +485,11 @@ class _RematForward(Function):
         call.rng = _RngState(inputs)
         call.autocast = _autocast_state(call.devices)
         before = _object_states(call)
+        versions = [x._version for x in inputs]
         watch = _NoCapturedGrad(call, inputs, call.diff)
         with torch.no_grad(), watch, recording(call.snapshots), _own_parametrize_cache(call.cached):
             outs = call.run(list(inputs))
+        _check_inputs_unwritten(call, inputs, versions)
         _check_unchanged(call, before)
         escaped = watch.escaped(outs)
         if escaped:

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fzero.autodiff import remat
+from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit, units_of
 from fzero.step import (usage as _usage, Pool, apply_dict, buffers_for_run, call_module, cast_floating, check_trainable_set,
                         check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes, module_for_thread)
@@ -183,6 +183,7 @@ class ReplicatedParams(UnitParams):
         if not (self.remat and torch.is_grad_enabled()):
             return unit_forward(views, *args, **kwargs)
         unit_forward.__qualname__ = f"unit {unit.name!r}"
+        check_unit_hooks(inner, unit.name)
         return remat(unit_forward)(views, *args, **kwargs)
 
 
@@ -293,6 +294,7 @@ class _RematUnit(nn.Module):
                                prefix=prefix)
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
+        check_unit_hooks(self, self.__dict__["_fz_unit"])
         return remat(unit_forward)(params, *args, **kwargs)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.autodiff import remat
+from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
                           split_sizes)
 from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
@@ -498,6 +498,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
             return out
 
         unit_forward.__qualname__ = f"unit {unit.name!r}"
+        check_unit_hooks(inner, unit.name)
         return remat(unit_forward)(shard, *args, **kwargs)
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
