@@ -381,7 +381,7 @@ def test_a_step_interrupted_in_its_disk_update_spends_the_state(tmp_path, monkey
 def test_disk_offload_with_parameter_groups_equals_no_offload_bitwise(tmp_path, stages, ranks, sub_group_size):
     """A group's run of a unit that starts off a multiple of 64 elements was cut by the sub-groups at other elements
     than without offload, and torch's fused Adam rounds the last elements of each piece its own way: one element of a
-    BatchNorm CNN's conv weights was 1.9e-9 off under bf16 (fzero.optim._select.PIECE_ALIGN says how it is cut now)."""
+    BatchNorm CNN's conv weights was 1.9e-9 off under bf16 (fzero.optim._select._aligned says how it is cut now)."""
     from zoo import ZOO
 
     entry = ZOO["bn_cnn"]

@@ -109,16 +109,9 @@ def tensors(process: int, step: Any) -> dict[str, torch.Tensor]:
 def restore(metadata: Any, process: int, step: Any) -> tuple[list[_dcp.Dest], Callable[[], None]]:
     """What to read of the RNG keys this checkpoint holds for ``process``, and a function that sets the generators
     from it once read (``step``: the step the run resumes with, whose local mesh takes the per-rank streams)."""
-    saved = metadata.state_dict_metadata
     keys = {name: f"{name}/{process}" for name in ("rng", "rng_python", "rng_numpy", "rng_cuda")}
     keys.update({f"rng_ranks/{name}": f"rng_ranks/{process}/{name}" for name in ("cpu", "python", "numpy")})
-    got: dict[str, torch.Tensor] = {}  # by name (the key less the process), once read
-    dests = []
-    for name, key in keys.items():
-        if key in saved:
-            md = saved[key]
-            t = got[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            dests.append(_dcp.Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
+    got, dests = _reader(metadata, keys)  # by name (the key less the process), once read
 
     def apply() -> None:
         if "rng" in got:
@@ -128,24 +121,48 @@ def restore(metadata: Any, process: int, step: Any) -> tuple[list[_dcp.Dest], Ca
         np = _numpy(load="rng_numpy" in got)
         if np is not None and "rng_numpy" in got:
             np.random.set_state(np_decode(got["rng_numpy"], np))
-        cuda = got.get("rng_cuda")
-        if cuda is not None and torch.cuda.device_count() == cuda.shape[0]:
-            torch.cuda.set_rng_state_all([r.clone() for r in cuda])
+        _set_cuda(got.get("rng_cuda"))
         carry = _local_carry(step)
         if carry is None:
             return
         n = step.mesh.size
-        carry.__init__()  # no stream of the mesh's last run goes on: the ranks start from the restored global state
-        cpu, py, nps = got.get("rng_ranks/cpu"), got.get("rng_ranks/python"), got.get("rng_ranks/numpy")
-        if cpu is not None and cpu.shape[0] == n:
-            carry.cpu, carry.left = [r.clone() for r in cpu], torch.get_rng_state()
-            carry.cuda = [{} for _ in range(n)]
-        if py is not None and py.shape[0] == n:
-            carry.py, carry.py_left = [py_decode(r) for r in py], random.getstate()
-        if nps is not None and nps.shape[0] == n and np is not None:
-            carry.np, carry.np_left = [np_decode(r, np) for r in nps], np.random.get_state()
+        rows = {name: got.get(f"rng_ranks/{name}") for name in ("cpu", "python", "numpy")}
+        _fill_carry(carry, np, **{k: None if r is None or r.shape[0] != n else list(r) for k, r in rows.items()})
 
     return dests, apply
+
+
+def _reader(metadata: Any, keys: dict[str, str]) -> tuple[dict[str, torch.Tensor], list[_dcp.Dest]]:
+    """Where to read each of ``keys`` (``{name: checkpoint key}``) the checkpoint holds: ``got[name]`` is filled once
+    the returned destinations are read."""
+    saved = metadata.state_dict_metadata
+    got: dict[str, torch.Tensor] = {}
+    dests = []
+    for name, key in keys.items():
+        if key in saved:
+            md = saved[key]
+            t = got[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            dests.append(_dcp.Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
+    return got, dests
+
+
+def _set_cuda(cuda: torch.Tensor | None) -> None:
+    """Every CUDA device's generator, where the checkpoint has them for as many devices as there are."""
+    if cuda is not None and torch.cuda.device_count() == cuda.shape[0]:
+        torch.cuda.set_rng_state_all([r.clone() for r in cuda])
+
+
+def _fill_carry(carry: Any, np: Any, *, cpu: list | None, python: list | None, numpy: list | None) -> None:
+    """A local mesh's per-rank streams from saved rows (torch's states; Python's and NumPy's encoded), each family
+    that has rows; the global generators must hold the restored state (rank 0's) already. No stream of the mesh's
+    last run goes on: a family without rows starts every rank from the global state."""
+    carry.__init__()
+    if cpu is not None:
+        carry.cpu, carry.left, carry.cuda = [r.clone() for r in cpu], torch.get_rng_state(), [{} for _ in cpu]
+    if python is not None:
+        carry.py, carry.py_left = [py_decode(r) for r in python], random.getstate()
+    if numpy is not None and np is not None:
+        carry.np, carry.np_left = [np_decode(r, np) for r in numpy], np.random.get_state()
 
 
 def restore_across(metadata: Any, saved: int, world: int | None, process: int, processes: int,
@@ -161,26 +178,12 @@ def restore_across(metadata: Any, saved: int, world: int | None, process: int, p
     global state the checkpoint holds (rank 0's), as every rank of the local mesh would have; CUDA's device state is
     rank 0's either way (a local mesh's per-rank CUDA streams are not saved), as ``restore`` sets it."""
     md = metadata.state_dict_metadata
-    got: dict[str, torch.Tensor] = {}
-    dests: list[_dcp.Dest] = []
-
-    def read(key: str) -> None:
-        if key in md:
-            t = got[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
-            dests.append(_dcp.Dest(key, (0,) * t.dim(), tuple(t.shape), t.dtype, view=t))
-
-    def set_cuda() -> None:
-        cuda = got.get("rng_cuda/0")
-        if cuda is not None and torch.cuda.device_count() == cuda.shape[0]:
-            torch.cuda.set_rng_state_all([r.clone() for r in cuda])
-
     carry = _local_carry(step)
     if saved == 1 and processes > 1:  # local_mesh(n) -> n processes: process p takes rank p's streams
         if world != processes:
             return None
-        for key in ("rng/0", "rng_python/0", "rng_numpy/0", "rng_cuda/0", "rng_ranks/0/cpu", "rng_ranks/0/python",
-                    "rng_ranks/0/numpy"):
-            read(key)
+        got, dests = _reader(metadata, {k: k for k in ("rng/0", "rng_python/0", "rng_numpy/0", "rng_cuda/0",
+                                                        "rng_ranks/0/cpu", "rng_ranks/0/python", "rng_ranks/0/numpy")})
 
         def own(name: str, whole: str) -> torch.Tensor | None:
             """Rank ``process``'s row of ``rng_ranks/0/<name>``, else the global state (rank 0's), else None."""
@@ -198,30 +201,28 @@ def restore_across(metadata: Any, saved: int, world: int | None, process: int, p
             np = _numpy(load=nps is not None)
             if np is not None and nps is not None:
                 np.random.set_state(np_decode(nps, np))
-            set_cuda()
+            _set_cuda(got.get("rng_cuda/0"))
 
         return dests, apply
     if saved > 1 and processes == 1 and carry is not None and step.mesh.size == saved:  # n processes -> local_mesh(n)
         if any(f"rng/{p}" not in md for p in range(saved)):
             return None
-        for p in range(saved):
-            for name in ("rng", "rng_python", "rng_numpy"):
-                read(f"{name}/{p}")
-        read("rng_cuda/0")
+        got, dests = _reader(metadata, {f"{name}/{p}": f"{name}/{p}" for p in range(saved)
+                                        for name in ("rng", "rng_python", "rng_numpy")} | {"rng_cuda/0": "rng_cuda/0"})
 
         def apply() -> None:
-            n = saved
-            set_cuda()
-            carry.__init__()
+            _set_cuda(got.get("rng_cuda/0"))
             torch.set_rng_state(got["rng/0"])
-            carry.cpu, carry.left, carry.cuda = [got[f"rng/{p}"].clone() for p in range(n)], torch.get_rng_state(), [{} for _ in range(n)]
-            if all(f"rng_python/{p}" in got for p in range(n)):
+            rows = {}
+            for key, name in (("rng", "cpu"), ("rng_python", "python"), ("rng_numpy", "numpy")):
+                every = [got.get(f"{key}/{p}") for p in range(saved)]
+                rows[name] = None if any(r is None for r in every) else every
+            if rows["python"] is not None:
                 random.setstate(py_decode(got["rng_python/0"]))
-                carry.py, carry.py_left = [py_decode(got[f"rng_python/{p}"]) for p in range(n)], random.getstate()
-            np = _numpy(load="rng_numpy/0" in got)
-            if np is not None and all(f"rng_numpy/{p}" in got for p in range(n)):
+            np = _numpy(load=rows["numpy"] is not None)
+            if np is not None and rows["numpy"] is not None:
                 np.random.set_state(np_decode(got["rng_numpy/0"], np))
-                carry.np, carry.np_left = [np_decode(got[f"rng_numpy/{p}"], np) for p in range(n)], np.random.get_state()
+            _fill_carry(carry, np, **rows)
 
         return dests, apply
     return None

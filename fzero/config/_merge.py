@@ -71,14 +71,13 @@ def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings
     # rate (DeepSpeed's scheduler sets every client group's lr, so a constant group would drop it for that group); the
     # others' schedules are the user's own (often a multiple of it: lambda t: 0.1 * settings.learning_rate(t)); a group
     # with no rate (set_to_zero, identity) has nothing to schedule
-    groups = _group_rates(rate)
-    constant = sorted(label for label, r in (groups or {}).items() if r is not None and not callable(r))
-    on_schedule = rate is settings.learning_rate or (groups is not None and not constant
-                                                     and any(r is settings.learning_rate for r in groups.values()))
-    if optimizer is None or not sched or on_schedule:
+    groups = _group_rates(rate) or {}
+    constant = sorted(label for label, r in groups.items() if r is not None and not callable(r))
+    grouped = any(r is settings.learning_rate for r in groups.values())  # a group on the config's schedule
+    if optimizer is None or not sched or rate is settings.learning_rate or (grouped and not constant):
         return
     kind = sched.get("type") if isinstance(sched, dict) else None
-    if constant and any(r is settings.learning_rate for r in groups.values()):
+    if grouped:  # and some constant: refused by name
         raise ValueError(
             f"fzero.compile: optimizer= is a multi_transform whose groups {constant} run at a constant learning rate "
             f"beside a group on the config's \"scheduler\" block ({kind}): DeepSpeed's scheduler sets the lr of every "

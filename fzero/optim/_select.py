@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from fzero.layout import pytrees as _tree
+from fzero.layout import SHARD_ALIGN, pytrees as _tree
 from fzero.optim._base import active_params, param_count, param_ranges, param_tree
 
 NONE = -1  # "no group": masked's False, padding of a leaf that holds no parameter
@@ -178,13 +178,9 @@ def select(tree: Any, groups_of_params: Sequence[int], n_groups: int, segments: 
     return Selection(tuple(tuple(p) for p in pieces), tuple(runs_of_leaves), tuple(t.numel() for t in leaves))
 
 
-# A group's run of a leaf that starts off a multiple of this many elements is cut there too (``_aligned``).
-PIECE_ALIGN = 64
-
-
 def _aligned(a: int, b: int, rel: list) -> list[tuple[int, int, list]]:
     """Run ``a:b`` of one group (``rel``: its ``(start, stop, param)`` ranges in the leaf) as the pieces handed to the
-    group's transform: the run itself, or, when it starts off a multiple of ``PIECE_ALIGN`` and goes past the next
+    group's transform: the run itself, or, when it starts off a multiple of ``SHARD_ALIGN`` and goes past the next
     one ``c``, ``a:c`` and ``c:b``.
 
     Why: torch's fused CPU Adam kernel runs the last ``numel % 16`` elements of each tensor (32 in bf16/fp16) through
@@ -196,7 +192,7 @@ def _aligned(a: int, b: int, rel: list) -> list[tuple[int, int, list]]:
     with ``DiskOffload(sub_group_size=64)`` against no offload: 1.9e-9). Cut at ``c`` in every layout, every later
     cut of the same run lands a multiple of 64 from ``c``, so each element sits at the same place in its piece
     whatever the stage, world size or sub-group size."""
-    c = -(-a // PIECE_ALIGN) * PIECE_ALIGN
+    c = -(-a // SHARD_ALIGN) * SHARD_ALIGN
     if not a < c < b:
         return [(a, b, rel)]
     before = [(x, min(y, c), i) for x, y, i in rel if x < c]
