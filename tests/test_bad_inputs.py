@@ -871,3 +871,65 @@ def test_a_time_major_batch_beside_per_row_labels_is_refused_with_the_layout_nam
     with pytest.raises(ValueError, match=r"row counts differ.*batch on dim 1 \(nn.LSTM's.*\(seq, batch, \.\.\.\) layout\).*"
                                          r"transposed inside loss_fn"):
         step(step.init(fzero.params_of(model)), {"x": torch.randn(6, 4, 5), "y": torch.randint(0, 2, (4,))})
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer times a persistent float buffer (a constant scale, as a model registers one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.register_buffer("scale", torch.full((1,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_state_made_from_a_state_dict_is_refused_where_it_would_train_a_buffer(stages, ranks):
+    """step.init(model.state_dict()) (or of torch.load(path)): a state dict holds the buffers beside the parameters.
+    Stages 0-1 trained the buffer as a parameter, silently (AdamW moved the constant scale from 2.0 to 1.73 in three
+    steps), where torch.optim and DeepSpeed train parameters only; stages 2-3 refused it without saying why. Both
+    refuse it now at the first step, by name, with the fix, before any update."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    step = fzero.compile(_loss_of(model), optimizer=O.adamw(1e-1), stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(model.state_dict())
+    before = step.gather(state)
+    message = (r"fzero.Step: the state's params hold \['scale'\], which is a buffer of _Scaled, not a parameter: the step "
+               r"would train it.*step.init\(fzero.params_of\(model\)\)" if stages < 2 else
+               r"fzero.apply \(stage \d\): the params name \['scale'\].*\['scale'\] is a buffer of it: a state dict "
+               r"\(model.state_dict\(\), torch.load of a checkpoint\) holds buffers beside the parameters")
+    with pytest.raises(ValueError, match=message):
+        step(state, _batch())
+    fzero.testing.assert_trees_equal(step.gather(state), before)
+    assert torch.equal(model.scale, torch.full((1,), 2.0))
+    # the fix: the parameters alone; the buffer stays the module's (the step's state carries it)
+    fixed = fzero.compile(_loss_of(model), optimizer=O.adamw(1e-1), stages=stages, mesh=fzero.local_mesh(ranks))
+    state, _ = fixed(fixed.init(fzero.params_of(model)), _batch())
+    assert torch.equal(fixed.state_dict(state, model)["scale"], torch.full((1,), 2.0))
+
+
+def test_a_state_dict_with_an_integer_buffer_names_params_of_as_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    with pytest.raises(TypeError, match=r"'1.num_batches_tracked' has dtype torch.int64.*a state dict \(model.state_dict\(\), "
+                                        r"torch.load of a checkpoint\) holds buffers beside the parameters.*fzero.params_of"):
+        fzero.compile(_loss_of(model), optimizer=O.sgd(0.1)).init(model.state_dict())
+
+
+def test_a_teachers_buffers_passed_beside_its_params_still_run():
+    """The buffer check reads the step's own params: a frozen teacher run with its params and buffers in one dict
+    (fzero.apply(teacher, {**tparams, **tbuffers}, x)) is not refused."""
+    torch.manual_seed(0)
+    student, teacher = _Scaled(), _Scaled()
+    t_all = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
+
+    def loss_fn(params, b):
+        with torch.no_grad():
+            target = fzero.apply(teacher, t_all, b["x"])
+        return torch.nn.functional.mse_loss(fzero.apply(student, params, b["x"]), target)
+
+    step = fzero.compile(loss_fn, optimizer=O.adamw(1e-2))
+    state, metrics = step(step.init(fzero.params_of(student)), _batch())
+    assert math.isfinite(metrics["loss"])

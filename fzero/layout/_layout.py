@@ -343,7 +343,9 @@ def build_layout(
         if not leaf.is_floating_point():
             raise TypeError(
                 f"{api}: the parameter {path!r} has dtype {leaf.dtype}; only floating-point tensors are trained. "
-                f"Keep integer tensors out of params (as buffers of the module, or in the batch)."
+                f"Keep integer tensors out of params (as buffers of the module, or in the batch); a state dict "
+                f"(model.state_dict(), torch.load of a checkpoint) holds buffers beside the parameters (BatchNorm's "
+                f"num_batches_tracked): pass fzero.params_of(model)."
             )
     device_of(paths, leaves, api=api)
     if unit_of is None:  # consecutive params in the model's order (not optree's sorted keys): see insertion_order

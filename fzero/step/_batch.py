@@ -34,7 +34,7 @@ from torch import nn
 
 from fzero.mesh import current_context
 from fzero.layout import pytrees as _tree
-from fzero.step._module import Buffers, check_module_features, lift_for
+from fzero.step._module import Buffers, check_module_features, check_no_trained_buffers, lift_for
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 
@@ -336,7 +336,8 @@ class LossFnInContext:
 
     Its first call with a graph (the first micro-batch of the first step) also checks what only a forward shows:
     that the modules run hold nothing a step cannot train (``check_module_features``: a ``torch.compile`` wrapper,
-    sparse gradients), that the loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
+    sparse gradients; at stages 0-1, state params that name a module's buffer: ``check_no_trained_buffers``), that the
+    loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
     every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing for it."""
 
     __slots__ = ("fn", "split", "units", "checked")
@@ -355,6 +356,8 @@ class LossFnInContext:
         with watching_apply() as modules:
             out = self._run(params, batch)
         check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
+        if not self.units and isinstance(params, Mapping):  # stages 2-3 refuse it as their copy of the module is made
+            check_no_trained_buffers(params, modules)
         loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             check_own_params(loss, modules)

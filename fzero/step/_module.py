@@ -670,6 +670,36 @@ def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:
             )
 
 
+def check_no_trained_buffers(params: Mapping[str, Any], modules: list[nn.Module]) -> None:
+    """At the first forward with a graph (stages 0-1): refuse a state whose params name a buffer of a module that
+    ``fzero.apply`` ran, and a parameter of none. ``functional_call`` binds a buffer by name as readily as a
+    parameter, so the step differentiated it and the optimizer moved it (a running statistic or a constant scale
+    trained by AdamW), where torch.optim and DeepSpeed train parameters only: what ``step.init(model.state_dict())``
+    or ``step.init(torch.load(path))`` gives, since a state dict holds the buffers beside the parameters. Stages 2-3
+    refuse such a name when they build the step's copy of the module (the names of its trainable parameters)."""
+    buffers: dict[str, nn.Module] = {}
+    held: set[str] = set()
+    for module in modules:
+        held.update(name for name, _ in named_tensors(module, "_parameters", remove_duplicate=False))
+        for name, _ in named_tensors(module, "_buffers", remove_duplicate=False):
+            buffers.setdefault(name, module)
+    trained = [name for name in params if isinstance(name, str) and name in buffers and name not in held]
+    if not trained:
+        return
+    module = buffers[trained[0]]
+    raise ValueError(
+        f"fzero.Step: the state's params hold {trained[:4]}{' ...' if len(trained) > 4 else ''}, which "
+        f"{'are buffers' if len(trained) > 1 else 'is a buffer'} of {type(module).__name__}, not "
+        f"{'parameters' if len(trained) > 1 else 'a parameter'}: the step "
+        f"would train {'them' if len(trained) > 1 else 'it'} (an optimizer update of a running statistic or a constant), "
+        f"where torch.optim and DeepSpeed train parameters only. A state dict (model.state_dict(), torch.load of a "
+        f"checkpoint) holds buffers beside the parameters. Make the state from the parameters: "
+        f"step.init(fzero.params_of(model)) after model.load_state_dict(...), or leave the buffers' names out of the "
+        f"dict given to init; the step takes the module's buffers itself (step.init(params, buffers=...) sets their "
+        f"values)."
+    )
+
+
 def check_module_features(modules: list[nn.Module]) -> None:
     """At the first forward with a graph, before its backward: refuse what ``fzero.apply`` ran but a step cannot
     train. A ``torch.compile`` wrapper inside the model runs the original submodule's own tensors (see

@@ -377,9 +377,14 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
         for unit in layout.units:
             unknown = [s.path for s in unit.slots if s.path not in trainable]
             if unknown:
+                buffers = {n for n, _ in named_tensors(module, "_buffers", remove_duplicate=False)}
+                held = [n for n in unknown if n in buffers]
+                why = (f" {held[:3]} {'are buffers' if len(held) > 1 else 'is a buffer'} of it: a state dict "
+                       f"(model.state_dict(), torch.load of a checkpoint) holds buffers beside the parameters, and a "
+                       f"step trains parameters only; the step takes the module's buffers itself.") if held else ""
                 raise ValueError(
                     f"{api}: the params name {unknown[:3]} (unit {unit.name!r}), which {type(module).__name__} has no trainable "
-                    f"parameter for. Pass the params of this model, e.g. step.init(fzero.params_of(model))."
+                    f"parameter for.{why} Pass the params of this model, e.g. step.init(fzero.params_of(model))."
                 )
             for s in unit.slots:  # a state of another model width must not run (functional_call would run it anyway)
                 if shapes[s.path] != s.shape:
