@@ -87,7 +87,7 @@ def test_donated_init_equals_init_and_trains_the_same(stages):
                              mesh=fzero.local_mesh(2), precision="bf16")
         state = step.init(fzero.params_of(model, copy=False), donate=donate)
         first = step.gather(state)
-        freed = [p.untyped_storage().nbytes() == 0 for p in model.parameters()]
+        freed = [p.is_meta for p in model.parameters()]  # memory given to the state: the module's params are meta now
         assert all(freed) if donate else not any(freed)
         runs.append((first, _train_two(model, step, state)))
     assert_trees_equal(runs[1][0], runs[0][0])
@@ -149,3 +149,49 @@ def test_donate_errors_name_the_setting_and_the_param():
     with pytest.raises(ValueError, match=r"donate=True, but the memory of params\['tok_emb.weight'\] cannot be freed"):
         step.init(outside, donate=True)
     assert all(p.untyped_storage().nbytes() > 0 for p in real.parameters())  # refused before anything was freed
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_donated_modules_parameters_turn_meta_so_reads_fail_by_name_not_by_crashing(stages):
+    """After step.init(params_of(model, copy=False), donate=True) the module's parameters had no memory but kept their
+    shapes, and torch read their values from freed memory: fzero.params_of(model) again (a notebook cell run twice),
+    model(x) or a print crashed the process (a segmentation fault). Now they are meta tensors (the same objects), as
+    under fzero.empty_params(): each such read is an error, and the step trains as before."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    weight = model.tok_emb.weight  # a reference the user holds
+    step = fzero.compile(lambda p, b: gpt_loss(fzero.apply(model, p, b["x"]), b["y"]), stages=stages)
+    given = fzero.params_of(model, copy=False)
+    state = step.init(given, donate=True)
+    assert all(p.is_meta for p in model.parameters()) and weight.is_meta and model.tok_emb.weight is weight
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in model.parameters())
+    assert all(t.is_meta for t in given.values())
+    with pytest.raises(ValueError, match=r"params hold meta tensors .* donate=True\) holds meta tensors since: its values "
+                                         r"are that state's \(step.gather\(state\)\)"):
+        step.init(fzero.params_of(model, copy=False), donate=True)  # the cell run again
+    try:  # torch's meta-tensor error, or a meta result (no values): never values read from freed memory
+        assert model(torch.zeros(1, 4, dtype=torch.long)).is_meta
+    except RuntimeError as e:
+        assert "meta" in str(e)
+    state, _ = step(state, {"x": torch.randint(0, 64, (4, 16)), "y": torch.randint(0, 64, (4, 16))})
+    model.load_state_dict(step.state_dict(state, model), assign=True)  # the fix the errors name: the values back
+    assert_trees_equal(fzero.params_of(model), step.gather(state))
+    assert all(p.requires_grad and not p.is_meta for p in model.parameters())
+
+
+def test_a_donated_parameter_that_cannot_turn_meta_is_refused_by_name():
+    """A parameter with a weak reference cannot be swapped for a meta tensor: it keeps its shape with no memory, and
+    fzero's entry points name it instead of reading freed memory."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    held = weakref.ref(model.tok_emb.weight)  # noqa: F841 - what keeps torch from swapping it
+    step = fzero.compile(lambda p, b: gpt_loss(fzero.apply(model, p, b["x"]), b["y"]))
+    step.init(fzero.params_of(model, copy=False), donate=True)
+    assert not model.tok_emb.weight.is_meta and model.tok_emb.weight.untyped_storage().nbytes() == 0
+    for call, api in ((lambda: fzero.params_of(model), "fzero.params_of"),
+                      (lambda: step.init({n: p.detach() for n, p in model.named_parameters()}), "fzero.Step.init")):
+        with pytest.raises(ValueError, match=rf"{api}: the .*\['tok_emb.weight'\] hold no memory: it was given to a state by "
+                                             r"step.init\(..., donate=True\)"):
+            call()

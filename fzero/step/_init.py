@@ -24,6 +24,7 @@ from fzero.mesh import AGREE_FIX, DistMesh, LocalMesh, events as _events, progra
 from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Unit, build_frozen, build_layout, device_of, frozen_key, pack_frozen,
                           LayoutSegments, check_units_exist)
 from fzero.optim import use_segments
+from fzero.step._module import DONATED_FROM, check_not_freed
 from fzero.step._update import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
 
@@ -56,6 +57,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
     if frozen is not None:
         layout = _frozen_layout(step, layout, params, frozen, low)
     paths, leaves, _ = _tree.flatten_with_paths(params)
+    check_not_freed(zip([p or "<root>" for p in paths], leaves), api=API, what="params")
     device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)
     donated = _Donated(paths, leaves) if donate else None
     dist = isinstance(step.mesh, DistMesh)
@@ -67,7 +69,9 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
             f"{API}: params hold meta tensors (shapes without values) on " + where + ", and no materialize= "
             "makes them. Pass materialize=fn(path, meta_tensor) -> initial value (e.g. model.init_value), or real "
             "params; only ranks other than 0 under fzero.dist_mesh() may pass meta params alone (rank 0's values "
-            "are broadcast to them, as FSDP's sync_module_states)."
+            "are broadcast to them, as FSDP's sync_module_states). A module whose parameters were given to a state by "
+            "step.init(fzero.params_of(model, copy=False), donate=True) holds meta tensors since: its values are that "
+            "state's (step.gather(state))."
         )
     comm = step.mesh.comm(api="fzero.Step.init") if dist else None
     reader = _reader_on_every_rank(materialize, comm, step.mesh) if comm is not None else None
@@ -278,11 +282,20 @@ class _Donated:
     0.7). Donated, each storage is freed (``resize_(0)``, as FSDP frees a resharded parameter) once every leaf
     viewing it has been packed, so the module's memory goes down as the state's goes up. As with JAX's donated
     buffers, the tensors stay (shape and dtype) but their values are gone: the module runs only through
-    ``fzero.apply`` with the state's params afterwards."""
+    ``fzero.apply`` with the state's params afterwards.
+
+    Once freed, each tensor known to view that memory becomes a meta tensor of its shape (``torch.utils.swap_tensors``:
+    the same Python object, so every holder sees it): the given params, and the module's own parameters they are
+    views of (``params_of(module, copy=False)`` names them). Left as they were, a read of their values outside
+    ``fzero.apply`` (``fzero.params_of(model)`` again, a notebook cell run twice, ``model(x)``, a print) read freed
+    memory and crashed the process; now it gets torch's meta-tensor error, or fzero's, as a model built under
+    ``fzero.empty_params()`` does. A tensor that cannot be swapped (one with a weak reference) keeps its shape with no
+    memory, which fzero's own entry points refuse by name (``check_not_freed``)."""
 
     def __init__(self, paths: list, leaves: list) -> None:
         self.leaves = leaves
         self.count: dict[int, int] = {}  # storage (its StorageImpl address) -> leaves viewing it not yet packed
+        self.viewing: dict[int, list[torch.Tensor]] = {}  # storage -> the given tensors viewing it
         for path, x in zip(paths, leaves):
             if not isinstance(x, torch.Tensor) or x.is_meta:
                 continue
@@ -294,6 +307,7 @@ class _Donated:
                     f"donate=False, or params whose memory torch allocated (fzero.params_of(model, copy=False))."
                 )
             self.count[storage._cdata] = self.count.get(storage._cdata, 0) + 1
+            self.viewing.setdefault(storage._cdata, []).append(x)
 
     def packed(self, indices: tuple[int, ...]) -> None:
         """The leaves at ``indices`` are in the state now: free each storage that no leaf still to be packed views."""
@@ -307,6 +321,23 @@ class _Donated:
             if self.count[key] == 0:
                 storage.resize_(0)
                 _events.resized(x)  # a storage resize is no dispatched op: memory counters hear of it here
+                for view in self.viewing.pop(key):
+                    owner = view.__dict__.get(DONATED_FROM)
+                    if owner is not None:
+                        _to_meta(owner)
+                    _to_meta(view)
+
+
+def _to_meta(t: torch.Tensor) -> None:
+    """``t``, whose memory was freed, becomes a meta tensor of its shape and dtype in place (the same Python object: a
+    module's parameter stays a parameter, with its ``requires_grad``). One that torch cannot swap stays as it is."""
+    meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+    if isinstance(t, nn.Parameter):
+        meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+    try:
+        torch.utils.swap_tensors(t, meta)
+    except RuntimeError:  # a weak reference to it, or a subclass torch cannot swap: fzero's entry points refuse it by name
+        pass
 
 
 def _checked_buffers(buffers: Any) -> dict[str, torch.Tensor]:

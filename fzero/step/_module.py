@@ -59,7 +59,39 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
             f"as nn.LazyLinear, before its first forward): {lazy[:4]}. Run the model once on a sample batch "
             f"(with torch.no_grad(): model(x)) so that they get their shapes and values, then call fzero.params_of(model)."
         )
-    return {name: p.detach().clone() if copy else p.detach() for name, p in module.named_parameters() if p.requires_grad}
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    check_not_freed(named, api="fzero.params_of", what=f"parameter(s) of {type(module).__name__}")
+    if copy:
+        return {name: p.detach().clone() for name, p in named}
+    out = {}
+    for name, p in named:
+        out[name] = view = p.detach()
+        view.__dict__[DONATED_FROM] = p  # step.init(..., donate=True) turns the module's parameter to meta too (_init)
+    return out
+
+
+# The module's parameter a tensor of ``params_of(module, copy=False)`` is the memory of: ``Step.init(..., donate=True)``
+# frees that memory, then turns the parameter itself into a meta tensor of its shape (``torch.utils.swap_tensors``).
+DONATED_FROM = "_fz_donated_from"
+
+
+def freed(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no memory for its values (a storage resized away, as ``Step.init(..., donate=True)`` leaves
+    what it could not turn to meta): torch reads such a tensor's values from freed memory, a crash of the process."""
+    return (not t.is_meta and t.numel() > 0 and t.layout == torch.strided
+            and t.untyped_storage().nbytes() < (t.storage_offset() + 1) * t.element_size())
+
+
+def check_not_freed(named: Any, *, api: str, what: str) -> None:
+    """Refuse, by name, tensors whose memory was given away (``freed``): read, they crash the process."""
+    gone = [name for name, t in named if isinstance(t, torch.Tensor) and freed(t)]
+    if gone:
+        raise ValueError(
+            f"{api}: the {what} {gone[:4]}{' ...' if len(gone) > 4 else ''} hold no memory: it was given to a state by "
+            f"step.init(..., donate=True), and their values are the state's now (reading them here would crash the "
+            f"process). Take the values from the state: step.gather(state) gives the params whole, and "
+            f"model.load_state_dict(step.state_dict(state, model), assign=True) puts them back into the module."
+        )
 
 
 def frozen_of(module: nn.Module) -> dict[str, torch.Tensor]:
