@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fzero  # noqa: E402
-from problems import B1, B2, EPS, LR, WD, gpt_problem, save_and_finish  # noqa: E402
+from problems import B1, B2, EPS, GLOBAL_BATCH, LR, WD, gpt_problem, save_and_finish  # noqa: E402
 
 
 def main() -> None:
@@ -20,8 +20,10 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    settings = fzero.config.from_accelerate(args.config)
     mesh = fzero.dist_mesh()
+    # the loader's per-process batch size: the global batch, shared by the ranks and the config's micro-batches
+    accum = fzero.config.from_accelerate(args.config, batch_size=1).grad_accum
+    settings = fzero.config.from_accelerate(args.config, batch_size=GLOBAL_BATCH // (mesh.size * accum))
     prob = gpt_problem(steps=3)
     step = fzero.compile(prob.loss_fn, config=settings, mesh=mesh,
                          optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD))

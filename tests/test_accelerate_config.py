@@ -66,12 +66,13 @@ def _write(tmp_path, text, name="default_config.yaml"):
 
 
 def test_the_plugins_fields_are_the_deepspeed_keys_they_stand_for(tmp_path):
-    got = from_accelerate(_write(tmp_path, ZERO2))
+    got = from_accelerate(_write(tmp_path, ZERO2), batch_size=3)
     want = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                           "gradient_accumulation_steps": 4, "gradient_clipping": 0.5, "fp16": {"enabled": True}},
-                          world_size=2)
+                           "gradient_accumulation_steps": 4, "gradient_clipping": 0.5, "fp16": {"enabled": True},
+                           "train_micro_batch_size_per_gpu": 3}, world_size=2)
     assert got.compile_kwargs() == want.compile_kwargs() and got.world_size == 2
     assert (got.stages, got.offload, got.offload_params, got.grad_accum, got.clip_grad_norm) == (2, "cpu", False, 4, 0.5)
+    assert (got.micro_batch_size, got.train_batch_size) == (3, 24)  # the loader's batch size, as prepare() fills it
     assert any("rdzv_backend" in n and "torchrun" in n for n in got.notes)  # the launcher's settings, listed
     assert got.source.endswith("default_config.yaml")
 
@@ -171,7 +172,7 @@ def test_accelerate_launch_runs_an_fzero_script_with_the_same_config(tmp_path, o
     got = torch.load(out, weights_only=True)
     assert (got["world"], got["stage"], got["grad_accum"], got["clip"]) == (2, 2, 2, 1.0)
     prob = gpt_problem(steps=3)
-    step = fzero.compile(prob.loss_fn, config=from_accelerate(cfg), mesh=fzero.local_mesh(2),
+    step = fzero.compile(prob.loss_fn, config=from_accelerate(cfg, batch_size=2), mesh=fzero.local_mesh(2),
                          optimizer=fzero.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD))
     state = step.init(fzero.params_of(prob.model))
     for k, b in enumerate(prob.batches):
@@ -195,3 +196,57 @@ def test_what_accelerate_fills_in_is_filled_in_alike(tmp_path):
         got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": mixed, "num_processes": 2,
                                "deepspeed_config": {"deepspeed_config_file": str(file)}})
         assert str(got.precision.compute) == dtype, mixed
+
+
+def test_an_unknown_top_level_key_is_refused_as_accelerate_launch_refuses_it():
+    """accelerate launch refuses a config file with a top-level key its ClusterConfig does not have ("had unknown
+    keys"). fzero listed any such key as a launcher setting with no effect, so the typo mixed_precison: bf16 trained in
+    fp32 here, silently, where Accelerate would not start (found against accelerate 1.15)."""
+    with pytest.raises(ValueError, match=r"^fzero.config.from_accelerate: unknown top-level keys in the Accelerate config: "
+                                         r"'mixed_precison' \(did you mean 'mixed_precision'\?\)\. accelerate launch refuses"):
+        from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precison": "bf16", "deepspeed_config": {"zero_stage": 3}})
+    # every key accelerate 1.15's ClusterConfig has is still accepted, listed in the notes
+    got = from_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 1}, "tpu_zone": None,
+                           "enable_cpu_affinity": False, "parallelism_config": None, "gpu_ids": "all"})
+    assert any("enable_cpu_affinity" in n and "gpu_ids" in n for n in got.notes)
+
+
+def test_the_old_fp16_key_and_a_null_mixed_precision_read_as_accelerate_reads_them():
+    """Accelerate's reader turns an old-format ``fp16: true`` (no mixed_precision) into mixed_precision fp16, and takes a
+    null mixed_precision as 'no' (BaseConfig.process_config, accelerate 1.15): fzero trained the first in fp32, silently,
+    and refused the second."""
+    got = from_accelerate({"distributed_type": "DEEPSPEED", "fp16": True, "deepspeed_config": {"zero_stage": 2}})
+    assert str(got.precision.compute) == "torch.float16" and got.precision.loss_scale is not None
+    got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": None, "deepspeed_config": {"zero_stage": 2}})
+    assert str(got.precision.compute) == "torch.float32"
+    got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "fp16": True,
+                           "deepspeed_config": {"zero_stage": 2}})  # mixed_precision wins, as Accelerate's reader has it
+    assert str(got.precision.compute) == "torch.bfloat16"
+
+
+def test_gradient_accumulation_knows_the_loaders_batch_size_so_a_short_last_batch_is_refused():
+    """At the end of an epoch that does not divide by gradient_accumulation_steps, Accelerate's accumulate() steps on the
+    micro-batches left, each weighted 1/gradient_accumulation_steps (measured with accelerate 1.15 + DeepSpeed 0.19 on 2
+    CPU ranks, ZeRO-2, accumulation 2: its last step's gradient norm was half fzero's, the params 4e-4 apart). fzero took
+    those rows as a whole step (split into 2 micro-batches of half the rows, full weight), silently. Now the plugin's
+    batch sizes are "auto" as DeepSpeedPlugin writes them, filled from batch_size= (the loader's, as prepare() fills them),
+    required with accumulation, and the step refuses the short batch by name."""
+    import torch
+
+    cfg = {"distributed_type": "DEEPSPEED", "num_processes": 2,
+           "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 2}}
+    with pytest.raises(ValueError, match=r"^fzero.config.from_accelerate: gradient_accumulation_steps=2 needs batch_size=, "
+                                         r"the per-process batch_size of the DataLoader.*weighted 1/2.*drop_last=True"):
+        from_accelerate(cfg)
+    settings = from_accelerate(cfg, batch_size=2)
+    assert (settings.micro_batch_size, settings.grad_accum, settings.train_batch_size) == (2, 2, 8)
+    assert any(path == "train_micro_batch_size_per_gpu" and value == 2 for path, value, _ in settings.resolved)
+    step = fzero.compile(lambda p, b: ((p["w"] * b["x"]).sum(-1) ** 2).mean(), config=settings, mesh=fzero.local_mesh(2),
+                         optimizer=fzero.optim.sgd(0.1))
+    state = step.init({"w": torch.ones(3)})
+    state, _ = step(state, {"x": torch.randn(8, 3)})  # 2 rows x 2 micro-batches x 2 ranks
+    with pytest.raises(ValueError, match=r"make 8 rows for the global batch of local_mesh\(2\).*A short last batch of an "
+                                         r"epoch: Accelerate's accumulate\(\) steps on its fewer than 2 micro-batches"):
+        step(state, {"x": torch.randn(4, 3)})
+    # without accumulation a short last batch is the mean over its rows on both sides: no batch_size= needed
+    assert from_accelerate({**cfg, "deepspeed_config": {"zero_stage": 2}}).micro_batch_size is None

@@ -39,6 +39,24 @@ _NOTED = {
     "deepspeed_inclusion_filter": "torchrun launches fzero's processes, on one node or several",
 }
 _PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+# the top-level keys of Accelerate 1.15's config file (ClusterConfig's fields, and the old "fp16" / "dynamo_backend" its
+# reader converts): accelerate launch refuses any other key ("had unknown keys"), so a typo such as mixed_precison
+# must not be read as a launcher setting with no effect (it trained in fp32 here, where Accelerate would not start)
+_TOP_KEYS = frozenset({
+    "command_file", "commands", "compute_environment", "debug", "deepspeed_config", "distributed_type", "downcast_bf16",
+    "dynamo_config", "enable_cpu_affinity", "fp8_config", "fsdp_config", "gpu_ids", "machine_rank", "main_process_ip",
+    "main_process_port", "main_training_function", "megatron_lm_config", "mixed_precision", "mpirun_config",
+    "num_machines", "num_processes", "parallelism_config", "rdzv_backend", "same_network", "tpu_env", "tpu_name",
+    "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu", "fp16", "dynamo_backend",
+})
+
+
+def _mixed_precision(data: Mapping[str, Any]) -> Any:
+    """The file's mixed_precision as Accelerate's reader makes it (``BaseConfig.process_config``): an absent or null
+    value is "no", unless the file has the old ``fp16: true``, which is "fp16"."""
+    if data.get("mixed_precision") is None:
+        return "fp16" if data.get("fp16") else "no"
+    return data["mixed_precision"]
 
 
 def _field(key: str, value: Any) -> Any:
@@ -94,24 +112,61 @@ def _with_launcher_precision(path: str, precision: str, keywords: dict[str, Any]
     return path
 
 
+def _micro_batch(ds: dict[str, Any], keywords: dict[str, Any]) -> None:
+    """The batch sizes DeepSpeedPlugin leaves to ``prepare()`` (``"auto"``, filled from the DataLoader's batch_size),
+    resolved by ``batch_size=``; without it, refused where gradient accumulation makes them matter.
+
+    At the end of an epoch whose micro-batches do not divide by gradient_accumulation_steps, Accelerate's
+    ``accumulate()`` steps on the k micro-batches left, each weighted 1/gradient_accumulation_steps (DeepSpeed scales
+    every micro-batch's loss so). An fzero step given those rows splits them into gradient_accumulation_steps
+    micro-batches and trains them at full weight: a different update, silently (a 2x larger gradient for k = 1 of 2).
+    With the micro batch size known, each step checks its rows and refuses that short batch by name."""
+    if "batch_size" in keywords:
+        ds["train_micro_batch_size_per_gpu"] = "auto"
+        ds["train_batch_size"] = "auto"
+        return
+    gas = ds.get("gradient_accumulation_steps", 1)
+    accum = keywords.get("grad_accum", 1) if gas == "auto" else gas
+    if isinstance(accum, int) and not isinstance(accum, bool) and accum > 1:
+        raise ValueError(
+            f"{API}: gradient_accumulation_steps={accum} needs batch_size=, the per-process batch_size of the DataLoader "
+            f"that Accelerate's prepare() reads into train_micro_batch_size_per_gpu (e.g. from_accelerate(path, "
+            f"batch_size=8)); each step then checks that it gets batch_size x {accum} rows per rank. At the end of an "
+            f"epoch Accelerate's accumulate() steps on the fewer than {accum} micro-batches left, each weighted 1/{accum}; "
+            f"the same rows given to an fzero step would be split into {accum} micro-batches and trained at full weight. "
+            f"Drop that short batch (DataLoader(..., drop_last=True) over batch_size x {accum} rows per rank)."
+        )
+
+
 def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: Any) -> Settings:
     """Read an Accelerate config (a YAML path or a dict) with ``distributed_type: DEEPSPEED`` into fzero ``Settings``.
     ``keywords``: as ``from_deepspeed``'s (``learning_rate=`` and the rest resolve the DeepSpeed file's ``"auto"``);
-    ``world_size`` defaults to the file's ``num_processes``, which Accelerate counts over every machine."""
+    ``world_size`` defaults to the file's ``num_processes``, which Accelerate counts over every machine. With the
+    plugin's fields, ``batch_size=`` is the DataLoader's per-process batch size (Accelerate's
+    ``train_micro_batch_size_per_gpu``), required with ``gradient_accumulation_steps`` > 1 (``_micro_batch``)."""
     source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "dict"
     data = _load_yaml(source) if source != "dict" else dict(config)
     kind = data.get("distributed_type")
     if kind != "DEEPSPEED":
         raise ValueError(f"{API}: distributed_type is {kind!r}, not 'DEEPSPEED': this Accelerate config does not run ZeRO "
                          f"(for 'MULTI_GPU' / 'MULTI_CPU' DDP, fzero's stage 0 is the counterpart: compile(stages=0)).")
+    unknown_top = sorted(set(data) - _TOP_KEYS)
+    if unknown_top:
+        import difflib
+
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, sorted(_TOP_KEYS), n=1))
+                 else repr(k) for k in unknown_top]
+        raise ValueError(f"{API}: unknown top-level keys in the Accelerate config: {', '.join(hints)}. accelerate launch "
+                         f"refuses them too (\"had unknown keys\"); fix or remove them.")
     section = dict(data.get("deepspeed_config") or {})
     notes = []
     for key, why in _NOTED.items():
         if key in section:
             notes.append(f"{key}={section.pop(key)!r}: accepted, no effect here: {why}")
-    precision = _PRECISION.get(str(data.get("mixed_precision", "no")))
+    mixed = _mixed_precision(data)
+    precision = _PRECISION.get(str(mixed))
     if precision is None:
-        raise ValueError(f"{API}: mixed_precision={data.get('mixed_precision')!r}; fzero reads 'no', 'fp16' or 'bf16'.")
+        raise ValueError(f"{API}: mixed_precision={mixed!r}; fzero reads 'no', 'fp16' or 'bf16'.")
     file = section.pop("deepspeed_config_file", None)
     if file is not None:
         if section:
@@ -148,12 +203,13 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
                 del ds["zero_optimization"][which]
         if precision != "fp32":
             ds[precision] = {"enabled": True}
+        _micro_batch(ds, keywords)
     world = int(data.get("num_processes", 1))  # Accelerate's num_processes counts every machine's (its total)
     keywords.setdefault("world_size", world)
     if file is not None:
         ds = _with_launcher_precision(ds, precision, keywords)
     settings = from_deepspeed(ds, **keywords)
-    mapped = {"distributed_type", "deepspeed_config", "mixed_precision", "num_processes", "num_machines"}
+    mapped = {"distributed_type", "deepspeed_config", "mixed_precision", "num_processes", "num_machines", "fp16"}
     launcher = sorted(set(data) - mapped)
     if launcher:
         notes.append(f"{', '.join(launcher)}: accepted, no effect here: Accelerate's launcher and environment settings "

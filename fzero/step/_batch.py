@@ -297,13 +297,13 @@ def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy:
     return [spec.unflatten(p) for p in parts]
 
 
-def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: str = "") -> None:
+def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: str = "", short: str = "") -> None:
     """Refuse a batch that holds no rows, or (``expected``) another number of rows than the step was set up for.
 
     An empty batch gives a NaN loss (a mean over nothing), which the step would average into every rank's update;
     rows that do not match the DeepSpeed config's batch sizes train with another batch than the config says, and
     the learning rate tuned for it. ``where``: whose batch ("the global batch", "rank 1's batch"); ``setting``:
-    what ``expected`` comes from, for the message. A detection batch's rows are its images (``batch_rows``): an image
+    what ``expected`` comes from, for the message; ``short``: said too when a batch has fewer rows. A detection batch's rows are its images (``batch_rows``): an image
     without objects (``boxes`` of 0 rows) is a row, not an empty batch."""
     rows, _ = batch_rows(batch)
     empty = [(p, n) for p, n in rows if n == 0]
@@ -318,6 +318,7 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
         raise ValueError(
             f"fzero.Step.__call__: {setting} make {expected} rows for {where}, but {rows_listed(wrong)}. Pass "
             f"batches of {expected} rows, or change the config's batch sizes to the batches you pass; {_NOT_PER_ROW}."
+            + (short if any(n < expected for _, n in wrong) else "")
         )
 
 

@@ -180,7 +180,11 @@ class Step:
         expected = None if self.micro_batch_size is None else self.micro_batch_size * self.grad_accum * n
         setting = (f"micro_batch_size={self.micro_batch_size} (a DeepSpeed config's train_micro_batch_size_per_gpu) x "
                    f"grad_accum={self.grad_accum} (gradient_accumulation_steps)" + (f" x {n} ranks" if n > 1 else ""))
-        check_rows(batch, where=where, expected=expected, setting=setting)
+        short = ("" if self.grad_accum == 1 else
+                 f" A short last batch of an epoch: Accelerate's accumulate() steps on its fewer than {self.grad_accum} "
+                 f"micro-batches, each weighted 1/{self.grad_accum}, which a step here does not do; drop it "
+                 f"(DataLoader(..., drop_last=True)).")
+        check_rows(batch, where=where, expected=expected, setting=setting, short=short)
 
     def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes) -> Any:
         """``program`` as this rank, in its context. ``writes``: where the rank's copies of the user's modules note what
