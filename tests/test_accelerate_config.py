@@ -1,6 +1,7 @@
 """fzero.config.from_accelerate: the DeepSpeed section of an Accelerate config file (what `accelerate config` writes)
 as fzero settings, equal to the DeepSpeed config it stands for."""
 
+import json
 import os
 import shutil
 
@@ -128,6 +129,20 @@ def test_a_plugin_field_that_does_not_cast_is_named_and_a_null_clipping_is_deeps
     assert got.clip_grad_norm == 1.0
     assert any(n.startswith("gradient_clipping=None") and "default (1.0)" in n for n in got.notes)
     assert read(gradient_clipping="0.5", zero_stage="3").clip_grad_norm == 0.5  # strings that cast, as the plugin's
+
+
+def test_gradient_clipping_auto_is_what_accelerates_prepare_fills(tmp_path):
+    """gradient_clipping: "auto" (a plugin field, or in the deepspeed_config_file) is 1.0 under Accelerate: prepare()
+    fills it so, whatever max_norm the loop gives accelerator.clip_grad_norm_ (which does not clip under DeepSpeed). It
+    was refused, asking for clip_grad_norm=, where a loop's own max_norm would then clip unlike Accelerate's run."""
+    plugin = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2, "gradient_clipping": "auto"}}
+    assert from_accelerate(plugin).clip_grad_norm == 1.0
+    assert from_accelerate(plugin, clip_grad_norm=0.5).clip_grad_norm == 0.5  # a choice given wins
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
+                                "train_micro_batch_size_per_gpu": 2}))
+    filed = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": str(path)}}
+    assert from_accelerate(filed).clip_grad_norm == 1.0
 
 LAUNCHED = """compute_environment: LOCAL_MACHINE
 deepspeed_config:

@@ -104,12 +104,21 @@ def _with_launcher_precision(path: str, precision: str, keywords: dict[str, Any]
             cfg = json.load(f)
     except (OSError, ValueError):
         return path  # from_deepspeed names what is wrong with the file
+    if isinstance(cfg, dict):
+        _clipping_auto(cfg, keywords)
     if any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == "auto" for k in ("fp16", "bf16")):
         keywords.setdefault("precision", precision)
         return path
     if isinstance(cfg, dict) and precision != "fp32" and precision not in cfg:
         return {**cfg, precision: {"enabled": True}}
     return path
+
+
+def _clipping_auto(ds: Mapping[str, Any], keywords: dict[str, Any]) -> None:
+    """A ``gradient_clipping: "auto"`` as Accelerate's ``prepare()`` fills it: 1.0, whatever max_norm the loop gives
+    ``accelerator.clip_grad_norm_`` (which does not clip under DeepSpeed), unless ``clip_grad_norm=`` says otherwise."""
+    if ds.get("gradient_clipping") == "auto":
+        keywords.setdefault("clip_grad_norm", 1.0)
 
 
 def _micro_batch(ds: dict[str, Any], keywords: dict[str, Any]) -> None:
@@ -204,6 +213,7 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
         if precision != "fp32":
             ds[precision] = {"enabled": True}
         _micro_batch(ds, keywords)
+        _clipping_auto(ds, keywords)
     world = int(data.get("num_processes", 1))  # Accelerate's num_processes counts every machine's (its total)
     keywords.setdefault("world_size", world)
     if file is not None:
