@@ -933,3 +933,25 @@ def test_a_teachers_buffers_passed_beside_its_params_still_run():
     step = fzero.compile(loss_fn, optimizer=O.adamw(1e-2))
     state, metrics = step(step.init(fzero.params_of(student)), _batch())
     assert math.isfinite(metrics["loss"])
+
+
+def test_a_model_fsdp_shards_already_is_refused_with_the_stage_to_use():
+    """A model given to FSDP2's fully_shard (a habit from FSDP) holds FSDP's shards: fzero.params_of failed deep inside
+    torch ("Attempted to access the data pointer on an invalid python storage"), naming neither FSDP nor the fix."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        params = fzero.params_of(model)  # made before the model was sharded: the first step names it
+        fully_shard(model[0])
+        with pytest.raises(TypeError, match=r"fzero.Step: the submodule '0' of Sequential is sharded by FSDP \(FSDPLinear"
+                                            r".*build it without FSDP and compile\(\.\.\., stages=3\)"):
+            step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1))
+            step(step.init(params), _batch())
+        fully_shard(model)
+        with pytest.raises(TypeError, match=r"fzero.params_of: the model \(FSDPSequential\) is sharded by FSDP"):
+            fzero.params_of(model)
+    finally:
+        dist.destroy_process_group()

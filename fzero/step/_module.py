@@ -50,6 +50,7 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.params_of: expected an nn.Module, got {type(module).__name__}.")
     check_not_compiled(module, api="fzero.params_of")
+    check_not_fsdp(module, api="fzero.params_of")
     if not isinstance(copy, bool):
         raise TypeError(f"fzero.params_of: copy must be True or False, got {copy!r}.")
     lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
@@ -101,6 +102,7 @@ def frozen_of(module: nn.Module) -> dict[str, torch.Tensor]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fzero.frozen_of: expected an nn.Module, got {type(module).__name__}.")
     check_not_compiled(module, api="fzero.frozen_of")
+    check_not_fsdp(module, api="fzero.frozen_of")
     return {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
 
 
@@ -170,6 +172,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
                         f"{type(module).__name__}.")
     check_not_compiled(module, api="fzero.apply")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
+    if current_context().applied is not None:  # the first forward of a step's checks: before it runs the model
+        check_not_fsdp(module, api="fzero.Step")
     if current_context().stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
         check_no_sync_batchnorm(module, api="fzero.apply")
         check_no_parametrize_cache(module, api="fzero.apply")
@@ -654,6 +658,34 @@ def check_not_compiled(module: nn.Module, *, api: str) -> None:
             f"compiled forward runs the wrapped module with that module's own tensors, so a step's params would not "
             f"reach it. {COMPILE_FIX}"
         )
+
+
+def _fsdp_classes() -> tuple[type, ...]:
+    """FSDP's module classes in this torch (FSDP2's ``FSDPModule`` mixin, FSDP1's wrapper), where torch.distributed is."""
+    try:
+        import torch.distributed.fsdp as fsdp
+    except ImportError:  # a torch built without distributed
+        return ()
+    return tuple(c for c in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if c)
+
+
+def check_not_fsdp(module: nn.Module, *, api: str) -> None:
+    """Refuse a model that FSDP shards already (``fully_shard``, ``FullyShardedDataParallel``). Its parameters are
+    FSDP's shards (DTensors, or flat parameters), which FSDP gathers in its own hooks around each forward: read by fzero
+    they failed deep inside torch ("Attempted to access the data pointer on an invalid python storage"), with no word
+    of FSDP. fzero shards the model itself, so the fix is to leave FSDP out."""
+    classes = _fsdp_classes()
+    if not classes:
+        return
+    for path, m in module.named_modules():
+        if isinstance(m, classes):
+            raise TypeError(
+                f"{api}: {f'the submodule {path!r} of {type(module).__name__}' if path else f'the model ({type(m).__name__})'} is sharded "
+                f"by FSDP ({type(m).__name__}: fully_shard or FullyShardedDataParallel), whose parameters are shards "
+                f"that FSDP gathers in its own hooks, so fzero cannot read or run them. fzero shards the model itself: "
+                f"build it without FSDP and compile(..., stages=3) (FSDP2's fully_shard per layer is fzero's units; its "
+                f"reshard_after_forward=True is stages=3, False is stages=2); DDP's counterpart is stages=0."
+            )
 
 
 def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
