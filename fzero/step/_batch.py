@@ -303,8 +303,9 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
     An empty batch gives a NaN loss (a mean over nothing), which the step would average into every rank's update;
     rows that do not match the DeepSpeed config's batch sizes train with another batch than the config says, and
     the learning rate tuned for it. ``where``: whose batch ("the global batch", "rank 1's batch"); ``setting``:
-    what ``expected`` comes from, for the message; ``short``: said too when a batch has fewer rows. A detection batch's rows are its images (``batch_rows``): an image
-    without objects (``boxes`` of 0 rows) is a row, not an empty batch."""
+    what ``expected`` comes from, for the message; ``short``: said too when a batch has fewer rows. A detection
+    batch's rows are its images (``batch_rows``): an image without objects (``boxes`` of 0 rows) is a row, not an
+    empty batch."""
     rows, _ = batch_rows(batch)
     empty = [(p, n) for p, n in rows if n == 0]
     if empty:
@@ -314,7 +315,7 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
             f"drop_last=True, or a DistributedSampler that shards evenly), or skip the step on every rank together."
         )
     wrong = [(p, n) for p, n in rows if expected is not None and n != expected]
-    if wrong:
+    if wrong and expected is not None:
         raise ValueError(
             f"fzero.Step.__call__: {setting} make {expected} rows for {where}, but {rows_listed(wrong)}. Pass "
             f"batches of {expected} rows, or change the config's batch sizes to the batches you pass; {_NOT_PER_ROW}."
