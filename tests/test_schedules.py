@@ -9,6 +9,7 @@ for bit at every step.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -215,3 +216,41 @@ def test_an_lr_the_loop_sets_between_steps_is_the_one_applied_and_reported(stage
         assert m["lr"] == value
         moved.append(max(float((step.gather(state)[k] - before[k]).abs().max()) for k in before))
     assert moved[0] > 0 and moved[1] == 0.0 and moved[2] > 0
+
+
+@pytest.mark.parametrize("stages, ranks, offload", [(0, 1, None), (0, 2, None), (2, 2, None), (3, 2, "cpu"), (1, 2, "nvme")])
+def test_a_schedule_is_called_once_per_step_and_the_lr_reported_is_the_lr_applied(stages, ranks, offload, tmp_path):
+    """Found by a sweep of habits: a schedule with Python state (a closure that counts its calls, as a LambdaLR user
+    writes one) was called twice per step on one rank (once for metrics["lr"] and its check, once by the update) and
+    four times on a local_mesh(2), in the order the rank threads ran: metrics["lr"] said 5e-3 where 2.5e-3 was applied,
+    and at stage 0 the two ranks applied different rates, so their replicas drifted apart (1e-3 after one SGD step),
+    silently. Now a step calls each schedule once for all its ranks and readers, and the update applies what
+    metrics["lr"] reports: SGD moves each param by exactly lr * grad."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    calls = []
+
+    def halving(t):  # a schedule that counts its own calls
+        calls.append(t)
+        return 0.1 * 0.5 ** len(calls)
+
+    if offload == "nvme":
+        offload = fzero.DiskOffload(tmp_path)
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(halving),
+                         stages=stages, mesh=fzero.local_mesh(ranks), offload=offload)
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(1))
+    for k, b in enumerate(x):
+        before = step.gather(state)
+        ref = copy.deepcopy(model)
+        ref.load_state_dict(before)
+        ref(b).pow(2).mean().backward()
+        state, m = step(state, b)
+        assert calls == list(range(k + 1))  # once per step, with the steps already taken
+        assert m["lr"] == 0.1 * 0.5 ** (k + 1)
+        after = step.gather(state)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(after[name], before[name] - m["lr"] * p.grad, rtol=0, atol=1e-7)
+        if ranks > 1 and stages == 0:  # the replicas are one model
+            for name, t in state.states[0].params.items():
+                assert torch.equal(t, state.states[1].params[name])

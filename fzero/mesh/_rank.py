@@ -112,6 +112,7 @@ class RankContext:
     replay: bool = False  # a remat recompute: hand out the snapshots' copies, not the live buffers
     usage: Any = None  # which params this rank's gradients used (``fzero.step._context.Usage``)
     segments: Any = None  # the per-parameter segments of ZeRO leaves the optimizer updates (``fzero.optim``)
+    schedules: Any = None  # one step call's schedule values, shared by its ranks (``fzero.optim``'s ``ScheduleValues``)
     generator: torch.Generator | None = None  # a local_mesh rank's CPU generator
     stream: Any = None  # a local_mesh rank's RNG stream (CPU and CUDA generators)
     observers: tuple = ()  # buffer-event observers (``fzero.memory``'s counters)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import optree
@@ -405,6 +406,47 @@ def _param_shaped(state: Any, params: Any) -> list[list[torch.Tensor]]:
 
     walk(state)
     return found
+
+
+# -- a schedule's value, once per step -----------------------------------------------------------------
+
+
+class ScheduleValues:
+    """The values the schedules (learning rate, momentum) took in one call of a step, shared by its ranks: each
+    schedule is called once per step count, however many places read it (the step checks and reports the learning
+    rate, then the update applies it) and however many ranks of a ``local_mesh`` run the update.
+
+    Called at each place and on each rank, a schedule with Python state (a closure that counts its calls, as a
+    ``LambdaLR`` user writes one, or one that reads a value another thread changes) was called twice per step on one
+    rank and four times on a ``local_mesh(2)``, in the order the rank threads ran: ``metrics["lr"]`` was not the
+    learning rate applied (5e-3 reported, 2.5e-3 applied), and at stages 0-2 the ranks applied different rates, so
+    the replicas of a stage-0 model drifted apart (1e-3 after one SGD step), silently."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[int, int], tuple[Callable[[int], Any], Any]] = {}
+        self._lock = threading.Lock()
+
+    def value(self, schedule: Callable[[int], Any], count: int) -> Any:
+        key = (id(schedule), count)
+        with self._lock:  # one rank calls it; the others wait for its value
+            if key not in self._values:
+                self._values[key] = (schedule, schedule(count))  # the schedule kept: its id names no other object
+            return self._values[key][1]
+
+
+@contextlib.contextmanager
+def schedule_values(values: ScheduleValues) -> Iterator[None]:
+    """Within it, in this thread's rank context, ``scheduled`` reads and fills ``values`` (a step call's, which each
+    of its ranks installs: ``fzero.step._step``)."""
+    with with_context(schedules=values):
+        yield
+
+
+def scheduled(schedule: Callable[[int], Any], count: int) -> Any:
+    """``schedule(count)``, called once per step for all the places and ranks that read it (``ScheduleValues``);
+    outside a step (an optimizer run by hand), called each time."""
+    values = current_context().schedules
+    return schedule(count) if values is None else values.value(schedule, count)
 
 
 # -- shared checks ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 
 from fzero.optim._base import LearningRate
 from fzero.optim._base import active_params, current_segments, param_ranges, param_tree
-from fzero.optim._base import per_param_steps, skipped_after
+from fzero.optim._base import per_param_steps, scheduled, skipped_after
 from fzero.optim._transforms import ScaleByAdamState, ScaleByScheduleState
 
 _KERNEL_DEVICES = ("cpu", "cuda")
@@ -47,7 +47,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _lr_now(learning_rate: LearningRate, lr_state: Any) -> float:
     """The learning rate for this step; advances a schedule's count in place."""
     if isinstance(lr_state, ScaleByScheduleState):
-        lr = float(learning_rate(int(lr_state.count)))
+        lr = float(scheduled(learning_rate, int(lr_state.count)))
         lr_state.count.add_(1)
         return lr
     return float(learning_rate)
@@ -100,7 +100,7 @@ def adam_step(
         active = active_params(segments)
         skipped = skipped_after(api, adam.skipped, active)
         lr = _lr_now(learning_rate, state[lr_index])
-        beta1 = float(b1(int(adam.count))) if callable(b1) else b1  # a momentum schedule (OneCycle)
+        beta1 = float(scheduled(b1, int(adam.count))) if callable(b1) else b1  # a momentum schedule (OneCycle)
         adam.count.add_(1)
         if skipped is not adam.skipped:
             adam.skipped.copy_(skipped)

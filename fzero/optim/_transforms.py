@@ -13,7 +13,7 @@ import optree
 import torch
 
 from fzero.optim._base import EmptyState, GradientTransformation, LearningRate, Schedule, check_float, check_learning_rate
-from fzero.optim._base import active_params, param_count, param_ranges, per_param_steps, skipped_after
+from fzero.optim._base import active_params, param_count, param_ranges, per_param_steps, scheduled, skipped_after
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -83,7 +83,7 @@ def scale_by_adam(b1: float | Schedule = 0.9, b2: float = 0.999, eps: float = 1e
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, ScaleByAdamState]:
         del params
-        beta1 = float(b1(int(state.count))) if callable(b1) else b1  # a schedule of the step, global as torch's
+        beta1 = float(scheduled(b1, int(state.count))) if callable(b1) else b1  # a schedule of the step, global as torch's
         count = state.count + 1
         skipped = skipped_after(api, state.skipped, active_params())
         mu = optree.tree_map(lambda m, g: m.lerp(g.to(m.dtype), 1 - beta1), state.mu, updates)
@@ -211,7 +211,7 @@ def scale_by_learning_rate(learning_rate: LearningRate) -> GradientTransformatio
 
     def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
         del params
-        lr = float(schedule(int(state.count)))
+        lr = float(scheduled(schedule, int(state.count)))
         return optree.tree_map(lambda u: u.mul(-lr), updates), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update, None, schedule)

@@ -44,14 +44,22 @@ _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup tabl
                 "given whole to every rank")
 
 
-def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_accum: int = 1) -> list[Any]:
+def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_accum: int = 1,
+                generators: list[tuple[torch.Generator, list[torch.Generator]]] | None = None) -> list[Any]:
     """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring). Each rank
     gets tensors of its own (copies): the ranks of a local mesh run at once, and views of one tensor share its version
     counter, so one rank's in-place write (labels masked with ``y[y == 0] = -100``) would break another's backward, or
-    (a 0-d leaf) change what the other rank reads, as no two torchrun processes can. ``api``: whose batch it is, for
+    (a 0-d leaf) change what the other rank reads, as no two torchrun processes can. A ``torch.Generator`` in the
+    batch (noise drawn in ``loss_fn`` with ``generator=batch["gen"]``) is each rank's own copy too, in the state the
+    caller's is in: shared, the rank threads drew from one stream in the order they ran (other numbers at every run),
+    where each torchrun process draws from its own generator, seeded alike. ``generators``: where each such
+    generator is noted beside its per-rank copies, for the caller to give it rank 0's state once the step has
+    succeeded (``keep_rank0_generators``), as a module's own generator is kept. ``api``: whose batch it is, for
     the errors (a step's, or ``evaluate``'s); ``grad_accum``: the micro-batches each rank's share is split into next,
     so that rows that do not divide by ``n * grad_accum`` are named as the global batch the caller passed, not as a
     rank's share the caller never saw."""
+    if n > 1:
+        batch = _own_generators(batch, n, [] if generators is None else generators)
     parts = n * grad_accum
     accum = f", and each rank's share into grad_accum={grad_accum} micro-batches" if grad_accum > 1 else ""
     return _split_rows(batch, n, api, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
@@ -59,6 +67,43 @@ def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_ac
         f"batch leaf {path!r} has {size}, which does not divide by {parts}. Pass a batch whose dim 0 "
         f"is a multiple of {parts} (e.g. drop the last partial batch)."
     ), copy=True, multiple=parts)
+
+
+class _PerRank:
+    """A batch leaf that is a different object on each rank (a ``torch.Generator``'s copies): ``_split_tree`` gives
+    part ``i`` the ``i``-th."""
+
+    def __init__(self, items: list[Any]):
+        self.items = items
+
+
+def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[torch.Generator]]]) -> Any:
+    """``batch`` with each ``torch.Generator`` leaf (inside dataclasses and mappings too) replaced by n copies of it,
+    one per rank (``_PerRank``), each noted beside the original in ``noted``."""
+    def own(x: Any) -> Any:
+        if isinstance(x, torch.Generator):
+            copies = []
+            for _ in range(n):
+                g = torch.Generator(device=x.device)
+                g.set_state(x.get_state())
+                copies.append(g)
+            noted.append((x, copies))
+            return _PerRank(copies)
+        children = _children(x)
+        if children is not None:
+            return _rebuilt(x, {name: _own_generators(child, n, noted) for name, child in children.items()})
+        return x
+
+    if not any(isinstance(x, torch.Generator) or _children(x) is not None for x in _tree.tree_leaves(batch)):
+        return batch
+    return _tree.tree_map(own, batch)
+
+
+def keep_rank0_generators(generators: list[tuple[torch.Generator, list[torch.Generator]]]) -> None:
+    """Give each ``torch.Generator`` of the caller's batch the state its rank-0 copy ended the step in (what a torchrun
+    job's rank 0 holds after it), once the step has succeeded (``split_batch``)."""
+    for original, copies in generators:
+        original.set_state(copies[0].get_state())
 
 
 def split_micro(batch: Any, k: int) -> list[Any]:
@@ -273,6 +318,8 @@ def _split_tree(batch: Any, k: int, message: Callable[[str, str], str], *, copy:
                                        records=records)
                      for name, child in children.items()}
             chunks: Any = [_rebuilt(leaf, {name: pieces[i] for name, pieces in split.items()}) for i in range(k)]
+        elif isinstance(leaf, _PerRank):  # a generator's copies (split_batch): each rank its own
+            chunks = leaf.items
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             if leaf.shape[0] % multiple:
                 raise ValueError(message(path or "<root>", f"dim 0 of size {leaf.shape[0]}"))

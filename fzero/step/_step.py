@@ -33,9 +33,10 @@ from torch import nn
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, split_batch, split_loss, split_micro
+from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
+from fzero.optim._base import ScheduleValues, schedule_values
 from fzero.step._module import Buffers, broadcast_buffers, check_export_model, module_device, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
@@ -142,33 +143,39 @@ class Step:
         if not self.donate:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
-            batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum)
-            results = self._on_ranks(rank_program, state, batches)
+            generators: list = []  # a torch.Generator in the batch: each rank draws from its own copy
+            batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum, generators=generators)
+            results = self._on_ranks(rank_program, state, batches, schedules=ScheduleValues())
+            keep_rank0_generators(generators)
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
         elif isinstance(state, TrainState):
-            new_state, metrics = self._on_ranks(rank_program, state, batch)[0]
+            new_state, metrics = self._on_ranks(rank_program, state, batch, schedules=ScheduleValues())[0]
         else:
             raise TypeError(f"fzero.Step.__call__: expected the state of this step, got {type(state).__name__}.")
         mark_donated(state)
         mark_verified(new_state, self)
         return new_state, metrics
 
-    def _on_ranks(self, program: Callable, state: TrainState | RankStates, batch: Any) -> list[Any]:
+    def _on_ranks(self, program: Callable, state: TrainState | RankStates, batch: Any, *,
+                  schedules: ScheduleValues | None = None) -> list[Any]:
         """``program`` on every rank of this process (a local mesh's, each with its own state and ``batch[rank]``; else
         this process's one), its results in rank order; then rank 0's writes on the user's modules are kept (see
-        ``_as_rank``), in this thread, once every rank has returned."""
+        ``_as_rank``), in this thread, once every rank has returned. ``schedules``: the values the optimizer's
+        schedules take in this step, one call each for every rank and every place that reads them
+        (``fzero.optim._base.ScheduleValues``)."""
         if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
             # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
             # none writes an object another reads, as each torchrun process has its own; rank 0's are kept
             writes = [Writes(private=len(state.states) > 1) for _ in state.states]
-            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank]),
+            results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank],
+                                                                     schedules=schedules),
                                     list(zip(state.states, batch)))
         else:
             api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
             comm = self.mesh.comm(api=api) if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             writes = [Writes()]
-            results = [self._as_rank(comm, program, state, batch, writes=writes[0])]
+            results = [self._as_rank(comm, program, state, batch, writes=writes[0], schedules=schedules)]
         writes[0].keep()
         return results
 
@@ -186,7 +193,7 @@ class Step:
                  f"(DataLoader(..., drop_last=True)).")
         check_rows(batch, where=where, expected=expected, setting=setting, short=short)
 
-    def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes) -> Any:
+    def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes, schedules: ScheduleValues | None = None) -> Any:
         """``program`` as this rank, in its context. ``writes``: where the rank's copies of the user's modules note what
         its forward wrote on them (``fzero.layout.Writes``), for the caller to keep once the call has succeeded: in
         this process's calling thread, after every rank of a local mesh has returned (its rank 0's writes; a torchrun
@@ -202,7 +209,8 @@ class Step:
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
         clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
-        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes):
+        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes), \
+                (schedule_values(schedules) if schedules is not None else contextlib.nullcontext()):
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
@@ -245,7 +253,10 @@ class Step:
         """
         self._check_state(state, api="fzero.Step.evaluate")
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
-            results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate"))
+            generators: list = []
+            results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate",
+                                                                      generators=generators))
+            keep_rank0_generators(generators)
             metrics = results[0]
             if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
                 metrics["aux_per_rank"] = [r.get("aux") for r in results]

@@ -44,6 +44,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fzero.layout import Layout, LayoutSegments
+from fzero.optim._base import scheduled
 from fzero.mesh import Pending
 from fzero.step._context import Usage
 from fzero.step._pool import Pool, forget, give
@@ -271,7 +272,7 @@ def _checked_lr(lr: Any, step: int, *, group: str = "") -> float:
     """``lr`` (a float or a schedule) at ``step``, refused when a schedule gives no float, a NaN, an inf or a negative."""
     if not callable(lr):
         return float(lr)
-    value = lr(step)
+    value = scheduled(lr, step)  # the value the update then applies (one call per step: ScheduleValues)
     try:
         out = float(value)
     except (TypeError, ValueError):
