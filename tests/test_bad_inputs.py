@@ -955,3 +955,16 @@ def test_a_model_fsdp_shards_already_is_refused_with_the_stage_to_use():
             fzero.params_of(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_cast_after_init_names_the_state_dtype_and_the_fix():
+    """model.double() after step.init, with float64 inputs: torch's "mat1 and mat2 must have the same dtype" reached the
+    user with the batch but no word that the state keeps the dtype it was made in."""
+    model = _model()
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1))
+    state = step.init(fzero.params_of(model))
+    model.double()
+    batch = {k: v.double() for k, v in _batch().items()}
+    with pytest.raises(RuntimeError, match=r"must have the same dtype(.|\n)*Two dtypes met in one op\. The state's params keep "
+                                           r"the dtype step\.init made them in.*model\.double\(\).*does not change the state"):
+        step(state, batch)

@@ -486,6 +486,15 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
         "rank-dependent choices out of it."))
 
 
+# torch's messages for operands of two dtypes ("mat1 and mat2 must have the same dtype, but got Double and Float",
+# "expected scalar type Float but found Double", "Input type (double) and bias type (float) should be the same")
+_DTYPES = re.compile(r"same dtype|expected scalar type|found dtype|type \(\w+\) and \w+ type \(\w+\) should be the same")
+DTYPE_MISMATCH = (
+    "  Two dtypes met in one op. The state's params keep the dtype step.init made them in (the precision policy's "
+    "compute dtype, else the params' own); the batch and the module's own tensors (frozen params, buffers) meet them "
+    "there. A module cast after step.init (model.half(), model.double(), model.to(dtype)) does not change the state, "
+    "so its params are still the old dtype: make a state from the cast model (step.init(fzero.params_of(model))), or "
+    "leave the model as it was and train in low precision with compile(precision='bf16' or 'fp16').")
 _META = re.compile(r"\bmeta\b")  # "Tensor on device meta is not on the expected device", "... meta tensor(s)"
 UNIT_OUTSIDE_ITS_CALL = (
     "  A meta tensor (a shape without a value) was used. At stages 2-3 a unit's params are meta tensors except while "
@@ -532,6 +541,8 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
                      + (f": batch leaf {', '.join(leaves[:3])}." if leaves else ".") + " Pass inputs of the size the model was built for.")
     elif isinstance(error, KeyError) and isinstance(batch, dict):
         lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
+    elif _DTYPES.search(str(error)):
+        lines.append(DTYPE_MISMATCH)
     elif units and _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
         lines.append("  The batch holds meta tensors (shapes without values): pass a batch with values, on the device "
                      "the model runs on.")
