@@ -400,3 +400,27 @@ class _NoisyBatch:
     x: torch.Tensor
     y: torch.Tensor
     gen: torch.Generator
+
+
+def test_a_generator_the_batch_names_twice_is_one_stream_on_each_rank():
+    """Found in review: each place a generator appeared in the batch got copies of its own, so the two names of one
+    generator drew the same numbers on a rank (where a torchrun process draws them in turn from its one generator),
+    and the caller's generator ended the step in the state of one of them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append((torch.randn(2, generator=b["gen"]), torch.randn(2, generator=b["aug"]["gen"])))
+        return fzero.apply(model, params, b["x"]).square().mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(1e-2), mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    gen = torch.Generator().manual_seed(5)
+    step(state, {"x": torch.randn(4, 4), "gen": gen, "aug": {"gen": gen}})
+    ref = torch.Generator().manual_seed(5)  # one torchrun process: one stream, drawn in turn
+    first, second = torch.randn(2, generator=ref), torch.randn(2, generator=ref)
+    assert len(seen) == 2
+    for a, b in seen:
+        assert torch.equal(a, first) and torch.equal(b, second)
+    assert torch.equal(gen.get_state(), ref.get_state())

@@ -79,9 +79,13 @@ class _PerRank:
 
 def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[torch.Generator]]]) -> Any:
     """``batch`` with each ``torch.Generator`` leaf (inside dataclasses and mappings too) replaced by n copies of it,
-    one per rank (``_PerRank``), each noted beside the original in ``noted``."""
+    one per rank (``_PerRank``), each noted beside the original in ``noted``. A generator the batch names twice
+    (``{"gen": g, "aug": {"gen": g}}``) is one stream, as on a torchrun process: each rank gets one copy for both."""
     def own(x: Any) -> Any:
         if isinstance(x, torch.Generator):
+            for original, copies in noted:
+                if original is x:
+                    return _PerRank(copies)
             copies = []
             for _ in range(n):
                 g = torch.Generator(device=x.device)
