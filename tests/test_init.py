@@ -195,3 +195,24 @@ def test_a_donated_parameter_that_cannot_turn_meta_is_refused_by_name():
         with pytest.raises(ValueError, match=rf"{api}: the .*\['tok_emb.weight'\] hold no memory: it was given to a state by "
                                              r"step.init\(..., donate=True\)"):
             call()
+
+
+class _TaggedParameter(torch.nn.Parameter):
+    """A parameter subclass, as libraries mark parameters with one (or with attributes)."""
+
+
+def test_a_donated_parameter_keeps_its_class_and_attributes():
+    """Found in review: torch.utils.swap_tensors swaps __class__ and __dict__ too, so a donated module's parameter
+    became a plain nn.Parameter and lost the attributes code had set on it (p.no_decay = True), which code reading
+    the module's parameters after init (a mask built from them) then saw silently as unset."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight = _TaggedParameter(model[0].weight.detach().clone())
+    model[1].bias.no_decay = True
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), optimizer=fzero.optim.sgd(1e-2))
+    given = fzero.params_of(model, copy=False)
+    step.init(given, donate=True)
+    assert all(p.is_meta for p in model.parameters())
+    assert type(model[0].weight) is _TaggedParameter and model[0].weight.requires_grad
+    assert model[1].bias.no_decay is True
+    assert all(not t.__dict__ for t in given.values())  # the views no longer hold the module's parameters

@@ -330,14 +330,24 @@ class _Donated:
 
 def _to_meta(t: torch.Tensor) -> None:
     """``t``, whose memory was freed, becomes a meta tensor of its shape and dtype in place (the same Python object: a
-    module's parameter stays a parameter, with its ``requires_grad``). One that torch cannot swap stays as it is."""
+    module's parameter stays a parameter, with its ``requires_grad``, its class and its attributes: ``swap_tensors``
+    swaps ``__class__`` and ``__dict__`` too, which would leave a ``nn.Parameter`` subclass a plain parameter and drop
+    what code set on it, ``p.no_decay = True``). One that torch cannot swap stays as it is."""
+    cls = type(t)
+    attrs = {k: v for k, v in t.__dict__.items() if k != DONATED_FROM}  # (the note on a view: done with once freed)
     meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
     if isinstance(t, nn.Parameter):
         meta = nn.Parameter(meta, requires_grad=t.requires_grad)
     try:
         torch.utils.swap_tensors(t, meta)
     except RuntimeError:  # a weak reference to it, or a subclass torch cannot swap: fzero's entry points refuse it by name
-        pass
+        return
+    if type(t) is not cls and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:  # not a wrapper subclass
+        try:
+            t.__class__ = cls
+        except TypeError:
+            pass
+    t.__dict__.update(attrs)
 
 
 def _checked_buffers(buffers: Any) -> dict[str, torch.Tensor]:
