@@ -95,7 +95,10 @@ def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[
             return _PerRank(copies)
         children = _children(x)
         if children is not None:
-            return _rebuilt(x, {name: _own_generators(child, n, noted) for name, child in children.items()})
+            owned = {name: _own_generators(child, n, noted) for name, child in children.items()}
+            if all(owned[name] is child for name, child in children.items()):
+                return x  # no generator inside: the container as given (its __post_init__ not run again)
+            return _rebuilt(x, owned)
         return x
 
     if not any(isinstance(x, torch.Generator) or _children(x) is not None for x in _tree.tree_leaves(batch)):
