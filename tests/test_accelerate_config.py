@@ -260,8 +260,25 @@ def test_gradient_accumulation_knows_the_loaders_batch_size_so_a_short_last_batc
                          optimizer=fzero.optim.sgd(0.1))
     state = step.init({"w": torch.ones(3)})
     state, _ = step(state, {"x": torch.randn(8, 3)})  # 2 rows x 2 micro-batches x 2 ranks
-    with pytest.raises(ValueError, match=r"make 8 rows for the global batch of local_mesh\(2\).*A short last batch of an "
-                                         r"epoch: Accelerate's accumulate\(\) steps on its fewer than 2 micro-batches"):
+    with pytest.raises(ValueError, match=r"make 8 rows for the global batch of local_mesh\(2\).*If it is the short last batch of "
+                                         r"an epoch, drop it.*under Accelerate, accumulate\(\) steps on the fewer than 2 "
+                                         r"micro-batches left"):
         step(state, {"x": torch.randn(4, 3)})
     # without accumulation a short last batch is the mean over its rows on both sides: no batch_size= needed
     assert from_accelerate({**cfg, "deepspeed_config": {"zero_stage": 2}}).micro_batch_size is None
+
+
+def test_a_short_batch_under_a_deepspeed_config_is_not_said_to_be_accelerates():
+    """Found in review: the short-batch hint said "A short last batch of an epoch: Accelerate's accumulate() steps
+    on ..." to every config with accumulation, a DeepSpeed JSON's too (DeepSpeed's engine steps only at its
+    accumulation boundary): Accelerate's rule is now named as Accelerate's, beside the fix."""
+    import torch
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    step = fzero.compile(lambda p, b: ((p["w"] * b["x"]).sum(-1) ** 2).mean(), config=cfg)
+    state = step.init({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"make 4 rows .* If it is the short last batch of an epoch, drop it "
+                                         r"\(DataLoader\(\.\.\., drop_last=True\)\): a step here would split its rows "
+                                         r"into 2 micro-batches at full weight \(under Accelerate"):
+        step(state, {"x": torch.randn(2, 3)})

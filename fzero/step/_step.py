@@ -188,9 +188,10 @@ class Step:
         setting = (f"micro_batch_size={self.micro_batch_size} (a DeepSpeed config's train_micro_batch_size_per_gpu) x "
                    f"grad_accum={self.grad_accum} (gradient_accumulation_steps)" + (f" x {n} ranks" if n > 1 else ""))
         short = ("" if self.grad_accum == 1 else
-                 f" A short last batch of an epoch: Accelerate's accumulate() steps on its fewer than {self.grad_accum} "
-                 f"micro-batches, each weighted 1/{self.grad_accum}, which a step here does not do; drop it "
-                 f"(DataLoader(..., drop_last=True)).")
+                 f" If it is the short last batch of an epoch, drop it (DataLoader(..., drop_last=True)): a step here "
+                 f"would split its rows into {self.grad_accum} micro-batches at full weight (under Accelerate, "
+                 f"accumulate() steps on the fewer than {self.grad_accum} micro-batches left, each weighted "
+                 f"1/{self.grad_accum}).")
         check_rows(batch, where=where, expected=expected, setting=setting, short=short)
 
     def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes, schedules: ScheduleValues | None = None) -> Any:
