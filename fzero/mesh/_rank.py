@@ -14,13 +14,14 @@ has cannot travel that way, because the code that needs it is called by the user
 | ``snapshots``, ``replay`` | ``fzero.apply`` under ``fzero.remat`` | the recompute runs in backward, called by autograd |
 | ``generator``, ``stream`` | torch's random ops (below) | torch reads the process generator; ranks must not share it |
 | ``segments`` | the optimizers (``fzero.optim``) | optax-style ``update(grads, state, params)`` has no place for them |
+| ``schedules`` | the optimizers' and the step's reads of a schedule (``fzero.optim._base.scheduled``) | optax-style ``update`` has no place for them, and the value is one step call's, shared by all its ranks |
 | ``comm``, ``api`` | the first forward's structure check (``fzero.step._batch``) | it runs inside ``fzero.apply``, called by ``loss_fn`` |
 | ``observers`` | the buffer events (``fzero.mesh._comm``) | ``fzero.memory``'s counters are entered by the user around a step |
 
 The rank's program makes its context once (``Step._as_rank``: the comm, the calling API, the module clones, over
 the RNG stream and observers its mesh thread was given) and narrows it for a part of the program with
-``with_context(field=value)``: a step's compute dtype and usage record, a micro-batch's buffers, an update's
-segments, a remat recompute's snapshots. Each ``with_context`` block gives back the
+``with_context(field=value)``: a step's compute dtype, usage record and schedule values, a micro-batch's buffers, an
+update's segments, a remat recompute's snapshots. Each ``with_context`` block gives back the
 fields it changed when it ends, so nothing outlives the block that set it. On a ``local_mesh`` a rank is a thread
 standing in for a process, so the current context is the calling thread's: one slot per thread, holding a frozen
 ``RankContext``; nothing else in fzero is kept per thread.
