@@ -237,6 +237,11 @@ def test_the_old_fp16_key_and_a_null_mixed_precision_read_as_accelerate_reads_th
     got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "fp16": True,
                            "deepspeed_config": {"zero_stage": 2}})  # mixed_precision wins, as Accelerate's reader has it
     assert str(got.precision.compute) == "torch.bfloat16"
+    # found in review: a null mixed_precision beside fp16: true is None to the reader (it reads fp16 only where
+    # mixed_precision is absent) and 'no' to accelerate launch: fp32, where fzero took fp16
+    got = from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": None, "fp16": True,
+                           "deepspeed_config": {"zero_stage": 2}})
+    assert str(got.precision.compute) == "torch.float32"
 
 
 def test_gradient_accumulation_knows_the_loaders_batch_size_so_a_short_last_batch_is_refused():

@@ -52,11 +52,12 @@ _TOP_KEYS = frozenset({
 
 
 def _mixed_precision(data: Mapping[str, Any]) -> Any:
-    """The file's mixed_precision as Accelerate's reader makes it (``BaseConfig.process_config``): an absent or null
-    value is "no", unless the file has the old ``fp16: true``, which is "fp16"."""
-    if data.get("mixed_precision") is None:
+    """The file's mixed_precision as Accelerate's reader makes it (``BaseConfig.process_config``): an absent one is the
+    old ``fp16: true`` ("fp16") if the file has it; a null one (or an absent one without it) is "no", as
+    ``accelerate launch`` makes None (the old ``fp16`` key is read only where ``mixed_precision`` is absent)."""
+    if "mixed_precision" not in data:
         return "fp16" if data.get("fp16") else "no"
-    return data["mixed_precision"]
+    return "no" if data["mixed_precision"] is None else data["mixed_precision"]
 
 
 def _field(key: str, value: Any) -> Any:
