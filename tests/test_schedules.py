@@ -254,3 +254,26 @@ def test_a_schedule_is_called_once_per_step_and_the_lr_reported_is_the_lr_applie
         if ranks > 1 and stages == 0:  # the replicas are one model
             for name, t in state.states[0].params.items():
                 assert torch.equal(t, state.states[1].params[name])
+
+
+def test_a_bound_method_schedule_of_two_groups_is_called_once_per_step():
+    """Found in review: a schedule known by id() was called once per step as a function but twice as a bound method
+    given to two groups (``sgd(s.lr)`` twice: two bound-method objects of one method), so a schedule object that
+    counts its calls counted two per step."""
+    class Counting:
+        def __init__(self):
+            self.calls = []
+
+        def lr(self, t):
+            self.calls.append(t)
+            return 0.1
+
+    s = Counting()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = fo.multi_transform({"a": fo.sgd(s.lr), "b": fo.sgd(s.lr)},
+                             lambda params: {k: "a" if k.startswith("0") else "b" for k in params})
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=opt, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4, 4))
+    assert s.calls == [0, 1]

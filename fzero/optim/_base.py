@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import types
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import optree
@@ -427,7 +428,10 @@ class ScheduleValues:
         self._lock = threading.Lock()
 
     def value(self, schedule: Callable[[int], Any], count: int) -> Any:
-        key = (id(schedule), count)
+        # a bound method is a new object at each ``obj.method`` (``sgd(s.lr)`` for two groups: two objects), so it is
+        # known by its object and function, as ``==`` knows it; each is kept below, so no id is reused within a step
+        key = ((id(schedule.__self__), id(schedule.__func__)) if isinstance(schedule, types.MethodType)
+               else id(schedule), count)
         with self._lock:  # one rank calls it; the others wait for its value
             if key not in self._values:
                 self._values[key] = (schedule, schedule(count))  # the schedule kept: its id names no other object
