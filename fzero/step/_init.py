@@ -88,53 +88,63 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
         agreed = True
     flats: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
     masters: dict[int, dict[str, torch.Tensor]] | None = {r: {} for r in ranks} if prec.has_master else None
-    for unit in layout.units:
-        indices = layout.leaf_indices(unit)
-        if reader is not None and all(leaves[j].is_meta and reader.reads(s.path) for j, s in zip(indices, unit.slots)):
-            device = _read_own_part(step, layout, unit, leaves, reader, ranks[0], device, flats, masters)
+    made: dict[int, TrainState] = {}
+    try:
+        for unit in layout.units:
+            indices = layout.leaf_indices(unit)
+            if reader is not None and all(leaves[j].is_meta and reader.reads(s.path) for j, s in zip(indices, unit.slots)):
+                device = _read_own_part(step, layout, unit, leaves, reader, ranks[0], device, flats, masters)
+                if donated is not None:
+                    donated.packed(indices)
+                continue
+            values = leaves
+            if make is not None and (reader is None or ranks[0] == 0):  # this unit's meta leaves made once, for both packings below
+                values = list(leaves)
+                for j, slot in zip(indices, unit.slots):
+                    if values[j].is_meta:
+                        values[j] = _materialized(make, slot, values[j], device)
+                if device is None:  # the first made value decides, and the others must follow it
+                    device = next(values[j].device for j in indices)
+            if comm is not None and not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
+                # a rank that makes its params learns their device from the first unit it made
+                if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
+                    # tensors on a machine with CUDA (the mesh's guess for a rank that only receives), and a job of more
+                    # ranks than GPUs runs on the CPU
+                    home = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
+                    code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=home)
+                    comm.broadcast(code, src=0, tag="init")
+                    if receives and int(code[0]) == 0:
+                        device = torch.device("cpu")
+                fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
+                                        device_type=(device or torch.device("cpu")).type, collectives=getattr(comm, "collectives", None))
+                comm.agree(fields, api=API, fix=AGREE_FIX)
+                agreed = True
+            flat = layout.pack_unit(unit, values, device=device)  # in the compute dtype
+            master = layout.pack_unit(unit, values, dtype=torch.float32, device=device) if prec.has_master else None  # from fp32 values
+            for t in (flat, master):
+                if comm is not None and t is not None:
+                    comm.broadcast(t, src=0, tag="init")
+            for i, r in enumerate(ranks):
+                lo, hi = unit.shard_range(r, n)
+                flats[r][unit.name] = step.params.hold(flat, lo, hi, copy=i > 0)
+                if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
+                    masters[r][unit.name] = step.opt_state.hold_master(master, lo, hi)
+            del flat, master, values
             if donated is not None:
                 donated.packed(indices)
-            continue
-        values = leaves
-        if make is not None and (reader is None or ranks[0] == 0):  # this unit's meta leaves made once, for both packings below
-            values = list(leaves)
-            for j, slot in zip(indices, unit.slots):
-                if values[j].is_meta:
-                    values[j] = _materialized(make, slot, values[j], device)
-            if device is None:  # the first made value decides, and the others must follow it
-                device = next(values[j].device for j in indices)
-        if comm is not None and not agreed:  # once, before any collective could pair unrelated buffers of one padded size; here, because
-            # a rank that makes its params learns their device from the first unit it made
-            if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
-                # tensors on a machine with CUDA (the mesh's guess for a rank that only receives), and a job of more
-                # ranks than GPUs runs on the CPU
-                home = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
-                code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=home)
-                comm.broadcast(code, src=0, tag="init")
-                if receives and int(code[0]) == 0:
-                    device = torch.device("cpu")
-            fields = program_fields(layout, stage=step.stage, precision=prec, grad_accum=step.grad_accum,
-                                    device_type=(device or torch.device("cpu")).type, collectives=getattr(comm, "collectives", None))
-            comm.agree(fields, api=API, fix=AGREE_FIX)
-            agreed = True
-        flat = layout.pack_unit(unit, values, device=device)  # in the compute dtype
-        master = layout.pack_unit(unit, values, dtype=torch.float32, device=device) if prec.has_master else None  # from fp32 values
-        for t in (flat, master):
-            if comm is not None and t is not None:
-                comm.broadcast(t, src=0, tag="init")
-        for i, r in enumerate(ranks):
-            lo, hi = unit.shard_range(r, n)
-            flats[r][unit.name] = step.params.hold(flat, lo, hi, copy=i > 0)
-            if masters is not None:  # the optimizer updates fp32 masters of what this rank owns
-                masters[r][unit.name] = step.opt_state.hold_master(master, lo, hi)
-        del flat, master, values
-        if donated is not None:
-            donated.packed(indices)
-    device = device or torch.device("cpu")  # no unit at all had a value: nothing was packed
-    shards = _frozen_shards(layout, frozen or {}, ranks, device)
-    seen = {name: (t._version, t.data_ptr()) for name, t in (frozen or {}).items()}
-    states = [_with_frozen(_init_rank(step, layout, flats.pop(r), masters and masters.pop(r), r, device), buffers, shards[r], seen)
-              for r in ranks]
+        device = device or torch.device("cpu")  # no unit at all had a value: nothing was packed
+        shards = _frozen_shards(layout, frozen or {}, ranks, device)
+        seen = {name: (t._version, t.data_ptr()) for name, t in (frozen or {}).items()}
+        for r in ranks:  # (each rank's packed buffers dropped once its state holds them: kept for a failure until then)
+            made[r] = _with_frozen(_init_rank(step, layout, flats[r], masters and masters[r], r, device), buffers, shards[r], seen)
+            del flats[r]
+            if masters is not None:
+                del masters[r]
+        states = [made[r] for r in ranks]
+    except BaseException as e:
+        if donated is not None and donated.freed:  # the module's values are in what was packed: put them back
+            donated.give_back(e, _packed_values(step, layout, ranks, flats, masters, made))
+        raise
     return RankStates(tuple(states)) if isinstance(step.mesh, LocalMesh) else states[0]
 
 
@@ -294,9 +304,13 @@ class _Donated:
 
     def __init__(self, paths: list, leaves: list) -> None:
         self.leaves = leaves
+        self.paths = paths
         self.count: dict[int, int] = {}  # storage (its StorageImpl address) -> leaves viewing it not yet packed
-        self.viewing: dict[int, list[torch.Tensor]] = {}  # storage -> the given tensors viewing it
-        for path, x in zip(paths, leaves):
+        self.viewing: dict[int, list[int]] = {}  # storage -> the indices of the given tensors viewing it
+        self.devices: dict[int, torch.device] = {}  # leaf index -> its device (a meta tensor forgets it)
+        self.freed: list[int] = []  # the indices of the given tensors whose memory has been freed
+        self.owners: dict[int, torch.Tensor] = {}  # leaf index -> the module's parameter it views (swapping drops the note)
+        for j, (path, x) in enumerate(zip(paths, leaves)):
             if not isinstance(x, torch.Tensor) or x.is_meta:
                 continue
             storage = x.untyped_storage()
@@ -307,7 +321,8 @@ class _Donated:
                     f"donate=False, or params whose memory torch allocated (fzero.params_of(model, copy=False))."
                 )
             self.count[storage._cdata] = self.count.get(storage._cdata, 0) + 1
-            self.viewing.setdefault(storage._cdata, []).append(x)
+            self.viewing.setdefault(storage._cdata, []).append(j)
+            self.devices[j] = x.device
 
     def packed(self, indices: tuple[int, ...]) -> None:
         """The leaves at ``indices`` are in the state now: free each storage that no leaf still to be packed views."""
@@ -321,11 +336,110 @@ class _Donated:
             if self.count[key] == 0:
                 storage.resize_(0)
                 _events.resized(x)  # a storage resize is no dispatched op: memory counters hear of it here
-                for view in self.viewing.pop(key):
+                for i in self.viewing.pop(key):
+                    view = self.leaves[i]
                     owner = view.__dict__.get(DONATED_FROM)
                     if owner is not None:
+                        self.owners[i] = owner
                         _to_meta(owner)
                     _to_meta(view)
+                    self.freed.append(i)
+
+    def give_back(self, error: BaseException, value: Callable[[int, torch.dtype], torch.Tensor | None]) -> None:
+        """``init`` failed after some memory was freed: put each freed tensor's value back from what was packed
+        (``value(leaf index, dtype)``, exact, or None where this process does not hold it), and say on ``error`` what
+        became of them.
+
+        Why: the values of a freed param lived only in the state being made, which the failure drops. Left as meta,
+        a failed init (out of memory packing a unit, a full disk under disk offload, Ctrl-C) lost the module's
+        weights, and the next ``init`` blamed a donation to a state that never existed."""
+        lost, back = [], 0
+        for j in self.freed:
+            t = self.leaves[j]
+            path = self.paths[j] or "<root>"
+            try:
+                v = value(j, t.dtype)
+                if v is None:
+                    lost.append(path)
+                    continue
+                _from_meta(t, v.reshape(t.shape), self.devices[j], self.owners.get(j))
+                back += 1
+            except Exception:  # noqa: BLE001 - the error being raised is the one to see; this one is named as a loss
+                lost.append(path)
+        if not lost:
+            error.add_note(f"{API}: donate=True had freed the memory of {back} of the given params when this error was "
+                           f"raised; their values were put back (and into the module's parameters, where "
+                           f"fzero.params_of(model, copy=False) gave them), so the model is as it was: init may be called "
+                           f"again.")
+        else:
+            error.add_note(f"{API}: donate=True had freed the memory of {len(lost)} of the given params when this error "
+                           f"was raised, and their values, held only by the state being made, are lost: {lost[:4]}"
+                           f"{' ...' if len(lost) > 4 else ''} are meta tensors now (this process holds their values "
+                           f"{'only in part, a shard per rank' if value(-1, torch.float32) is None else 'only in a lower precision'}). "
+                           f"Rebuild the model or reload its weights (a checkpoint, from_pretrained) before init again; "
+                           f"init(..., donate=False) keeps the module's values through a failure." +
+                           (f" The other {back} were put back." if back else ""))
+
+
+def _from_meta(t: torch.Tensor, value: torch.Tensor, device: torch.device, owner: torch.Tensor | None) -> None:
+    """Undo ``_to_meta``: ``t`` (and ``owner``, the module's parameter it was taken from) holds ``value`` again, in place."""
+    if not t.is_meta:  # one torch could not swap: its storage was only resized to 0; give it its bytes back
+        t.untyped_storage().resize_(t.untyped_storage().nbytes() or (t.storage_offset() + t.numel()) * t.element_size())
+        with torch.no_grad():
+            t.copy_(value)
+        return
+    real = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    with torch.no_grad():
+        real.copy_(value)
+    if owner is not None and owner.is_meta:  # the module's parameter first; the given tensor views it again
+        torch.utils.swap_tensors(owner, nn.Parameter(real, requires_grad=owner.requires_grad))
+        real = owner.detach()
+    torch.utils.swap_tensors(t, real)  # (swaps the Python attributes too: the note of the owner is set again below)
+    if owner is not None:
+        t.__dict__[DONATED_FROM] = owner
+
+
+def _packed_values(step: Any, layout: Layout, ranks: list[int], flats: dict[int, dict[str, torch.Tensor]],
+                   masters: dict[int, dict[str, torch.Tensor]] | None, made: dict[int, TrainState]
+                   ) -> Callable[[int, torch.dtype], torch.Tensor | None]:
+    """``value(leaf index, dtype)``: a given param's value as ``init`` packed it (for ``_Donated.give_back``), read from
+    the ranks' held buffers (or the states made already), or None where this process does not hold it whole and exact:
+    under dist_mesh a rank holds a shard of a sharded unit; a buffer in a lower precision than the param (bf16 flats of
+    fp32 params) is exact only through the fp32 masters. ``value(-1, ...)`` tells which of the two it is (None: shards)."""
+    n = layout.world_size
+    where = {j: (unit, slot) for unit in layout.units for j, slot in zip(layout.leaf_indices(unit), unit.slots)}
+    cache: dict[tuple[str, str], torch.Tensor | None] = {}
+
+    def held(kind: str, r: int) -> dict[str, torch.Tensor]:
+        if r in made:
+            s = made[r]
+            if kind == "params":
+                return s.params
+            return step.opt_state.masters(s.opt_state, layout) if step.opt_state.has_masters(s.opt_state) else {}
+        return (flats if kind == "params" else masters or {}).get(r, {})
+
+    def whole(kind: str, unit: Unit) -> torch.Tensor | None:
+        if (kind, unit.name) not in cache:
+            sharded = step.params.sharded if kind == "params" else step.opt_state.sharded
+            parts = [held(kind, r).get(unit.name) for r in (ranks[:1] if not sharded else ranks)]
+            ok = all(p is not None for p in parts) and (not sharded or len(ranks) == n)
+            cache[kind, unit.name] = (parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts])) if ok else None
+        return cache[kind, unit.name]
+
+    def exact(have: torch.dtype, want: torch.dtype) -> bool:
+        return have == want or (have == torch.float32 and want in (torch.float16, torch.bfloat16))
+
+    def value(j: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if j < 0:
+            return None if any(whole("params", u) is None for u in layout.units) else torch.empty(0)
+        unit, slot = where[j]
+        for kind in ("params", "masters"):
+            buf = whole(kind, unit)
+            if buf is not None and buf.numel() >= slot.offset + slot.numel and exact(buf.dtype, dtype):
+                return buf[slot.offset : slot.offset + slot.numel]
+        return None
+
+    return value
 
 
 def _to_meta(t: torch.Tensor) -> None:
