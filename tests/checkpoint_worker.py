@@ -87,6 +87,8 @@ def dist_fault(args) -> None:
     - ``save0``: rank 0 saves, rank 1 goes on to ``step.gather`` (another fzero call).
     - ``save0-stall``: rank 0 saves, rank 1 stays in its own code (a sleep) past the mesh timeout.
     - ``loads``: every rank saves at step 2 and at step 4; rank 0 loads step 4, rank 1 step 2.
+    - ``save-killed``: every rank saves at step 2 and at step 4 (keep=2); at step 4 rank 1's process ends (``os._exit``)
+      as it starts writing its data file, inside torch.distributed.checkpoint.
 
     Each rank writes ``<out>/rank<r>.json``: its pid, the error it raised (or null) and when; the error is re-raised.
     """
@@ -107,11 +109,21 @@ def dist_fault(args) -> None:
         state = step.init(fzero.params_of(prob.model))
         for k, b in enumerate(batches, 1):
             state, _ = step(state, b)
-            if args.kind == "loads" and k in (2, 4):
+            if args.kind == "save-killed" and k == 4 and mesh.rank == 1:
+                from fzero.checkpoint import _dcp
+
+                def killed(*a, **kw):
+                    record("fault.json")
+                    os._exit(1)
+
+                _dcp._Writer.write_data = killed
+            if args.kind in ("loads", "save-killed") and k in (2, 4):
                 fzero.checkpoint.save(os.path.join(args.out, "ck"), state, keep=2)
         if args.kind == "loads":
             which = os.path.join(args.out, "ck", fzero.checkpoint.step_dir(4 if mesh.rank == 0 else 2))
             state = fzero.checkpoint.load(which, like=step)
+        elif args.kind == "save-killed":
+            pass
         elif mesh.rank == 0:
             record("fault.json")
             fzero.checkpoint.save(os.path.join(args.out, "ck"), state)
@@ -130,7 +142,7 @@ def dist_fault(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "crash", "dist-fault"])
-    parser.add_argument("--kind", choices=["save0", "save0-stall", "loads"], help="dist-fault: which")
+    parser.add_argument("--kind", choices=["save0", "save0-stall", "loads", "save-killed"], help="dist-fault: which")
     parser.add_argument("--timeout", type=float, default=None, help="dist-fault: dist_mesh(timeout=...)")
     parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
     parser.add_argument("--stages", type=int, default=3)

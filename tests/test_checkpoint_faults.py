@@ -778,6 +778,23 @@ def test_ranks_that_load_different_checkpoints_are_refused_naming_both(tmp_path)
 
 
 @pytest.mark.torchrun
+def test_a_rank_killed_while_writing_its_data_is_named_by_the_others_save(tmp_path):
+    """Rank 1's process ends inside torch.distributed.checkpoint, as it writes its data file. Before: rank 0 raised
+    "CheckpointError: ... could not write the checkpoint: RuntimeError: [.../gloo/transport/tcp/pair.cc:537] Read
+    error ... Connection reset by peer ... GLHF!", naming neither rank 1 nor that its process was gone, as if its own
+    write had failed. Now the fault board names it, as at every other collective; the previous checkpoint stays."""
+    proc, seconds, files = dist_fault(tmp_path, "save-killed")
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
+    error = _error(files, 0, proc)
+    assert error.startswith("RankFailed: fzero.checkpoint.save: fzero.dist_mesh: rank 1 vanished: its process (pid "), error
+    assert "torch.distributed.checkpoint's own collectives, writing " in error, error
+    assert files["rank0"]["time"] - files["fault"]["time"] < 10
+    assert fzero.checkpoint.latest(str(tmp_path / "ck")).endswith("step_00000002")
+    fzero.checkpoint.verify(str(tmp_path / "ck"))
+    _no_orphans(files)
+
+
+@pytest.mark.torchrun
 def test_a_save_on_rank_0_alone_is_named_while_the_other_rank_makes_another_call(tmp_path):
     """Before: no progress until the job was killed, and the workers outlived torchrun's SIGKILL."""
     proc, seconds, files = dist_fault(tmp_path, "save0")

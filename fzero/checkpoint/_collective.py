@@ -47,6 +47,28 @@ class Ranks:
         return self.comm._all_gather_objects(obj, what=what)
 
 
+    def failed_elsewhere(self, error: BaseException, what: str) -> Exception | None:
+        """The fault board's account of ``error``, raised inside torch.distributed.checkpoint's own collectives (its
+        plan exchange and barriers, which run outside fzero's comm), when another rank raised or its process vanished;
+        None otherwise (this rank's own failure: a full disk is named by ``_oserrors``).
+
+        Why: a rank killed while the data files were written left the others with gloo's raw "Connection closed by
+        peer ... GLHF!" wrapped as "could not write the checkpoint", which named neither the rank nor that it was gone,
+        where every other collective of a save names it (``RankFailed``)."""
+        board = getattr(self.comm, "board", None)
+        if board is None:
+            return None
+        from fzero.mesh import RankFailed
+        from fzero.mesh._faults import Call
+        from fzero.mesh._waiting import explained
+
+        found = explained(board, Call(board.seq, what, board.phase), error)
+        if not isinstance(found, RankFailed) or found.rank is None:  # no rank named: the error is this rank's own
+            return None
+        found.args = (f"{self.api}: {found}",)
+        return found
+
+
 def _enter(api: str) -> Any:
     """A ``DistComm`` for this call, after checking that every rank makes it (see the module docstring)."""
     import torch.distributed as dist

@@ -112,7 +112,8 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
             raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
 
     def explain(e: BaseException) -> Exception | None:
-        return _oserrors.explain(e, api=api, path=final, needed=needed, written=_oserrors.used_bytes(partial), previous=previous)
+        return (_oserrors.explain(e, api=api, path=final, needed=needed, written=_oserrors.used_bytes(partial), previous=previous)
+                or ranks.failed_elsewhere(e, f"torch.distributed.checkpoint's own collectives, writing {partial}"))
 
     def finish(crcs: dict[str, int]) -> None:
         try:
