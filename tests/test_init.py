@@ -265,3 +265,28 @@ def test_a_donated_parameter_keeps_its_class_and_attributes():
     assert type(model[0].weight) is _TaggedParameter and model[0].weight.requires_grad
     assert model[1].bias.no_decay is True
     assert all(not t.__dict__ for t in given.values())  # the views no longer hold the module's parameters
+
+
+def test_a_donated_storage_that_also_holds_a_frozen_parameter_is_kept():
+    """A trainable and a frozen parameter cut from one flat buffer: donating the trainable one freed the whole buffer,
+    and the frozen one, which every step reads from the module, read freed memory (a crash of the process). Such a
+    storage is kept now: nothing else is freed with it, and the step trains as without donation."""
+    class Cut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            flat = torch.randn(8 * 4 + 8 * 4, generator=torch.Generator().manual_seed(0))
+            self.a = torch.nn.Parameter(flat[:32].view(8, 4))
+            self.b = torch.nn.Parameter(flat[32:].view(8, 4), requires_grad=False)
+
+        def forward(self, x):
+            return x @ self.a.t() + x @ self.b.t()
+
+    runs = []
+    for donate in (False, True):
+        model = Cut()
+        step = fzero.compile(lambda p, b, model=model: (fzero.apply(model, p, b) ** 2).mean(), optimizer=fzero.optim.sgd(0.1))
+        state = step.init(fzero.params_of(model, copy=False), donate=donate)
+        assert not model.a.is_meta and model.b.untyped_storage().nbytes() == 64 * 4  # kept: b's values are still there
+        state, _ = step(state, torch.ones(2, 4))
+        runs.append(step.gather(state))
+    assert_trees_equal(runs[1], runs[0])

@@ -300,7 +300,8 @@ class _Donated:
     ``fzero.apply`` (``fzero.params_of(model)`` again, a notebook cell run twice, ``model(x)``, a print) read freed
     memory and crashed the process; now it gets torch's meta-tensor error, or fzero's, as a model built under
     ``fzero.empty_params()`` does. A tensor that cannot be swapped (one with a weak reference) keeps its shape with no
-    memory, which fzero's own entry points refuse by name (``check_not_freed``)."""
+    memory, which fzero's own entry points refuse by name (``check_not_freed``). A storage that also holds values no
+    given tensor covers (a frozen parameter cut from the same flat buffer) is not freed at all (``kept``)."""
 
     def __init__(self, paths: list, leaves: list) -> None:
         self.leaves = leaves
@@ -323,6 +324,11 @@ class _Donated:
             self.count[storage._cdata] = self.count.get(storage._cdata, 0) + 1
             self.viewing.setdefault(storage._cdata, []).append(j)
             self.devices[j] = x.device
+        # a storage the given tensors do not cover whole holds other values too (a frozen parameter cut from the same
+        # flat buffer as trainable ones, which the step reads from the module): freed, reading those would read freed
+        # memory, so such a storage is kept (its memory is not given back, its tensors keep their values)
+        self.kept = {key for key, views in self.viewing.items() if not _covered(leaves[views[0]].untyped_storage(),
+                                                                                    [leaves[i] for i in views])}
 
     def packed(self, indices: tuple[int, ...]) -> None:
         """The leaves at ``indices`` are in the state now: free each storage that no leaf still to be packed views."""
@@ -333,7 +339,7 @@ class _Donated:
             storage = x.untyped_storage()
             key = storage._cdata
             self.count[key] -= 1
-            if self.count[key] == 0:
+            if self.count[key] == 0 and key not in self.kept:
                 storage.resize_(0)
                 _events.resized(x)  # a storage resize is no dispatched op: memory counters hear of it here
                 for i in self.viewing.pop(key):
@@ -379,6 +385,23 @@ class _Donated:
                            f"Rebuild the model or reload its weights (a checkpoint, from_pretrained) before init again; "
                            f"init(..., donate=False) keeps the module's values through a failure." +
                            (f" The other {back} were put back." if back else ""))
+
+
+def _covered(storage: Any, views: list[torch.Tensor]) -> bool:
+    """Whether ``views`` together span every byte of ``storage`` (each view counted from its first to its last
+    element, so a strided view spans its gaps too: what lies between its elements is its own padding)."""
+    spans = []
+    for v in views:
+        if v.numel() == 0:
+            continue
+        last = v.storage_offset() + sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()) if size > 0)
+        spans.append((v.storage_offset() * v.element_size(), (last + 1) * v.element_size()))
+    at = 0
+    for lo, hi in sorted(spans):
+        if lo > at:
+            return False
+        at = max(at, hi)
+    return at >= storage.nbytes()
 
 
 def _from_meta(t: torch.Tensor, value: torch.Tensor, device: torch.device, owner: torch.Tensor | None) -> None:
