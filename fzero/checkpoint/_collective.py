@@ -58,11 +58,9 @@ class Ranks:
         board = getattr(self.comm, "board", None)
         if board is None:
             return None
-        from fzero.mesh import RankFailed
-        from fzero.mesh._faults import Call
-        from fzero.mesh._waiting import explained
+        from fzero.mesh import RankFailed, failure_elsewhere
 
-        found = explained(board, Call(board.seq, what, board.phase), error)
+        found = failure_elsewhere(board, what, error)
         if not isinstance(found, RankFailed) or found.rank is None:  # no rank named: the error is this rank's own
             return None
         found.args = (f"{self.api}: {found}",)

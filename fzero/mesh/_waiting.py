@@ -252,3 +252,10 @@ def _quietly(fn: Any, *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - the store may be gone with the job; the error being raised matters more
         pass
+
+
+def failure_elsewhere(board: Board, what: str, error: BaseException) -> BaseException:
+    """``explained`` for a collective fzero did not make (torch.distributed.checkpoint's own, inside a save): the
+    error to raise when ``error`` (a raw backend error) came while this rank waited in ``what``, read against
+    ``board``'s record of the failed ranks."""
+    return explained(board, Call(board.seq, what, board.phase), error)

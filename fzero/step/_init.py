@@ -373,18 +373,29 @@ class _Donated:
             except Exception:  # noqa: BLE001 - the error being raised is the one to see; this one is named as a loss
                 lost.append(path)
         if not lost:
-            error.add_note(f"{API}: donate=True had freed the memory of {back} of the given params when this error was "
+            _note(error, f"{API}: donate=True had freed the memory of {back} of the given params when this error was "
                            f"raised; their values were put back (and into the module's parameters, where "
                            f"fzero.params_of(model, copy=False) gave them), so the model is as it was: init may be called "
                            f"again.")
         else:
-            error.add_note(f"{API}: donate=True had freed the memory of {len(lost)} of the given params when this error "
+            _note(error, f"{API}: donate=True had freed the memory of {len(lost)} of the given params when this error "
                            f"was raised, and their values, held only by the state being made, are lost: {lost[:4]}"
                            f"{' ...' if len(lost) > 4 else ''} are meta tensors now (this process holds their values "
                            f"{'only in part, a shard per rank' if value(-1, torch.float32) is None else 'only in a lower precision'}). "
                            f"Rebuild the model or reload its weights (a checkpoint, from_pretrained) before init again; "
                            f"init(..., donate=False) keeps the module's values through a failure." +
                            (f" The other {back} were put back." if back else ""))
+
+
+def _note(error: BaseException, text: str) -> None:
+    """``error.add_note(text)`` (Python 3.11+); on 3.10, which has no notes, the text as a warning beside the error."""
+    add = getattr(error, "add_note", None)
+    if add is not None:
+        add(text)
+    else:
+        import warnings
+
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _covered(storage: Any, views: list[torch.Tensor]) -> bool:
@@ -394,8 +405,8 @@ def _covered(storage: Any, views: list[torch.Tensor]) -> bool:
     for v in views:
         if v.numel() == 0:
             continue
-        last = v.storage_offset() + sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()) if size > 0)
-        spans.append((v.storage_offset() * v.element_size(), (last + 1) * v.element_size()))
+        last = int(v.storage_offset()) + sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()) if size > 0)
+        spans.append((int(v.storage_offset()) * v.element_size(), (last + 1) * v.element_size()))
     at = 0
     for lo, hi in sorted(spans):
         if lo > at:
@@ -407,7 +418,7 @@ def _covered(storage: Any, views: list[torch.Tensor]) -> bool:
 def _from_meta(t: torch.Tensor, value: torch.Tensor, device: torch.device, owner: torch.Tensor | None) -> None:
     """Undo ``_to_meta``: ``t`` (and ``owner``, the module's parameter it was taken from) holds ``value`` again, in place."""
     if not t.is_meta:  # one torch could not swap: its storage was only resized to 0; give it its bytes back
-        t.untyped_storage().resize_(t.untyped_storage().nbytes() or (t.storage_offset() + t.numel()) * t.element_size())
+        t.untyped_storage().resize_(t.untyped_storage().nbytes() or (int(t.storage_offset()) + t.numel()) * t.element_size())
         with torch.no_grad():
             t.copy_(value)
         return
@@ -446,7 +457,8 @@ def _packed_values(step: Any, layout: Layout, ranks: list[int], flats: dict[int,
             sharded = step.params.sharded if kind == "params" else step.opt_state.sharded
             parts = [held(kind, r).get(unit.name) for r in (ranks[:1] if not sharded else ranks)]
             ok = all(p is not None for p in parts) and (not sharded or len(ranks) == n)
-            cache[kind, unit.name] = (parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts])) if ok else None
+            got = [p for p in parts if p is not None]
+            cache[kind, unit.name] = (got[0] if len(got) == 1 else torch.cat([p.to(got[0].device) for p in got])) if ok else None
         return cache[kind, unit.name]
 
     def exact(have: torch.dtype, want: torch.dtype) -> bool:

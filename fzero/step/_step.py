@@ -36,7 +36,7 @@ from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
-from fzero.optim._base import ScheduleValues, schedule_values
+from fzero.optim import ScheduleValues, schedule_values
 from fzero.step._module import Buffers, broadcast_buffers, check_export_model, module_device, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings

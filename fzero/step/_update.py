@@ -44,7 +44,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fzero.layout import Layout, LayoutSegments
-from fzero.optim._base import scheduled
+from fzero.optim import scheduled
 from fzero.mesh import Pending
 from fzero.step._context import Usage
 from fzero.step._pool import Pool, forget, give
