@@ -260,6 +260,34 @@ def whisper():
         num_labels=10, pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=3))
 
 
+def llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    # a CLIP vision tower, a projector and a Llama LM; at its default vision_feature_layer=-2 the image features are the
+    # hidden state after the vision tower's first layer, which transformers' output hooks capture on that layer: the
+    # tower's own output (its last layer's return value) reaches nothing in the loss, and its last layer no gradient
+    vision = CLIPVisionConfig(image_size=8, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4)
+    text = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=32)
+    return LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=127))
+
+
+def _image_text():
+    gen = torch.Generator().manual_seed(36)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(1, 120, (GLOBAL_BATCH, 12), generator=gen)
+        x[:, 1:5] = 127  # one image token per patch: (8 / 4) ** 2, the CLS token left out ("default" strategy)
+        labels = torch.where(x == 127, torch.full_like(x, -100), x)
+        out.append({"input_ids": x, "labels": labels, "pixel_values": torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=gen)})
+    return out
+
+
+def _image_text_loss(call, b):
+    return call(input_ids=b["input_ids"], pixel_values=b["pixel_values"], labels=b["labels"]).loss
+
+
 def _audio():
     gen = torch.Generator().manual_seed(16)  # 2 * max_source_positions frames of num_mel_bins, as Whisper requires
     return [{"x": torch.randn(GLOBAL_BATCH, 8, 16, generator=gen), "y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen)}
@@ -583,6 +611,9 @@ ZOO: dict[str, Entry] = {
     # from a sweep of 43 models nobody here wrote (2026-11-26): layers shared across depth, ALiBi
     "albert": Entry(_seeded(albert), _tokens(128, seed=22, labels="mlm"), _hf_loss, check=_one_shared_layer, hf=True),
     "bloom": Entry(_seeded(bloom), _tokens(128, seed=23), _hf_loss, hf=True),
+    # from a sweep of Hugging Face architectures not in the zoo: the loss reaches a unit only through what a forward hook
+    # captured (stage 3 read that unit's freed params in backward)
+    "llava": Entry(_seeded(llava), _image_text, _image_text_loss, hf=True),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
     # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
     # from torch.func's (test_zoo.py)

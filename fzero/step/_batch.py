@@ -612,7 +612,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
 
     if autodiff == "func":
         try:
-            with step_scope():
+            with step_scope(), _named_freed_failure(getattr(loss_fn, "units", False), autodiff):
                 grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
         except RuntimeError as e:
             if any(m in str(e) for m in _FUNC_REFUSALS):
@@ -628,7 +628,8 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             written = [i for i, (x, v) in enumerate(zip(leaves, versions)) if x._version != v]
             if written and on_written is not None:
                 on_written(written)
-            with _named_meta_failure(getattr(loss_fn, "units", False)), _named_reentrant_failure():
+            with _named_meta_failure(getattr(loss_fn, "units", False)), _named_reentrant_failure(), \
+                    _named_freed_failure(getattr(loss_fn, "units", False), autodiff):
                 if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
                     if scaled.requires_grad:
                         torch.autograd.backward(scaled, inputs=leaves)
@@ -708,6 +709,32 @@ def _named_meta_failure(units: bool) -> Iterator[None]:
         if not units or type(e) is not RuntimeError or not _META.search(str(e)) or str(e).startswith("fzero"):
             raise
         raise RuntimeError(f"fzero.Step: the backward raised RuntimeError: {e}\n{UNIT_OUTSIDE_ITS_CALL}") from e
+
+
+_FREED = re.compile(r"out of bounds for storage of size 0")  # torch's setStorage error on a view of freed memory
+UNIT_FREED = """  At stage 3 a unit's gathered params are freed after its forward and gathered again when the gradient reaches
+the unit's return value. Here a tensor made inside a unit reached the loss another way while that return value
+reached nothing in it{how}, so the backward read the freed params. Let the unit return that tensor (or use
+what it returns), keep that module out of the units (units=... without it), or train at stage 2."""
+_FREED_HOW = {
+    "autograd": " (a tensor stored on a module; what a forward hook on the unit or inside it keeps is refilled for)",
+    "func": (' (a tensor stored on a module, or kept by a forward hook, as Hugging Face\'s output capture keeps the hidden'
+             ' state Llava\'s vision_feature_layer picks: under autodiff="func" no hook can gather in the backward;'
+             ' autodiff="autograd" trains that as PyTorch does)'),
+}
+
+
+@contextlib.contextmanager
+def _named_freed_failure(units: bool, autodiff: str) -> Iterator[None]:
+    """A backward at stage 3 that read a unit's freed buffer (torch's bare "setStorage: ... out of bounds for storage
+    of size 0"): its cause and fixes (``UNIT_FREED``), the original error as its cause."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not units or type(e) is not RuntimeError or not _FREED.search(str(e)) or str(e).startswith("fzero"):
+            raise
+        raise RuntimeError(f"fzero.Step: the backward raised RuntimeError: {str(e).splitlines()[0]}\n"
+                           + UNIT_FREED.format(how=_FREED_HOW.get(autodiff, ""))) from e
 
 
 def split_loss(out: Any, *, api: str = "fzero.train_step") -> tuple[torch.Tensor, Any]:

@@ -47,6 +47,7 @@ class UnitCall:
         # before the gather Function runs: inside a Function's forward grad mode is always off.
         self.keeps_graph = False
         self.refilled = False  # set when backward refills the buffer: checked before the gradient leaves the unit
+        self.reduced = False  # its gradient is reduced: the backward is over, nothing refills it again
         self.tensors: dict[str, torch.Tensor] = {}  # what the unit's module ran with: views of ``full``, its buffers
         self.frozen: dict[str, torch.Tensor] = {}  # its sharded frozen params (``frozen=``): views of ``full``'s tail
         self.hooks: Any = None  # a unit of frozen params alone: the hook on its inputs that ends its backward
@@ -64,6 +65,7 @@ class UnitCall:
         self.tensors.update(self.frozen)
         self.tensors.update(self.params.unit_buffers(self.unit))
         self.bind()
+        watches = self._watch_hooks(views)
         try:
             out = self.params.runner(self.inner, self.unit)(*args, **kwargs)
             bank = current_buffers()
@@ -71,10 +73,36 @@ class UnitCall:
                 bank.adopt_replaced(self.inner, self.tensors, self.params.buffers, prefix=self.unit.name + ".")
             return out
         finally:
+            for handle in watches:
+                handle.remove()
             self.unbind()
             if not keep:  # the frozen views too: they hold the whole buffer (a remat call's is never freed into the pool)
                 self.tensors = {}
                 self.frozen = {}
+
+    def _watch_hooks(self, views: tuple[torch.Tensor, ...]) -> list:
+        """For a call that keeps its graph, under plain autograd: a forward hook put first on each module of the unit
+        that has forward hooks (the unit's own only under ``jit``, whose compiled forward is keyed by the hooks inside),
+        for the call's length, so that what those hooks are handed refills the unit before its backward
+        (``_refill_on_escape``). A hook's capture leaves the unit beside its return value: Hugging Face's output
+        capture (``output_hidden_states``, and the hidden state Llava's ``vision_feature_layer`` picks), whose layer's
+        return value may reach nothing in the loss, so ``_RefillBeforeBackward`` never ran and the backward read the
+        freed buffer (torch's bare "setStorage: ... out of bounds for storage of size 0")."""
+        if not self.keeps_graph or not torch.is_grad_enabled() or not views:
+            return []
+        if torch._C._functorch.is_functorch_wrapped_tensor(views[0]):  # torch.func: no collective in a backward
+            return []
+        modules = [self.inner] if self.params.jit_cache is not None else self.inner.modules()
+        hook = functools.partial(_refill_on_escape, self)
+        return [m.register_forward_hook(hook, prepend=True) for m in modules if m._forward_hooks]
+
+    def refill_once(self) -> None:
+        """Gather the unit back into its freed buffer for its backward, unless that is done (or over)."""
+        if self.refilled or self.reduced:
+            return
+        self.schedule.refill(self)
+        self.refilled = True
+        self.bind()
 
     def done(self) -> None:
         """The unit's backward is over (or will not come): let go of its views. They lead to the autograd
@@ -128,6 +156,7 @@ class UnitCall:
             self.done()
             self.free()
             self.refilled = False
+            self.reduced = True
         if sink is not None:
             sink.ready(self.unit.name, grad, shard.detach())
         return grad_shard
@@ -592,6 +621,20 @@ def _free_after_backward(call: UnitCall, grads: Any) -> None:
         call.refilled = False
 
 
+def _refill_on_escape(call: UnitCall, module: nn.Module, args: Any, output: Any) -> None:
+    """A forward hook put first on a module of a unit (``UnitCall._watch_hooks``): the tensors the module's hooks are
+    handed get a pre-hook on their ``grad_fn``, which refills the unit before that node's backward runs. Autograd runs
+    ``_RefillBeforeBackward`` on the unit's return value first wherever that value reaches the loss too (it was made
+    after every node of the unit), so this refills only where the hooks' capture is the gradient's way in."""
+    for t in _tree.tensors_and_rebuild(output)[0]:
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(functools.partial(_refill_before, call))
+
+
+def _refill_before(call: UnitCall, grads: Any) -> None:
+    call.refill_once()
+
+
 class _FreeAfterBackward(Function):
     """Forward: the unit's inputs (views). Backward: the unit's backward is over: let go of its views and free its
     buffer, as ``UnitCall.reduce`` does for a unit that trains; gradients unchanged."""
@@ -711,9 +754,7 @@ class _Refill(Function):
 
     @staticmethod
     def forward(call, *grads):
-        call.schedule.refill(call)
-        call.refilled = True
-        call.bind()
+        call.refill_once()  # (a hook's capture may have refilled it already: ``_refill_on_escape``)
         return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
