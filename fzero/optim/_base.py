@@ -438,17 +438,10 @@ class ScheduleValues:
             return self._values[key][1]
 
 
-@contextlib.contextmanager
-def schedule_values(values: ScheduleValues) -> Iterator[None]:
-    """Within it, in this thread's rank context, ``scheduled`` reads and fills ``values`` (a step call's, which each
-    of its ranks installs: ``fzero.step._step``)."""
-    with with_context(schedules=values):
-        yield
-
-
 def scheduled(schedule: Callable[[int], Any], count: int) -> Any:
-    """``schedule(count)``, called once per step for all the places and ranks that read it (``ScheduleValues``);
-    outside a step (an optimizer run by hand), called each time."""
+    """``schedule(count)``, called once per step for all the places and ranks that read it (``ScheduleValues``, which
+    each rank of a step call finds in its context: ``RankContext.schedules``, set by ``fzero.step._step``); outside a
+    step (an optimizer run by hand), called each time."""
     values = current_context().schedules
     return schedule(count) if values is None else values.value(schedule, count)
 

@@ -36,7 +36,7 @@ from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh
 from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
-from fzero.optim import ScheduleValues, schedule_values
+from fzero.optim import ScheduleValues
 from fzero.step._module import Buffers, broadcast_buffers, check_export_model, module_device, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
@@ -210,8 +210,8 @@ class Step:
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
         clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
-        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes), \
-                (schedule_values(schedules) if schedules is not None else contextlib.nullcontext()):
+        with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes,
+                          schedules=schedules):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
