@@ -494,3 +494,101 @@ def test_a_hooks_capture_as_the_only_way_into_a_unit_under_torch_func_is_refused
                                            r'reached nothing in it .*autodiff="autograd" trains that.*units=\.\.\. without it'):
         fzero_run(entry, stages=3, ranks=ranks)
     check(entry, reference_run(entry, ranks), fzero_run(entry, stages=2, ranks=ranks))
+
+
+def _keep_input(module, args, output):
+    _KEPT.seen[module.__dict__["_tag"]] = args[0]
+
+
+def _keep_input_pre(module, args):
+    _KEPT.seen[module.__dict__["_tag"]] = args[0]
+
+
+class _InputTower(nn.Module):
+    """A hook keeping its module's input, made inside the unit by the layers before it (transformers' output capture
+    keeps the first layer's input as hidden_states[0]): a forward hook's ``args``, or a forward pre-hook's."""
+
+    def __init__(self, pre: bool, d: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)) for _ in range(3)])
+        self.post = nn.Linear(d, d)
+        kept = self.blocks[1][2]
+        kept.__dict__["_tag"] = "input"
+        if pre:
+            kept.register_forward_pre_hook(_keep_input_pre)
+        else:
+            kept.register_forward_hook(_keep_input)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.post(h)
+
+
+def _input_loss(call, b):
+    _KEPT.seen = {}
+    call(b["input_ids"])
+    readout = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    return torch.nn.functional.cross_entropy(_KEPT.seen["input"].flatten(0, 1) @ readout, b["labels"].flatten())
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("pre", [False, True], ids=["forward_hook_args", "forward_pre_hook"])
+def test_a_hooks_captured_input_as_the_only_way_into_a_unit_trains_as_pytorch(pre, ranks):
+    """As above, with the hook keeping its module's input rather than its output: only the output was watched, and a
+    forward pre-hook not at all, so the backward read the unit's freed params (named as if the hook's capture were
+    refilled for)."""
+    def build():
+        torch.manual_seed(0)
+        return _InputTower(pre).train()
+
+    entry = Entry(build, _tokens(64, seed=3), _input_loss)
+    check(entry, reference_run(entry, ranks), fzero_run(entry, stages=3, ranks=ranks))
+
+
+class _FrozenTower(nn.Module):
+    def __init__(self, d: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)) for _ in range(3)])
+        self.post = nn.Linear(d, d)
+        self.blocks[1].requires_grad_(False)  # a unit of frozen params alone under frozen=
+        self.blocks[1][0].__dict__["_tag"] = "frozen"
+        self.blocks[1][0].register_forward_hook(_keep)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.post(h)
+
+
+@pytest.mark.parametrize("ranks", MESHES)
+def test_a_hooks_capture_as_the_only_way_into_a_unit_of_frozen_params_alone(ranks):
+    """step.init(..., frozen=...) at stage 3: a unit of frozen params alone has no trainable views, and its hooks were
+    not watched; where the loss reads only its hook's capture, the backward (to the embedding below it) read its freed
+    frozen params. It trains as PyTorch now."""
+    def loss_of(run):
+        _KEPT.seen = {}
+        run()
+        readout = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+        return (_KEPT.seen["frozen"].flatten(0, 1) @ readout).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = _FrozenTower()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    expected = loss_of(lambda: ref(x))
+    expected.backward()
+    step = fzero.compile(lambda p, b: loss_of(lambda: fzero.apply(model, p, b)), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model))
+    state, metrics = step(state, x)
+    torch.testing.assert_close(float(metrics["loss"]), expected.item(), rtol=1e-6, atol=1e-7)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad if p.grad is not None else p.detach(),
+                                       rtol=1e-6, atol=1e-7)

@@ -717,7 +717,8 @@ the unit's return value. Here a tensor made inside a unit reached the loss anoth
 reached nothing in it{how}, so the backward read the freed params. Let the unit return that tensor (or use
 what it returns), keep that module out of the units (units=... without it), or train at stage 2."""
 _FREED_HOW = {
-    "autograd": " (a tensor stored on a module; what a forward hook on the unit or inside it keeps is refilled for)",
+    "autograd": (" (a tensor stored on a module; what a forward hook or pre-hook on the unit or inside it keeps of its module's"
+                 " output or inputs is refilled for)"),
     "func": (' (a tensor stored on a module, or kept by a forward hook, as Hugging Face\'s output capture keeps the hidden'
              ' state Llava\'s vision_feature_layer picks: under autodiff="func" no hook can gather in the backward;'
              ' autodiff="autograd" trains that as PyTorch does)'),

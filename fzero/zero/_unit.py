@@ -81,20 +81,35 @@ class UnitCall:
                 self.frozen = {}
 
     def _watch_hooks(self, views: tuple[torch.Tensor, ...]) -> list:
-        """For a call that keeps its graph, under plain autograd: a forward hook put first on each module of the unit
-        that has forward hooks (the unit's own only under ``jit``, whose compiled forward is keyed by the hooks inside),
-        for the call's length, so that what those hooks are handed refills the unit before its backward
-        (``_refill_on_escape``). A hook's capture leaves the unit beside its return value: Hugging Face's output
-        capture (``output_hidden_states``, and the hidden state Llava's ``vision_feature_layer`` picks), whose layer's
-        return value may reach nothing in the loss, so ``_RefillBeforeBackward`` never ran and the backward read the
-        freed buffer (torch's bare "setStorage: ... out of bounds for storage of size 0")."""
-        if not self.keeps_graph or not torch.is_grad_enabled() or not views:
+        """For a call that keeps its graph, under plain autograd: a forward hook (and a forward pre-hook) put first on
+        each module of the unit that has forward hooks (forward pre-hooks), the unit's own only under ``jit``, whose
+        compiled forward is keyed by the hooks inside, for the call's length, so that what those hooks are handed (the
+        module's output, and its inputs) refills the unit before its backward (``_refill_on_escape``). A hook's capture
+        leaves the unit beside its return value: Hugging Face's output capture (``output_hidden_states``, and the hidden
+        state Llava's ``vision_feature_layer`` picks; the first hidden state is a layer's input), whose layer's return
+        value may reach nothing in the loss, so ``_RefillBeforeBackward`` never ran and the backward read the freed
+        buffer (torch's bare "setStorage: ... out of bounds for storage of size 0"). Only tensors made during the call
+        are watched (autograd nodes numbered from its start): an input made before the unit (its own arguments) leads
+        to nothing of the unit, and a refill there would gather it for nothing. A unit of frozen params alone
+        (``frozen=``) has no ``views`` but is refilled as the others are."""
+        if not self.keeps_graph or not torch.is_grad_enabled() or not (views or self.frozen):
             return []
-        if torch._C._functorch.is_functorch_wrapped_tensor(views[0]):  # torch.func: no collective in a backward
+        if torch._C._functorch.peek_interpreter_stack() is not None or (
+                views and torch._C._functorch.is_functorch_wrapped_tensor(views[0])):  # torch.func: no collective in a backward
             return []
         modules = [self.inner] if self.params.jit_cache is not None else self.inner.modules()
-        hook = functools.partial(_refill_on_escape, self)
-        return [m.register_forward_hook(hook, prepend=True) for m in modules if m._forward_hooks]
+        handles = []
+        for m in modules:
+            if m._forward_hooks or m._forward_pre_hooks:
+                if not handles:
+                    start = torch._C._autograd._get_sequence_nr()
+                    post = functools.partial(_refill_on_escape, self, start)
+                    pre = functools.partial(_refill_on_escape_pre, self, start)
+                if m._forward_hooks:
+                    handles.append(m.register_forward_hook(post, prepend=True, with_kwargs=True))
+                if m._forward_pre_hooks:
+                    handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        return handles
 
     def refill_once(self) -> None:
         """Gather the unit back into its freed buffer for its backward, unless that is done (or over)."""
@@ -619,16 +634,28 @@ def _free_after_backward(call: UnitCall, grads: Any) -> None:
         call.done()
         call.free()
         call.refilled = False
+        call.reduced = True  # over: a hook's capture read after it refills nothing (``UnitCall.refill_once``)
 
 
-def _refill_on_escape(call: UnitCall, module: nn.Module, args: Any, output: Any) -> None:
+def _refill_on_escape(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     """A forward hook put first on a module of a unit (``UnitCall._watch_hooks``): the tensors the module's hooks are
-    handed get a pre-hook on their ``grad_fn``, which refills the unit before that node's backward runs. Autograd runs
-    ``_RefillBeforeBackward`` on the unit's return value first wherever that value reaches the loss too (it was made
-    after every node of the unit), so this refills only where the hooks' capture is the gradient's way in."""
-    for t in _tree.tensors_and_rebuild(output)[0]:
-        if t.grad_fn is not None:
-            t.grad_fn.register_prehook(functools.partial(_refill_before, call))
+    handed (its output, its inputs) that were made during the unit's call (``start``: the first autograd node number
+    of the call) get a pre-hook on their ``grad_fn``, which refills the unit before that node's backward runs. Autograd
+    runs ``_RefillBeforeBackward`` on the unit's return value first wherever that value reaches the loss too (it was
+    made after every node of the unit), so this refills only where the hooks' capture is the gradient's way in."""
+    _watch_made_since(call, start, (args, kwargs, output))
+
+
+def _refill_on_escape_pre(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """``_refill_on_escape`` for what a module's forward pre-hooks are handed: its inputs."""
+    _watch_made_since(call, start, (args, kwargs))
+
+
+def _watch_made_since(call: UnitCall, start: int, tree: Any) -> None:
+    for t in _tree.tensors_and_rebuild(tree)[0]:
+        node = t.grad_fn
+        if node is not None and node._sequence_nr() >= start:
+            node.register_prehook(functools.partial(_refill_before, call))
 
 
 def _refill_before(call: UnitCall, grads: Any) -> None:
@@ -654,6 +681,7 @@ class _FreeAfterBackward(Function):
             call.done()
             call.free()
             call.refilled = False
+            call.reduced = True
         return (None, *grads)
 
 
