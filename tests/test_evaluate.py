@@ -263,3 +263,32 @@ def test_evaluate_names_itself_when_loss_fn_returns_no_scalar_loss():
     counts = fzero.compile(lambda p, b: (fzero.apply(model, p, b) > 0).sum(), optimizer=fzero.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"^fzero.Step.evaluate: .*torch.int64.*averaged\), e.g. loss.float\(\)"):
         counts.evaluate(counts.init(fzero.params_of(model)), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_apply_outside_a_step_with_the_gathered_params_alone_names_the_trained_batchnorm_statistics(stages, ranks):
+    """``model.eval()`` and ``fzero.apply(model, step.gather(state), x)`` (the EMA recipe's evaluation) ran on the
+    BatchNorm statistics the module held before training, which no step writes: 7.4e-2 off PyTorch's eval output after
+    3 steps, silently. It is refused by name; with the state's buffers (``step.state_dict``) it is PyTorch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), optimizer=fzero.optim.adamw(1e-2),
+                         stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    for _ in range(2):
+        state, _ = step(state, torch.randn(8, 4) * 3 + 1)
+    x = torch.randn(5, 4)
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"'1.running_mean'.*step.state_dict\(state, model\)"):
+        fzero.apply(model, step.gather(state), x)
+    reference.load_state_dict(step.state_dict(state, model))
+    reference.eval()
+    with torch.no_grad():
+        want = reference(x)
+        assert torch.equal(fzero.apply(model, step.state_dict(state, model), x), want)
+        own = fzero.apply(model, {**step.gather(state), **fzero.buffers_of(model)}, x)  # the module's, on purpose
+        assert not torch.allclose(own, want)
+        model.load_state_dict(step.state_dict(state, model))  # the state's buffers in the module: read as they are
+        assert torch.equal(fzero.apply(model, step.gather(state), x), want)

@@ -26,7 +26,9 @@ wrapper, sparse gradients, ``SyncBatchNorm`` on simulated ranks), refused by nam
 from __future__ import annotations
 
 import sys
+import threading
 import types
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -156,7 +158,9 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     ``params`` maps names as in ``params_of``; tied names are resolved by torch (``tie_weights=True``), and
     parameters not in ``params`` come from the module. Inside a step, persistent buffers come from the
     train state and what the forward writes into them goes back there (BatchNorm statistics); outside a
-    step, buffers are the module's. At stages 2 and 3 ``params`` is what
+    step, buffers are the module's, unless ``params`` gives them (``step.state_dict(state, model)``): where a step has
+    moved the state's buffers away from the module's (trained BatchNorm statistics), a ``params`` without them is
+    refused by name rather than run on the statistics from before training. At stages 2 and 3 ``params`` is what
     ``loss_fn`` was given (``ReplicatedParams``/``ShardedParams``) and the model runs unit by unit.
 
     ``module`` may also be a bound method of a module, e.g. ``fzero.apply(lit.training_step, params, batch, i)``:
@@ -185,6 +189,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         paths = getattr(type(params), "frozen_paths", None)
         held = paths(params) if paths is not None else None  # stage 3 with frozen=: the step holds those, sharded
         check_no_meta(module, [*params, *held] if held else params, state_buffers=bank is not None, api="fzero.apply")
+    if bank is None and isinstance(params, Mapping):  # outside a step: the module's own buffers are read
+        check_buffers_current(module, params)
     run_module = getattr(type(params), "run_module", None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         return run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
@@ -225,6 +231,56 @@ def _in_dtype(tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     runs at every ``fzero.apply`` of a step under a low-precision policy."""
     return {k: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
             for k, t in tensors.items()}
+
+
+# The user's modules a step has trained, each with weak references to the persistent buffers of the state that step
+# returned (rank 0's), by name: outside a step ``fzero.apply`` reads the module's own buffers, which a step never
+# writes, so a BatchNorm evaluated as ``fzero.apply(model, step.gather(state), x)`` ran on the statistics the module
+# had before training (measured 7.4e-2 off PyTorch's eval output after 3 steps), silently.
+_trained: "weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
+_trained_lock = threading.Lock()
+
+
+def note_trained_buffers(modules: Any, buffers: Mapping[str, torch.Tensor]) -> None:
+    """After a step: ``modules`` (the user's modules its ``loss_fn`` ran through ``fzero.apply``) hold, in their own
+    buffers, values the state (``buffers``, the new state's) may have moved on from."""
+    for module in modules:
+        held = {n: weakref.ref(buffers[n]) for n in persistent_buffers(module) if isinstance(buffers.get(n), torch.Tensor)}
+        with _trained_lock:
+            if held:
+                _trained[module] = held
+            else:
+                _trained.pop(module, None)
+
+
+def check_buffers_current(module: nn.Module, params: Mapping[str, Any]) -> None:
+    """``fzero.apply`` outside a step reads ``module``'s own persistent buffers for those ``params`` does not give. Where
+    a step has trained this module and its state's buffers hold other values than the module's (BatchNorm statistics
+    the forward moved), that would run the model on its buffers from before training, silently: refused, naming them."""
+    with _trained_lock:
+        held = _trained.get(module)
+    if not held:
+        return
+    own = persistent_buffers(module)
+    stale = []
+    for name, ref in held.items():
+        value, b = ref(), own.get(name)
+        if value is None or b is None or name in params or b.is_meta:
+            continue
+        if value.shape != b.shape or not torch.equal(value.detach().to(b.device, b.dtype), b.detach()):
+            stale.append(name)
+    if stale:
+        shown = ", ".join(repr(n) for n in stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+        raise ValueError(
+            f"fzero.apply: outside a step {type(module).__name__} runs with its own buffers, and {shown} hold other "
+            f"values than the train state's: a step carries persistent buffers in the state (state.buffers, e.g. the "
+            f"BatchNorm statistics its forwards moved) and never writes them into the module, so step.gather(state) "
+            f"(the params alone) would run on the module's buffers from before training. Pass the state's buffers with "
+            f"the params: fzero.apply(model, step.state_dict(state, model), x) (params and buffers), or "
+            f"{{**step.state_dict(state, model), **ema}} for an EMA's params; or load them into the module first, "
+            f"model.load_state_dict(step.state_dict(state, model)). To run on the module's own buffers on purpose, "
+            f"pass them: {{**params, **fzero.buffers_of(model)}}."
+        )
 
 
 def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -291,6 +347,7 @@ class Buffers:
         self._before: dict[str, torch.Tensor] = {}  # name -> the value before its cast to ``dtype``
         self.values = {k: self._live(v, k) for k, v in values.items()}
         self._users: dict[str, nn.Module] = {}  # buffer name -> the module this forward handed it to first
+        self._noted: set[str] = set()  # names whose module is noted in the context's ``trained``
 
     def _live(self, t: torch.Tensor, name: str) -> torch.Tensor:
         if self._dtype is None or not t.is_floating_point() or t.dtype == self._dtype:
@@ -312,6 +369,11 @@ class Buffers:
             if name in given:
                 continue
             first = self._users.setdefault(name, module)
+            if first is module and name not in self._noted:
+                self._noted.add(name)
+                trained = current_context().trained  # a train step's: it now carries this module's buffers
+                if trained is not None and not any(m is module for m in trained):
+                    trained.append(module)
             if first is not module:
                 raise ValueError(_shared_buffer_message(module, first, name))
             if name not in self.values:
