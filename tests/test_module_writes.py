@@ -7,6 +7,7 @@ and was dropped without an error. Now the public attributes the copies changed a
 when the step call succeeds: the values plain PyTorch would hold after running rank 0's micro-batches."""
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -548,3 +549,52 @@ def test_a_generator_the_module_holds_is_each_ranks_own_on_a_local_mesh_of_two_r
     for name, p in ref.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
     assert torch.equal(model.gen.get_state(), gens[0].get_state())  # rank 0's generator, as torchrun's rank 0 holds it
+
+
+class _AuxOnSelf(nn.Module):
+    """An auxiliary loss kept on the module by its forward (as MoE layers keep theirs), for loss_fn to add."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.aux_loss = h.pow(2).mean()
+        return self.head(torch.tanh(h))
+
+    def with_aux(self, x):
+        return self(x), self.aux_loss
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_an_aux_loss_read_off_the_module_in_loss_fn_is_named_and_a_method_returning_it_trains_as_pytorch(stages):
+    """``loss = task + model.aux_loss`` after ``fzero.apply`` read the user's module, which the step's copy writes only
+    when the step returns: a bare "'_AuxOnSelf' object has no attribute 'aux_loss'" at the first step (and, with the
+    attribute set before, the old value without a gradient: 4e-2 off PyTorch after 3 steps). The error now says why and
+    names the fix, a bound method run through fzero.apply, which trains as PyTorch."""
+    torch.manual_seed(0)
+    model = _AuxOnSelf()
+    reference = copy.deepcopy(model)
+    batches = _batches(3)
+    bad = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean() + model.aux_loss,
+                        optimizer=fzero.optim.adamw(1e-2), stages=stages)
+    with pytest.raises(AttributeError, match=r"fzero.apply\(model.method, params, x\)"):
+        bad(bad.init(fzero.params_of(model)), batches[0])
+
+    def loss_fn(p, x):
+        out, aux = fzero.apply(model.with_aux, p, x)
+        return out.pow(2).mean() + aux
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=stages)
+    state = step.init(fzero.params_of(model))
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x in batches:
+        state, _ = step(state, x)
+        opt.zero_grad()
+        out = reference(x)
+        (out.pow(2).mean() + reference.aux_loss).backward()
+        opt.step()
+    got = step.gather(state)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-6)

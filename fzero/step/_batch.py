@@ -530,6 +530,17 @@ PARAM_WRITTEN_AT_STAGE_2_3 = (
 )
 
 
+# an attribute read from the user's module in loss_fn, which a forward sets on self (an auxiliary loss kept on the module)
+MODULE_ATTRIBUTE_IN_A_STEP = (
+    "  If the forward sets {cls}.{name} (an auxiliary loss kept on the module, as MoE layers keep theirs) and loss_fn "
+    "reads it after fzero.apply: within a step fzero.apply runs fzero's copy of the module, and what its forward writes "
+    "on self reaches your module only when the step returns. So loss_fn reads your module's value from before the step "
+    "(none here; a value set in __init__ or by an earlier step is read silently, without a gradient). Return it from "
+    "forward (return out, self.{name}), or call through a method that returns it: fzero.apply(model.method, params, "
+    "x) runs `method` on the module holding the params, so `self` there is the copy the forward wrote."
+)
+
+
 def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False) -> str:
     """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint.
     ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name."""
@@ -557,6 +568,9 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
         lines.append(UNIT_OUTSIDE_ITS_CALL)
     elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
         lines.append(PARAM_WRITTEN_AT_STAGE_2_3)
+    elif isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), nn.Module) \
+            and isinstance(getattr(error, "name", None), str) and not error.name.startswith("_"):
+        lines.append(MODULE_ATTRIBUTE_IN_A_STEP.format(cls=type(error.obj).__name__, name=error.name))
     lines.append("  The error is in loss_fn or the model it runs; its own traceback is the cause above.")
     if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
         return " ".join(line.strip() for line in lines)
