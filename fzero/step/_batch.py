@@ -568,9 +568,9 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
         lines.append(UNIT_OUTSIDE_ITS_CALL)
     elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
         lines.append(PARAM_WRITTEN_AT_STAGE_2_3)
-    elif isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), nn.Module) \
-            and isinstance(getattr(error, "name", None), str) and not error.name.startswith("_"):
-        lines.append(MODULE_ATTRIBUTE_IN_A_STEP.format(cls=type(error.obj).__name__, name=error.name))
+    elif (isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), nn.Module)
+          and isinstance(missing := getattr(error, "name", None), str) and not missing.startswith("_")):
+        lines.append(MODULE_ATTRIBUTE_IN_A_STEP.format(cls=type(getattr(error, "obj")).__name__, name=missing))
     lines.append("  The error is in loss_fn or the model it runs; its own traceback is the cause above.")
     if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
         return " ".join(line.strip() for line in lines)

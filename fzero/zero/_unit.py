@@ -98,7 +98,7 @@ class UnitCall:
                 views and torch._C._functorch.is_functorch_wrapped_tensor(views[0])):  # torch.func: no collective in a backward
             return []
         modules = [self.inner] if self.params.jit_cache is not None else self.inner.modules()
-        handles = []
+        handles: list = []
         for m in modules:
             if m._forward_hooks or m._forward_pre_hooks:
                 if not handles:
