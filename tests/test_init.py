@@ -316,3 +316,28 @@ def test_a_donation_lost_in_a_lower_precision_is_not_blamed_on_shards():
         step.init(fzero.params_of(model, copy=False), donate=True)
     notes = str(failure.value.__notes__)
     assert "are lost" in notes and "only in a lower precision" in notes and "shard per rank" not in notes
+
+
+def test_a_failed_donated_init_puts_back_unswappable_views_of_one_storage_whole():
+    """Two params that are views of one flat buffer, each with a weak reference (so torch cannot turn them meta: their
+    storage is only resized away), and an init that fails after both were packed: the give-back resized the storage to
+    the first view's extent only, and the second view's copy wrote past its end. Both come back whole now."""
+    import weakref
+    from unittest import mock
+
+    import fzero.step._init as init_module
+
+    torch.manual_seed(0)
+    flat = torch.randn(64 + 32)
+    params = {"a": flat[:64].view(8, 8), "b": flat[64:].view(4, 8)}
+    held = [weakref.ref(t) for t in params.values()]  # noqa: F841 - what keeps torch from swapping them
+    expected = {k: v.clone() for k, v in params.items()}
+    step = fzero.compile(lambda p, b: None, stages=1, unit_elements=64)
+
+    def failing(*args, **kwargs):  # after both leaves' units were packed and their storage freed
+        raise MemoryError("out of memory")
+
+    with mock.patch.object(init_module, "_init_rank", failing), pytest.raises(MemoryError):
+        step.init(params, donate=True)
+    assert flat.untyped_storage().nbytes() >= 96 * 4
+    assert_trees_equal({k: v.clone() for k, v in params.items()}, expected)

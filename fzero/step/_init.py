@@ -418,7 +418,11 @@ def _covered(storage: Any, views: list[torch.Tensor]) -> bool:
 def _from_meta(t: torch.Tensor, value: torch.Tensor, device: torch.device, owner: torch.Tensor | None) -> None:
     """Undo ``_to_meta``: ``t`` (and ``owner``, the module's parameter it was taken from) holds ``value`` again, in place."""
     if not t.is_meta:  # one torch could not swap: its storage was only resized to 0; give it its bytes back
-        t.untyped_storage().resize_(t.untyped_storage().nbytes() or (int(t.storage_offset()) + t.numel()) * t.element_size())
+        # to its last element's end, and never smaller than another view of the same storage already made it (views at
+        # higher offsets come later: resized to the first one's extent, the copy below wrote past the storage's end)
+        last = int(t.storage_offset()) + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+        storage = t.untyped_storage()
+        storage.resize_(max(storage.nbytes(), (last + 1) * t.element_size()))
         with torch.no_grad():
             t.copy_(value)
         return
