@@ -620,7 +620,7 @@ def _refuse_freed(root: nn.Module, module: nn.Module, diff: dict[str, Any]) -> N
     params gathered for its call at stage 3, whose buffer is freed once the unit has run."""
     for k, v in diff.items():
         for x in (v.values() if isinstance(v, dict) else v) if type(v) in _CONTAINERS else (v,):
-            if isinstance(x, torch.Tensor) and _freed(x):
+            if isinstance(x, torch.Tensor) and freed(x):
                 path = next((n for n, sub in root.named_modules(remove_duplicate=False) if sub is module), "?")
                 name = f"{path}.{k}" if path else k
                 raise RuntimeError(
@@ -632,7 +632,7 @@ def _refuse_freed(root: nn.Module, module: nn.Module, diff: dict[str, Any]) -> N
                 )
 
 
-def _freed(t: torch.Tensor) -> bool:
+def freed(t: torch.Tensor) -> bool:
     """Whether ``t`` has elements but its storage no longer has the bytes they need (resized to 0 when freed)."""
     if t.is_meta or t.layout is not torch.strided or t.numel() == 0 or torch._C._functorch.is_functorch_wrapped_tensor(t):
         return False

@@ -35,8 +35,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout import check_no_meta, named_tensors
+from fzero.layout import check_no_meta, freed, named_tensors
 from fzero.mesh import current_context
+from fzero.step._donate import DONATED_FROM
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor)
 
@@ -69,20 +70,8 @@ def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
     out = {}
     for name, p in named:
         out[name] = view = p.detach()
-        view.__dict__[DONATED_FROM] = p  # step.init(..., donate=True) turns the module's parameter to meta too (_init)
+        view.__dict__[DONATED_FROM] = p  # step.init(..., donate=True) turns the module's parameter to meta too (_donate)
     return out
-
-
-# The module's parameter a tensor of ``params_of(module, copy=False)`` is the memory of: ``Step.init(..., donate=True)``
-# frees that memory, then turns the parameter itself into a meta tensor of its shape (``torch.utils.swap_tensors``).
-DONATED_FROM = "_fz_donated_from"
-
-
-def freed(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no memory for its values (a storage resized away, as ``Step.init(..., donate=True)`` leaves
-    what it could not turn to meta): torch reads such a tensor's values from freed memory, a crash of the process."""
-    return (not t.is_meta and t.numel() > 0 and t.layout == torch.strided
-            and t.untyped_storage().nbytes() < (t.storage_offset() + 1) * t.element_size())
 
 
 def check_not_freed(named: Any, *, api: str, what: str) -> None:
