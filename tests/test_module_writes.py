@@ -598,3 +598,61 @@ def test_an_aux_loss_read_off_the_module_in_loss_fn_is_named_and_a_method_return
     got = step.gather(state)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-6)
+
+
+class _AuxSetInInit(_AuxOnSelf):
+    """``_AuxOnSelf`` with the attribute set in ``__init__`` (as many MoE layers do), and a constant the forward rebuilds
+    each call with the same value (a cached mask), a dict of statistics it rebinds, and a tensor it counts in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux_loss = torch.zeros(())
+        self.mask = torch.ones(WIDTH)
+        self.stats = {"norm": torch.zeros(())}
+        self.calls = torch.zeros(())
+
+    def forward(self, x):
+        self.mask = torch.ones(WIDTH)
+        self.stats = {"norm": x.norm()}
+        self.calls.add_(1)
+        return super().forward(x * self.mask)
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_value_the_forward_replaced_read_off_the_module_is_refused_by_name_before_any_update(stages, ranks):
+    """Where ``__init__`` (or an earlier step) set ``self.aux_loss``, ``loss = task + model.aux_loss`` after
+    ``fzero.apply`` read the value from before the step, without a gradient: it trained silently wrong (4e-2 off
+    PyTorch after 3 steps). The first step now refuses the use of a tensor the forward replaced on fzero's copy,
+    naming its path and the fix, before any update (the state trains on unchanged afterwards). What is current is let
+    through: a value rebuilt equal (a cached mask), a tensor changed in place, and a ``.clone()`` taken before the
+    forward (the last step's value, used on purpose)."""
+    torch.manual_seed(0)
+    model = _AuxSetInInit()
+    batches = _batches(2)
+    mesh = fzero.local_mesh(ranks) if ranks > 1 else None
+    settings = dict(optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=mesh)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean() + model.aux_loss, **settings)
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=r"`aux_loss` \(_AuxSetInInit.aux_loss\).*fzero.apply\(model.with_aux"):
+        step(state, batches[0])
+    stats = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean() * model.stats["norm"], **settings)
+    with pytest.raises(ValueError, match=r"`stats\['norm'\]`"):
+        stats(state, batches[0])
+
+    def current(p, x):  # reads only what is current, or copied on purpose before the forward
+        before = model.aux_loss.clone()
+        out = fzero.apply(model, p, x)
+        return out.pow(2).mean() + 0.0 * before + out.mean() * model.mask.sum() * 0.0 + model.calls * 0.0
+
+    good = fzero.compile(current, **settings)
+    plain = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), **settings)
+    state_good = good.init(fzero.params_of(model))
+    state_plain = plain.init(fzero.params_of(model))
+    for x in batches:
+        state_good, _ = good(state_good, x)
+        state_plain, _ = plain(state_plain, x)
+        state, _ = plain(state, x)  # the state the refused steps were given: intact
+    for name, p in plain.gather(state_plain).items():
+        torch.testing.assert_close(good.gather(state_good)[name], p, rtol=0, atol=0)
+        torch.testing.assert_close(plain.gather(state)[name], p, rtol=0, atol=0)

@@ -9,7 +9,7 @@ has cannot travel that way, because the code that needs it is called by the user
 
 | field | read by | why it cannot be an argument |
 |---|---|---|
-| ``clones``, ``writes``, ``compute_dtype``, ``buffers``, ``scope``, ``applied`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
+| ``clones``, ``writes``, ``compute_dtype``, ``buffers``, ``scope``, ``applied``, ``stale`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
 | ``usage`` | the views ``loss_fn`` reads (``fzero.step._context``) | recorded inside user code, by autograd |
 | ``snapshots``, ``replay`` | ``fzero.apply`` under ``fzero.remat`` | the recompute runs in backward, called by autograd |
 | ``generator``, ``stream`` | torch's random ops (below) | torch reads the process generator; ranks must not share it |
@@ -109,6 +109,7 @@ class RankContext:
     buffers: Any = None  # the step's buffer bank (``fzero.step._module.Buffers``) the forward runs with
     scope: contextlib.ExitStack | None = None  # a micro-batch's forward and backward: modules keep their tensors
     applied: list | None = None  # the modules ``fzero.apply`` ran, noted for the first step's checks
+    stale: Any = None  # the first step's check of module values loss_fn reads after the forward replaced them
     trained: list | None = None  # the user's modules a train step's buffer bank handed the state's buffers to
     snapshots: Any = None  # a remat call's buffer values (``fzero.step._context.Snapshots``)
     replay: bool = False  # a remat recompute: hand out the snapshots' copies, not the live buffers

@@ -32,11 +32,12 @@ import optree
 import torch
 from torch import nn
 
-from fzero.mesh import current_context
+from fzero.mesh import current_context, with_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, check_no_trained_buffers, lift_for
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
+from fzero.step._stale import StaleReads
 
 
 _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
@@ -393,23 +394,27 @@ class LossFnInContext:
     Its first call with a graph (the first micro-batch of the first step) also checks what only a forward shows:
     that the modules run hold nothing a step cannot train (``check_module_features``: a ``torch.compile`` wrapper,
     sparse gradients; at stages 0-1, state params that name a module's buffer: ``check_no_trained_buffers``), that the
-    loss depends on no parameter of a module's own (``check_own_params``) and, under ``dist_mesh``, that
-    every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing for it."""
+    loss depends on no parameter of a module's own (``check_own_params``), that ``loss_fn`` used no value off a module
+    that the forward had replaced (``fzero.step._stale``: an auxiliary loss kept on the module) and, under
+    ``dist_mesh``, that every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing
+    for it."""
 
-    __slots__ = ("fn", "split", "units", "checked")
+    __slots__ = ("fn", "split", "units", "checked", "reads")
 
-    def __init__(self, fn: Callable[..., Any], *, split: bool, units: bool = False) -> None:
+    def __init__(self, fn: Callable[..., Any], *, split: bool, units: bool = False, reads: bool = True) -> None:
         self.fn = fn
         self.split = split
         self.units = units  # the step runs units (stages 2-3): their params are meta tensors outside their calls
         self.checked = False
+        self.reads = reads  # check what loss_fn reads off the modules after their forward (not under jit: _stale)
 
     def __call__(self, params: Any, batch: Any) -> Any:
         if self.checked or not torch.is_grad_enabled():  # checked already, or an evaluation (no graph to check)
             return self._run(params, batch)
         from fzero.step._context import watching_apply
 
-        with watching_apply() as modules:
+        stale = StaleReads() if self.reads else None
+        with watching_apply() as modules, with_context(stale=stale), stale if stale is not None else contextlib.nullcontext():
             out = self._run(params, batch)
         check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
         if not self.units and isinstance(params, Mapping):  # stages 2-3 refuse it as their copy of the module is made
