@@ -523,32 +523,55 @@ class _RematForward(Function):
     def backward(ctx, *grad_outs):
         call = ctx.call
         saved = ctx.saved_tensors
-        if not any(call.diff):
+        wanted = _wanted_now(ctx, call.diff)
+        if not any(wanted):
             return (None,) * (1 + len(saved))
-        grads = list(_RematBackward.apply(call, len(saved), *saved, *grad_outs))
+        grads = list(_RematBackward.apply(call, wanted, len(saved), *saved, *grad_outs))
         unused = iter(call.unused)
         out = [None]
-        for need in call.diff:
+        for need in wanted:
             g = grads.pop(0) if need else None
             out.append(None if g is None or next(unused) else g)
         return tuple(out)
 
 
+def _wanted_now(ctx: Any, diff: list[bool]) -> tuple[bool, ...]:
+    """Of ``fn``'s differentiable inputs, those whose gradient this backward goes on to use.
+
+    A backward that asks for some gradients only (``torch.autograd.grad(loss, x)`` inside ``loss_fn``, as adversarial
+    training takes the input's gradient before the real loss) still calls this node, and the recompute's own
+    ``torch.autograd.grad`` would otherwise differentiate with respect to every input, running what lies behind one
+    whose gradient nobody asked for: at stage 3 the unit's gather, whose backward reduces the params' gradient into
+    the step's, so the input's gradient trained the params too (2.5e-2 off PyTorch after 3 steps). The engine says
+    which of this node's next functions it will run (``next_functions``: one per tensor input, in order)."""
+    edges = getattr(ctx, "next_functions", None)
+    if edges is None or len(edges) != len(diff):  # not a plain autograd node (torch.func's): every input, as before
+        return tuple(diff)
+    return tuple(need and node is not None and _will_run(node) for need, (node, _) in zip(diff, edges))
+
+
+def _will_run(node: Any) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf that torch.autograd.grad captures ("a leaf node was passed ... not supported"): asked for
+        return True
+
+
 class _RematBackward(Function):
     @staticmethod
-    def forward(call, n_in, *rest):
+    def forward(call, wanted, n_in, *rest):
         saved, grad_outs = rest[:n_in], rest[n_in:]
         # Host copies go back to their device; the copy from pinned memory is asynchronous on the current
         # stream, ordered before the recompute that reads it.
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
-        leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, call.diff)]
+        leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, wanted)]
         # The product is taken in the recompute's context and scope: a torch.utils.checkpoint inside fn calls its layers
         # again during it, and they must find what the recompute ran with (recompute_scope).
         with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), recompute_scope(), \
                 as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
             outs = call.run(leaves)
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
-            wrt = [x for x, need in zip(leaves, call.diff) if need]
+            wrt = [x for x, need in zip(leaves, wanted) if need]
             grads = [None] * len(wrt)
             if pairs:
                 grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
