@@ -399,22 +399,21 @@ class LossFnInContext:
     ``dist_mesh``, that every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing
     for it."""
 
-    __slots__ = ("fn", "split", "units", "checked", "reads")
+    __slots__ = ("fn", "split", "units", "checked")
 
-    def __init__(self, fn: Callable[..., Any], *, split: bool, units: bool = False, reads: bool = True) -> None:
+    def __init__(self, fn: Callable[..., Any], *, split: bool, units: bool = False) -> None:
         self.fn = fn
         self.split = split
         self.units = units  # the step runs units (stages 2-3): their params are meta tensors outside their calls
         self.checked = False
-        self.reads = reads  # check what loss_fn reads off the modules after their forward (not under jit: _stale)
 
     def __call__(self, params: Any, batch: Any) -> Any:
         if self.checked or not torch.is_grad_enabled():  # checked already, or an evaluation (no graph to check)
             return self._run(params, batch)
         from fzero.step._context import watching_apply
 
-        stale = StaleReads() if self.reads else None
-        with watching_apply() as modules, with_context(stale=stale), stale if stale is not None else contextlib.nullcontext():
+        stale = StaleReads()
+        with watching_apply() as modules, with_context(stale=stale), stale:
             out = self._run(params, batch)
         check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
         if not self.units and isinstance(params, Mapping):  # stages 2-3 refuse it as their copy of the module is made

@@ -38,7 +38,7 @@ from torch import nn
 from fzero.layout import check_no_meta, freed, named_tensors
 from fzero.mesh import current_context
 from fzero.step._donate import DONATED_FROM
-from fzero.step._stale import note_replaced
+from fzero.step._stale import held_tensors, note_replaced, outside
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor)
 
@@ -182,15 +182,17 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if bank is None and isinstance(params, Mapping):  # outside a step: the module's own buffers are read
         check_buffers_current(module, params)
     run_module = getattr(type(params), "run_module", None)
-    if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
-        out = run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
-    else:
-        out = apply_dict(module, params, args, kwargs, method=method)
     context = current_context()
-    if context.stale is not None:  # the first step's check of what loss_fn reads off the module next (fzero.step._stale)
+    before = held_tensors(module) if context.stale is not None else None  # the first step's check (fzero.step._stale)
+    with outside(context.stale):
+        if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
+            out = run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
+        else:
+            out = apply_dict(module, params, args, kwargs, method=method)
+    if before is not None:  # what loss_fn reads off the module next: a value the forward replaced is refused
         entry = context.clones.get(id(module)) if context.clones is not None else None  # stages 0-1: its clone
         copy = entry[1] if entry is not None else params.skeleton(module)  # stages 2-3: its skeleton
-        note_replaced(module, copy, context.stale, private=getattr(context.writes, "private", None))
+        note_replaced(module, copy, context.stale, before=before, private=getattr(context.writes, "private", None))
     return out
 
 

@@ -10,22 +10,25 @@ such a write right after the forward: an MoE layer's ``self.aux_loss = ...``, ad
 
 Nothing can be read off a plain attribute access on the user's module without changing its class, which fzero never
 does. What can be seen is the stale tensor being *used*: ``StaleReads`` is a ``TorchFunctionMode``, entered for the
-first micro-batch of a step object's first step only (where the other first-step checks run), that knows which
+first micro-batch of a step object's first step only (where the other first-step checks run) and left while a
+forward runs (``outside``: a mode would keep torch's fast paths off), that knows which
 tensors the user's modules hold under public names that this step's forwards have replaced in their copies
 (``note_replaced``, after each ``fzero.apply``), and refuses an op that takes one, by name, with the fix, before any
 update. A tensor the forward replaced with an equal one (a cached mask rebuilt) is let through: its value is current.
 A tensor the forward changed in place is the copy's too (copies share tensors), so it is never stale.
 
-What it cannot see: a number (a Python ``float`` or ``int``) read off the module, an entry a forward appended to a
-list whose older entries are still current, and reads under ``jit=True`` (a mode active while units compile would be
-part of what ``torch.compile`` guards on, and a later step without it would compile them again). A loss function that
+A value written into the user's module during the forward (by a hook that closes over the module:
+``self.captured[k] = out``) is current, and so is anything the module did not hold before the forward
+(``held_tensors``). What it cannot see: a number (a Python ``float`` or ``int``) read off the module, and an entry a
+forward appended to a list whose older entries are still current. A loss function that
 reads the value from before this step on purpose (an average with the last step's) takes ``.clone()`` of it before
 calling ``fzero.apply``: a copy is not the module's tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -91,34 +94,83 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def note_replaced(module: nn.Module, copy: nn.Module, reads: StaleReads, *, private: dict | None = None) -> None:
-    """Record in ``reads`` the tensors ``module``'s tree holds under public attribute names (as the value, or as an
-    entry of a list, tuple or dict) that the forward just run on ``copy`` (its structural copy) has replaced there.
+@contextlib.contextmanager
+def outside(reads: StaleReads | None) -> Iterator[None]:
+    """The block (a forward, run by ``fzero.apply``) without ``reads`` on torch's mode stack, where it is on top: any
+    torch function mode keeps torch's fast paths off (``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` check
+    ``has_torch_function``), and the check must not change what the forward runs. A mode the user entered above it
+    keeps them off anyway."""
+    n = torch._C._len_torch_function_stack()
+    if reads is None or n == 0 or torch._C._get_function_stack_at(n - 1) is not reads:
+        yield
+        return
+    mode = torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def held_tensors(module: nn.Module) -> dict[int, torch.Tensor]:
+    """The tensors ``module``'s tree holds under public attribute names, as the value or as an entry of a list, tuple
+    or dict, by id: taken before a forward, so that ``note_replaced`` tells a value from before the step from one
+    written into the user's module during it (a hook closing over the module: ``self.captured[k] = out``)."""
+    held: dict[int, torch.Tensor] = {}
+    for _, _, v in _public(module):
+        for x in (v.values() if type(v) is dict else v) if type(v) in (list, tuple, dict) else (v,):
+            if isinstance(x, torch.Tensor):
+                held[id(x)] = x
+    return held
+
+
+def note_replaced(module: nn.Module, copy: nn.Module, reads: StaleReads, *, before: dict[int, torch.Tensor],
+                  private: dict | None = None) -> None:
+    """Record in ``reads`` the tensors ``module``'s tree held before the forward (``before``: ``held_tensors``) and
+    holds still, under public attribute names (as the value, or as an entry of a list, tuple or dict), that the forward
+    just run on ``copy`` (its structural copy) has replaced there: deleted, or another object under that name or key.
     ``private``: a local mesh rank's own copies of the module's objects (``fzero.layout.Writes.private``), id(the
     object) -> (this rank's copy, it): the copy holding this rank's copy of a tensor has not replaced it."""
-    stack = [("", module, copy)]
-    while stack:
-        prefix, o, c = stack.pop()
+    copies = {"": copy}
+    for prefix, o, v in _public(module, copies):
+        c = copies[prefix.rsplit(".", 1)[0] if "." in prefix else ""]
         if c is o:
             continue  # shared, not copied: written in place, never stale
-        od, cd = o.__dict__, c.__dict__
-        for k, v in od.items():
-            if k[:1] == "_":
+        k = prefix.rsplit(".", 1)[-1]
+        now = c.__dict__.get(k, _GONE)
+        if isinstance(v, torch.Tensor):
+            if before.get(id(v)) is v and not _holds(now, v, private):
+                reads.replaced[id(v)] = (v, o, prefix, c, _attribute(k), module)
+        elif type(v) in (list, tuple, dict) and type(now) is type(v):
+            for key, x in (v.items() if type(v) is dict else enumerate(v)):
+                try:
+                    y = now[key]
+                except (KeyError, IndexError):
+                    continue  # gone from the copy's container (popped): not replaced by another value
+                if isinstance(x, torch.Tensor) and before.get(id(x)) is x and not _holds(y, x, private):
+                    reads.replaced[id(x)] = (x, o, f"{prefix}[{key!r}]", c, _entry(k, key), module)
+
+
+def _public(module: nn.Module, copies: dict[str, nn.Module] | None = None) -> list[tuple[str, nn.Module, Any]]:
+    """``(path, the module holding it, value)`` of every public attribute in ``module``'s tree that is a tensor or a
+    list, tuple or dict (paths as ``blocks.0.aux_loss``). ``copies``: path of a module -> its copy, to fill in as the
+    walk goes down a copy's tree beside it (a submodule the copy lacks is not walked)."""
+    out = []
+    stack = [("", module)]
+    while stack:
+        prefix, o = stack.pop()
+        for k, v in o.__dict__.items():
+            if k[:1] != "_" and (isinstance(v, torch.Tensor) or type(v) in (list, tuple, dict)):
+                out.append((prefix + k, o, v))
+        for k, sub in o.__dict__["_modules"].items():
+            if sub is None:
                 continue
-            if isinstance(v, torch.Tensor):
-                if not _holds(cd.get(k, _GONE), v, private):
-                    reads.replaced[id(v)] = (v, o, prefix + k, c, _attribute(k), module)
-            elif type(v) in (list, tuple, dict):
-                now = cd.get(k, _GONE)
-                entries = v.items() if type(v) is dict else enumerate(v)
-                for key, x in entries:
-                    if isinstance(x, torch.Tensor) and not _still_in(now, x, private):
-                        reads.replaced[id(x)] = (x, o, f"{prefix}{k}[{key!r}]", c, _entry(k, key), module)
-        subs = cd.get("_modules", {})
-        for k, sub in od["_modules"].items():
-            csub = subs.get(k)
-            if sub is not None and csub is not None:
-                stack.append((f"{prefix}{k}.", sub, csub))
+            if copies is not None:
+                csub = copies[prefix[:-1]].__dict__.get("_modules", {}).get(k)
+                if csub is None:
+                    continue
+                copies[prefix + k] = csub
+            stack.append((f"{prefix}{k}.", sub))
+    return out
 
 
 def _holds(now: Any, v: torch.Tensor, private: dict | None) -> bool:
@@ -126,12 +178,6 @@ def _holds(now: Any, v: torch.Tensor, private: dict | None) -> bool:
         return True
     own = private.get(id(v)) if private else None
     return own is not None and own[0] is now
-
-
-def _still_in(now: Any, x: torch.Tensor, private: dict | None) -> bool:
-    if type(now) not in (list, tuple, dict):
-        return False
-    return any(_holds(y, x, private) for y in (now.values() if type(now) is dict else now))
 
 
 def _attribute(name: str) -> Any:

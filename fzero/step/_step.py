@@ -237,8 +237,7 @@ class Step:
         """This step with its ``loss_fn`` wrapped to name the batch when it fails (``LossFnInContext``): what the rank
         programs run. Made once per step object (a cache, not a field), so it is also the identity that warns once."""
         split = isinstance(self.mesh, LocalMesh) or self.grad_accum > 1
-        in_context = dataclasses.replace(self, loss_fn=LossFnInContext(self.loss_fn, split=split, units=self.stage >= 2,
-                                                                          reads=not self.unit_settings.jit))
+        in_context = dataclasses.replace(self, loss_fn=LossFnInContext(self.loss_fn, split=split, units=self.stage >= 2))
         in_context.__dict__["pool"] = self.pool  # one pool per step the user holds (its cache, as this one)
         return in_context
 
