@@ -28,7 +28,8 @@ import torch
 from fzero.layout import DEFAULT_UNIT_ELEMENTS, Layout, by_container_child, by_prefixes
 from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatter, pooled_reduce_scatter
 from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step, forget
-from fzero.zero._sharded import RematParams, ReplicatedParams, ShardedParams
+from fzero.zero._remat_params import RematParams
+from fzero.zero._sharded import ReplicatedParams, ShardedParams
 from fzero.zero._unit import Schedule
 
 
