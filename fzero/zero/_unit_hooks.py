@@ -1,0 +1,105 @@
+"""Stage 3: a unit's backward where the gradient does not pass the unit's return value (``fzero.zero._unit``).
+
+A hook's capture leaves the unit beside its return value (Hugging Face's output capture, ``output_hidden_states``),
+and that return value may reach nothing in the loss, so ``_RefillBeforeBackward`` never runs: for a call that keeps
+its graph, ``UnitCall._watch_hooks`` puts a hook first on each module of the unit that has hooks, and what those hooks
+are handed refills the unit before its backward (``_refill_on_escape``). A unit of frozen params alone
+(``step.init(..., frozen=...)``) has no gradient to join and reduce: the gradient of its inputs is where its backward
+ends and its buffer can be freed again (``_after_backward``).
+
+Apart from ``fzero.zero._unit`` so that each stays short.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fzero.layout import pytrees as _tree
+from fzero.mesh import Function
+
+if TYPE_CHECKING:
+    from fzero.zero._unit import UnitCall
+
+
+def _after_backward(inputs: Any, call: UnitCall) -> Any:
+    """``inputs`` with their differentiable tensors passed through ``_FreeAfterBackward``: for a unit of frozen params
+    alone (``step.init(..., frozen=...)``), whose gather has no gradient to join and reduce, the gradient of its inputs
+    is where its backward ends and its buffer can be freed again. (No input with a gradient: no backward reaches the
+    unit, and its buffer, freed after the forward, is never refilled.)"""
+    found, rebuild = _tree.tensors_and_rebuild(inputs)
+    wanted = [i for i, t in enumerate(found) if t.requires_grad]
+    if not wanted:
+        return inputs
+    if not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]]):
+        # plain autograd: a hook on the inputs themselves, not a Function between them and the unit. A Function's
+        # outputs are views that the unit may not modify in place (``F.relu(x, inplace=True)`` on its input raised
+        # "Output 0 of _FreeAfterBackward is a view and is being modified inplace"), and its node summed the gradients
+        # of the input's uses inside the unit before the uses outside it (not bitwise the run without frozen=)
+        call.hooks = torch.autograd.graph.register_multi_grad_hook([found[i] for i in wanted],
+                                                                   functools.partial(_free_after_backward, call), mode="all")
+        return inputs
+    passed = _FreeAfterBackward.apply(call, *[found[i] for i in wanted])
+    for i, t in zip(wanted, passed):
+        found[i] = t
+    return rebuild(found)
+
+
+def _free_after_backward(call: UnitCall, grads: Any) -> None:
+    """The unit's backward is over (its inputs' gradients are computed): let go of its views and free its buffer."""
+    if call.refilled:
+        call.done()
+        call.free()
+        call.refilled = False
+        call.reduced = True  # over: a hook's capture read after it refills nothing (``UnitCall.refill_once``)
+
+
+def _refill_on_escape(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    """A forward hook put first on a module of a unit (``UnitCall._watch_hooks``): the tensors the module's hooks are
+    handed (its output, its inputs) that were made during the unit's call (``start``: the first autograd node number
+    of the call) get a pre-hook on their ``grad_fn``, which refills the unit before that node's backward runs. Autograd
+    runs ``_RefillBeforeBackward`` on the unit's return value first wherever that value reaches the loss too (it was
+    made after every node of the unit), so this refills only where the hooks' capture is the gradient's way in."""
+    _watch_made_since(call, start, (args, kwargs, output))
+
+
+def _refill_on_escape_pre(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """``_refill_on_escape`` for what a module's forward pre-hooks are handed: its inputs."""
+    _watch_made_since(call, start, (args, kwargs))
+
+
+def _watch_made_since(call: UnitCall, start: int, tree: Any) -> None:
+    for t in _tree.tensors_and_rebuild(tree)[0]:
+        node = t.grad_fn
+        if node is not None and node._sequence_nr() >= start:
+            node.register_prehook(functools.partial(_refill_before, call))
+
+
+def _refill_before(call: UnitCall, grads: Any) -> None:
+    call.refill_once()
+
+
+class _FreeAfterBackward(Function):
+    """Forward: the unit's inputs (views). Backward: the unit's backward is over: let go of its views and free its
+    buffer, as ``UnitCall.reduce`` does for a unit that trains; gradients unchanged."""
+
+    @staticmethod
+    def forward(call, *inputs):
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call = ctx.call
+        if call.refilled:
+            call.done()
+            call.free()
+            call.refilled = False
+            call.reduced = True
+        return (None, *grads)
