@@ -2,10 +2,10 @@
 
 A hook's capture leaves the unit beside its return value (Hugging Face's output capture, ``output_hidden_states``),
 and that return value may reach nothing in the loss, so ``_RefillBeforeBackward`` never runs: for a call that keeps
-its graph, ``UnitCall._watch_hooks`` puts a hook first on each module of the unit that has hooks, and what those hooks
-are handed refills the unit before its backward (``_refill_on_escape``). A unit of frozen params alone
-(``step.init(..., frozen=...)``) has no gradient to join and reduce: the gradient of its inputs is where its backward
-ends and its buffer can be freed again (``_after_backward``).
+its graph, ``UnitCall._watch_hooks`` puts a hook first on each module of the unit that has forward hooks (the unit's
+own only under ``jit``), and what those hooks are handed refills the unit before its backward (``_refill_on_escape``).
+A unit of frozen params alone (``step.init(..., frozen=...)``) has no gradient to join and reduce: the gradient of its
+inputs is where its backward ends and its buffer can be freed again (``_after_backward``).
 
 Apart from ``fzero.zero._unit`` so that each stays short.
 """
