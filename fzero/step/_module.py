@@ -25,6 +25,7 @@ wrapper, sparse gradients, ``SyncBatchNorm`` on simulated ranks), refused by nam
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import types
@@ -182,17 +183,20 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if bank is None and isinstance(params, Mapping):  # outside a step: the module's own buffers are read
         check_buffers_current(module, params)
     run_module = getattr(type(params), "run_module", None)
+    if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
+        forward = functools.partial(run_module, params, module, args, kwargs, method=method)  # its own per-rank skeleton
+    else:
+        forward = functools.partial(apply_dict, module, params, args, kwargs, method=method)
     context = current_context()
-    before = held_tensors(module) if context.stale is not None else None  # the first step's check (fzero.step._stale)
+    if context.stale is None:
+        return forward()
+    # the first step's check of what loss_fn reads off the module next (fzero.step._stale): a value the forward replaced
+    before = held_tensors(module)
     with outside(context.stale):
-        if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
-            out = run_module(params, module, args, kwargs, method=method)  # builds its own per-rank skeleton
-        else:
-            out = apply_dict(module, params, args, kwargs, method=method)
-    if before is not None:  # what loss_fn reads off the module next: a value the forward replaced is refused
-        entry = context.clones.get(id(module)) if context.clones is not None else None  # stages 0-1: its clone
-        copy = entry[1] if entry is not None else params.skeleton(module)  # stages 2-3: its skeleton
-        note_replaced(module, copy, context.stale, before=before, private=getattr(context.writes, "private", None))
+        out = forward()
+    entry = context.clones.get(id(module)) if context.clones is not None else None  # stages 0-1: its clone
+    copy = entry[1] if entry is not None else params.skeleton(module)  # stages 2-3: its skeleton
+    note_replaced(module, copy, context.stale, before=before, private=getattr(context.writes, "private", None))
     return out
 
 
