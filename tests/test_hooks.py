@@ -431,6 +431,32 @@ def test_a_module_applied_twice_in_one_loss_fn_trains_as_pytorch(stages, autodif
         torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("stages", [0, 1, 2])
+def test_a_module_applied_again_with_other_params_in_one_loss_fn_trains_as_pytorch(stages):
+    """The second call of a module in one forward with params of its own making (first-order MAML's fast weights, a
+    pair whose second half runs a masked weight) met, at stages 0-1, the step's tensors the module held from the first
+    call: their hooks, fzero's own, were taken for the user's ("['weight', 'bias'] of Linear carry gradient hooks")."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    reference = nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+
+    def pair(run, params, x):
+        inner = run(params, x[:4]).square().mean()
+        grads = torch.autograd.grad(inner, list(params.values()))
+        fast = {k: v - 0.1 * g.detach() for (k, v), g in zip(params.items(), grads)}  # first-order MAML
+        return run(fast, x[4:]).square().mean()
+
+    step = fzero.compile(lambda p, b: pair(lambda q, xx: fzero.apply(model, q, xx), p, b),
+                         optimizer=fzero.optim.sgd(0.1), stages=stages)
+    state, metrics = step(step.init(fzero.params_of(model)), x)
+    pair(lambda q, xx: torch.func.functional_call(reference, q, (xx,)), dict(reference.named_parameters()), x).backward()
+    got = step.gather(state)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-6, atol=1e-7)
+
+
 # a forward hook on a unit, and one on a module inside another unit, each keeping what its module returned: the loss
 # reads only those captures, never the tower's own output, as Llava reads the hidden state its vision_feature_layer
 # picks (captured by transformers' output hooks on each encoder layer) and leaves the vision tower's output unused

@@ -596,7 +596,8 @@ def check_no_grad_hooks(named: list[tuple[str, torch.Tensor]], module: Any, *, a
     ``step_params``: the params the step runs the module with, whose own hooks (fzero's, at stages 0-1 under plain
     autograd) are not the user's: the module holds them from its first ``fzero.apply`` in a forward until the backward
     (``step_scope``), so a second call (a per-image loop, a siamese pair) finds them in its place."""
-    hooked = [name for name, p in named if has_grad_hooks(p) and (step_params is None or p is not step_params.get(name))]
+    hooked = [name for name, p in named if has_grad_hooks(p) and (step_params is None or p is not step_params.get(name))
+              and not _step_hooks_only(p)]
     if not hooked:
         return
     raise ValueError(
@@ -609,6 +610,14 @@ def check_no_grad_hooks(named: list[tuple[str, torch.Tensor]], module: Any, *, a
         f"recompute registers it again, as under torch.utils.checkpoint), or at stages 0-2 in "
         f"loss_fn (params[name].register_hook(fn) before fzero.apply); clip by norm with compile(clip_grad_norm=...)."
     )
+
+
+def _step_hooks_only(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient hooks are all the step's own (stages 0-1 under plain autograd: ``fzero.step._parts``):
+    a module called again in one forward with other params (first-order MAML's fast weights, a pair with one weight
+    masked) still holds the step's tensors from its first call, and those are not the user's."""
+    return not p._backward_hooks and all(getattr(h, "fzero_step_hook", False)
+                                         for h in p._post_accumulate_grad_hooks.values())
 
 
 def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any, module: Any, *, api: str) -> None:

@@ -176,6 +176,7 @@ class ParamView(View):
             if self._arrived[u] == count and self._started:
                 self._start_ready()
 
+        into_flat.fzero_step_hook = True  # type: ignore[attr-defined]  # fzero's own (check_no_grad_hooks)
         return into_flat
 
     def _start_ready(self, *, all_: bool = False) -> None:
