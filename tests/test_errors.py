@@ -145,3 +145,28 @@ def test_a_failing_rank_raises_instead_of_hanging(prob):
     with pytest.raises(RuntimeError, match="boom on one rank") as info:
         step(state, {"x": x, "y": torch.randn(8, 4)})
     assert "raised on rank 1" in str(info.value.__notes__)
+
+
+@pytest.mark.parametrize("stages, autodiff", [(0, "autograd"), (1, "func"), (2, "autograd"), (3, "autograd"), (3, "func")])
+def test_a_loss_fn_that_calls_backward_itself_is_named_and_the_state_trains_on(stages, autodiff):
+    """``loss.backward()`` at the end of ``loss_fn``, as a plain PyTorch training step ends: torch's "Trying to backward
+    through the graph a second time" (plain autograd), or, under torch.func, fzero's hint about torch.utils.checkpoint,
+    which is not the cause. Both now say what loss_fn did and the fix; the state given is untouched."""
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(4, 4)
+
+    def calls_backward(p, x):
+        loss = fzero.apply(model, p, x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    settings = dict(optimizer=fzero.optim.sgd(0.1), stages=stages, autodiff=autodiff)
+    bad = fzero.compile(calls_backward, **settings)
+    good = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), **settings)
+    state = good.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=r"(?s)ran a backward over the loss already.*without\s+calling backward\(\)"):
+        bad(state, x)
+    state, _ = good(state, x)
+    expected, _ = good(good.init(fzero.params_of(model)), x)
+    for name, value in good.gather(expected).items():
+        assert torch.equal(good.gather(state)[name], value)

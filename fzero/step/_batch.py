@@ -633,6 +633,8 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             with step_scope(), _named_freed_failure(getattr(loss_fn, "units", False), autodiff):
                 grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
         except RuntimeError as e:
+            if "backward() called inside a functorch transform" in str(e):
+                raise RuntimeError(_BACKWARD_IN_LOSS_FN.format(error=str(e).splitlines()[0].split("raised RuntimeError: ")[-1])) from e
             if any(m in str(e) for m in _FUNC_REFUSALS):
                 raise RuntimeError(_func_refusal(str(e).splitlines()[0])) from e
             raise
@@ -647,7 +649,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             if written and on_written is not None:
                 on_written(written)
             with _named_meta_failure(getattr(loss_fn, "units", False)), _named_reentrant_failure(), \
-                    _named_freed_failure(getattr(loss_fn, "units", False), autodiff):
+                    _named_freed_failure(getattr(loss_fn, "units", False), autodiff), _named_second_backward():
                 if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
                     if scaled.requires_grad:
                         torch.autograd.backward(scaled, inputs=leaves)
@@ -703,6 +705,28 @@ def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:
         return
     names = f": {', '.join(unused[:3])}{f' and {len(unused) - 3} more' if len(unused) > 3 else ''}" if unused else ""
     raise RuntimeError(REENTRANT_HINT.format(what=f", so these params got no gradient{names}"))
+
+
+_BACKWARD_IN_LOSS_FN = """fzero.Step: loss_fn (or the model) ran a backward over the loss already, as `loss.backward()` at the end of a
+plain PyTorch training step does. fzero takes the gradient of what loss_fn returns and applies the update itself:
+return the loss (or (loss, aux)) without calling backward(), zero_grad() or an optimizer. A gradient loss_fn needs
+for itself (an input's gradient for an adversarial example) is taken with torch.autograd.grad(inner_loss, x) on a
+forward of its own, or with retain_graph=True where it shares the loss's graph (plain autograd, the default).
+(torch: {error})"""
+_SECOND_BACKWARD = _BACKWARD_IN_LOSS_FN.replace("fzero.Step: loss_fn", "fzero.Step: the graph of the loss loss_fn "
+                                                "returned was freed before the step's backward: loss_fn", 1)
+
+
+@contextlib.contextmanager
+def _named_second_backward() -> Iterator[None]:
+    """torch's "Trying to backward through the graph a second time" from the step's backward: what a ``loss_fn``
+    written as a plain PyTorch step (``loss.backward()`` inside it) meets, named with its cause and fix."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "backward through the graph a second time" not in str(e) or str(e).startswith("fzero"):
+            raise
+        raise RuntimeError(_SECOND_BACKWARD.format(error=str(e).splitlines()[0])) from e
 
 
 @contextlib.contextmanager
