@@ -117,6 +117,45 @@ def test_a_truncated_file_is_named(saved, ck):
         fzero.checkpoint.load(ck, like=step, verify=False)
 
 
+@pytest.mark.parametrize("where", ["metadata", "data"])
+def test_running_out_of_memory_while_loading_is_a_memory_error_not_a_corrupted_checkpoint(saved, ck, monkeypatch, where):
+    """Before: a MemoryError while load read .metadata or the data files was a CheckpointError, ".metadata is corrupted
+    or not DCP metadata" / "a data file is corrupted or was changed": it told the user to discard a good checkpoint.
+    Now a MemoryError naming the checkpoint, which loads once memory is back."""
+    from fzero.checkpoint import _dcp
+
+    _, step, state = saved
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    target = (_dcp._MetadataUnpickler, "load") if where == "metadata" else (_dcp._Reader, "read_data")
+    with monkeypatch.context() as m:
+        m.setattr(*target, out_of_memory)
+        with pytest.raises(MemoryError, match=r"fzero\.checkpoint(\.load)?: ran out of host memory while reading .*copy.*; "
+                                              r"nothing says the checkpoint is damaged\. Free host memory") as e:
+            fzero.checkpoint.load(ck, like=step)
+    assert not isinstance(e.value, CheckpointError)
+    assert_trees_equal(step.gather(fzero.checkpoint.load(ck, like=step)), step.gather(state))
+
+
+def test_a_metadata_file_that_cannot_be_read_is_not_called_corrupted(saved, ck, monkeypatch):
+    """Before: a .metadata that open() or read() refused (EACCES, EIO; reached unverified, verify=False) was
+    "corrupted or not DCP metadata"."""
+    from fzero.checkpoint import _dcp
+
+    _, step, _ = saved
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(_dcp._MetadataUnpickler, "load", denied)
+    with pytest.raises(CheckpointError, match=r"\.metadata could not be read \(PermissionError: \[Errno 13\] Permission "
+                                              r"denied\); fix the access to it") as e:
+        fzero.checkpoint.load(ck, like=step, verify=False)
+    assert "corrupted" not in str(e.value)
+
+
 def test_an_edited_step_in_fzero_json_is_detected_so_info_and_the_state_cannot_disagree(saved, ck):
     _, step, state = saved
     with open(os.path.join(ck, "fzero.json")) as f:

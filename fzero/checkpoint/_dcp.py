@@ -181,6 +181,11 @@ def read_metadata(path: str) -> Metadata:
             md = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"fzero.checkpoint: {path} has no .metadata (DCP's index of the data files): incomplete or not a checkpoint.") from None
+    except MemoryError as e:
+        raise out_of_memory(e, file, "fzero.checkpoint") from None
+    except OSError as e:  # the file could not be read (denied, an I/O error): nothing says what it holds is damaged
+        raise CheckpointError(f"fzero.checkpoint: {file} could not be read ({type(e).__name__}: {e}); fix the access to it "
+                              f"and call again.") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged or foreign file
         raise CheckpointError(f"fzero.checkpoint: {file} is corrupted or not DCP metadata ({type(e).__name__}: {e}).") from None
     if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
@@ -243,6 +248,9 @@ def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseEx
             stop = _interrupts.stop_signal(e, rank=rank)
             if stop is not None:  # Ctrl-C (or SystemExit) of this process, which DCP wrapped: a request to stop, as itself
                 raise stop from None
+            memory = next((exc for exc, _tb in e.failures.values() if isinstance(exc, MemoryError)), None)
+            if memory is not None and what == "load":
+                raise out_of_memory(memory, path, "fzero.checkpoint.load") from None
             ours = [exc for exc, _tb in e.failures.values() if isinstance(exc, CheckpointError)]
             if ours:  # our own check failed inside DCP (a checksum): it says it best
                 raise ours[0] from None
@@ -259,6 +267,18 @@ def _call(fn: Callable[[], Any], what: str, path: str, explain: Callable[[BaseEx
             if better is not None:
                 raise better from None
             raise CheckpointError(f"fzero.checkpoint.{what}: {path}: {hint}: {_first_line(e)}") from None
+
+
+def out_of_memory(error: MemoryError, path: str, api: str) -> MemoryError:
+    """The ``MemoryError`` of a read of the checkpoint at ``path``, as one that names it and says it is not damaged.
+
+    Why: the host running out of memory while a load read ``.metadata`` or the data files was reported as a
+    ``CheckpointError``, ".metadata is corrupted or not DCP metadata" or "a data file is corrupted or was changed",
+    which tells the user to discard a good checkpoint, where freeing memory and loading again is the fix. Still a
+    ``MemoryError``, so that what handles one (a loop that frees memory and retries) sees it as one."""
+    return MemoryError(f"{api}: ran out of host memory while reading {path} ({_first_line(error).rstrip(': ')}); nothing says the "
+                       f"checkpoint is damaged. Free host memory (another state or model, DataLoader workers) and load "
+                       f"again; `python -m fzero.checkpoint verify` checks its files without loading them.")
 
 
 def _first_line(e: BaseException) -> str:
