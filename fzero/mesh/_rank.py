@@ -109,7 +109,7 @@ class RankContext:
     buffers: Any = None  # the step's buffer bank (``fzero.step._module.Buffers``) the forward runs with
     scope: contextlib.ExitStack | None = None  # a micro-batch's forward and backward: modules keep their tensors
     applied: list | None = None  # the modules ``fzero.apply`` ran, noted for the first step's checks
-    stale: Any = None  # the first step's check of module values loss_fn reads after the forward replaced them
+    stale: Any = None  # the first loss_fn call's StaleWatch (fzero.step._stale), None while a forward runs
     trained: list | None = None  # the user's modules a train step's buffer bank handed the state's buffers to
     snapshots: Any = None  # a remat call's buffer values (``fzero.step._context.Snapshots``)
     replay: bool = False  # a remat recompute: hand out the snapshots' copies, not the live buffers

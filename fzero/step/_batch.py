@@ -37,7 +37,7 @@ from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, check_no_trained_buffers, lift_for
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
-from fzero.step._stale import StaleReads
+from fzero.step._stale import StaleWatch
 
 
 _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup table) goes into loss_fn's closure, "
@@ -394,8 +394,8 @@ class LossFnInContext:
     Its first call with a graph (the first micro-batch of the first step) also checks what only a forward shows:
     that the modules run hold nothing a step cannot train (``check_module_features``: a ``torch.compile`` wrapper,
     sparse gradients; at stages 0-1, state params that name a module's buffer: ``check_no_trained_buffers``), that the
-    loss depends on no parameter of a module's own (``check_own_params``), that ``loss_fn`` used no value off a module
-    that the forward had replaced (``fzero.step._stale``: an auxiliary loss kept on the module) and, under
+    loss depends on no parameter of a module's own (``check_own_params``), that ``loss_fn`` uses no value read off a
+    module after the forward replaced it (``fzero.step._stale``: an auxiliary loss kept on the module) and, under
     ``dist_mesh``, that every rank ran modules of the same structure (``agree_structure``). Later calls pay nothing
     for it."""
 
@@ -412,9 +412,12 @@ class LossFnInContext:
             return self._run(params, batch)
         from fzero.step._context import watching_apply
 
-        stale = StaleReads()
-        with watching_apply() as modules, with_context(stale=stale), stale:
-            out = self._run(params, batch)
+        stale = StaleWatch()
+        try:
+            with watching_apply() as modules, with_context(stale=stale):
+                out = self._run(params, batch)
+        finally:
+            stale.restore()  # the user's modules hold their own tensors again (fzero.step._stale)
         check_module_features(modules)  # first: a compiled submodule would be blamed on its own params below
         if not self.units and isinstance(params, Mapping):  # stages 2-3 refuse it as their copy of the module is made
             check_no_trained_buffers(params, modules)

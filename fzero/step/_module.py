@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from fzero.layout import check_no_meta, freed, named_tensors
-from fzero.mesh import current_context
+from fzero.mesh import current_context, with_context
 from fzero.step._donate import DONATED_FROM
-from fzero.step._stale import held_tensors, note_replaced, outside
+from fzero.step._stale import held_tensors, note_replaced
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor)
 
@@ -192,7 +192,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         return forward()
     # the first step's check of what loss_fn reads off the module next (fzero.step._stale): a value the forward replaced
     before = held_tensors(module)
-    with outside(context.stale):
+    with with_context(stale=None):  # inside the forward, what the module holds is read as it is
         out = forward()
     entry = context.clones.get(id(module)) if context.clones is not None else None  # stages 0-1: its clone
     copy = entry[1] if entry is not None else params.skeleton(module)  # stages 2-3: its skeleton
