@@ -861,3 +861,28 @@ def test_a_save_on_rank_0_alone_is_named_at_the_mesh_timeout_when_the_other_rank
                     error), error
     assert 4.0 <= files["rank0"]["time"] - files["fault"]["time"] < 20
     _no_orphans(files)
+
+
+def test_a_save_whose_pruning_fails_after_the_checkpoint_is_in_place_warns_and_returns_it(tmp_path, monkeypatch):
+    """Removing older checkpoints (``keep=``) runs after the new one is complete and in place: its failure (a
+    permission error listing the directory) made ``save`` raise, reporting a save as failed whose checkpoint loads.
+    It now warns, naming the complete checkpoint, and returns its path; the next save prunes."""
+    from fzero.checkpoint import _save
+
+    step, state = trained(1)
+    parent = str(tmp_path / "ckpts")
+    first = fzero.checkpoint.save(parent, state, keep=1)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", parent)
+
+    later = RankStates(tuple(dataclasses.replace(s, step=s.step + 1) for s in state.states))
+    with monkeypatch.context() as m:
+        m.setattr(_save, "prune", denied)
+        with pytest.warns(UserWarning, match=r"is saved and complete, but removing older checkpoints .*\(PermissionError"):
+            path = fzero.checkpoint.save(parent, later, keep=1)
+    assert fzero.checkpoint.latest(parent) == path and fzero.checkpoint.verify(path) == path
+    assert_trees_equal(fzero.checkpoint.load(path, like=step), later)
+    assert os.path.isdir(first)  # not pruned yet
+    fzero.checkpoint.save(parent, RankStates(tuple(dataclasses.replace(s, step=s.step + 2) for s in state.states)), keep=1)
+    assert not os.path.exists(first) and not os.path.exists(path)

@@ -6,6 +6,7 @@ import json
 import time
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -125,9 +126,14 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
             publish(partial, final)
         except OSError as e:
             raise _write_error(e, api=api, path=final, needed=needed, previous=previous) from None
-        if keep is not None:
-            prune(path, keep, final=final)
-        sweep_partials(parent)
+        try:  # the checkpoint is complete and in place: what follows is housekeeping, whose failure loses nothing
+            if keep is not None:
+                prune(path, keep, final=final)
+            sweep_partials(parent)
+        except OSError as e:
+            warnings.warn(f"{api}: {final} is saved and complete, but removing older checkpoints or the leftovers of "
+                          f"crashed saves in {parent} failed ({type(e).__name__}: {e}); the next save tries again.",
+                          stacklevel=4)
 
     try:
         with _interrupts.deferred():  # Ctrl-C: raised as itself between the phases and tensors, never inside torch's C++
