@@ -17,7 +17,8 @@ from fzero.step._context import (
     replaying,
     Snapshots,
 )
-from fzero.step._module import apply, apply_dict, buffers_of, free_frozen, frozen_of, module_device, params_of, replace_params
+from fzero.step._module import apply, apply_dict
+from fzero.step._params import buffers_of, free_frozen, frozen_of, module_device, params_of, replace_params
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, View
 from fzero.step._protocols import GradsPart, OffloadPolicy, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import (
@@ -32,8 +33,8 @@ from fzero.step._pool import (
 )
 from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
 from fzero.step._state import is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
-from fzero.step._module import (check_export_model, check_no_grad_hooks, check_trainable_set, has_grad_hooks,
-                                trainable_changes)
+from fzero.step._module import check_no_grad_hooks, check_trainable_set, has_grad_hooks, trainable_changes
+from fzero.step._refusals import check_export_model
 from fzero.step._batch import batch_rows, per_row_items, record_list, rows_listed
 from fzero.step._step import Step
 from fzero.step._train_step import as_step, check_details, train_step

@@ -34,7 +34,8 @@ from torch import nn
 
 from fzero.mesh import current_context, with_context
 from fzero.layout import pytrees as _tree
-from fzero.step._module import Buffers, check_module_features, check_no_trained_buffers, lift_for
+from fzero.step._module import Buffers, check_module_features, lift_for
+from fzero.step._refusals import check_no_trained_buffers
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 from fzero.step._stale import StaleWatch

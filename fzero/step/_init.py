@@ -25,7 +25,7 @@ from fzero.layout import (pytrees as _tree, DEVICE_TYPES, Layout, ROOT, Slot, Un
                           LayoutSegments, check_units_exist)
 from fzero.optim import use_segments
 from fzero.step._donate import Donated, byte_span, packed_values
-from fzero.step._module import check_not_freed
+from fzero.step._refusals import check_not_freed
 from fzero.step._update import init_loss_scale
 from fzero.step._state import RankStates, StateMeta, TrainState
 

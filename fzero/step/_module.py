@@ -1,5 +1,6 @@
-"""Functional use of an ordinary ``nn.Module``, which fzero never mutates: its params (``params_of``), a run of it
-with other params (``apply``), and its buffers as state.
+"""Functional use of an ordinary ``nn.Module``, which fzero never mutates: a run of it with other params (``apply``),
+and its buffers as state. Its params (``params_of``) and the other entry points that take its tensors out or put them
+back outside a step are in ``fzero.step._params``.
 
 Buffers are state: what a forward writes (BatchNorm running stats, ``num_batches_tracked``, spectral-norm
 vectors) is carried in ``TrainState.buffers`` and returned by the step; the user's module is never written.
@@ -17,10 +18,11 @@ function, gives a tensor of that level with the value's exact bits and no gradie
 buffers as differentiated inputs instead would cost a zero gradient per buffer and cannot carry integer
 ones). The values come out of the transform as auxiliary outputs.
 
-At the end, the checks of a module against the params a state holds: at every ``fzero.apply`` (a state of another
-model width, trainable params changed since ``step.init``) and before an export names a state's tensors by a module
-(``check_export_model``); and the modules a step cannot run as a torchrun job of DDP runs them (a ``torch.compile``
-wrapper, sparse gradients, ``SyncBatchNorm`` on simulated ranks), refused by name.
+At the end, the checks of a module against the params a state holds at every ``fzero.apply`` (a state of another
+model width, trainable params changed since ``step.init``); and the modules a step cannot run as a torchrun job of DDP
+runs them (a ``torch.compile`` wrapper, sparse gradients, ``SyncBatchNorm`` on simulated ranks), refused by name. The
+refusals made once, never at a later step (before an export: ``check_export_model``; a model FSDP shards), are in
+``fzero.step._refusals``.
 """
 
 from __future__ import annotations
@@ -36,111 +38,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout import check_no_meta, freed, named_tensors
+from fzero.layout import check_no_meta, named_tensors
 from fzero.mesh import current_context, with_context
-from fzero.step._donate import DONATED_FROM
+from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
 from fzero.step._stale import held_tensors, note_replaced
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor)
-
-
-def params_of(module: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
-    """The trainable parameters of ``module`` as ``{name: detached copy}``, in ``named_parameters`` order.
-
-    Copies, so that training never writes into the module; a tied parameter appears once, under its first
-    name (as ``named_parameters`` lists it). Frozen parameters (``requires_grad=False``) are left out: they
-    stay in the module and ``fzero.apply`` reads them from there. ``copy=False`` gives the module's own
-    tensors, detached: for ``step.init``, which copies anyway, so that a large model is not held twice.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fzero.params_of: expected an nn.Module, got {type(module).__name__}.")
-    check_not_compiled(module, api="fzero.params_of")
-    check_not_fsdp(module, api="fzero.params_of")
-    if not isinstance(copy, bool):
-        raise TypeError(f"fzero.params_of: copy must be True or False, got {copy!r}.")
-    lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ValueError(
-            f"fzero.params_of: {len(lazy)} parameter(s) of {type(module).__name__} are uninitialized (a lazy module, such "
-            f"as nn.LazyLinear, before its first forward): {lazy[:4]}. Run the model once on a sample batch "
-            f"(with torch.no_grad(): model(x)) so that they get their shapes and values, then call fzero.params_of(model)."
-        )
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    check_not_freed(named, api="fzero.params_of", what=f"parameter(s) of {type(module).__name__}")
-    if copy:
-        return {name: p.detach().clone() for name, p in named}
-    out = {}
-    for name, p in named:
-        out[name] = view = p.detach()
-        view.__dict__[DONATED_FROM] = p  # step.init(..., donate=True) turns the module's parameter to meta too (_donate)
-    return out
-
-
-def check_not_freed(named: Any, *, api: str, what: str) -> None:
-    """Refuse, by name, tensors whose memory was given away (``freed``): read, they crash the process."""
-    gone = [name for name, t in named if isinstance(t, torch.Tensor) and freed(t)]
-    if gone:
-        raise ValueError(
-            f"{api}: the {what} {gone[:4]}{' ...' if len(gone) > 4 else ''} hold no memory: it was given to a state by "
-            f"step.init(..., donate=True), and their values are the state's now (reading them here would crash the "
-            f"process). Take the values from the state: step.gather(state) gives the params whole, and "
-            f"model.load_state_dict(step.state_dict(state, model), assign=True) puts them back into the module."
-        )
-
-
-def frozen_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The frozen parameters of ``module`` (``requires_grad=False``) as ``{name: tensor}``, detached, not copied, in
-    ``named_parameters`` order (a tied one once): for ``step.init(params, frozen=...)`` at stage 3, which shards them
-    across the ranks (and copies what each rank keeps)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fzero.frozen_of: expected an nn.Module, got {type(module).__name__}.")
-    check_not_compiled(module, api="fzero.frozen_of")
-    check_not_fsdp(module, api="fzero.frozen_of")
-    return {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
-
-
-def free_frozen(module: nn.Module, state: Any) -> list[str]:
-    """Give back the memory of the frozen parameters of ``module`` that ``state`` holds sharded (``step.init(params,
-    frozen=fzero.frozen_of(model))``), and return their names: each becomes a meta parameter of its shape and dtype
-    (every name a tied one has), as DeepSpeed's ``zero.Init`` empties a partitioned parameter and FSDP2 keeps only
-    its shard. The step never reads them from the module; what does (``model.to(device)``, a forward outside
-    ``fzero.apply``, ``save(..., model=)``) gets torch's or fzero's error for a meta tensor, never a stale value.
-    ``step.restore_frozen(state, model)`` puts them back (ties kept), ``step.gather_frozen(state)`` gives them whole."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fzero.free_frozen: expected an nn.Module, got {type(module).__name__}.")
-    first = state.states[0] if hasattr(state, "states") else state
-    meta = getattr(first, "meta", None)
-    paths = [s.path for g in meta.layout.frozen for s in g.slots] if meta is not None else []
-    if not paths:
-        raise ValueError("fzero.free_frozen: the state holds no frozen parameters, so freeing the module's would lose "
-                         "them. Make the state with step.init(fzero.params_of(model), frozen=fzero.frozen_of(model)) at "
-                         "stages=3 first.")
-    named = dict(module.named_parameters(remove_duplicate=False))
-    missing = [p for p in paths if p not in named or named[p].requires_grad]
-    if missing:
-        raise ValueError(f"fzero.free_frozen: the state holds the frozen params {missing[:4]}, which "
-                         f"{type(module).__name__} does not have frozen: pass the model the state was made from.")
-    replace_params(module, {name: torch.empty(named[name].shape, dtype=named[name].dtype, device="meta") for name in paths})
-    return paths
-
-
-def module_device(module: nn.Module) -> torch.device | None:
-    """Where ``module``'s real tensors are (its first non-meta parameter or buffer), None when all are meta: where values
-    put back into it go (``Step.restore_frozen``, a checkpoint's frozen params into an emptied module)."""
-    return next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), None)
-
-
-def replace_params(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Each parameter of ``module`` named in ``values`` becomes a new frozen parameter holding that tensor, under every
-    name it has (a tied one stays one parameter, as ``load_state_dict(..., assign=True)`` would not keep it)."""
-    named = dict(module.named_parameters(remove_duplicate=False))
-    new: dict[int, nn.Parameter] = {}
-    for name, value in values.items():
-        new.setdefault(id(named[name]), nn.Parameter(value, requires_grad=False))
-    for sub in module.modules():
-        for key, q in sub._parameters.items():
-            if q is not None and id(q) in new:
-                sub._parameters[key] = new[id(q)]
 
 
 def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -284,15 +187,6 @@ def check_buffers_current(module: nn.Module, params: Mapping[str, Any]) -> None:
             f"model.load_state_dict(step.state_dict(state, model)). To run on the module's own buffers on purpose, "
             f"pass them: {{**params, **fzero.buffers_of(model)}}."
         )
-
-
-def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The persistent buffers of ``module`` (those in its ``state_dict``) as ``{name: copy}``, for
-    ``step.init(params, buffers=...)``. A step adopts them from the module on its first call anyway; pass
-    them to ``init`` when a state is saved or inspected before its first step."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fzero.buffers_of: expected an nn.Module, got {type(module).__name__}.")
-    return {name: b.detach().clone() for name, b in persistent_buffers(module).items()}
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -481,25 +375,6 @@ def _unless_unchanged(value: torch.Tensor, before: torch.Tensor | None, dtype: t
         return torch.where(value == before.to(value.dtype), before, back)
 
 
-def _shared_buffer_message(module: nn.Module, first: nn.Module, name: str) -> str:
-    same = " (another instance of the same class)" if type(first) is type(module) else ""
-    return (
-        f"fzero.apply: two modules run in this step, a {type(first).__name__} and then a {type(module).__name__}{same}, "
-        f"have a persistent buffer "
-        f"{name!r}, and a step's state holds the buffers of one model by name (state.buffers, as model.state_dict() "
-        f"names them): the second would read and write the first one's values (a teacher's or a discriminator's "
-        f"BatchNorm running on the trained model's statistics and writing its own into them), silently. Give the "
-        f"other model (a frozen teacher, a GAN's discriminator) its own buffers beside its params: "
-        f"fzero.apply(other, {{**other_params, **other_buffers}}, x), with other_buffers = fzero.buffers_of(other) "
-        f"(or the buffers of its own step's state, its_step.state_dict(its_state)); or call it directly (other(x) "
-        f"under torch.no_grad()), which reads and writes the module's own. If both are parts of the model this step "
-        f"trains (its blocks applied one by one), the state cannot tell their buffers apart, and buffers given beside "
-        f"the params would not be kept (their updates lost): apply the model itself, or a method of it "
-        f"(fzero.apply(model.features, params, x)), so that the state names each buffer by its path in the model; to "
-        f"recompute block by block, fzero.compile(..., remat=True)."
-    )
-
-
 def lift_for(autodiff: str, anchor: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a step makes a bank tensor: under ``torch.func``, a copy at the level of ``anchor`` (a detached input
     of the transformed function); otherwise a plain copy."""
@@ -521,7 +396,7 @@ def broadcast_buffers(comm, buffers: dict[str, torch.Tensor], *, copy: bool = Fa
     return out
 
 
-# -- a module against the params a state holds: the checks fzero.apply and the exports make ----------------------------
+# -- a module against the params a state holds: the checks fzero.apply makes (an export's: fzero.step._refusals) -------
 
 
 def check_params_fit_module(module: Any, params: Any, *, api: str,
@@ -665,48 +540,6 @@ def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any,
     )
 
 
-def check_export_model(module: Any, held: Any, *, api: str, complete: bool = False, error: type = ValueError) -> None:
-    """Refuse to name a state's (or a checkpoint's) tensors by ``module`` where the result would be silently wrong:
-    ``module`` is not the model they were made from, yet every name they hold is one of its names.
-
-    - two names the state holds separately are one tied tensor in ``module`` (a state of an untied configuration,
-      ``tie_word_embeddings=False``): a state dict would carry both values for one tensor, and whichever loads last wins;
-    - a parameter of ``module`` that the state lacks and that is trainable there (``complete``: any, frozen or not):
-      an export takes it from the module, which holds its initial values (a state of a configuration with fewer
-      layers exported with a deeper one). A frozen parameter comes from the module by design, as ``fzero.apply`` reads
-      it. ``complete``: ``held`` lists every parameter of the model it was made from (a checkpoint saved with
-      ``model=``, which names its frozen parameters too).
-
-    ``held``: the names of the params held (buffers among them are ignored). Names ``module`` lacks are the
-    caller's to report (another model altogether), so nothing is checked then."""
-    named = list(module.named_parameters(remove_duplicate=False))
-    held = set(held)
-    if not held <= {n for n, _ in named} | {n for n, _ in module.named_buffers(remove_duplicate=False)}:
-        return
-    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for name, p in named:
-        groups.setdefault(id(p), (p, []))[1].append(name)
-    for _, aliases in groups.values():
-        separate = [a for a in aliases if a in held]
-        if len(separate) > 1:
-            raise error(
-                f"{api}: the state holds separate values for {separate}, which are one tied parameter in "
-                f"{type(module).__name__}: it was made from a configuration of the model without that tie (e.g. "
-                f"tie_word_embeddings=False), and one of the values would be lost. Pass the model the state was made from."
-            )
-    lacking = [aliases[0] for p, aliases in groups.values() if not any(a in held for a in aliases) and (complete or p.requires_grad)]
-    if lacking:
-        why = ("the checkpoint was saved with model= and holds every parameter of that model, frozen ones included"
-               if complete else "they are trainable there, so they are not frozen values the module holds by design")
-        raise error(
-            f"{api}: {type(module).__name__} has parameters the state does not hold: {lacking[:4]}"
-            f"{' ...' if len(lacking) > 4 else ''}; {why}. They would be exported as the module's own (initial) values: "
-            f"the state was made from another configuration of the model (fewer layers, another head). Pass the model it "
-            f"was made from" + ("." if complete else "; or, if the module's values of these are the ones wanted (parameters "
-            "frozen in training and unfrozen since), freeze them (requires_grad_(False)) first.")
-        )
-
-
 # -- modules a step cannot run as a torchrun job of DDP runs them ----------------------------------------------------
 
 COMPILE_FIX = ("Pass the module it wraps (model._orig_mod, or the model before torch.compile) to fzero.params_of and "
@@ -732,34 +565,6 @@ def check_not_compiled(module: nn.Module, *, api: str) -> None:
             f"compiled forward runs the wrapped module with that module's own tensors, so a step's params would not "
             f"reach it. {COMPILE_FIX}"
         )
-
-
-def _fsdp_classes() -> tuple[type, ...]:
-    """FSDP's module classes in this torch (FSDP2's ``FSDPModule`` mixin, FSDP1's wrapper), where torch.distributed is."""
-    try:
-        import torch.distributed.fsdp as fsdp
-    except ImportError:  # a torch built without distributed
-        return ()
-    return tuple(c for c in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if c)
-
-
-def check_not_fsdp(module: nn.Module, *, api: str) -> None:
-    """Refuse a model that FSDP shards already (``fully_shard``, ``FullyShardedDataParallel``). Its parameters are
-    FSDP's shards (DTensors, or flat parameters), which FSDP gathers in its own hooks around each forward: read by fzero
-    they failed deep inside torch ("Attempted to access the data pointer on an invalid python storage"), with no word
-    of FSDP. fzero shards the model itself, so the fix is to leave FSDP out."""
-    classes = _fsdp_classes()
-    if not classes:
-        return
-    for path, m in module.named_modules():
-        if isinstance(m, classes):
-            raise TypeError(
-                f"{api}: {f'the submodule {path!r} of {type(module).__name__}' if path else f'the model ({type(m).__name__})'} is sharded "
-                f"by FSDP ({type(m).__name__}: fully_shard or FullyShardedDataParallel), whose parameters are shards "
-                f"that FSDP gathers in its own hooks, so fzero cannot read or run them. fzero shards the model itself: "
-                f"build it without FSDP and compile(..., stages=3) (FSDP2's fully_shard per layer is fzero's units; its "
-                f"reshard_after_forward=True is stages=3, False is stages=2); DDP's counterpart is stages=0."
-            )
 
 
 def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
@@ -806,36 +611,6 @@ def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:
                 f"the parametrization again; the results are the same), or run on local_mesh(1), without a mesh, or "
                 f"under torchrun with fzero.dist_mesh(), where each process has its own cache."
             )
-
-
-def check_no_trained_buffers(params: Mapping[str, Any], modules: list[nn.Module]) -> None:
-    """At the first forward with a graph (stages 0-1): refuse a state whose params name a buffer of a module that
-    ``fzero.apply`` ran, and a parameter of none. ``functional_call`` binds a buffer by name as readily as a
-    parameter, so the step differentiated it and the optimizer moved it (a running statistic or a constant scale
-    trained by AdamW), where torch.optim and DeepSpeed train parameters only: what ``step.init(model.state_dict())``
-    or ``step.init(torch.load(path))`` gives, since a state dict holds the buffers beside the parameters. Stages 2-3
-    refuse such a name when they build the step's copy of the module (the names of its trainable parameters)."""
-    buffers: dict[str, nn.Module] = {}
-    held: set[str] = set()
-    for module in modules:
-        held.update(name for name, _ in named_tensors(module, "_parameters", remove_duplicate=False))
-        for name, _ in named_tensors(module, "_buffers", remove_duplicate=False):
-            buffers.setdefault(name, module)
-    trained = [name for name in params if isinstance(name, str) and name in buffers and name not in held]
-    if not trained:
-        return
-    module = buffers[trained[0]]
-    raise ValueError(
-        f"fzero.Step: the state's params hold {trained[:4]}{' ...' if len(trained) > 4 else ''}, which "
-        f"{'are buffers' if len(trained) > 1 else 'is a buffer'} of {type(module).__name__}, not "
-        f"{'parameters' if len(trained) > 1 else 'a parameter'}: the step "
-        f"would train {'them' if len(trained) > 1 else 'it'} (an optimizer update of a running statistic or a constant), "
-        f"where torch.optim and DeepSpeed train parameters only. A state dict (model.state_dict(), torch.load of a "
-        f"checkpoint) holds buffers beside the parameters. Make the state from the parameters: "
-        f"step.init(fzero.params_of(model)) after model.load_state_dict(...), or leave the buffers' names out of the "
-        f"dict given to init; the step takes the module's buffers itself (step.init(params, buffers=...) sets their "
-        f"values)."
-    )
 
 
 def check_module_features(modules: list[nn.Module]) -> None:

@@ -37,7 +37,9 @@ from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInCo
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
-from fzero.step._module import Buffers, broadcast_buffers, check_export_model, module_device, note_trained_buffers, replace_params
+from fzero.step._module import Buffers, broadcast_buffers, note_trained_buffers
+from fzero.step._params import module_device, replace_params
+from fzero.step._refusals import check_export_model
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
