@@ -17,6 +17,10 @@ not in the batch, and a row count of its own is refused rather than split silent
 ``gradient`` (at the end of this module) is the gradient of one micro-batch: ``loss_fn`` differentiated with
 respect to the flat unit inputs, by ``torch.func.grad`` or plain autograd, with the loss and aux it returned and
 the buffers its forward left (see ``fzero.step._module``).
+
+What the step says when ``loss_fn`` or its backward fails (the batch named, and a cause and fix where fzero can name
+them) is in ``fzero.step._hints``; the first forward's refusals (``check_own_params``, ``agree_structure``) are in
+``fzero.step._refusals``. Both run only on a failure or at the first step.
 """
 
 from __future__ import annotations
@@ -24,18 +28,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import optree
 import torch
-from torch import nn
 
 from fzero.mesh import current_context, with_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, lift_for
-from fzero.step._refusals import check_no_trained_buffers
+from fzero.step._refusals import agree_structure, check_no_trained_buffers, check_own_params
+from fzero.step._hints import (_BACKWARD_IN_LOSS_FN, _FREED, _FREED_HOW, _FUNC_REFUSALS, _META, _SECOND_BACKWARD, UNIT_FREED,
+                               UNIT_OUTSIDE_ITS_CALL, _func_refusal, loss_fn_failure)
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 from fzero.step._stale import StaleWatch
@@ -383,7 +387,6 @@ def check_rows(batch: Any, *, where: str, expected: int | None = None, setting: 
 # cannot take: re-raised with the batch named. Exact types only: subclasses (torch.OutOfMemoryError, fzero's own
 # RanksDisagree) and the user's own exception types pass unchanged.
 _PLAIN_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError)
-_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
 
 
 class LossFnInContext:
@@ -441,170 +444,6 @@ class LossFnInContext:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
             raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units)) from e
-
-
-def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
-    """Refuse a loss whose graph reaches a module's own ``nn.Parameter`` (an autograd leaf of its own).
-
-    Inside ``fzero.apply`` the module holds the step's params; outside it, its own tensors, which the step neither
-    differentiates nor updates. An L2 term summed over ``model.parameters()`` after ``fzero.apply`` returned would
-    count in the loss but add nothing to the gradient (measured: grad norm 0.955 instead of 40.3), silently. One walk
-    of the first step's graph finds such leaves; the step's own leaves are plain tensors, never ``nn.Parameter``."""
-    found: dict[int, nn.Parameter] = {}
-    # Visited nodes by id, each kept alive: a node's Python object can be made on demand and freed once the walk
-    # moves on (torch 2.11 does), and a new one could then take its address, so a set of ids alone would skip
-    # nodes never visited (on the H100 machine with torch 2.11 the walk saw 3 nodes of this check's own test).
-    seen: dict[int, Any] = {}
-    todo = [loss.grad_fn]
-    functorch = torch._C._functorch
-    while functorch.is_gradtrackingtensor(loss):  # under torch.func.grad the module's leaves are in the level below
-        loss = functorch.get_unwrapped(loss)
-        todo.append(loss.grad_fn)
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        leaf = getattr(node, "variable", None)  # AccumulateGrad: the graph reaches this leaf
-        if isinstance(leaf, nn.Parameter):
-            found[id(leaf)] = leaf
-        todo.extend(fn for fn, _ in node.next_functions)
-    if not found:
-        return
-    named = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
-    described = [repr(n) for i, n in named.items() if i in found]  # in the module's order
-    described += [f"a parameter of shape {tuple(p.shape)}" for i, p in found.items() if i not in named]
-    more = f", ... {len(described) - 4} more" if len(described) > 4 else ""
-    raise ValueError(
-        f"fzero.Step: the loss depends on the module's own parameters ({', '.join(described[:4])}{more}), not on the "
-        f"params loss_fn was given: outside fzero.apply(model, params, ...) the module holds its own tensors, which this "
-        f"step neither differentiates nor updates, so such a term would count in the loss but not in the gradient. "
-        f"(Inside a method that fzero.apply runs, self.parameters() at stage 3 holds a unit's params only while that "
-        f"unit runs; read elsewhere, they are not the step's.) Compute it from params, e.g. an L2 term as "
-        f"sum((p ** 2).sum() for p in params.values()) (or weight decay in the optimizer: fzero.optim.adamw(lr, "
-        f"weight_decay=...)); a tensor that should not train goes in as a constant (.detach())."
-    )
-
-
-def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
-    """Under ``dist_mesh``, check that every rank ran modules of one structure: each submodule's path, type and
-    settings (``extra_repr``), in order. Parameter names and shapes are agreed at ``Step.init``; a parameter-free
-    op (GELU on one rank, Tanh on another) changes neither, and the ranks would average gradients of different
-    models."""
-    fields = []
-    for i, module in enumerate(modules):
-        model = f" of model #{i} fzero.apply ran" if len(modules) > 1 else ""
-        fields += [(f"the module at {path or '<root>'!r}{model}", f"{type(m).__qualname__}({m.extra_repr()})")
-                   for path, m in module.named_modules()]
-    comm.agree(fields, api="fzero.Step.__call__ (the first step's fzero.apply)", fix=(
-        "Every rank must run the same model: build it from the same code and config on every rank, and keep "
-        "rank-dependent choices out of it."))
-
-
-# torch's messages for operands of two dtypes ("mat1 and mat2 must have the same dtype, but got Double and Float",
-# "expected scalar type Float but found Double", "Input type (double) and bias type (float) should be the same")
-_DTYPES = re.compile(r"same dtype|expected scalar type|found dtype|type \(\w+\) and \w+ type \(\w+\) should be the same")
-DTYPE_MISMATCH = (
-    "  Two dtypes met in one op. The state's params keep the dtype step.init made them in (the precision policy's "
-    "compute dtype, else the params' own); the batch and the module's own tensors (frozen params, buffers) meet them "
-    "there. A module cast after step.init (model.half(), model.double(), model.to(dtype)) does not change the state, "
-    "so its params are still the old dtype: make a state from the cast model (step.init(fzero.params_of(model))), or "
-    "leave the model as it was and train in low precision with compile(precision='bf16' or 'fp16').")
-_META = re.compile(r"\bmeta\b")  # "Tensor on device meta is not on the expected device", "... meta tensor(s)"
-UNIT_OUTSIDE_ITS_CALL = (
-    "  A meta tensor (a shape without a value) was used. At stages 2-3 a unit's params are meta tensors except while "
-    "the unit itself is called (fzero.units_of(model) lists the units), so a module inside a unit that runs without "
-    "its unit's own call reads them: a forward that calls a unit's submodule directly (self.blocks[0][0](x) where "
-    "the unit is 'blocks.0'), an autograd Function that calls a unit's layers again in its backward (reversible "
-    "layers), or a method fzero.apply runs that reads params outside their unit's call (self.parameters() for an L2 "
-    "term, self.blocks[0][0].weight). Choose units the model calls as a whole (units=fzero.units_of(model, "
-    "module_types=...)), leave that module in the root unit (units=... without it), compute such a term from the "
-    "params loss_fn was given, or train at stage 1."
-)
-
-
-# what a forward that writes a param in place does instead (the step's refusal, ``fzero.step._step``, and the hint below)
-PARAM_WRITE_FIX = (
-    "Train without the in-place write (nn.Embedding(max_norm=None), and renormalize in the loss or on the params "
-    "between steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the train state "
-    "itself."
-)
-PARAM_WRITTEN_AT_STAGE_2_3 = (
-    "  The view written is most likely a param: at stages 2-3 a unit's params are views that fzero's Functions make "
-    "for the unit's call, and the forward wrote one in place (nn.Embedding(max_norm=...) renormalizes the rows it looks "
-    "up in place; so does a model that edits a weight under torch.no_grad()). Cloning is not the fix here: the write "
-    "would go to the unit's buffer, which is dropped after the call, so the train state would never see it. "
-    + PARAM_WRITE_FIX
-)
-
-
-# an attribute read from the user's module in loss_fn, which a forward sets on self (an auxiliary loss kept on the module)
-MODULE_ATTRIBUTE_IN_A_STEP = (
-    "  If the forward sets {cls}.{name} (an auxiliary loss kept on the module, as MoE layers keep theirs) and loss_fn "
-    "reads it after fzero.apply: within a step fzero.apply runs fzero's copy of the module, and what its forward writes "
-    "on self reaches your module only when the step returns. So loss_fn reads your module's value from before the step "
-    "(none here; a value set in __init__ or by an earlier step is read silently, without a gradient). Return it from "
-    "forward (return out, self.{name}), or call through a method that returns it: fzero.apply(model.method, params, "
-    "x) runs `method` on the module holding the params, so `self` there is the copy the forward wrote."
-)
-
-
-def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False) -> str:
-    """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint.
-    ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name."""
-    original = repr(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    which = "this rank's share of the batch" if split else "the batch"
-    lines = [f"fzero.Step: loss_fn(params, batch) raised {type(error).__name__}: {original}",
-             f"  on {which}: {describe_batch(batch)}."]
-    if batch is None:
-        lines.append("  The batch is None: step(state, batch) hands it to loss_fn as it is; pass the batch loss_fn reads "
-                     "(e.g. a dict of tensors from your loader).")
-    match = _MATMUL.search(str(error))
-    if match is not None:
-        got, want = int(match.group(2)), int(match.group(3))
-        leaves = [f"{(p or '<root>')!r} has shape {tuple(x.shape)}" for p, x in _tensor_leaves(batch) if x.dim() and x.shape[-1] == got]
-        lines.append(f"  A matmul of the model (an nn.Linear?) expects {want} features in the last dim and got {got}"
-                     + (f": batch leaf {', '.join(leaves[:3])}." if leaves else ".") + " Pass inputs of the size the model was built for.")
-    elif isinstance(error, KeyError) and isinstance(batch, dict):
-        lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
-    elif _DTYPES.search(str(error)):
-        lines.append(DTYPE_MISMATCH)
-    elif units and _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
-        lines.append("  The batch holds meta tensors (shapes without values): pass a batch with values, on the device "
-                     "the model runs on.")
-    elif units and _META.search(str(error)):
-        lines.append(UNIT_OUTSIDE_ITS_CALL)
-    elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
-        lines.append(PARAM_WRITTEN_AT_STAGE_2_3)
-    elif (isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), nn.Module)
-          and isinstance(missing := getattr(error, "name", None), str) and not missing.startswith("_")):
-        lines.append(MODULE_ATTRIBUTE_IN_A_STEP.format(cls=type(getattr(error, "obj")).__name__, name=missing))
-    lines.append("  The error is in loss_fn or the model it runs; its own traceback is the cause above.")
-    if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
-        return " ".join(line.strip() for line in lines)
-    return "\n".join(lines)
-
-
-def _tensor_leaves(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    if batch is None:
-        return []
-    paths, leaves, _ = _tree.flatten_with_paths(batch)
-    return [(p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
-
-
-def describe_batch(batch: Any, *, limit: int = 8) -> str:
-    """``{x: float32 (8, 5), y: float32 (8, 2)}``: each leaf's path with its dtype and shape (or its type)."""
-    if batch is None:
-        return "None"
-    try:
-        paths, leaves, _ = _tree.flatten_with_paths(batch)
-    except Exception:  # noqa: BLE001 - a batch optree cannot flatten is described by its type
-        return f"a {type(batch).__name__}"
-    parts = [f"{p or '<root>'}: " + (f"{str(x.dtype).replace('torch.', '')} {tuple(x.shape)}"
-                                     + (f" on {x.device}" if x.device.type != "cpu" else "") if isinstance(x, torch.Tensor)
-                                     else type(x).__name__) for p, x in zip(paths, leaves)]
-    more = f", ... {len(parts) - limit} more" if len(parts) > limit else ""
-    return "{" + ", ".join(parts[:limit]) + more + "}" if parts else f"a {type(batch).__name__} without tensors"
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
@@ -671,34 +510,6 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
     return grads, loss, aux, new_buffers
 
 
-# What torch.func.grad says when the model does what only plain autograd supports: torch.utils.checkpoint's
-# saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
-_FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support")
-_FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
-{cause} Build the step with plain autograd, which
-supports it: fzero.compile(..., autodiff="autograd"){alternative}."""
-_CHECKPOINT_CAUSE = """This is what a model with torch.utils.checkpoint inside it does (Hugging Face's gradient_checkpointing_enable() /
-activation_checkpointing_enable(), or requires_grad_() on an activation), and a tensor made a leaf inside loss_fn
-for torch.autograd.grad(..., create_graph=True) (a gradient penalty, WGAN-GP, R1)."""
-_CHECKPOINT_ALTERNATIVE = """; or turn the model's checkpointing off and recompute with
-fzero's own (compile(..., remat=True) per unit at every stage, or fzero.remat around any function)"""
-_OLD_FUNCTION_CAUSE = """This is what a custom torch.autograd.Function written in the old style does (a static forward(ctx, ...)
-with no setup_context staticmethod), as straight-through estimators, gradient reversal layers and fused kernels
-in research code are written."""
-_OLD_FUNCTION_ALTERNATIVE = """; or give the Function a setup_context staticmethod (forward without
-ctx; https://pytorch.org/docs/stable/notes/extending.func.html)"""
-
-
-def _func_refusal(error: str) -> str:
-    """The message for torch.func.grad's refusal ``error`` (its first line): the model code that usually causes it,
-    read from torch's words (only the cause differs), and the step setting that runs it."""
-    if "setup_context" in error:
-        cause, alternative = _OLD_FUNCTION_CAUSE, _OLD_FUNCTION_ALTERNATIVE
-    else:
-        cause, alternative = _CHECKPOINT_CAUSE, _CHECKPOINT_ALTERNATIVE
-    return _FUNC_HINT.format(error=error, cause=cause, alternative=alternative)
-
-
 def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:
     """After a micro-batch's backward: refuse a reentrant checkpoint whose backward autograd skipped (see
     ``REENTRANT_HINT``). The graph is walked only where some param has had no gradient yet in this step, which
@@ -709,16 +520,6 @@ def _refuse_skipped_reentrant_checkpoint(loss: torch.Tensor) -> None:
         return
     names = f": {', '.join(unused[:3])}{f' and {len(unused) - 3} more' if len(unused) > 3 else ''}" if unused else ""
     raise RuntimeError(REENTRANT_HINT.format(what=f", so these params got no gradient{names}"))
-
-
-_BACKWARD_IN_LOSS_FN = """fzero.Step: loss_fn (or the model) ran a backward over the loss already, as `loss.backward()` at the end of a
-plain PyTorch training step does. fzero takes the gradient of what loss_fn returns and applies the update itself:
-return the loss (or (loss, aux)) without calling backward(), zero_grad() or an optimizer. A gradient loss_fn needs
-for itself (an input's gradient for an adversarial example) is taken with torch.autograd.grad(inner_loss, x) on a
-forward of its own, or with retain_graph=True where it shares the loss's graph (plain autograd, the default).
-(torch: {error})"""
-_SECOND_BACKWARD = _BACKWARD_IN_LOSS_FN.replace("fzero.Step: loss_fn", "fzero.Step: the graph of the loss loss_fn "
-                                                "returned was freed before the step's backward: loss_fn", 1)
 
 
 @contextlib.contextmanager
@@ -755,20 +556,6 @@ def _named_meta_failure(units: bool) -> Iterator[None]:
         if not units or type(e) is not RuntimeError or not _META.search(str(e)) or str(e).startswith("fzero"):
             raise
         raise RuntimeError(f"fzero.Step: the backward raised RuntimeError: {e}\n{UNIT_OUTSIDE_ITS_CALL}") from e
-
-
-_FREED = re.compile(r"out of bounds for storage of size 0")  # torch's setStorage error on a view of freed memory
-UNIT_FREED = """  At stage 3 a unit's gathered params are freed after its forward and gathered again when the gradient reaches
-the unit's return value. Here a tensor made inside a unit reached the loss another way while that return value
-reached nothing in it{how}, so the backward read the freed params. Let the unit return that tensor (or use
-what it returns), keep that module out of the units (units=... without it), or train at stage 2."""
-_FREED_HOW = {
-    "autograd": (" (a tensor stored on a module; what a forward hook or pre-hook on the unit or inside it keeps of its module's"
-                 " output or inputs is refilled for)"),
-    "func": (' (a tensor stored on a module, or kept by a forward hook, as Hugging Face\'s output capture keeps the hidden'
-             ' state Llava\'s vision_feature_layer picks: under autodiff="func" no hook can gather in the backward;'
-             ' autodiff="autograd" trains that as PyTorch does)'),
-}
 
 
 @contextlib.contextmanager

@@ -1,11 +1,14 @@
 """The refusals a step makes once, never at a later step: of a module at ``params_of`` and ``step.init`` (tensors
 whose memory was given away: ``check_not_freed``; a model FSDP shards already: ``check_not_fsdp``), at the first forward
-with a graph (state params that name a module's buffer: ``check_no_trained_buffers``), and before an export names a
-state's tensors by a module (``check_export_model``); and the message of a buffer two models share
-(``_shared_buffer_message``), built only when ``Buffers`` refuses one.
+with a graph, where ``fzero.step._batch.LossFnInContext`` checks what only a forward shows (state params that name a
+module's buffer: ``check_no_trained_buffers``; a loss that depends on a parameter of a module's own:
+``check_own_params``; under ``dist_mesh``, ranks that ran modules of different structures: ``agree_structure``), and
+before an export names a state's tensors by a module (``check_export_model``); and the message of a buffer two models
+share (``_shared_buffer_message``), built only when ``Buffers`` refuses one.
 
-Kept apart from ``fzero.step._module``, whose ``apply`` and buffer bank run at every step, so that a later step runs
-through none of this (tests/test_structure.py bounds the fzero files a step runs functions from).
+Kept apart from ``fzero.step._module`` and ``fzero.step._batch``, whose ``apply``, buffer bank, batch splitting and
+gradient run at every step, so that a later step runs through none of this (tests/test_structure.py bounds the fzero
+files a step runs functions from).
 """
 
 from __future__ import annotations
@@ -148,3 +151,61 @@ def _shared_buffer_message(module: nn.Module, first: nn.Module, name: str) -> st
         f"(fzero.apply(model.features, params, x)), so that the state names each buffer by its path in the model; to "
         f"recompute block by block, fzero.compile(..., remat=True)."
     )
+
+
+def check_own_params(loss: torch.Tensor, modules: list[nn.Module]) -> None:
+    """Refuse a loss whose graph reaches a module's own ``nn.Parameter`` (an autograd leaf of its own).
+
+    Inside ``fzero.apply`` the module holds the step's params; outside it, its own tensors, which the step neither
+    differentiates nor updates. An L2 term summed over ``model.parameters()`` after ``fzero.apply`` returned would
+    count in the loss but add nothing to the gradient (measured: grad norm 0.955 instead of 40.3), silently. One walk
+    of the first step's graph finds such leaves; the step's own leaves are plain tensors, never ``nn.Parameter``."""
+    found: dict[int, nn.Parameter] = {}
+    # Visited nodes by id, each kept alive: a node's Python object can be made on demand and freed once the walk
+    # moves on (torch 2.11 does), and a new one could then take its address, so a set of ids alone would skip
+    # nodes never visited (on the H100 machine with torch 2.11 the walk saw 3 nodes of this check's own test).
+    seen: dict[int, Any] = {}
+    todo = [loss.grad_fn]
+    functorch = torch._C._functorch
+    while functorch.is_gradtrackingtensor(loss):  # under torch.func.grad the module's leaves are in the level below
+        loss = functorch.get_unwrapped(loss)
+        todo.append(loss.grad_fn)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the graph reaches this leaf
+        if isinstance(leaf, nn.Parameter):
+            found[id(leaf)] = leaf
+        todo.extend(fn for fn, _ in node.next_functions)
+    if not found:
+        return
+    named = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
+    described = [repr(n) for i, n in named.items() if i in found]  # in the module's order
+    described += [f"a parameter of shape {tuple(p.shape)}" for i, p in found.items() if i not in named]
+    more = f", ... {len(described) - 4} more" if len(described) > 4 else ""
+    raise ValueError(
+        f"fzero.Step: the loss depends on the module's own parameters ({', '.join(described[:4])}{more}), not on the "
+        f"params loss_fn was given: outside fzero.apply(model, params, ...) the module holds its own tensors, which this "
+        f"step neither differentiates nor updates, so such a term would count in the loss but not in the gradient. "
+        f"(Inside a method that fzero.apply runs, self.parameters() at stage 3 holds a unit's params only while that "
+        f"unit runs; read elsewhere, they are not the step's.) Compute it from params, e.g. an L2 term as "
+        f"sum((p ** 2).sum() for p in params.values()) (or weight decay in the optimizer: fzero.optim.adamw(lr, "
+        f"weight_decay=...)); a tensor that should not train goes in as a constant (.detach())."
+    )
+
+
+def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
+    """Under ``dist_mesh``, check that every rank ran modules of one structure: each submodule's path, type and
+    settings (``extra_repr``), in order. Parameter names and shapes are agreed at ``Step.init``; a parameter-free
+    op (GELU on one rank, Tanh on another) changes neither, and the ranks would average gradients of different
+    models."""
+    fields = []
+    for i, module in enumerate(modules):
+        model = f" of model #{i} fzero.apply ran" if len(modules) > 1 else ""
+        fields += [(f"the module at {path or '<root>'!r}{model}", f"{type(m).__qualname__}({m.extra_repr()})")
+                   for path, m in module.named_modules()]
+    comm.agree(fields, api="fzero.Step.__call__ (the first step's fzero.apply)", fix=(
+        "Every rank must run the same model: build it from the same code and config on every rank, and keep "
+        "rank-dependent choices out of it."))

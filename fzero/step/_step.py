@@ -33,7 +33,8 @@ from torch import nn
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
-from fzero.step._batch import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL, LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
+from fzero.step._batch import LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
+from fzero.step._hints import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
