@@ -13,7 +13,7 @@ Apart from ``fzero.zero._unit`` so that each stays short.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,11 +21,23 @@ from torch import nn
 from fzero.layout import pytrees as _tree
 from fzero.mesh import Function
 
-if TYPE_CHECKING:
-    from fzero.zero._unit import UnitCall
+
+class _UnitCall(Protocol):
+    """What these functions use of ``fzero.zero._unit.UnitCall`` (a Protocol, so that this module does not import the
+    one that imports it)."""
+
+    refilled: bool
+    reduced: bool
+    hooks: Any
+
+    def refill_once(self) -> None: ...
+
+    def done(self) -> None: ...
+
+    def free(self) -> None: ...
 
 
-def _after_backward(inputs: Any, call: UnitCall) -> Any:
+def _after_backward(inputs: Any, call: _UnitCall) -> Any:
     """``inputs`` with their differentiable tensors passed through ``_FreeAfterBackward``: for a unit of frozen params
     alone (``step.init(..., frozen=...)``), whose gather has no gradient to join and reduce, the gradient of its inputs
     is where its backward ends and its buffer can be freed again. (No input with a gradient: no backward reaches the
@@ -48,7 +60,7 @@ def _after_backward(inputs: Any, call: UnitCall) -> Any:
     return rebuild(found)
 
 
-def _free_after_backward(call: UnitCall, grads: Any) -> None:
+def _free_after_backward(call: _UnitCall, grads: Any) -> None:
     """The unit's backward is over (its inputs' gradients are computed): let go of its views and free its buffer."""
     if call.refilled:
         call.done()
@@ -57,7 +69,7 @@ def _free_after_backward(call: UnitCall, grads: Any) -> None:
         call.reduced = True  # over: a hook's capture read after it refills nothing (``UnitCall.refill_once``)
 
 
-def _refill_on_escape(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+def _refill_on_escape(call: _UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     """A forward hook put first on a module of a unit (``UnitCall._watch_hooks``): the tensors the module's hooks are
     handed (its output, its inputs) that were made during the unit's call (``start``: the first autograd node number
     of the call) get a pre-hook on their ``grad_fn``, which refills the unit before that node's backward runs. Autograd
@@ -66,19 +78,19 @@ def _refill_on_escape(call: UnitCall, start: int, module: nn.Module, args: Any, 
     _watch_made_since(call, start, (args, kwargs, output))
 
 
-def _refill_on_escape_pre(call: UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+def _refill_on_escape_pre(call: _UnitCall, start: int, module: nn.Module, args: Any, kwargs: Any) -> None:
     """``_refill_on_escape`` for what a module's forward pre-hooks are handed: its inputs."""
     _watch_made_since(call, start, (args, kwargs))
 
 
-def _watch_made_since(call: UnitCall, start: int, tree: Any) -> None:
+def _watch_made_since(call: _UnitCall, start: int, tree: Any) -> None:
     for t in _tree.tensors_and_rebuild(tree)[0]:
         node = t.grad_fn
         if node is not None and node._sequence_nr() >= start:
             node.register_prehook(functools.partial(_refill_before, call))
 
 
-def _refill_before(call: UnitCall, grads: Any) -> None:
+def _refill_before(call: _UnitCall, grads: Any) -> None:
     call.refill_once()
 
 
