@@ -720,3 +720,45 @@ class _TableStudent(nn.Module):
     def forward(self, x):
         self.table = self.table * 1.0 + x.new_zeros(()).detach() + 1.0
         return self.lin(x)
+
+
+class _MomentumKey(nn.Module):
+    """MoCo's shape: a key layer kept frozen and moved toward the trained query layer inside ``forward``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.k = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+
+    def forward(self, x):
+        if self.how is not None:
+            with torch.no_grad():
+                if self.how == "data":  # the MoCo reference code's form
+                    self.k.weight.data = self.k.weight.data * 0.5 + self.q.weight.data * 0.5
+                else:
+                    self.k.weight.mul_(0.5).add_(self.q.weight, alpha=0.5)
+        return (self.q(x) * self.k(x)).sum()
+
+
+@pytest.mark.parametrize("how", ["data", "in place"])
+@pytest.mark.parametrize("stages", [0, 2])
+def test_a_frozen_param_the_forward_writes_moves_once_a_step_or_is_refused_on_a_local_mesh_of_two_ranks(stages, how):
+    """The rank threads shared the module's frozen tensor, so each wrote it: moved twice a step on local_mesh(2)
+    (0.0625 of the way left after 2 steps where torchrun's processes leave 0.25), silently."""
+    def run(ranks, how):
+        torch.manual_seed(0)
+        model = _MomentumKey(how)
+        k0, q0 = model.k.weight.detach().clone(), model.q.weight.detach().clone()
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b), optimizer=fzero.optim.sgd(0.0), stages=stages,
+                             mesh=fzero.local_mesh(ranks) if ranks > 1 else None)
+        state = step.init(fzero.params_of(model))
+        for _ in range(2):
+            state, _ = step(state, torch.ones(4, WIDTH))
+        return ((model.k.weight - q0) / (k0 - q0)).mean().item()
+
+    assert run(1, how) == pytest.approx(0.25)  # as PyTorch: once a step
+    with pytest.raises(ValueError, match=r"(?s)fzero.Step.__call__: the forward wrote the frozen param\(s\) \['k.weight'\] "
+                                         r"of _MomentumKey.*local_mesh of 2 ranks.*step.gather\(state\).*register_buffer"):
+        run(2, how)
+    assert run(2, None) == pytest.approx(1.0)  # a forward that only reads it: not refused

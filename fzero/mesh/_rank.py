@@ -9,7 +9,7 @@ has cannot travel that way, because the code that needs it is called by the user
 
 | field | read by | why it cannot be an argument |
 |---|---|---|
-| ``clones``, ``writes``, ``compute_dtype``, ``buffers``, ``scope``, ``applied``, ``stale`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
+| ``clones``, ``writes``, ``compute_dtype``, ``buffers``, ``scope``, ``applied``, ``stale``, ``frozen`` | ``fzero.apply`` (``fzero.step._module``) | the user's ``loss_fn`` calls ``fzero.apply(model, params, x)``, and at stages 0-1 ``params`` is the user's own pytree |
 | ``usage`` | the views ``loss_fn`` reads (``fzero.step._context``) | recorded inside user code, by autograd |
 | ``snapshots``, ``replay`` | ``fzero.apply`` under ``fzero.remat`` | the recompute runs in backward, called by autograd |
 | ``generator``, ``stream`` | torch's random ops (below) | torch reads the process generator; ranks must not share it |
@@ -119,6 +119,7 @@ class RankContext:
     generator: torch.Generator | None = None  # a local_mesh rank's CPU generator
     stream: Any = None  # a local_mesh rank's RNG stream (CPU and CUDA generators)
     observers: tuple = ()  # buffer-event observers (``fzero.memory``'s counters)
+    frozen: Any = None  # one step call's record of the frozen params its rank threads read (``fzero.step._module.FrozenWrites``)
 
 
 _EMPTY = RankContext()

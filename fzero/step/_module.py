@@ -75,6 +75,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if current_context().stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
         check_no_sync_batchnorm(module, api="fzero.apply")
         check_no_parametrize_cache(module, api="fzero.apply")
+        if current_context().frozen is not None:  # before the forward: what its frozen params hold (FrozenWrites)
+            current_context().frozen.note(module)
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
     bank = current_buffers()
@@ -588,6 +590,52 @@ def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
                 f"simulate the ranks with BatchNorm layers in its place (per-rank statistics, as DDP without "
                 f"SyncBatchNorm). In eval mode (model.eval()) it syncs nothing and runs."
             )
+
+
+class FrozenWrites:
+    """One step call's record of the frozen params (``requires_grad=False``) that the rank threads of a ``local_mesh``
+    of several ranks read from the user's modules, to refuse a forward that writes one.
+
+    A step reads frozen params from the module at every step, and every rank's copy of the module shares them (copying
+    them would cost a frozen base's whole size per rank per step). Under torchrun each process writes its own module,
+    once a step; the threads of a local mesh all write the one tensor, so a write in the forward lands once per rank:
+    MoCo's momentum update of its key encoder inside ``forward`` (``pk.data = pk.data * m + pq.data * (1 - m)``, or
+    ``pk.mul_(m).add_(pq, alpha=1 - m)``) moved it twice a step on ``local_mesh(2)`` (measured: 1.4e-4 in the query
+    encoder's params after 3 AdamW steps at stages 0-2, against DDP's once), silently.
+
+    ``note`` records each frozen param's version counter and storage before the forward that reads it (the first
+    record of a param is kept: every rank notes before its own forward runs, so the first precedes every write);
+    ``check``, once every rank has returned, refuses the step call if one was written in place or given new data."""
+
+    __slots__ = ("seen", "lock")
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[str, type, torch.Tensor, int, int]] = {}  # id(param) -> (name, module class, it, version, data_ptr)
+        self.lock = threading.Lock()
+
+    def note(self, module: nn.Module) -> None:
+        with self.lock:
+            for name, p in module.named_parameters():
+                if not p.requires_grad and id(p) not in self.seen and not p.is_meta:
+                    self.seen[id(p)] = (name, type(module), p, p._version, p.data_ptr())
+
+    def check(self, ranks: int, *, api: str) -> None:
+        written = [(name, cls) for name, cls, p, version, ptr in self.seen.values()
+                   if p._version != version or p.data_ptr() != ptr]
+        if not written:
+            return
+        names = [name for name, _ in written]
+        raise ValueError(
+            f"{api}: the forward wrote the frozen param(s) {names[:4]}{' ...' if len(names) > 4 else ''} of "
+            f"{written[0][1].__name__} (requires_grad=False, read from the module at every step), on a local_mesh of "
+            f"{ranks} ranks. Its ranks are threads of one process and share the module's frozen tensors, so each rank's "
+            f"write landed on the one tensor: it now holds {ranks} writes from this step where each torchrun process "
+            f"would hold one of its own (MoCo's momentum update of a key encoder in forward moves it {ranks} times a step "
+            f"here). Update it in the loop between steps instead, from the trained values (full = step.gather(state); "
+            f"under torch.no_grad(): pk.mul_(m).add_(full['enc_q.' + name], alpha=1 - m) for each frozen key param), or "
+            f"keep it in a persistent buffer (register_buffer), which the train state carries per rank as DDP's "
+            f"broadcast_buffers does; or run on local_mesh(1), without a mesh, or under torchrun with fzero.dist_mesh()."
+        )
 
 
 def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:

@@ -38,7 +38,7 @@ from fzero.step._hints import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
-from fzero.step._module import Buffers, broadcast_buffers, note_trained_buffers
+from fzero.step._module import Buffers, FrozenWrites, broadcast_buffers, note_trained_buffers
 from fzero.step._params import module_device, replace_params
 from fzero.step._refusals import check_export_model
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
@@ -171,9 +171,13 @@ class Step:
             # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
             # none writes an object another reads, as each torchrun process has its own; rank 0's are kept
             writes = [Writes(private=len(state.states) > 1) for _ in state.states]
+            # and none writes a frozen param they all share: refused once every rank has returned (FrozenWrites)
+            frozen = FrozenWrites() if len(state.states) > 1 else None
             results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank],
-                                                                     schedules=schedules),
+                                                                     schedules=schedules, frozen=frozen),
                                     list(zip(state.states, batch)))
+            if frozen is not None:
+                frozen.check(len(state.states), api="fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__")
         else:
             api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
             comm = self.mesh.comm(api=api) if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
@@ -197,7 +201,8 @@ class Step:
                  f"1/{self.grad_accum}).")
         check_rows(batch, where=where, expected=expected, setting=setting, short=short)
 
-    def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes, schedules: ScheduleValues | None = None) -> Any:
+    def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes, schedules: ScheduleValues | None = None,
+                 frozen: FrozenWrites | None = None) -> Any:
         """``program`` as this rank, in its context. ``writes``: where the rank's copies of the user's modules note what
         its forward wrote on them (``fzero.layout.Writes``), for the caller to keep once the call has succeeded: in
         this process's calling thread, after every rank of a local mesh has returned (its rank 0's writes; a torchrun
@@ -215,7 +220,7 @@ class Step:
         clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
         trained: list | None = [] if program is rank_program else None  # the modules handed the state's buffers
         with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes,
-                          schedules=schedules, trained=trained):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
+                          schedules=schedules, trained=trained, frozen=frozen):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
