@@ -408,6 +408,39 @@ def test_sharded_params_cannot_be_indexed():
         step(step.init(fzero.params_of(prob.model)), prob.batches[0])
 
 
+def _sam_loss(model):
+    """Sharpness-aware minimization inside loss_fn: the gradient with respect to the params, then the loss at the
+    params moved along it (the move a constant), whose gradient trains."""
+    def loss_fn(params, b):
+        loss = torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+        names = list(params)
+        grads = torch.autograd.grad(loss, [params[n] for n in names])
+        norm = torch.stack([g.norm() for g in grads]).norm()
+        moved = {n: params[n] + (0.05 * g / norm).detach() for n, g in zip(names, grads)}
+        return torch.nn.functional.mse_loss(fzero.apply(model, moved, b["x"]), b["y"])
+    return loss_fn
+
+
+@pytest.mark.parametrize("units", [None, ()])
+def test_a_gradient_with_respect_to_the_params_in_loss_fn_is_refused_at_stage3_naming_stage2_which_trains_it(units):
+    """The refusal named only fzero.apply and step.gather, neither of which runs SAM or PCGrad inside a step."""
+    prob = PROBLEMS["mlp"](steps=2)
+    kw = {} if units is None else {"units": units}
+    step = fzero.compile(_sam_loss(prob.model), optimizer=fzero.optim.adamw(1e-2), stages=3, **kw)
+    with pytest.raises(TypeError, match=r"(?s)params are sharded.*gradient with respect to the params inside loss_fn.*"
+                                        r"SAM.*PCGrad.*stages=2"):
+        step(step.init(fzero.params_of(prob.model)), prob.batches[0])
+    finals = []
+    for stages in (0, 2):
+        step = fzero.compile(_sam_loss(prob.model), optimizer=fzero.optim.adamw(1e-2), stages=stages, mesh=fzero.local_mesh(2))
+        state = step.init(fzero.params_of(prob.model))
+        for b in prob.batches:
+            state, _ = step(state, b)
+        finals.append(step.gather(state))
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], rtol=0, atol=1e-7)
+
+
 def test_gather_returns_full_params_at_stage3():
     prob = PROBLEMS["any"](steps=1)
     step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(4))

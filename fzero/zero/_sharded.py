@@ -201,9 +201,19 @@ class ShardedParams(UnitParams):
         self.sink = sink  # under plain autograd: takes each unit's reduction while it is in flight (ShardGradView)
 
     def __getitem__(self, name: str) -> Any:
+        """Refused: no param exists whole outside its unit's call. The message names what reads params in ``loss_fn``
+        besides a forward, a gradient with respect to them (SAM's ascent step, PCGrad's and GradNorm's per-task
+        gradients returned through a surrogate loss), which stage 3 cannot give (its params are gathered views whose
+        gradient is this rank's reduce-scattered shard), and the stages that run it: only step.gather was named, a
+        fix outside the step."""
         raise TypeError(
             f"fzero (stage 3): params are sharded, so params[{name!r}] has no full tensor to give. Run the model with "
-            f"fzero.apply(model, params, ...), which gathers each unit when it runs; use step.gather(state) for full params."
+            f"fzero.apply(model, params, ...), which gathers each unit when it runs; use step.gather(state) for full "
+            f"params outside a step. A gradient with respect to the params inside loss_fn (torch.autograd.grad(loss, "
+            f"[params[n] ...]): SAM's perturbation, PCGrad's or GradNorm's per-task gradients, a surrogate loss "
+            f"sum((p * g.detach()).sum())) needs every param whole on each rank: train it with stages=2 (params "
+            f"replicated, gradients and optimizer state sharded), where it runs as in plain PyTorch; stage 3 does not "
+            f"run it, with any units."
         )
 
     def _whole(self, unit):
