@@ -150,3 +150,51 @@ def test_a_gradient_penalty_through_units_or_remat_is_refused_with_its_cause_and
     entry = Entry(PENALTY.build, PENALTY.batches, PENALTY.loss, settings={"remat": remat})
     with pytest.raises(RuntimeError, match=match):
         fzero_run(entry, stages=stages, ranks=1)
+
+
+def _mixup_loss(draw):
+    def loss(call, b):
+        lam = draw()
+        x = F.one_hot(b["input_ids"] % 64, 64).float()
+        out = call(lam * x + (1 - lam) * x.flip(0))
+        return F.mse_loss(out, x)
+    return loss
+
+
+def _beta():
+    return torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4)).sample()
+
+
+def _gamma_ratio():
+    g1, g2 = torch.distributions.Gamma(torch.tensor([0.4, 0.4]), torch.tensor(1.0)).sample()
+    return g1 / (g1 + g2)
+
+
+def _cutmix_in_place(call, b):
+    ids = b["input_ids"]
+    ids[:, :4] = ids.flip(0)[:, :4]  # a patch pasted into the batch in place, as timm's cutmix does
+    x = F.one_hot(ids % 64, 64).float()
+    return F.mse_loss(call(x), x)
+
+
+def _mixup_model():
+    return nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 64))
+
+
+@pytest.mark.parametrize("loss, match", [
+    (_mixup_loss(_beta), r"(?s)setup_context staticmethod.*torch.distributions' Beta and Dirichlet.*autodiff=\"autograd\".*"
+                         r"np.random.beta"),
+    (_cutmix_in_place, r"(?s)mutate a captured Tensor.*a tensor of the batch.*autodiff=\"autograd\".*clone\(\)"),
+])
+def test_torch_funcs_refusals_of_a_beta_draw_and_of_a_write_into_the_batch_name_their_cause_and_fix(loss, match):
+    """A Mixup lambda from torch.distributions.Beta was blamed on a custom Function of the model's; a CutMix paste into
+    the batch got torch's own words only ("rewrite the function ... to accept the mutated Tensor(s) as inputs")."""
+    entry = Entry(_seeded(_mixup_model), _tokens(64, seed=52), loss, settings={"autodiff": "func"})
+    with pytest.raises(RuntimeError, match=match):
+        fzero_run(entry, stages=0, ranks=1)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_beta_draw_the_refusal_names_trains_as_pytorch_under_torch_func(ranks):
+    entry = Entry(_seeded(_mixup_model), _tokens(64, seed=52), _mixup_loss(_gamma_ratio), settings={"autodiff": "func"})
+    check(entry, reference_run(entry, ranks), fzero_run(entry, stages=0, ranks=ranks))

@@ -446,6 +446,20 @@ class LossFnInContext:
             raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units)) from e
 
 
+def _traceback_files(error: BaseException) -> str:
+    """The files of ``error``'s traceback and its causes' (``loss_fn_failure`` re-raises torch's error from it), for
+    ``_func_refusal`` to tell torch's own old-style Functions from the user's."""
+    import traceback
+
+    files, seen = [], set()
+    err: BaseException | None = error
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        files += [frame.filename for frame in traceback.extract_tb(err.__traceback__)]
+        err = err.__cause__ or err.__context__
+    return " ".join(files)
+
+
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
              buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None,
              on_written: Callable[[list[int]], None] | None = None, reader: Any = None):
@@ -479,7 +493,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             if "backward() called inside a functorch transform" in str(e):
                 raise RuntimeError(_BACKWARD_IN_LOSS_FN.format(error=str(e).splitlines()[0].split("raised RuntimeError: ")[-1])) from e
             if any(m in str(e) for m in _FUNC_REFUSALS):
-                raise RuntimeError(_func_refusal(str(e).splitlines()[0])) from e
+                raise RuntimeError(_func_refusal(str(e).splitlines()[0], frames=_traceback_files(e))) from e
             raise
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves

@@ -130,7 +130,8 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
 
 # What torch.func.grad says when the model does what only plain autograd supports: torch.utils.checkpoint's
 # saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
-_FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support")
+_FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support",
+                  "mutate a captured Tensor")
 _FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
 {cause} Build the step with plain autograd, which
 supports it: fzero.compile(..., autodiff="autograd"){alternative}."""
@@ -146,11 +147,27 @@ _OLD_FUNCTION_ALTERNATIVE = """; or give the Function a setup_context staticmeth
 ctx; https://pytorch.org/docs/stable/notes/extending.func.html)"""
 
 
-def _func_refusal(error: str) -> str:
+_CAPTURED_CAUSE = """loss_fn or the model wrote in place into a tensor made outside the transform: a tensor of the batch
+(CutMix pasting a patch into batch["img"]), a frozen param or a tensor the module holds (a momentum update of a
+key encoder's params in forward). torch.func refuses writes into the tensors it captured."""
+_CAPTURED_ALTERNATIVE = """; or write into a copy (x = batch["img"].clone()), or keep what
+the forward updates in a registered buffer (the step hands buffers to the transform as its own)"""
+_DISTRIBUTIONS_CAUSE = """Here the Function is torch's own: torch.distributions' Beta and Dirichlet draw through one (_Dirichlet, in
+sample() too), as a Mixup or CutMix lambda drawn in loss_fn does."""
+_DISTRIBUTIONS_ALTERNATIVE = """; or draw the lambda without it (np.random.beta(a, a), drawn
+per rank as under torchrun; or from two Gamma draws, g1 / (g1 + g2))"""
+
+
+def _func_refusal(error: str, *, frames: str = "") -> str:
     """The message for torch.func.grad's refusal ``error`` (its first line): the model code that usually causes it,
-    read from torch's words (only the cause differs), and the step setting that runs it."""
-    if "setup_context" in error:
+    read from torch's words (only the cause differs), and the step setting that runs it. ``frames``: the files of the
+    failure's traceback, which tell torch's own old-style Functions (torch.distributions) from the user's."""
+    if "setup_context" in error and "torch/distributions/" in frames.replace("\\", "/"):
+        cause, alternative = _OLD_FUNCTION_CAUSE + "\n" + _DISTRIBUTIONS_CAUSE, _DISTRIBUTIONS_ALTERNATIVE
+    elif "setup_context" in error:
         cause, alternative = _OLD_FUNCTION_CAUSE, _OLD_FUNCTION_ALTERNATIVE
+    elif "mutate a captured Tensor" in error:
+        cause, alternative = _CAPTURED_CAUSE, _CAPTURED_ALTERNATIVE
     else:
         cause, alternative = _CHECKPOINT_CAUSE, _CHECKPOINT_ALTERNATIVE
     return _FUNC_HINT.format(error=error, cause=cause, alternative=alternative)
