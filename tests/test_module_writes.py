@@ -762,3 +762,76 @@ def test_a_frozen_param_the_forward_writes_moves_once_a_step_or_is_refused_on_a_
                                          r"of _MomentumKey.*local_mesh of 2 ranks.*step.gather\(state\).*register_buffer"):
         run(2, how)
     assert run(2, None) == pytest.approx(1.0)  # a forward that only reads it: not refused
+
+
+@pytest.mark.parametrize("stages", [0, 2])  # (at stage 3 a forward gathers with the other ranks: no rank's ends first)
+def test_on_a_local_mesh_a_rank_reading_the_value_before_its_forward_is_not_refused_for_another_ranks_check(stages):
+    """The rank threads of a local mesh share the user's module, and every rank's check refused any alias: a rank that
+    read ``model.aux_loss`` before its own forward (the last step's value, used on purpose, as on one rank) got the
+    alias of a rank whose forward had ended first, and was refused at random, as the threads ran. An alias now
+    refuses only in the ``loss_fn`` of the rank that put it in. Forced here: one rank pauses after its forward (its
+    alias in the module) while the other reads the value before its forward."""
+    import threading
+    import time
+
+    from fzero.step._stale import StaleAlias
+
+    torch.manual_seed(0)
+    model = _AuxSetInInit()
+    lock, entered = threading.Lock(), []
+
+    def loss_fn(p, x):
+        with lock:
+            entered.append(None)
+            first = len(entered) == 1
+        if first:  # its forward, then other work in loss_fn while the other rank begins
+            out = fzero.apply(model, p, x)
+            time.sleep(0.3)
+            return out.pow(2).mean()
+        waited = time.monotonic()
+        while not isinstance(model.__dict__["aux_loss"], StaleAlias) and time.monotonic() - waited < 2:
+            time.sleep(0.005)
+        before = model.aux_loss  # the value from before the step, read before this rank's forward
+        out = fzero.apply(model, p, x)
+        return out.pow(2).mean() + 0.0 * before
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    state, metrics = step(state, _batches(1)[0])
+    assert type(model.__dict__["aux_loss"]) is torch.Tensor
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_copy_of_the_module_made_while_it_holds_an_alias_copies_the_tensor_and_is_not_refused(stages):
+    """``copy.deepcopy(model)`` after the forward in the first ``loss_fn`` call (a teacher made there), or in a thread
+    of the user's while that call runs, met the alias: refused in ``loss_fn`` as a use of ``aux_loss`` (the copy uses
+    no value in the loss), and in the user's thread torch's "default implementation of __deepcopy__() for non-wrapper
+    subclasses" error; ``torch.save(model)`` pickled the alias with fzero's class and the whole module in its state.
+    A copy now copies the tensor the alias stands for."""
+    import io
+    import threading
+
+    torch.manual_seed(0)
+    model = _AuxSetInInit()
+    made = {}
+
+    def loss_fn(p, x):
+        out = fzero.apply(model, p, x)
+        made["teacher"] = copy.deepcopy(model)
+        thread = threading.Thread(target=lambda: made.__setitem__("thread", copy.deepcopy(model)))
+        thread.start()
+        thread.join()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        made["saved"] = buffer.getvalue()
+        return out.pow(2).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages)
+    state = step.init(fzero.params_of(model))
+    before = model.aux_loss
+    step(state, _batches(1)[0])
+    for copied in (made["teacher"], made["thread"]):
+        assert type(copied.aux_loss) is torch.Tensor and torch.equal(copied.aux_loss, before)
+    assert b"StaleAlias" not in made["saved"]
+    loaded = torch.load(io.BytesIO(made["saved"]), weights_only=False)
+    assert type(loaded.aux_loss) is torch.Tensor

@@ -16,9 +16,17 @@ forward, naming the attribute and the fix. So exactly a read of the attribute af
 tensor itself, held elsewhere (a value ``loss_fn`` read before the forward to compare with, a shared table the module
 also held), stays a plain tensor, and no torch function mode is entered (a mode would turn torch's fast paths off for
 all of ``loss_fn``: a frozen ``nn.TransformerEncoder`` teacher called in it gave other values). When the call ends,
-the user's module gets the tensor back (``StaleWatch.restore``), before the step keeps what the forward wrote. The
-ranks of a local mesh share the user's modules: an alias is put in once and taken out when the last rank that put it
-in is done (``_LOCK``, ``StaleAlias._fz_users``).
+the user's module gets the tensor back (``StaleWatch.restore``), before the step keeps what the forward wrote.
+
+The ranks of a local mesh share the user's modules, so each alias belongs to the one rank that put it in
+(``StaleAlias._fz_watch``; the others leave a place an alias holds as it is, ``_LOCK``) and refuses in that rank's
+``loss_fn`` only: seen by another, it is a plain tensor. Refused by any rank's check, a rank that reads the
+attribute before its own forward, the value from before the step on purpose, got the first rank's alias whenever that
+rank's forward had ended first, and was refused (at random, as the threads ran). Ranks run one ``loss_fn``, so the
+rank that put an alias in is refused where the others would be. A copy of the module (``copy.deepcopy``: a teacher
+made in ``loss_fn``, a user's thread; ``torch.save``, pickle) copies the tensor, not the alias, and is not refused:
+it uses no value in the loss; copied, an alias failed (torch's "default implementation of __deepcopy__() for
+non-wrapper subclasses" error) or, pickled, carried the whole module and fzero's class into the file.
 
 Not refused: a tensor the forward replaced with an equal one without a graph (a cached mask rebuilt), one it changed
 in place (the copy's too: copies share tensors), one written into the user's module during the forward (a hook that
@@ -28,6 +36,7 @@ forward. Not seen: a number (a Python ``float``) or an entry of a list or dict r
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -42,29 +51,38 @@ _LOCK = threading.Lock()  # the user's modules are shared by the rank threads of
 
 class StaleAlias(torch.Tensor):
     """A tensor the user's module held, put back in its place for the rest of the first ``loss_fn`` call after a
-    forward replaced it on fzero's copy: any torch function on it outside a forward is refused (``_refusal``).
-    ``_fz_stale``: (the module holding it, its path from the module ``fzero.apply`` ran, that module);
-    ``_fz_original``: the tensor it aliases; ``_fz_users``: the ranks' watches that put it in and are not done."""
+    forward replaced it on fzero's copy: any torch function on it outside a forward, in the ``loss_fn`` call of the
+    rank that put it in, is refused (``_refusal``). ``_fz_stale``: (the module holding it, its path from the module
+    ``fzero.apply`` ran, that module); ``_fz_original``: the tensor it aliases; ``_fz_watch``: the rank's
+    ``StaleWatch`` that put it in (the ``stale`` of that rank's context while its ``loss_fn`` runs)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") != "__get__" and current_context().stale is not None:  # (a property reads no value)
-            alias = next(t for t in (*args, *kwargs.values()) if isinstance(t, StaleAlias)) if any(
-                isinstance(t, StaleAlias) for t in (*args, *kwargs.values())) else _nested_alias(args, kwargs)
+        watch = current_context().stale  # None inside a forward, after the call, in another thread than a rank's
+        if watch is not None and getattr(func, "__name__", "") != "__get__":  # (a property reads no value)
+            alias = _owned_alias((*args, *kwargs.values()), watch)
             if alias is not None:
                 raise ValueError(_refusal(*alias.__dict__["_fz_stale"]))
-        with torch._C.DisableTorchFunctionSubclass():  # elsewhere (a forward, after the call): the plain tensor
+        with torch._C.DisableTorchFunctionSubclass():  # elsewhere (a forward, another rank, after the call): plain
             return func(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        """The tensor's copy (see the module docstring: a copy of the module uses no value in the loss)."""
+        return copy.deepcopy(self.__dict__["_fz_original"], memo)
 
-def _nested_alias(args: tuple, kwargs: dict) -> StaleAlias | None:
-    """A ``StaleAlias`` one level into a list or tuple argument (``torch.stack([...])``)."""
-    for a in (*args, *kwargs.values()):
-        if type(a) in (list, tuple):
-            for x in a:
-                if isinstance(x, StaleAlias):
-                    return x
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save`` of the module, ``copy.copy``) as the tensor it aliases."""
+        return self.__dict__["_fz_original"].__reduce_ex__(protocol)
+
+
+def _owned_alias(values: tuple, watch: "StaleWatch") -> StaleAlias | None:
+    """A ``StaleAlias`` that ``watch`` put in, among ``values`` or one level into a list or tuple among them
+    (``torch.stack([...])``)."""
+    for a in values:
+        for x in (a if type(a) in (list, tuple) else (a,)):
+            if isinstance(x, StaleAlias) and x.__dict__["_fz_watch"] is watch:
+                return x
     return None
 
 
@@ -91,26 +109,21 @@ class StaleWatch:
         self.installed: list[tuple[dict, str, StaleAlias]] = []
 
     def put(self, module: nn.Module, key: str, old: torch.Tensor, path: str, root: nn.Module) -> None:
-        """``module.key`` (holding ``old``) as a ``StaleAlias`` of ``old`` until ``restore``."""
+        """``module.key`` (holding ``old``) as a ``StaleAlias`` of ``old``, this watch's, until ``restore``. Where
+        another rank's alias holds the place already, it stays (it is that rank's to refuse and to take out)."""
         d = module.__dict__
-        with _LOCK:
-            held = d.get(key, _GONE)
-            if isinstance(held, StaleAlias) and held.__dict__["_fz_original"] is old:
-                alias = held  # another rank's, for the same value: shared, taken out when both are done
-            elif held is old:
-                alias = torch.Tensor._make_subclass(StaleAlias, old.detach(), old.requires_grad)
-                alias.__dict__.update(_fz_stale=(module, path, root), _fz_original=old, _fz_users=0)
-                d[key] = alias
-            else:
-                return
-            alias.__dict__["_fz_users"] += 1
+        with _LOCK:  # the check and the write as one: two ranks never both put one in, one over the other's
+            if d.get(key, _GONE) is not old:
+                return  # another rank's alias, this one's own (a module reached by two paths), or written since
+            alias = torch.Tensor._make_subclass(StaleAlias, old.detach(), old.requires_grad)
+            alias.__dict__.update(_fz_stale=(module, path, root), _fz_original=old, _fz_watch=self)
+            d[key] = alias
         self.installed.append((d, key, alias))
 
     def restore(self) -> None:
         with _LOCK:
             for d, key, alias in reversed(self.installed):
-                alias.__dict__["_fz_users"] -= 1
-                if alias.__dict__["_fz_users"] == 0 and d.get(key, _GONE) is alias:
+                if d.get(key, _GONE) is alias:  # else loss_fn wrote the attribute itself: its value stays
                     d[key] = alias.__dict__["_fz_original"]
         self.installed = []
 
