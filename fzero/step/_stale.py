@@ -31,7 +31,9 @@ non-wrapper subclasses" error) or, pickled, carried the whole module and fzero's
 Not refused: a tensor the forward replaced with an equal one without a graph (a cached mask rebuilt), one it changed
 in place (the copy's too: copies share tensors), one written into the user's module during the forward (a hook that
 closes over the module: ``self.captured[k] = out``; ``held_tensors`` says what it held before), and a read inside a
-forward. Not seen: a number (a Python ``float``) or an entry of a list or dict read off the module.
+forward. Not seen: a number (a Python ``float``) or an entry of a list or dict read off the module, and a tensor of a
+subclass (its own torch functions, which an alias would go around; a wrapper subclass, DTensor say, cannot be aliased:
+``_make_subclass`` raised, failing the first step of a module that only held one).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def _public(module: nn.Module, copies: dict[str, nn.Module] | None = None) -> li
     while stack:
         prefix, o = stack.pop()
         for k, v in o.__dict__.items():
-            if k[:1] != "_" and isinstance(v, torch.Tensor) and not isinstance(v, StaleAlias):
+            if k[:1] != "_" and type(v) is torch.Tensor:  # not a subclass (see the module docstring), nor an alias
                 out.append((prefix, o, k, v))
         for k, sub in o.__dict__["_modules"].items():
             path = f"{prefix}.{k}" if prefix else k
@@ -185,6 +187,28 @@ def _holds(now: Any, v: torch.Tensor, private: dict | None) -> bool:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.is_meta or b.is_meta:
+    """Whether ``b`` holds ``a``'s values. A sparse tensor (no ``torch.equal`` kernel) is compared by its index and
+    value tensors, a nested one (no ``shape``) by its components: ``torch.equal`` on them raised out of ``fzero.apply``,
+    failing the first step of a module whose forward rebuilt one (a graph's normalized adjacency). Where torch cannot
+    compare them, they are not shown equal (a use after the forward is refused, as for any other replaced value)."""
+    if (a.dtype != b.dtype or a.device != b.device or a.layout != b.layout or a.is_nested != b.is_nested
+            or a.is_meta or b.is_meta):
         return False
-    return bool(torch.equal(a, b))
+    try:
+        if a.is_nested:
+            xs, ys = a.unbind(), b.unbind()
+            return len(xs) == len(ys) and all(_equal(x, y) for x, y in zip(xs, ys))
+        if a.shape != b.shape:
+            return False
+        if a.layout == torch.sparse_coo:
+            a, b = a.detach().coalesce(), b.detach().coalesce()
+            return torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
+        if a.layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
+                    and torch.equal(a.values(), b.values()))
+        if a.layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (torch.equal(a.ccol_indices(), b.ccol_indices()) and torch.equal(a.row_indices(), b.row_indices())
+                    and torch.equal(a.values(), b.values()))
+        return bool(torch.equal(a, b))
+    except (RuntimeError, NotImplementedError):
+        return False
