@@ -866,7 +866,8 @@ def test_a_save_on_rank_0_alone_is_named_at_the_mesh_timeout_when_the_other_rank
 def test_a_save_whose_pruning_fails_after_the_checkpoint_is_in_place_warns_and_returns_it(tmp_path, monkeypatch):
     """Removing older checkpoints (``keep=``) runs after the new one is complete and in place: its failure (a
     permission error listing the directory) made ``save`` raise, reporting a save as failed whose checkpoint loads.
-    It now warns, naming the complete checkpoint, and returns its path; the next save prunes."""
+    It now warns, naming the complete checkpoint, and returns its path; the next save prunes. The warning names the
+    caller's line (with a fixed stacklevel it named fzero/checkpoint/_save.py)."""
     from fzero.checkpoint import _save
 
     step, state = trained(1)
@@ -879,8 +880,9 @@ def test_a_save_whose_pruning_fails_after_the_checkpoint_is_in_place_warns_and_r
     later = RankStates(tuple(dataclasses.replace(s, step=s.step + 1) for s in state.states))
     with monkeypatch.context() as m:
         m.setattr(_save, "prune", denied)
-        with pytest.warns(UserWarning, match=r"is saved and complete, but removing older checkpoints .*\(PermissionError"):
+        with pytest.warns(UserWarning, match=r"is saved and complete, but removing older checkpoints .*\(PermissionError") as seen:
             path = fzero.checkpoint.save(parent, later, keep=1)
+    assert [w.filename for w in seen] == [__file__]  # the save call's line, not fzero's (stacklevel=4 named _save.py)
     assert fzero.checkpoint.latest(parent) == path and fzero.checkpoint.verify(path) == path
     assert_trees_equal(fzero.checkpoint.load(path, like=step), later)
     assert os.path.isdir(first)  # not pruned yet

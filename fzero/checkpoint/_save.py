@@ -6,6 +6,7 @@ import json
 import time
 import os
 import shutil
+import sys
 import warnings
 from typing import Any
 
@@ -133,7 +134,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         except OSError as e:
             warnings.warn(f"{api}: {final} is saved and complete, but removing older checkpoints or the leftovers of "
                           f"crashed saves in {parent} failed ({type(e).__name__}: {e}); the next save tries again.",
-                          stacklevel=4)
+                          stacklevel=_outside_fzero())
 
     try:
         with _interrupts.deferred():  # Ctrl-C: raised as itself between the phases and tensors, never inside torch's C++
@@ -152,6 +153,17 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         for fd in lock:
             unlock(fd)
     return final
+
+
+def _outside_fzero() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` called here that names the first frame outside fzero's package: the
+    user's ``save`` call (or Lightning's). A fixed count named fzero's own lines: ``save`` reaches its housekeeping
+    through ``_on_rank0`` and a closure, and other paths (``FZeroStrategy``) call it from deeper."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _checksums(partial: str, process: int, ranks: Ranks, api: str) -> dict[str, int]:
