@@ -132,9 +132,10 @@ def test_manual_seed_inside_loss_fn_seeds_the_rank_as_in_a_torchrun_process(stag
             losses.append(m["loss"])
         return losses, step.gather(state), torch.rand(3)
 
-    (a, pa, after), (b, pb, _) = run(7), run(8)
+    (a, pa, after), (b, pb, after_other) = run(7), run(8)
     assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, b))
     assert_trees_equal(pa, pb)
+    assert torch.equal(after, after_other)  # the global generator went on as rank 0's, reseeded in loss_fn: not the outer seed's
     mesh = fzero.local_mesh(2)
     torch.manual_seed(0)
     drawn = mesh.run(lambda comm: (torch.manual_seed(5), torch.rand(3))[1], [(), ()])
