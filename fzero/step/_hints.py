@@ -131,7 +131,7 @@ def describe_batch(batch: Any, *, limit: int = 8) -> str:
 # What torch.func.grad says when the model does what only plain autograd supports: torch.utils.checkpoint's
 # saved-tensor hooks, requires_grad_() inside the transform (Hugging Face's enable_input_require_grads hook).
 _FUNC_REFUSALS = ("functorch transform", "saved tensor hooks", "saved_tensors_hooks", "torch.func transforms don't yet support",
-                  "mutate a captured Tensor")
+                  "mutate a captured Tensor", "escaped?")
 _FUNC_HINT = """fzero.Step (autodiff="func"): torch.func.grad refused what the model does in its forward: {error}
 {cause} Build the step with plain autograd, which
 supports it: fzero.compile(..., autodiff="autograd"){alternative}."""
@@ -158,6 +158,13 @@ _DISTRIBUTIONS_ALTERNATIVE = """; or draw the lambda without it (np.random.beta(
 per rank as under torchrun; or from two Gamma draws, g1 / (g1 + g2))"""
 
 
+_ESCAPED_CAUSE = """A tensor made inside the transform was kept and used where the transform cannot follow it: a param's or a
+module tensor's .data assigned in forward from the params the step gives (a momentum update of a key encoder:
+pk.data = pk.data * m + pq.data * (1 - m)), or a tensor kept on a module or in a global by one call and read by the
+next. torch.func reports it as its own internal error ("escaped?"). Where it was a param's .data, the param now holds
+that tensor, which the process cannot read any more (reading it crashes): build the model again before going on."""
+
+
 def _func_refusal(error: str, *, frames: str = "") -> str:
     """The message for torch.func.grad's refusal ``error`` (its first line): the model code that usually causes it,
     read from torch's words (only the cause differs), and the step setting that runs it. ``frames``: the files of the
@@ -168,6 +175,8 @@ def _func_refusal(error: str, *, frames: str = "") -> str:
         cause, alternative = _OLD_FUNCTION_CAUSE, _OLD_FUNCTION_ALTERNATIVE
     elif "mutate a captured Tensor" in error:
         cause, alternative = _CAPTURED_CAUSE, _CAPTURED_ALTERNATIVE
+    elif "escaped?" in error:  # torch's internal assert for a tensor of the transform's level used outside it
+        cause, alternative = _ESCAPED_CAUSE, _CAPTURED_ALTERNATIVE
     else:
         cause, alternative = _CHECKPOINT_CAUSE, _CHECKPOINT_ALTERNATIVE
     return _FUNC_HINT.format(error=error, cause=cause, alternative=alternative)
