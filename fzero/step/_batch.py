@@ -39,7 +39,7 @@ from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, check_module_features, lift_for
 from fzero.step._refusals import agree_structure, check_no_trained_buffers, check_own_params
 from fzero.step._hints import (_BACKWARD_IN_LOSS_FN, _FREED, _FREED_HOW, _FUNC_REFUSALS, _META, _SECOND_BACKWARD, UNIT_FREED,
-                               UNIT_OUTSIDE_ITS_CALL, _func_refusal, loss_fn_failure)
+                               UNIT_OUTSIDE_ITS_CALL, _func_refusal, _traceback_files, loss_fn_failure)
 from fzero.step._context import per_tensor, step_buffers, step_scope
 from fzero.step._reentrant import REENTRANT_HINT, holds_reentrant_checkpoint
 from fzero.step._stale import StaleWatch
@@ -444,20 +444,6 @@ class LossFnInContext:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
             raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units)) from e
-
-
-def _traceback_files(error: BaseException) -> str:
-    """The files of ``error``'s traceback and its causes' (``loss_fn_failure`` re-raises torch's error from it), for
-    ``_func_refusal`` to tell torch's own old-style Functions from the user's."""
-    import traceback
-
-    files, seen = [], set()
-    err: BaseException | None = error
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        files += [frame.filename for frame in traceback.extract_tb(err.__traceback__)]
-        err = err.__cause__ or err.__context__
-    return " ".join(files)
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,

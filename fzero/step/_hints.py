@@ -165,6 +165,20 @@ next. torch.func reports it as its own internal error ("escaped?"). Where it was
 that tensor, which the process cannot read any more (reading it crashes): build the model again before going on."""
 
 
+def _traceback_files(error: BaseException) -> str:
+    """The files of ``error``'s traceback and its causes' (``loss_fn_failure`` re-raises torch's error from it), for
+    ``_func_refusal`` to tell torch's own old-style Functions from the user's."""
+    import traceback
+
+    files, seen = [], set()
+    err: BaseException | None = error
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        files += [frame.filename for frame in traceback.extract_tb(err.__traceback__)]
+        err = err.__cause__ or err.__context__
+    return " ".join(files)
+
+
 def _func_refusal(error: str, *, frames: str = "") -> str:
     """The message for torch.func.grad's refusal ``error`` (its first line): the model code that usually causes it,
     read from torch's words (only the cause differs), and the step setting that runs it. ``frames``: the files of the

@@ -70,13 +70,14 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
                         f"{type(module).__name__}.")
     check_not_compiled(module, api="fzero.apply")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
-    if current_context().applied is not None:  # the first forward of a step's checks: before it runs the model
+    context = current_context()
+    if context.applied is not None:  # the first forward of a step's checks: before it runs the model
         check_not_fsdp(module, api="fzero.Step")
-    if current_context().stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
+    if context.stream is not None:  # a rank thread of a local_mesh of several ranks (fzero.mesh._rank)
         check_no_sync_batchnorm(module, api="fzero.apply")
         check_no_parametrize_cache(module, api="fzero.apply")
-        if current_context().frozen is not None:  # before the forward: what its frozen params hold (FrozenWrites)
-            current_context().frozen.note(module)
+        if context.frozen is not None:  # before the forward: what its frozen params hold (FrozenWrites)
+            context.frozen.note(module)
     dtype = current_compute_dtype()  # set by a step under a bf16/fp16 policy
     args, kwargs = cast_floating((args, kwargs), dtype)
     bank = current_buffers()
@@ -92,7 +93,6 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         forward = functools.partial(run_module, params, module, args, kwargs, method=method)  # its own per-rank skeleton
     else:
         forward = functools.partial(apply_dict, module, params, args, kwargs, method=method)
-    context = current_context()
     if context.stale is None:
         return forward()
     # the first step's check of what loss_fn reads off the module next (fzero.step._stale): a value the forward replaced

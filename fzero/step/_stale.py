@@ -33,7 +33,9 @@ in place (the copy's too: copies share tensors), one written into the user's mod
 closes over the module: ``self.captured[k] = out``; ``held_tensors`` says what it held before), and a read inside a
 forward. Not seen: a number (a Python ``float``) or an entry of a list or dict read off the module, and a tensor of a
 subclass (its own torch functions, which an alias would go around; a wrapper subclass, DTensor say, cannot be aliased:
-``_make_subclass`` raised, failing the first step of a module that only held one).
+``_make_subclass`` raised, failing the first step of a module that only held one), and a sparse or nested tensor
+(``torch.equal`` has no kernel for them: comparing one failed the first step of a module whose forward rebuilt one, a
+graph's normalized adjacency; only dense tensors are compared and aliased).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def _public(module: nn.Module, copies: dict[str, nn.Module] | None = None) -> li
     while stack:
         prefix, o = stack.pop()
         for k, v in o.__dict__.items():
-            if k[:1] != "_" and type(v) is torch.Tensor:  # not a subclass (see the module docstring), nor an alias
+            if k[:1] != "_" and type(v) is torch.Tensor and v.layout == torch.strided and not v.is_nested:
+                # dense, not a subclass (see the module docstring), nor an alias
                 out.append((prefix, o, k, v))
         for k, sub in o.__dict__["_modules"].items():
             path = f"{prefix}.{k}" if prefix else k
@@ -187,28 +190,7 @@ def _holds(now: Any, v: torch.Tensor, private: dict | None) -> bool:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``b`` holds ``a``'s values. A sparse tensor (no ``torch.equal`` kernel) is compared by its index and
-    value tensors, a nested one (no ``shape``) by its components: ``torch.equal`` on them raised out of ``fzero.apply``,
-    failing the first step of a module whose forward rebuilt one (a graph's normalized adjacency). Where torch cannot
-    compare them, they are not shown equal (a use after the forward is refused, as for any other replaced value)."""
-    if (a.dtype != b.dtype or a.device != b.device or a.layout != b.layout or a.is_nested != b.is_nested
-            or a.is_meta or b.is_meta):
+    """Whether ``b`` is a dense tensor holding dense ``a``'s values (a subclass, sparse or nested ``b``: not shown)."""
+    if type(b) is not torch.Tensor or b.is_nested or b.layout != torch.strided or b.is_meta or a.is_meta:
         return False
-    try:
-        if a.is_nested:
-            xs, ys = a.unbind(), b.unbind()
-            return len(xs) == len(ys) and all(_equal(x, y) for x, y in zip(xs, ys))
-        if a.shape != b.shape:
-            return False
-        if a.layout == torch.sparse_coo:
-            a, b = a.detach().coalesce(), b.detach().coalesce()
-            return torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
-        if a.layout in (torch.sparse_csr, torch.sparse_bsr):
-            return (torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
-                    and torch.equal(a.values(), b.values()))
-        if a.layout in (torch.sparse_csc, torch.sparse_bsc):
-            return (torch.equal(a.ccol_indices(), b.ccol_indices()) and torch.equal(a.row_indices(), b.row_indices())
-                    and torch.equal(a.values(), b.values()))
-        return bool(torch.equal(a, b))
-    except (RuntimeError, NotImplementedError):
-        return False
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
