@@ -558,7 +558,9 @@ def test_cuda_generators_are_saved_where_cuda_is_initialized_and_restored_where_
     prob = mlp_problem(steps=1)
     step = make_step(prob, stages=0, mesh=None)
     state = step.init(fzero.params_of(prob.model))
-    fzero.checkpoint.save(tmp_path / "none", state)  # CUDA never initialized here: nothing drawn there, nothing saved
+    with pytest.MonkeyPatch.context() as mp:  # CUDA never initialized (on a GPU machine an earlier test may have)
+        mp.setattr(torch.cuda, "is_initialized", lambda: False)
+        fzero.checkpoint.save(tmp_path / "none", state)  # nothing drawn there, nothing saved
     keys = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "none")).read_metadata().state_dict_metadata
     assert "rng_cuda/0" not in keys and {"rng/0", "rng_python/0", "rng_numpy/0"} <= set(keys)
     devices = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
@@ -574,6 +576,29 @@ def test_cuda_generators_are_saved_where_cuda_is_initialized_and_restored_where_
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # another machine: which device's state is whose?
     fzero.checkpoint.load(tmp_path / "ck", like=step)
     assert len(restored) == 1
+
+
+def test_like_step_rebuilds_the_params_on_the_device_they_computed_on(tmp_path, monkeypatch):
+    """The CPU twin of ``test_dropout_on_a_gpu_resumes_bitwise``'s load: ``like=step`` rebuilt the params on the host
+    whatever the checkpoint's device, so a CUDA model's first layer failed on a host param ("Expected all tensors to
+    be on the same device", seen on an H200). The save records where the params computed; a CUDA checkpoint goes to
+    this process's current CUDA device, a host one (or one saved before the record) to the host."""
+    from fzero.checkpoint._load import saved_device
+
+    prob = mlp_problem(steps=1)
+    step = make_step(prob, stages=2, mesh=fzero.local_mesh(2))
+    fzero.checkpoint.save(tmp_path / "ck", step.init(fzero.params_of(prob.model)))
+    assert json.loads((tmp_path / "ck" / "fzero.json").read_text())["device"] == "cpu"
+    loaded = fzero.checkpoint.load(tmp_path / "ck", like=step)
+    assert {t.device.type for s in loaded.states for t in s.params.values()} == {"cpu"}
+    assert all(s.meta.device.type == "cpu" for s in loaded.states)
+    assert saved_device({"device": "cpu"}) == torch.device("cpu")
+    assert saved_device({}) == torch.device("cpu")  # saved before the device was recorded: as before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert saved_device({"device": "cuda"}) == torch.device("cpu")  # a GPU run's checkpoint on a machine without one
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert saved_device({"device": "cuda"}) == torch.device("cuda", 1)  # torchrun's rank 1: its own device
 
 
 @pytest.mark.gpu

@@ -344,12 +344,17 @@ def from_deepspeed(path: str | os.PathLike, like: Any, *, tag: str | None = None
     ``model``: the module the step runs, to put the checkpoint's frozen parameters (``requires_grad=False``, which
     DeepSpeed saves with the module and fzero reads from the module) into, by name, strict. A checkpoint that holds
     frozen parameters is refused without it: the run would resume on whatever values the module was built with.
+    With ``like=step`` the params are rebuilt on the kind of device ``model`` is on (a CUDA model: this process's
+    current CUDA device); without ``model``, on the host (DeepSpeed's checkpoint does not say where it ran): pass
+    ``like=step.init(params)`` to choose.
     """
     folder = find_tag_folder(path, tag)
     ds = DeepSpeedCheckpoint(folder)
     _load_frozen(ds, model, folder)
     info = {"params_tree": "dict", "params": [{"name": n, "shape": list(s)} for n, s in ds.shapes.items()],
             "packing_order": list(ds.shapes), "master": True}
+    if model is not None:  # like=step rebuilds the params where the model computes (DeepSpeed does not record it)
+        info["device"] = next((t.device.type for t in [*model.parameters(), *model.buffers()] if not t.is_meta), "cpu")
     target = _target(like, info, folder, API)
     states, _distributed = held(target, API)
     buffers = ds.buffers()

@@ -27,7 +27,8 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
 
     ``like``: the ``Step`` to resume with (its stage, mesh, precision and optimizer; the params pytree is
     rebuilt from the saved names and shapes, which needs a flat dict of names such as ``fzero.params_of``
-    gives), or a state from that step's ``init`` (any params pytree; only its structure is used, and the
+    gives, on the kind of device the params computed on at the save: a CUDA checkpoint on this process's current
+    CUDA device where it has one, else on the host), or a state from that step's ``init`` (any params pytree; only its structure is used, and the
     checkpoint must hold exactly its parameters: pass ``step.init(fzero.params_of(model))`` to have a
     checkpoint checked against a model). Any stage and world size load any other. Under torchrun every rank calls
     it. ``read_extra`` gives ``extra``.
@@ -161,7 +162,8 @@ def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState 
             )
         shapes = {p["name"]: p["shape"] for p in info["params"]}
         order = info.get("packing_order") or list(shapes)  # units are packed in the dict's order: rebuild it as saved
-        params = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in order}
+        device = saved_device(info)
+        params = {n: torch.zeros(shapes[n], dtype=torch.float32, device=device) for n in order}
         return like.init(params)
     if isinstance(like, (TrainState, RankStates)):
         first = like.states[0] if isinstance(like, RankStates) else like
@@ -172,6 +174,18 @@ def _target(like: Any, info: dict[str, Any], path: str, api: str) -> TrainState 
         # optimizer=False); zeros there were a loss scale of 0, which zeroes every gradient for good
         return _tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, like)
     raise TypeError(f"{api}: like must be the Step to resume with, or a TrainState/RankStates from its init; got {type(like).__name__}.")
+
+
+def saved_device(info: dict[str, Any]) -> torch.device:
+    """Where ``load(like=step)`` puts the params: on the kind of device they computed on at the save, as ``torch.load``
+    puts tensors back where they were; a CUDA save on this process's current CUDA device (each torchrun rank its
+    own). On the host where this process has no CUDA (a GPU run's checkpoint evaluated on a laptop), and for
+    checkpoints saved before the device was recorded. Why: the step computes where its params are, so params
+    rebuilt on the host beside a model on the GPU failed in the model's first layer ("Expected all tensors to be on
+    the same device"), naming neither the checkpoint nor the fix."""
+    if info.get("device") == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _with_buffers(state: Any, info: dict[str, Any]) -> Any:

@@ -185,6 +185,7 @@ def describe(state: TrainState, e: Entries) -> dict[str, Any]:
                     for k, t in e.tensors.items() if k.startswith("buffers/")],
         "stage": state.meta.stage,
         "world_size": state.meta.world_size,
+        "device": state.meta.device.type,  # where the params computed: load(like=step) rebuilds them there
         "gather_order": list(state.meta.gather_order),
     }
 
