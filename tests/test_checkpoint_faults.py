@@ -825,8 +825,14 @@ def test_a_rank_killed_while_writing_its_data_is_named_by_the_others_save(tmp_pa
     proc, seconds, files = dist_fault(tmp_path, "save-killed")
     assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
     error = _error(files, 0, proc)
-    assert error.startswith("RankFailed: fzero.checkpoint.save: fzero.dist_mesh: rank 1 vanished: its process (pid "), error
-    assert "torch.distributed.checkpoint's own collectives, writing " in error, error
+    # torchrun SIGTERMs rank 0 once rank 1 is gone; when that comes first, its handler raises the same finding as
+    # RankStopped, from wherever rank 0 then was (seen once beside other jobs on the 2-core machine)
+    assert re.match(r"(RankFailed: fzero\.checkpoint\.save: |RankStopped: )fzero\.dist_mesh: rank 1 vanished: its process "
+                    r"\(pid ", error), error
+    if error.startswith("RankFailed"):
+        assert "torch.distributed.checkpoint's own collectives, writing " in error, error
+    else:
+        assert "of fzero.checkpoint.save" in error and "[stopped by SIGTERM]" in error, error
     assert files["rank0"]["time"] - files["fault"]["time"] < 10
     assert fzero.checkpoint.latest(str(tmp_path / "ck")).endswith("step_00000002")
     fzero.checkpoint.verify(str(tmp_path / "ck"))

@@ -75,7 +75,9 @@ def _gpt():
 
 def _assert_steps_leave_no_garbage(step, state, batch, name):
     """After a first step (its one-time work: checks, compiled kernels), two steps and an evaluate leave nothing to the
-    cyclic collector."""
+    cyclic collector, twice over: what both rounds leave is the step's. Why twice: an earlier test's object that
+    becomes garbage while a round runs (its thread ending late, seen once on a 16-core GPU machine under xdist: a
+    failed stage-3 step's frames) is left in one round only, where a cycle the step makes is left in every round."""
     state, _ = step(state, batch)
     box = {"state": state}
 
@@ -84,8 +86,9 @@ def _assert_steps_leave_no_garbage(step, state, batch, name):
             box["state"], _ = step(box["state"], batch)
         step.evaluate(box["state"], batch)
 
-    count, held = _garbage_of(run)
-    assert not held, f"{name}: {count} objects were left to the cyclic collector, among them {held}"
+    (count, held), (again, held_again) = _garbage_of(run), _garbage_of(run)
+    both = sorted(set(held) & set(held_again))
+    assert not both, f"{name}: {count} and {again} objects were left to the cyclic collector, among them {both} both times"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -165,7 +165,10 @@ def test_stage_3_units_are_the_decoder_layers_under_peft_s_prefix():
 def _checkpointed_lora(kwargs):
     def build():
         base = llama()
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # (gradient_checkpointing_enable)
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers 5.2x's name
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # earlier releases (5.17 on the GPU machine)
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     return build
 
