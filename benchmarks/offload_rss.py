@@ -23,8 +23,10 @@ host's alone (ZeRO-Offload's arithmetic: 16 bytes per parameter).
 ``--phases`` (with ``--one-process``) also reads the host's resident memory at the points of each step where
 offload's host buffers change, by wrapping the functions that run there (nothing in fzero is changed): when the
 gradient is done (``finish`` starts), after each unit's gradient is copied into its host buffer
-(``CPUOffload.apply``), after the optimizer (``apply_update``), and when the step returns; each as B/param above the
-base, current and peak since the step began. On a GPU, a phase that grows by more than its arithmetic (4 B/param
+(``CPUOffload.apply``), after the optimizer's kernel (``apply_inplace``), after the params follow the masters
+(``apply_update``), and when the step returns; each as B/param above the base, current and peak since the step
+began, with the resident set's anonymous and shared (page-locked) parts, and a row when the optimizer took its pure
+path instead of torch's fused kernel. On a GPU, a phase that grows by more than its arithmetic (4 B/param
 for the gradient's host copy, 0 for the update) names where the host holds more than ZeRO-Offload's 16 B/param::
 
     python benchmarks/offload_rss.py --one-process --device cuda --layers 20 --width 2048 --heads 16 --seq 512 \
@@ -37,6 +39,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -163,15 +166,20 @@ def one_process(args: argparse.Namespace) -> dict:
         watch_phases(rows, base, psi)
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
+        if args.phases:  # each step's rows peak since that step began (the first step's one-time buffers apart)
+            reset_hwm()
         t0 = time.perf_counter()
         state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
         times.append(time.perf_counter() - t0)  # the metrics are host numbers: the step has finished on the device
         peaks.append(vm_hwm() - base)
         print(f"step: {times[-1]:.1f} s, peak {peaks[-1] / psi:.2f} B/param", file=sys.stderr, flush=True)
         if args.phases:
-            rows.append({"phase": "step returned", "rss": (vm_rss() - base) / psi, "peak": peaks[-1] / psi})
+            rows.append({"phase": "step returned", "rss": (vm_rss() - base) / psi, "peak": peaks[-1] / psi,
+                         "sampled": float("nan"), **rss_kinds(psi)})
             for row in rows:
-                print(f"  {row['phase']:<34} rss {row['rss']:6.2f}  peak {row['peak']:6.2f} B/param", file=sys.stderr, flush=True)
+                print(f"  {row['phase']:<40} rss {row['rss']:6.2f}  peak {row['peak']:6.2f}  "
+                      f"sampled since the row before {row['sampled']:6.2f}  anon {row['anon']:6.2f}  "
+                      f"shmem {row['shmem']:6.2f} B/param", file=sys.stderr, flush=True)
             phases.append(list(rows))
             rows.clear()
     out = {"params": psi, "device": args.device, "offload": args.offload, "precision": args.precision, "remat": args.remat,
@@ -187,18 +195,47 @@ def one_process(args: argparse.Namespace) -> dict:
     return out
 
 
+def rss_kinds(psi: int) -> dict[str, float]:
+    """The resident set by kind, B/param (absolute, not above the base): anonymous memory (the heap, torch's host
+    tensors) and shared memory (fzero's page-locked buffers are shared anonymous mappings, ``fzero.zero._pinned``)."""
+    got = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            for key, name in (("RssAnon:", "anon"), ("RssShmem:", "shmem")):
+                if line.startswith(key):
+                    got[name] = int(line.split()[1]) * 1024 / psi
+    return got
+
+
 def watch_phases(rows: list[dict], base: int, psi: int) -> None:
     """Wrap the functions that run where offload's host memory changes, so that each appends to ``rows`` the host's
     resident memory (current, and the peak since the step began) in B/param above ``base``. Benchmark-only: the
     wrappers replace module attributes of this process, and change no number of the step."""
+    from fzero import optim
+    import fzero.optim._fused as fused
     import fzero.step as step_pkg
     import fzero.step._step as step_mod
     import fzero.zero._policies as policies
 
+    # VmHWM moves only when the kernel updates it (at an unmap, say), so a peak freed otherwise (glibc's trim uses
+    # madvise) can show in a later phase than its own: a sampler thread reads VmRSS every millisecond instead, and
+    # each row's "sampled" is the highest it saw since the row before (torch's ops release the GIL, so it runs)
+    sampled = {"max": 0}
+
+    def sample() -> None:
+        while True:
+            sampled["max"] = max(sampled["max"], vm_rss())
+            time.sleep(0.001)
+
+    threading.Thread(target=sample, name="rss-sampler", daemon=True).start()
+
     def note(phase: str) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        rows.append({"phase": phase, "rss": (vm_rss() - base) / psi, "peak": (vm_hwm() - base) / psi})
+        now = vm_rss()
+        high, sampled["max"] = max(sampled["max"], now), now
+        rows.append({"phase": phase, "rss": (now - base) / psi, "peak": (vm_hwm() - base) / psi,
+                     "sampled": (high - base) / psi, **rss_kinds(psi)})
 
     def wrap(owner: Any, name: str, before: str | None, after: str | None) -> None:
         fn = getattr(owner, name)
@@ -215,7 +252,18 @@ def watch_phases(rows: list[dict], base: int, psi: int) -> None:
 
     wrap(step_mod, "finish", "gradient done (finish starts)", None)
     wrap(policies, "_host_params", None, "host copies made (_host_params)")
-    wrap(step_pkg, "apply_update", None, "optimizer done (apply_update)")
+    wrap(optim, "apply_inplace", None, "optimizer's kernel done (apply_inplace)")
+    wrap(step_pkg, "apply_update", None, "params follow the masters (apply_update)")
+    kernel_groups = fused._kernel_groups
+
+    def groups(*lists: Any) -> Any:  # None: the update took the pure path (whole-size temporaries), not torch's kernel
+        out = kernel_groups(*lists)
+        if out is None:
+            rows.append({"phase": "optimizer: pure update path, not the fused kernel", "rss": 0.0, "peak": 0.0,
+                         "sampled": 0.0, "anon": 0.0, "shmem": 0.0})
+        return out
+
+    fused._kernel_groups = groups
 
 
 if __name__ == "__main__":
