@@ -601,6 +601,50 @@ def test_like_step_rebuilds_the_params_on_the_device_they_computed_on(tmp_path, 
     assert saved_device({"device": "cuda"}) == torch.device("cuda", 1)  # torchrun's rank 1: its own device
 
 
+def test_buffers_a_checkpoint_adds_to_a_state_are_made_on_its_compute_device():
+    """``like=step`` starts from a state without buffers (a step adopts the module's at its first), so every buffer
+    the checkpoint holds is made to be read into: on the device the state computes on, where the module's own
+    buffers are (made on the host, a CUDA model's BatchNorm would meet host running statistics). The device is
+    stood in for by ``meta`` here: on the CPU every device is the host."""
+    import dataclasses
+
+    from fzero.checkpoint._state import with_saved_buffers
+
+    prob = mlp_problem(steps=1)
+    state = make_step(prob, stages=0, mesh=None).init(fzero.params_of(prob.model))
+    elsewhere = dataclasses.replace(state, meta=dataclasses.replace(state.meta, device=torch.device("meta")))
+    info = {"buffers": [{"name": "bn.running_mean", "shape": [4], "dtype": "float32"}]}
+    assert with_saved_buffers(elsewhere, info).buffers["bn.running_mean"].device.type == "meta"
+    assert with_saved_buffers(state, info).buffers["bn.running_mean"].device.type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twins of this test always run)")
+def test_a_batchnorm_model_saved_on_a_gpu_resumes_there_from_like_step(tmp_path):
+    """Params and buffers of ``load(like=step)`` on the GPU the run was on: the straight run, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).cuda()
+    batches = [{"x": torch.randn(8, 8, device="cuda"), "y": torch.randn(8, 2, device="cuda")} for _ in range(4)]
+
+    def loss_fn(params, b):
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    def make():
+        return fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=3)
+
+    step = make()
+    state, _ = train(step, step.init(fzero.params_of(model)), batches[:2])
+    fzero.checkpoint.save(tmp_path / "ck", state)
+    state, straight = train(step, state, batches[2:])
+    again = make()
+    loaded = fzero.checkpoint.load(tmp_path / "ck", like=again)
+    assert {t.device.type for t in loaded.buffers.values()} == {"cuda"}
+    resumed, losses = train(again, loaded, batches[2:])
+    assert [float(x) for x in losses] == [float(x) for x in straight]
+    assert_trees_equal(again.gather(resumed), step.gather(state))
+    assert_trees_equal(resumed.buffers, state.buffers)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twin of this test always runs)")
 def test_dropout_on_a_gpu_resumes_bitwise(tmp_path):

@@ -191,9 +191,12 @@ def describe(state: TrainState, e: Entries) -> dict[str, Any]:
 
 
 def with_saved_buffers(state: TrainState, info: dict[str, Any]) -> TrainState:
-    """``state`` with a tensor (to be read into) for every buffer the checkpoint holds and the state lacks."""
-    missing = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in info.get("buffers", ())
-               if b["name"] not in state.buffers}
+    """``state`` with a tensor (to be read into) for every buffer the checkpoint holds and the state lacks, on the device
+    the state's params compute on, where the module's own buffers are (on the host, a CUDA model's BatchNorm met
+    host running statistics at its first step)."""
+    device = state.meta.device if state.meta is not None else torch.device("cpu")
+    missing = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]), device=device)
+               for b in info.get("buffers", ()) if b["name"] not in state.buffers}
     return dataclasses.replace(state, buffers={**state.buffers, **missing}) if missing else state
 
 
