@@ -101,6 +101,33 @@ def test_a_meta_batch_at_stage_3_is_named_as_the_batch():
     assert "a unit's params are meta tensors" not in str(info.value)
 
 
+@pytest.mark.parametrize("stages", [0, 1, 2])
+def test_a_meta_batch_is_named_as_the_batch_at_every_stage(stages):
+    """Stages 0-1 ran into torch's bare "Tensor on device cpu is not on the expected device meta!" (stages 2-3 named it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).sum(), stages=stages, mesh=fzero.local_mesh(1))
+    with pytest.raises(RuntimeError, match=r"(?s)on meta\}.*The batch holds meta tensors"):
+        step(step.init(fzero.params_of(model)), torch.empty(4, 4, device="meta"))
+
+
+def test_two_devices_in_loss_fn_are_named_with_the_state_s_device_and_the_fix():
+    """torch's "Expected all tensors to be on the same device" from inside the model (a state made from params on the
+    host, batches on the GPU; seen on an H200 after a checkpoint load) says where the step computes and how to put
+    the model, the state and the batch on one device. The message itself is checked here (on the CPU every device is
+    the host); ``test_devices.py`` runs the case on a GPU."""
+    from fzero.step._hints import loss_fn_failure
+
+    error = RuntimeError("Expected all tensors to be on the same device, but got mat1 is on cuda:0, different from other "
+                         "tensors on cpu (when checking argument in method wrapper_CUDA_addmm)")
+    message = loss_fn_failure(error, {"x": torch.zeros(2, 3)}, params={"w": torch.zeros(2)})
+    assert "The step computes where the state's params are (cpu)" in message
+    assert "model.to(device), then fzero.params_of(model) and step.init" in message and "fzero.checkpoint.load" in message
+    assert "The batch (on cpu)" in message
+    other = loss_fn_failure(RuntimeError("Tensor on device cpu is not on the expected device cuda:0!"), None,
+                            params={"w": torch.empty(2, device="meta")})  # stages 2-3: stand-ins, not named
+    assert "The step computes where the state's params are:" in other
+
+
 def test_an_integer_loss_is_told_to_be_floating_point():
     model = torch.nn.Linear(4, 1)
     step = fzero.compile(lambda p, b: (fzero.apply(model, p, b).sum() > 0).long(), stages=0)

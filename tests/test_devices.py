@@ -243,3 +243,20 @@ def test_materialize_must_make_values_where_the_other_params_are():
     step = fzero.compile(prob.loss_fn, stages=3, mesh=fzero.local_mesh(2))
     with pytest.raises(ValueError, match=r"returned shape .* on meta; it must return the parameter's initial value, a tensor on cpu"):
         step.init(mixed, materialize=lambda path, meta: torch.empty_like(meta))
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_state_made_on_the_host_with_batches_on_the_gpu_is_named_with_the_fix(stages):
+    """``step.init(fzero.params_of(model))`` before ``model.cuda()``: the state computes on the host, the batches are on
+    the GPU; torch's "Expected all tensors to be on the same device" comes with where the step computes and the fix
+    (the CPU test of the message: ``test_batches.py::test_two_devices_in_loss_fn_are_named_...``)."""
+    prob = PROBLEMS["mlp"](steps=1)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(LR), stages=stages)
+    state = step.init(fzero.params_of(prob.model))
+    prob.model.cuda()
+    batch = {k: v.cuda() for k, v in prob.batches[0].items()}
+    with pytest.raises(RuntimeError, match=r"(?s)Two devices met in one op\. The step computes where the state's params "
+                                           r"are.*model\.to\(device\), then fzero\.params_of\(model\).*The batch \(on cuda:0\)"):
+        step(state, batch)

@@ -443,7 +443,7 @@ class LossFnInContext:
         except _PLAIN_ERRORS as e:
             if type(e) not in _PLAIN_ERRORS or str(e).startswith("fzero"):
                 raise
-            raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units)) from e
+            raise type(e)(loss_fn_failure(e, batch, split=self.split, units=self.units, params=params)) from e
 
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,

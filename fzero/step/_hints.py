@@ -31,6 +31,16 @@ DTYPE_MISMATCH = (
     "there. A module cast after step.init (model.half(), model.double(), model.to(dtype)) does not change the state, "
     "so its params are still the old dtype: make a state from the cast model (step.init(fzero.params_of(model))), or "
     "leave the model as it was and train in low precision with compile(precision='bf16' or 'fp16').")
+# torch's messages for operands on two devices ("Expected all tensors to be on the same device, but got mat1 is on
+# cuda:0, different from other tensors on cpu", "Tensor on device cpu is not on the expected device cuda:0!")
+_DEVICES = re.compile(r"same device|is not on the expected device|found at least two devices")
+DEVICE_MISMATCH = (
+    "  Two devices met in one op. The step computes where the state's params are{params}: where the params given to "
+    "step.init were (so move the model first: model.to(device), then fzero.params_of(model) and step.init), or where "
+    "fzero.checkpoint.load put them (like=step: the device the checkpoint's run computed on; like=step.init(params): "
+    "those params'). The batch{batch} and the module's own tensors (frozen params, buffers) must be on that device "
+    "too: pass batches there ({{k: v.to(device) for k, v in batch.items()}})."
+)
 _META = re.compile(r"\bmeta\b")  # "Tensor on device meta is not on the expected device", "... meta tensor(s)"
 UNIT_OUTSIDE_ITS_CALL = (
     "  A meta tensor (a shape without a value) was used. At stages 2-3 a unit's params are meta tensors except while "
@@ -70,9 +80,11 @@ MODULE_ATTRIBUTE_IN_A_STEP = (
 )
 
 
-def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False) -> str:
+def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, units: bool = False, params: Any = None) -> str:
     """The message for ``error`` raised by ``loss_fn(params, batch)``: the original first, then the batch, then a hint.
-    ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name."""
+    ``units``: the step runs units (stages 2-3), where a meta tensor in the error has a cause fzero can name.
+    ``params``: what loss_fn was given, whose devices a device mismatch names (stages 0-1: the state's own tensors;
+    stages 2-3: stand-ins, not named)."""
     original = repr(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     which = "this rank's share of the batch" if split else "the batch"
     lines = [f"fzero.Step: loss_fn(params, batch) raised {type(error).__name__}: {original}",
@@ -90,9 +102,11 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
         lines.append(f"  The batch has keys {sorted(map(str, batch))[:8]}.")
     elif _DTYPES.search(str(error)):
         lines.append(DTYPE_MISMATCH)
-    elif units and _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
+    elif _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
         lines.append("  The batch holds meta tensors (shapes without values): pass a batch with values, on the device "
                      "the model runs on.")
+    elif _DEVICES.search(str(error)):
+        lines.append(DEVICE_MISMATCH.format(params=_devices_of(params, " ({})"), batch=_devices_of(batch, " (on {})")))
     elif units and _META.search(str(error)):
         lines.append(UNIT_OUTSIDE_ITS_CALL)
     elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
@@ -104,6 +118,13 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
     if isinstance(error, KeyError):  # KeyError shows its message as a repr: one line reads better
         return " ".join(line.strip() for line in lines)
     return "\n".join(lines)
+
+
+def _devices_of(tree: Any, form: str) -> str:
+    """``form`` with the devices of ``tree``'s tensors that hold values (meta stand-ins are not where anything runs);
+    empty when there are none."""
+    found = sorted({str(x.device) for _, x in _tensor_leaves(tree) if not x.is_meta})
+    return form.format(" and ".join(found)) if found else ""
 
 
 def _tensor_leaves(batch: Any) -> list[tuple[str, torch.Tensor]]:
