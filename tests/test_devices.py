@@ -260,3 +260,96 @@ def test_a_state_made_on_the_host_with_batches_on_the_gpu_is_named_with_the_fix(
     with pytest.raises(RuntimeError, match=r"(?s)Two devices met in one op\. The step computes where the state's params "
                                            r"are.*model\.to\(device\), then fzero\.params_of\(model\).*The batch \(on cuda:0\)"):
         step(state, batch)
+
+
+# -- host flags reduced over a group of NCCL alone -------------------------------------------------------
+
+
+class _Seen(Exception):
+    """Raised by ``_FlagComm`` once it has recorded where the flag it was given lives."""
+
+
+class _FlagComm:
+    """A comm of a torch.distributed group that records the device of the one tensor it is asked to all-reduce."""
+
+    rank, size, group = 0, 2, "group"
+
+    def __init__(self) -> None:
+        self.devices: list[torch.device] = []
+
+    def all_reduce(self, t, *, tag, label=None):
+        self.devices.append(t.device)
+        raise _Seen
+
+
+def test_a_flag_goes_to_the_device_where_the_group_has_no_gloo(monkeypatch):
+    """``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()``: NCCL alone takes no host tensor, so the flags
+    the host makes and reads back (did a rank fail in save?) are reduced on this process's GPU; beside gloo on the host."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from fzero.mesh import flag_device
+
+    backend = {"now": "nccl"}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["now"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    comm = SimpleNamespace(group="group")
+    assert flag_device(comm) == torch.device("cuda", 1)
+    backend["now"] = "cpu:gloo,cuda:nccl"
+    assert flag_device(comm) == torch.device("cpu")
+    backend["now"] = "gloo"
+    assert flag_device(comm) == torch.device("cpu")
+    assert flag_device(SimpleNamespace()) == torch.device("cpu")  # a local mesh's comm: no group
+
+
+def test_the_flags_of_save_save_weights_and_the_step_go_where_flag_device_says(monkeypatch):
+    """``Ranks.any`` (every ``checkpoint.save`` under torchrun), ``save_weights``' verdict and the step's "a rank used
+    no param" exchange made their flags on the host whatever the group: under NCCL alone torch's bare "No backend type
+    associated with device type cpu". Meta stands in for the GPU ``flag_device`` names there."""
+    import fzero.mesh
+    import fzero.step._update as update
+    from fzero.checkpoint._collective import Ranks
+    from fzero.checkpoint._weights import _agree
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(fzero.mesh, "flag_device", lambda comm: meta, raising=False)
+    monkeypatch.setattr(update, "flag_device", lambda comm: meta, raising=False)
+    ranks = Ranks("x", False)
+    ranks.comm = _FlagComm()
+    with pytest.raises(_Seen):
+        ranks.any(True, "what")
+    comm = _FlagComm()
+    with pytest.raises(_Seen):
+        _agree(None, comm, "x")
+    used = torch.tensor([1.0 - update.EMPTY_FLAG])  # one rank of two used no param
+    step_comm = _FlagComm()
+    with pytest.raises(_Seen):
+        update._check_every_rank_used(step_comm, used, torch.zeros(1), 1)
+    assert ranks.comm.devices == comm.devices == step_comm.devices == [meta]
+
+
+@pytest.mark.gpu
+@CUDA
+def test_save_s_flag_is_reduced_over_a_group_of_nccl_alone(tmp_path):
+    """The CPU twin: ``test_the_flags_of_save_save_weights_and_the_step_go_where_flag_device_says``. A one-process NCCL
+    group (no gloo beside it), as ``dist.init_process_group("nccl")`` makes under torchrun: save's flag is reduced."""
+    import torch.distributed as dist
+
+    from fzero.checkpoint._collective import Ranks
+    from fzero.checkpoint._weights import _agree
+    from fzero.mesh import DistComm
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = DistComm(0, 1, dist.group.WORLD, None, None, collectives="native")
+        ranks = Ranks("x", False)
+        ranks.comm = comm
+        assert ranks.any(True, "what") is True and ranks.any(False, "what") is False
+        _agree(None, comm, "x")  # no error: rank 0 wrote
+    finally:
+        dist.destroy_process_group()

@@ -39,6 +39,21 @@ CALLS_FIX = ("Under fzero.dist_mesh every rank makes the same fzero calls in the
              "the same number of steps on every rank.")
 
 
+def flag_device(comm: Any) -> torch.device:
+    """Where a small tensor the host makes and reads back (a flag, a count: "did any rank fail?") goes to be reduced
+    over ``comm``'s ranks: the host, except on a torch.distributed group without gloo, where this process's CUDA
+    device. Why: NCCL alone (``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()``, or Lightning's
+    ``process_group_backend="nccl"``) takes CUDA tensors only, and a host flag failed there with torch's bare "No
+    backend type associated with device type cpu" (every ``fzero.checkpoint.save`` under torchrun). A local mesh's
+    comm (no ``group``) sums any tensor: the host."""
+    group = getattr(comm, "group", None)
+    if group is None or not (dist.is_available() and dist.is_initialized()) or "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():  # a backend of neither gloo nor CUDA (mpi, a custom one): as before
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class DistComm(Recording):
     def __init__(self, rank: int, size: int, group, counter: Counter | None, board: Board | None = None, *,
                  collectives: str = "auto") -> None:
