@@ -646,6 +646,31 @@ def test_a_batchnorm_model_saved_on_a_gpu_resumes_there_from_like_step(tmp_path)
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (its CPU counterpart: test_consolidate_loads_strictly_...)")
+def test_consolidate_of_a_gpu_model_writes_every_tensor_on_the_host(tmp_path):
+    """``consolidate(..., model=model)`` of a CUDA model: the frozen params the checkpoint lacks come from the model,
+    on the host as the saved ones (they were CUDA tensors in the file, which then failed to load without CUDA). No CPU
+    twin shows the device: on the CPU every tensor is on the host anyway."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).cuda()
+    model[0].requires_grad_(False)
+    batch = {"x": torch.randn(8, 4, device="cuda"), "y": torch.randn(8, 2, device="cuda")}
+
+    def loss_fn(params, b):
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=0)
+    state, _ = train(step, step.init(fzero.params_of(model)), [batch])
+    fzero.checkpoint.save(tmp_path / "ck", state)
+    out = fzero.checkpoint.consolidate(tmp_path / "ck", tmp_path / "model.pt", model=model)
+    loaded = torch.load(out, weights_only=True)
+    assert sorted(loaded) == sorted(model.state_dict())
+    assert {k: v.device.type for k, v in loaded.items()} == {k: "cpu" for k in loaded}
+    assert torch.equal(loaded["0.weight"], model[0].weight.cpu())
+    assert torch.equal(loaded["1.weight"], step.gather(state)["1.weight"].cpu())
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twin of this test always runs)")
 def test_dropout_on_a_gpu_resumes_bitwise(tmp_path):
     """Dropout on a CUDA model draws from the device's generator: saved mid-way and resumed after a reseed, the run

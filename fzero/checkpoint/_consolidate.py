@@ -188,7 +188,10 @@ def _as_model_state_dict(tensors: dict[str, torch.Tensor], model: torch.nn.Modul
     used, out = set(), {}
     for n, t in model.state_dict(keep_vars=True).items():
         name = n if n in tensors else saved_as.get(id(t))
-        value = t.detach().clone() if name is None else tensors[name]
+        # what the checkpoint lacks, from the model, on the host as the checkpoint's own tensors are (and as the
+        # safetensors export writes it): a CUDA model's frozen params were written as CUDA tensors, beside host ones,
+        # and torch.load of the file failed on a machine without CUDA
+        value = t.detach().to("cpu", copy=True) if name is None else tensors[name]
         if name is not None:
             used.add(name)
             if tuple(value.shape) != tuple(t.shape):
