@@ -380,6 +380,47 @@ def test_frozen_params_saved_with_the_model_resume_in_a_fresh_one(tmp_path):
         fzero.checkpoint.load(ck, like=step, model=unfrozen)
 
 
+def test_frozen_params_loaded_into_a_module_of_meta_tensors_go_where_the_state_computes(tmp_path):
+    """A module with no real tensor (built on meta, its trained params donated to the state): load(model=) makes its
+    frozen params on the state's device, not the host (a CUDA state's forward met host frozen params). Meta stands in
+    for the GPU: the state's compute device (``state.meta.device``) says meta."""
+    import dataclasses
+
+    build, compile_for, ck, state, model, _ = _frozen_embedding_run(tmp_path, save_model=True)
+    with torch.device("meta"):
+        emptied = build()
+    emptied[0].weight.requires_grad_(False)
+    step = compile_for(model)
+    like = step.init(fzero.params_of(model))
+    elsewhere = type(like)(tuple(dataclasses.replace(s, meta=dataclasses.replace(s.meta, device=torch.device("meta")))
+                                 for s in like.states))
+    fzero.checkpoint.load(ck, like=elsewhere, model=emptied)
+    assert emptied[0].weight.device.type == "meta" and not emptied[0].weight.requires_grad
+    host = build()  # a module with real tensors: its frozen params stay on its device, whatever the state's
+    host[0].weight.requires_grad_(False)
+    fzero.checkpoint.load(ck, like=elsewhere, model=host)
+    assert host[0].weight.device.type == "cpu" and torch.equal(host[0].weight, model[0].weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twin of this test always runs)")
+def test_frozen_params_loaded_into_a_module_of_meta_tensors_train_on_with_a_gpu_state(tmp_path):
+    """The GPU case of ``test_frozen_params_loaded_into_a_module_of_meta_tensors_go_where_the_state_computes``: a
+    module built on meta takes the checkpoint's frozen embedding on the GPU its state is on, and the run goes on."""
+    build, compile_for, ck, state, model, rest = _frozen_embedding_run(tmp_path, save_model=True)
+    with torch.device("meta"):
+        emptied = build()
+    emptied[0].weight.requires_grad_(False)
+    step = compile_for(emptied)
+    resumed = fzero.checkpoint.load(ck, like=step.init({k: v.cuda() for k, v in fzero.params_of(model).items()}), model=emptied)
+    assert emptied[0].weight.device.type == "cuda" and torch.equal(emptied[0].weight.cpu(), model[0].weight)
+    straight = compile_for(model)
+    for b in rest:
+        resumed, _ = step(resumed, b.cuda())
+        state, _ = straight(state, b)
+    assert_trees_close({k: v.cpu() for k, v in step.gather(resumed).items()}, straight.gather(state), rtol=1e-4, atol=1e-5)
+
+
 def test_a_checkpoint_saved_without_the_model_is_not_loaded_into_a_model_with_frozen_params(tmp_path):
     build, compile_for, ck, _, model, _ = _frozen_embedding_run(tmp_path, save_model=False)
     with pytest.raises(CheckpointError, match=r"saved without model=, so it holds none of the frozen parameters of "

@@ -70,11 +70,12 @@ def _host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list[_dcp.Dest]], None], *, api: str,
-              held: Any = ()) -> dict[str, torch.Tensor]:
+              held: Any = (), device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's frozen parameters into ``model``'s, by name, strict: the same names, shapes, and frozen; returns
     them by name. ``read(dests)`` reads the checkpoint's tensors into the given views. ``held``: the names the state
     holds sharded (``step.init(..., frozen=...)``): a meta one in the module (``fzero.free_frozen``) gets its value in
-    the state alone (``into_state``)."""
+    the state alone (``into_state``). ``device``: where the state computes, for meta ones of a module with no real
+    tensor to say where it runs."""
     saved = info.get("frozen")
     if model is None:
         if saved:
@@ -116,7 +117,9 @@ def load_into(model: Any, found: str, info: dict[str, Any], read: Callable[[list
                 have[n].copy_(t)
     # a meta one (``fzero.free_frozen``, or a model built on meta) becomes a parameter of the checkpoint's value, unless
     # the state holds it sharded (``held``: it gets the value there, ``into_state``, and the module stays emptied)
-    device = module_device(model) or torch.device("cpu")
+    # on the module's device; in a module of meta tensors alone, where the state computes (on the host, a CUDA state's
+    # forward met host frozen params: "Expected all tensors to be on the same device")
+    device = module_device(model) or device or torch.device("cpu")
     replace_params(model, {n: t.to(device) for n, t in values.items() if have[n].is_meta and n not in held})
     return values
 

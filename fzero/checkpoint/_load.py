@@ -65,7 +65,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     metadata = _dcp.read_metadata(found)
     sharded = _frozen.held_names(like) if isinstance(like, (TrainState, RankStates)) else []
     frozen = _frozen.load_into(model, found, info, lambda todo: _dcp.load(found, metadata, todo, check=manifest.check), api=api,
-                               held=sharded)
+                               held=sharded, device=_compute_device(like, info))
     made_by = _step_of(like)  # before _target copies a state: the copy is no step's
     target = _with_buffers(_target(like, info, found, api), info)
     if sharded and frozen:  # the state holds the frozen params sharded: the checkpoint's values go there too
@@ -186,6 +186,15 @@ def saved_device(info: dict[str, Any]) -> torch.device:
     if info.get("device") == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _compute_device(like: Any, info: dict[str, Any]) -> torch.device | None:
+    """Where the loaded state computes: ``like``'s device (a state), or where ``like=step`` rebuilds the params."""
+    if isinstance(like, Step):
+        return saved_device(info)
+    first = like.states[0] if isinstance(like, RankStates) else like
+    meta = getattr(first, "meta", None)
+    return meta.device if meta is not None else None
 
 
 def _with_buffers(state: Any, info: dict[str, Any]) -> Any:
