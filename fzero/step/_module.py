@@ -89,6 +89,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if bank is None and isinstance(params, Mapping):  # outside a step: the module's own buffers are read
         check_buffers_current(module, params)
     run_module = getattr(type(params), "run_module", None)
+    if context.ran is not None:  # a train step: a module run with its params is now behind the state (RanModules)
+        context.ran.note(module, params, units=run_module is not None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         forward = functools.partial(run_module, params, module, args, kwargs, method=method)  # its own per-rank skeleton
     else:
@@ -159,6 +161,78 @@ def note_trained_buffers(modules: Any, buffers: Mapping[str, torch.Tensor]) -> N
                 _trained[module] = held
             else:
                 _trained.pop(module, None)
+
+
+# The user's modules a train step has run, each with its trainable parameters as they were when the step returned
+# (the tensor and its version counter, by name). A step trains its state, never the module, so a module called
+# directly afterwards (an evaluation, ``generate()``) runs on the values it had at ``step.init``: refused by the
+# forward pre-hook below while its parameters are still those tensors, unchanged. Loading the trained values into it
+# (``load_state_dict``: in place, so each version moves; or ``assign=True``: new tensors) lifts it.
+_untrained: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, weakref.ref, int], ...]]" = weakref.WeakKeyDictionary()
+
+
+class RanModules:
+    """The user's modules one train step call ran through ``fzero.apply`` with the step's own params (rank 0's, or
+    this process's): at stages 2-3 every module run with unit params; at stages 0-1 one given a dict holding a tensor
+    of the params ``loss_fn`` was given (``leaves``, set by ``fzero.step._batch.LossFnInContext``), so a teacher run
+    with its own params (``fzero.apply(teacher, {**tparams, **tbuffers}, x)``) is not taken for trained."""
+
+    __slots__ = ("modules", "leaves")
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+        self.leaves: frozenset[int] = frozenset()
+
+    def note(self, module: nn.Module, params: Any, *, units: bool) -> None:
+        if any(m is module for m in self.modules):
+            return
+        if units or (isinstance(params, Mapping) and any(id(v) in self.leaves for v in params.values())):
+            self.modules.append(module)
+
+
+def note_trained_params(modules: Any) -> None:
+    """After a train step: ``modules`` (the user's modules its ``loss_fn`` ran through ``fzero.apply``) hold trainable
+    parameters the state has moved on from. The first time, each gets ``_refuse_untrained_call`` as a forward pre-hook
+    (its clones in later steps carry it too, where it finds no record and returns at once)."""
+    for module in modules:
+        held = tuple((n, weakref.ref(p), p._version) for n, p in module.named_parameters() if p.requires_grad and not p.is_meta)
+        with _trained_lock:
+            first = module not in _untrained
+            if held:
+                _untrained[module] = held
+            else:
+                _untrained.pop(module, None)
+        if held and first:
+            module.register_forward_pre_hook(_refuse_untrained_call)
+
+
+def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook: refuse a direct call of a module a step has trained while its trainable parameters are
+    still the tensors they were when that step returned, unchanged. ``fzero.apply`` outside a step and
+    ``torch.func.functional_call`` swap other tensors in for the call, a step runs a copy of the module, and a module
+    the trained values were loaded into holds other versions: each passes."""
+    with _trained_lock:
+        held = _untrained.get(module)
+    if not held:
+        return
+    for name, ref, version in held:
+        p = ref()
+        if p is None or p._version != version:
+            return
+        try:
+            if module.get_parameter(name) is not p:
+                return
+        except AttributeError:
+            return
+    kind = type(module).__name__
+    raise RuntimeError(
+        f"fzero: {kind} was called directly after a fzero.Step trained it, but a step trains its state, not the module: "
+        f"its parameters still hold their values from step.init, so this forward would run the untrained model (an "
+        f"evaluation, generate(), a sample in the loop). Put the trained values in it first, "
+        f"model.load_state_dict(step.state_dict(state, model)), then call it as before; or run it with them, "
+        f"fzero.apply(model, step.state_dict(state, model), x). To run the values from step.init on purpose: "
+        f"fzero.apply(model, fzero.params_of(model), x)."
+    )
 
 
 def check_buffers_current(module: nn.Module, params: Mapping[str, Any]) -> None:

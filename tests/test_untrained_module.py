@@ -1,0 +1,100 @@
+"""A module called directly after a step trained it: refused while it still holds its values from ``step.init``.
+
+A step trains its state, never the module (``docs/migrating.md``, "The module after step.init"), so ``model(x)``, an
+evaluation or ``model.generate()`` after training ran the untrained model, silently (measured below: the output of
+the initial weights). A forward pre-hook on each module a train step ran with its params refuses such a call, naming
+the fix, for as long as the module's trainable parameters are the tensors they were when the step returned,
+unchanged. Loading the trained values into the module lifts it; ``fzero.apply`` with the state's values,
+``torch.func.functional_call`` and the steps themselves (which run a copy of the module) are not refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from zoo import gpt2
+
+MESSAGE = r"Sequential was called directly after a fzero\.Step trained it.*model\.load_state_dict\(step\.state_dict\(state, model\)\)"
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _step(model, stages, ranks):
+    return fzero.compile(lambda p, b: fzero.apply(model, p, b["x"]).pow(2).mean(), optimizer=fzero.optim.adamw(1e-1),
+                         stages=stages, mesh=fzero.local_mesh(ranks))
+
+
+@pytest.mark.parametrize("stages, ranks", [(0, 1), (0, 2), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)])
+def test_a_module_called_directly_after_a_step_is_refused_until_the_trained_values_are_loaded(stages, ranks):
+    model = _mlp()
+    step = _step(model, stages, ranks)
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(8, 4)
+    before = model(x)  # no step has trained it yet: the module's values are the state's
+    state, _ = step(state, {"x": x})
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        model(x)  # before: the output of the initial weights, equal to `before`, silently
+    trained = fzero.apply(model, step.state_dict(state, model), x)  # the fix the message gives
+    assert not torch.equal(trained, before)
+    assert torch.equal(torch.func.functional_call(model, step.state_dict(state, model), (x,)), trained)
+    model.load_state_dict(step.state_dict(state, model))  # the other fix: in place, so every version moves
+    assert torch.equal(model(x), trained)
+    state, _ = step(state, {"x": x})  # a step on: the module is behind the state again
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        model(x)
+    model.load_state_dict(step.state_dict(state, model), assign=True)  # new tensors: lifted too
+    assert torch.equal(model(x), fzero.apply(model, step.state_dict(state, model), x))
+
+
+def test_a_module_evaluated_or_never_trained_is_not_refused():
+    model, other = _mlp(), _mlp(seed=1)
+    step = _step(model, 0, 1)
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(8, 4)
+    step.evaluate(state, {"x": x})  # an evaluation trains nothing
+    model(x)
+    state, _ = step(state, {"x": x})
+    other(x)  # a module the step never ran
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_teacher_run_with_its_own_params_in_a_step_is_not_taken_for_trained(stages):
+    """A teacher given its own values through ``fzero.apply`` (its params left trainable, as a teacher built from the
+    student's code is): the step did not train it, so calling it directly afterwards is not refused."""
+    student, teacher = _mlp(), _mlp(seed=1)
+    tparams = fzero.params_of(teacher)
+
+    def loss_fn(p, b):
+        with torch.no_grad():
+            t = fzero.apply(teacher, tparams, b["x"])
+        return (fzero.apply(student, p, b["x"]) - t).pow(2).mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-1), stages=stages)
+    state = step.init(fzero.params_of(student))
+    x = torch.randn(8, 4)
+    state, _ = step(state, {"x": x})
+    assert torch.equal(teacher(x), fzero.apply(teacher, tparams, x))
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        student(x)
+
+
+def test_generate_of_a_hugging_face_model_after_training_is_refused_and_runs_once_the_values_are_loaded():
+    torch.manual_seed(0)
+    model = gpt2()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b, labels=b).loss,
+                         optimizer=fzero.optim.adamw(1e-2), stages=3)
+    state = step.init(fzero.params_of(model))
+    ids = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        state, _ = step(state, ids)
+    prompt = ids[:1, :4]
+    with pytest.raises(RuntimeError, match=r"GPT2LMHeadModel was called directly after a fzero\.Step trained it"):
+        model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    model.load_state_dict(step.state_dict(state, model))
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert out.shape == (1, 8)
