@@ -98,3 +98,45 @@ def test_generate_of_a_hugging_face_model_after_training_is_refused_and_runs_onc
     model.load_state_dict(step.state_dict(state, model))
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert out.shape == (1, 8)
+
+
+def _load(model, trained, how):
+    if how == "data.copy_":  # a loop that loads through .data: same tensors, same versions, other values
+        for name, p in model.named_parameters():
+            p.data.copy_(trained[name])
+    elif how == "data =":
+        for name, p in model.named_parameters():
+            p.data = trained[name].clone()
+    elif how == "vector_to_parameters":  # torch's own, through .data
+        flat = torch.cat([trained[name].reshape(-1) for name, _ in model.named_parameters()])
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    else:  # load_state_dict swapping the tensors (torch.utils.swap_tensors): same objects
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.load_state_dict(trained)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+@pytest.mark.parametrize("how", ["data.copy_", "data =", "vector_to_parameters", "swap_tensors"])
+def test_trained_values_written_through_data_or_swapped_in_lift_it(how):
+    """Loads that keep each parameter's tensor and version counter: refused after them, as the untrained model (a
+    write through ``.data``), or the load itself failed, torch's "Cannot swap t1 because it has weakref associated
+    with it" (the record held a weak reference to each parameter). Not seen: a step after a write through ``.data``
+    (the record keeps the values from the step before, as a step copies none), where a call then passes."""
+    model = _mlp()
+    with torch.no_grad():  # a model whose own init writes again (as Hugging Face's _init_weights): versions of 2
+        for p in model.parameters():
+            p.mul_(1.0)
+    step = _step(model, 0, 1)
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(8, 4)
+    state, _ = step(state, {"x": x})
+    trained = step.state_dict(state, model)
+    fzero.apply(model, trained, x)  # a call with other tensors swapped in lifts nothing
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        model.half()(x.half())  # nor a conversion of the untrained values
+    model.float()
+    _load(model, trained, how)
+    assert torch.equal(model(x), fzero.apply(model, trained, x))

@@ -163,12 +163,25 @@ def note_trained_buffers(modules: Any, buffers: Mapping[str, torch.Tensor]) -> N
                 _trained.pop(module, None)
 
 
-# The user's modules a train step has run, each with its trainable parameters as they were when the step returned
-# (the tensor and its version counter, by name). A step trains its state, never the module, so a module called
-# directly afterwards (an evaluation, ``generate()``) runs on the values it had at ``step.init``: refused by the
-# forward pre-hook below while its parameters are still those tensors, unchanged. Loading the trained values into it
-# (``load_state_dict``: in place, so each version moves; or ``assign=True``: new tensors) lifts it.
-_untrained: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, weakref.ref, int], ...]]" = weakref.WeakKeyDictionary()
+# The user's modules a train step has run, each with its trainable parameters as they were when the step returned,
+# by name: the tensor's id and version counter, and its first few values (``_first_values``). A step
+# trains its state, never the module, so a module called directly afterwards (an evaluation, ``generate()``) runs on
+# the values it had at ``step.init``: refused by the forward pre-hook below while its parameters are still those
+# tensors, unchanged. Loading the trained values into it lifts it: ``load_state_dict`` in place moves each version,
+# ``assign=True`` puts in new tensors, and what writes through ``.data`` (``p.data.copy_(t)``, ``p.data = t``,
+# ``torch.nn.utils.vector_to_parameters``) or swaps the tensors (``load_state_dict`` under
+# ``torch.__future__.set_swap_module_params_on_conversion(True)``) leaves id and version as they were but changes the
+# values. No reference to a parameter is held, not even a weak one: ``torch.utils.swap_tensors`` refuses a tensor
+# with a weak reference, and failed every such load (and ``model.to()`` in that mode) of a module a step had trained.
+_untrained: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int, torch.Tensor]]]" = weakref.WeakKeyDictionary()
+_FIRST = 8  # the values of each parameter kept to tell a write through .data from none
+
+
+def _first_values(p: torch.Tensor) -> torch.Tensor:
+    """The first ``_FIRST`` values of ``p``, copied (a few bytes beside each parameter, taken again only where its
+    tensor or version moved since the step before: a step costs no copy, and a write through .data between two steps
+    leaves the values of the one before, so a call after the second passes)."""
+    return p.detach().reshape(-1)[:_FIRST].clone()
 
 
 class RanModules:
@@ -192,17 +205,22 @@ class RanModules:
 
 def note_trained_params(modules: Any) -> None:
     """After a train step: ``modules`` (the user's modules its ``loss_fn`` ran through ``fzero.apply``) hold trainable
-    parameters the state has moved on from. The first time, each gets ``_refuse_untrained_call`` as a forward pre-hook
-    (its clones in later steps carry it too, where it finds no record and returns at once)."""
+    parameters the state has moved on from. Each gets ``_refuse_untrained_call`` as a forward pre-hook once (its
+    clones in later steps carry it too, where it finds no record and returns at once)."""
     for module in modules:
-        held = tuple((n, weakref.ref(p), p._version) for n, p in module.named_parameters() if p.requires_grad and not p.is_meta)
         with _trained_lock:
-            first = module not in _untrained
+            before = _untrained.get(module) or {}
+        held = {}
+        for n, p in module.named_parameters():
+            if p.requires_grad and not p.is_meta:
+                pid, version, old = id(p), p._version, before.get(n)
+                held[n] = (pid, version, old[2] if old is not None and old[0] == pid and old[1] == version else _first_values(p))
+        with _trained_lock:
             if held:
                 _untrained[module] = held
             else:
                 _untrained.pop(module, None)
-        if held and first:
+        if held and not any(h is _refuse_untrained_call for h in module._forward_pre_hooks.values()):
             module.register_forward_pre_hook(_refuse_untrained_call)
 
 
@@ -210,19 +228,25 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     """A forward pre-hook: refuse a direct call of a module a step has trained while its trainable parameters are
     still the tensors they were when that step returned, unchanged. ``fzero.apply`` outside a step and
     ``torch.func.functional_call`` swap other tensors in for the call, a step runs a copy of the module, and a module
-    the trained values were loaded into holds other versions: each passes."""
+    the trained values were loaded into holds other tensors, versions or values: each passes. The record stays (a
+    call inside ``fzero.apply`` or ``functional_call`` sees the tensors swapped in, not the module's own)."""
     with _trained_lock:
         held = _untrained.get(module)
     if not held:
         return
-    for name, ref, version in held:
-        p = ref()
-        if p is None or p._version != version:
-            return
+    now = {}
+    for name, (pid, version, _) in held.items():
         try:
-            if module.get_parameter(name) is not p:
-                return
+            p = module.get_parameter(name)
         except AttributeError:
+            p = None
+        if p is None or p.is_meta or id(p) != pid or p._version != version:  # replaced, or written in place
+            return
+        now[name] = p
+    for name, p in now.items():  # the same tensors, unwritten in place: a write through .data changed only the values
+        first = held[name][2]
+        values = p.detach().reshape(-1)[:_FIRST]
+        if values.shape != first.shape or not torch.equal(values, first.to(device=values.device, dtype=values.dtype)):
             return
     kind = type(module).__name__
     raise RuntimeError(
