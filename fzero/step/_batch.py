@@ -440,7 +440,7 @@ class LossFnInContext:
     def _run(self, params: Any, batch: Any) -> Any:
         ran = current_context().ran
         if ran is not None and getattr(type(params), "run_module", None) is None:  # stages 0-1: which modules
-            ran.leaves = frozenset(id(t) for t in _tree.tree_leaves(params))  # fzero.apply runs with these (RanModules)
+            ran.give(params)  # fzero.apply runs with these (RanModules)
         try:
             return self.fn(params, batch)
         except _PLAIN_ERRORS as e:

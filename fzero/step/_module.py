@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fzero.layout import check_no_meta, named_tensors
+from fzero.layout import pytrees as _tree
 from fzero.mesh import current_context, with_context
 from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
 from fzero.step._stale import held_tensors, note_replaced
@@ -187,20 +188,31 @@ def _first_values(p: torch.Tensor) -> torch.Tensor:
 class RanModules:
     """The user's modules one train step call ran through ``fzero.apply`` with the step's own params (rank 0's, or
     this process's): at stages 2-3 every module run with unit params; at stages 0-1 one given a dict holding a tensor
-    of the params ``loss_fn`` was given (``leaves``, set by ``fzero.step._batch.LossFnInContext``), so a teacher run
+    of the params ``loss_fn`` was given (``give``, called by ``fzero.step._batch.LossFnInContext``), so a teacher run
     with its own params (``fzero.apply(teacher, {**tparams, **tbuffers}, x)``) is not taken for trained."""
 
-    __slots__ = ("modules", "leaves")
+    __slots__ = ("modules", "given", "_leaves")
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
-        self.leaves: frozenset[int] = frozenset()
+        self.given: Any = None  # what loss_fn was given (stages 0-1), set per call
+        self._leaves: frozenset[int] | None = None
+
+    def give(self, params: Any) -> None:
+        self.given, self._leaves = params, None
 
     def note(self, module: nn.Module, params: Any, *, units: bool) -> None:
         if any(m is module for m in self.modules):
             return
-        if units or (isinstance(params, Mapping) and any(id(v) in self.leaves for v in params.values())):
+        if units or params is self.given or (isinstance(params, Mapping) and any(id(v) in self.leaves for v in params.values())):
             self.modules.append(module)
+
+    @property
+    def leaves(self) -> frozenset[int]:
+        """The ids of the tensors loss_fn was given, made on demand: most ``loss_fn``s pass that very dict on."""
+        if self._leaves is None:
+            self._leaves = frozenset(id(t) for t in _tree.tree_leaves(self.given)) if self.given is not None else frozenset()
+        return self._leaves
 
 
 def note_trained_params(modules: Any) -> None:
