@@ -7,6 +7,7 @@ and the ranks' shares were views of one tensor, so one rank's in-place write to 
 backward (intermittently) or, for a 0-d leaf, changed what the other read.
 """
 
+import copy
 import dataclasses
 
 import pytest
@@ -252,6 +253,7 @@ def test_a_detection_batch_of_lists_goes_image_by_image_with_its_targets(ranks, 
     even on local_mesh(1): the tensors' dim 0 (an image's 3 channels, a target's box counts) were taken as rows."""
     torch.manual_seed(0)
     model = _PerImage()
+    reference = copy.deepcopy(model)  # (the model itself is behind the state after the step: a direct call refuses)
     seen = []
 
     def loss_fn(params, batch):
@@ -266,12 +268,12 @@ def test_a_detection_batch_of_lists_goes_image_by_image_with_its_targets(ranks, 
     assert sorted(i for part in seen for i, _ in part) == [0, 1, 2, 3] and {len(part) for part in seen} == {per}
     assert all(labels == [i] * len(labels) for part in seen for i, labels in part)  # each image with its own targets
     images, targets = batch
-    parts = [sum(model(images[j:j + per], targets[j:j + per]).values()) for j in range(0, 4, per)]
+    parts = [sum(reference(images[j:j + per], targets[j:j + per]).values()) for j in range(0, 4, per)]
     loss = torch.stack(parts).mean()
     loss.backward()
     torch.testing.assert_close(float(metrics["loss"]), loss.item(), rtol=1e-6, atol=1e-6)
     got = step.gather(state)
-    for name, p in model.named_parameters():
+    for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-5, atol=1e-6)
 
 

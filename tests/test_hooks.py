@@ -38,11 +38,15 @@ def _hf_loss_fn(model):
 
 def _module_picture(model: nn.Module) -> dict:
     """Everything fzero must leave as it is: per submodule, its ``__dict__`` keys, every hook dictionary's
-    entries, its class; and the values of every parameter and buffer."""
+    entries, its class; and the values of every parameter and buffer. One thing fzero adds on purpose is left out: the
+    forward pre-hook that refuses a direct call of a module a step has trained (``tests/test_untrained_module.py``)."""
+    from fzero.step._module import _refuse_untrained_call
+
     picture = {}
     for name, m in model.named_modules():
-        picture[name] = (type(m), sorted(m.__dict__),
-                         {k: list(v) for k, v in m.__dict__.items() if k.endswith("hooks") or "hooks_" in k})
+        hooks = {k: [key for key, h in v.items() if h is not _refuse_untrained_call] for k, v in m.__dict__.items()
+                 if k.endswith("hooks") or "hooks_" in k}
+        picture[name] = (type(m), sorted(m.__dict__), hooks)
     picture["tensors"] = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
     return picture
 
@@ -76,6 +80,9 @@ def test_the_users_module_is_never_written_with_hf_output_capture(stages, ranks)
     # into the user's module, as it would without fzero), the same values as a fresh copy of the model gives
     torch.manual_seed(0)
     fresh = gemma().train()
+    with pytest.raises(RuntimeError, match="called directly after a fzero.Step trained it"):  # it is behind the state
+        model(input_ids=x)
+    model.load_state_dict(fresh.state_dict())  # its own values again, loaded: a direct call runs
     with torch.no_grad():
         got = model(input_ids=x, output_hidden_states=True)
         want = fresh(input_ids=x, output_hidden_states=True)
@@ -416,6 +423,7 @@ def test_a_module_applied_twice_in_one_loss_fn_trains_as_pytorch(stages, autodif
     params had hooks ("['weight', 'bias'] of Conv2d carry gradient hooks"), so no such model trained there."""
     torch.manual_seed(0)
     model = nn.Conv2d(3, 2, 1)
+    reference = copy.deepcopy(model)  # (the model itself is behind the state after the step: a direct call refuses)
     images = [torch.randn(3, 4 + i, 5) for i in range(3)]
 
     def loss_fn(params, batch):
@@ -423,11 +431,11 @@ def test_a_module_applied_twice_in_one_loss_fn_trains_as_pytorch(stages, autodif
 
     step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=stages, autodiff=autodiff)
     state, metrics = step(step.init(fzero.params_of(model)), images)
-    loss = torch.stack([model(img[None]).square().mean() for img in images]).mean()
+    loss = torch.stack([reference(img[None]).square().mean() for img in images]).mean()
     loss.backward()
     assert float(metrics["loss"]) == pytest.approx(loss.item(), rel=1e-6)
     got = step.gather(state)
-    for name, p in model.named_parameters():
+    for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-6, atol=1e-7)
 
 

@@ -28,7 +28,8 @@ torch's own context manager for such a call, so every case keeps torch's behavio
 
 Structural clones of a module: new module objects, tensors shared, no mutable container shared.
 
-fzero runs a module without writing into it: each step runs a clone of the user's module (at stages 2-3 a
+fzero runs a module without writing into it (one exception, after a train step: the refusal of a direct call of a module
+the state has moved on from, ``fzero.step._module``): each step runs a clone of the user's module (at stages 2-3 a
 *skeleton*: trainable params replaced by meta tensors, units made to gather before they run), on every
 rank, because ``torch.func.functional_call`` swaps tensors into module attributes while it runs, and because
 a forward may write into its module: Hugging Face installs its output-capturing forward hooks lazily, from

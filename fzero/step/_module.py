@@ -241,7 +241,10 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     still the tensors they were when that step returned, unchanged. ``fzero.apply`` outside a step and
     ``torch.func.functional_call`` swap other tensors in for the call, a step runs a copy of the module, and a module
     the trained values were loaded into holds other tensors, versions or values: each passes. The record stays (a
-    call inside ``fzero.apply`` or ``functional_call`` sees the tensors swapped in, not the module's own)."""
+    call inside ``fzero.apply`` or ``functional_call`` sees the tensors swapped in, not the module's own). Under
+    ``torch.compile``'s tracing it does nothing: a lock in the traced hook would break ``fullgraph=True``."""
+    if torch.compiler.is_compiling():
+        return
     with _trained_lock:
         held = _untrained.get(module)
     if not held:
