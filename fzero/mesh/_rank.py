@@ -110,8 +110,7 @@ class RankContext:
     scope: contextlib.ExitStack | None = None  # a micro-batch's forward and backward: modules keep their tensors
     applied: list | None = None  # the modules ``fzero.apply`` ran, noted for the first step's checks
     stale: Any = None  # the first loss_fn call's StaleWatch (fzero.step._stale), None while a forward runs
-    trained: list | None = None  # the user's modules a train step's buffer bank handed the state's buffers to
-    ran: Any = None  # the user's modules a train step ran with its own params (``fzero.step._module.RanModules``)
+    trained: Any = None  # what a train step call moves behind its state, of the user's modules (``fzero.step._module.Trained``)
     snapshots: Any = None  # a remat call's buffer values (``fzero.step._context.Snapshots``)
     replay: bool = False  # a remat recompute: hand out the snapshots' copies, not the live buffers
     usage: Any = None  # which params this rank's gradients used (``fzero.step._context.Usage``)

@@ -438,9 +438,9 @@ class LossFnInContext:
         return out
 
     def _run(self, params: Any, batch: Any) -> Any:
-        ran = current_context().ran
-        if ran is not None and getattr(type(params), "run_module", None) is None:  # stages 0-1: which modules
-            ran.give(params)  # fzero.apply runs with these (RanModules)
+        trained = current_context().trained
+        if trained is not None and getattr(type(params), "run_module", None) is None:  # stages 0-1: which modules
+            trained.give(params)  # fzero.apply runs with these (Trained)
         try:
             return self.fn(params, batch)
         except _PLAIN_ERRORS as e:

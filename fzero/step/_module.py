@@ -90,8 +90,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
     if bank is None and isinstance(params, Mapping):  # outside a step: the module's own buffers are read
         check_buffers_current(module, params)
     run_module = getattr(type(params), "run_module", None)
-    if context.ran is not None:  # a train step: a module run with its params is now behind the state (RanModules)
-        context.ran.note(module, params, units=run_module is not None)
+    if context.trained is not None:  # a train step: a module run with its params is now behind the state (Trained)
+        context.trained.ran(module, params, units=run_module is not None)
     if run_module is not None:  # stages 2-3 (fzero.zero's unit params): unit by unit as the forward reaches them
         forward = functools.partial(run_module, params, module, args, kwargs, method=method)  # its own per-rank skeleton
     else:
@@ -185,27 +185,37 @@ def _first_values(p: torch.Tensor) -> torch.Tensor:
     return p.detach().reshape(-1)[:_FIRST].clone()
 
 
-class RanModules:
-    """The user's modules one train step call ran through ``fzero.apply`` with the step's own params (rank 0's, or
-    this process's): at stages 2-3 every module run with unit params; at stages 0-1 one given a dict holding a tensor
-    of the params ``loss_fn`` was given (``give``, called by ``fzero.step._batch.LossFnInContext``), so a teacher run
-    with its own params (``fzero.apply(teacher, {**tparams, **tbuffers}, x)``) is not taken for trained."""
+class Trained:
+    """What one train step call moves behind its state, of the user's modules (rank 0's, or this process's), noted as
+    the step runs and kept once it has returned (``Step._as_rank``): ``buffers``, the modules the step's buffer bank
+    handed the state's buffers to (``note_trained_buffers``), and ``params``, the modules ``fzero.apply`` ran with the
+    step's own params (``note_trained_params``): at stages 2-3 every module run with unit params; at stages 0-1 one
+    given a dict holding a tensor of the params ``loss_fn`` was given (``give``, called by
+    ``fzero.step._batch.LossFnInContext``), so a teacher run with its own params (``fzero.apply(teacher, {**tparams,
+    **tbuffers}, x)``) is not taken for trained."""
 
-    __slots__ = ("modules", "given", "_leaves")
+    __slots__ = ("buffers", "params", "given", "_leaves")
 
     def __init__(self) -> None:
-        self.modules: list[nn.Module] = []
+        self.buffers: list[nn.Module] = []
+        self.params: list[nn.Module] = []
         self.given: Any = None  # what loss_fn was given (stages 0-1), set per call
         self._leaves: frozenset[int] | None = None
 
     def give(self, params: Any) -> None:
         self.given, self._leaves = params, None
 
-    def note(self, module: nn.Module, params: Any, *, units: bool) -> None:
-        if any(m is module for m in self.modules):
+    def handed(self, module: nn.Module) -> None:
+        """The step's buffer bank handed ``module`` the state's buffers: the state now carries them."""
+        if not any(m is module for m in self.buffers):
+            self.buffers.append(module)
+
+    def ran(self, module: nn.Module, params: Any, *, units: bool) -> None:
+        """``fzero.apply`` ran ``module`` with ``params`` (unit params: ``units``)."""
+        if any(m is module for m in self.params):
             return
         if units or params is self.given or (isinstance(params, Mapping) and any(id(v) in self.leaves for v in params.values())):
-            self.modules.append(module)
+            self.params.append(module)
 
     @property
     def leaves(self) -> frozenset[int]:
@@ -384,8 +394,8 @@ class Buffers:
             if first is module and name not in self._noted:
                 self._noted.add(name)
                 trained = current_context().trained  # a train step's: it now carries this module's buffers
-                if trained is not None and not any(m is module for m in trained):
-                    trained.append(module)
+                if trained is not None:
+                    trained.handed(module)
             if first is not module:
                 raise ValueError(_shared_buffer_message(module, first, name))
             if name not in self.values:

@@ -38,7 +38,7 @@ from fzero.step._hints import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL
 from fzero.step._context import compute_dtype, recording_usage, step_buffers
 from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
-from fzero.step._module import Buffers, FrozenWrites, RanModules, broadcast_buffers, note_trained_buffers, note_trained_params
+from fzero.step._module import Buffers, FrozenWrites, Trained, broadcast_buffers, note_trained_buffers, note_trained_params
 from fzero.step._params import module_device, replace_params
 from fzero.step._refusals import check_export_model
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
@@ -218,10 +218,9 @@ class Step:
         # this rank's context (fzero.mesh's RankContext), made here once: fzero.apply runs clones of the user's modules (never
         # writing the user's own, fzero.step._context), and under dist_mesh the first forward agrees on the model
         clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
-        trained: list | None = [] if program is rank_program else None  # the modules handed the state's buffers
-        ran = RanModules() if program is rank_program else None  # the modules run with the state's params
+        trained = Trained() if program is rank_program else None  # the user's modules this step moves behind its state
         with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes,
-                          schedules=schedules, trained=trained, ran=ran, frozen=frozen):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
+                          schedules=schedules, trained=trained, frozen=frozen):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
@@ -229,11 +228,11 @@ class Step:
         for module, clone in clones.values():
             if module is not None:
                 writes.note(module, clone, seen=seen)
-        if trained and (comm.rank == 0 or not isinstance(self.mesh, LocalMesh)):  # the modules' buffers are now the state's to carry (fzero.apply outside a step
-            # then names those whose values the state moved on from: fzero.step._module._trained)
-            note_trained_buffers(trained, out[0].buffers)
-        if ran is not None and (comm.rank == 0 or not isinstance(self.mesh, LocalMesh)):  # their params are behind the state
-            note_trained_params(ran.modules)
+        if trained is not None and (comm.rank == 0 or not isinstance(self.mesh, LocalMesh)):
+            # the modules' buffers are now the state's to carry (fzero.apply outside a step then names those whose values
+            # the state moved on from: fzero.step._module._trained), and their params are behind the state
+            note_trained_buffers(trained.buffers, out[0].buffers)
+            note_trained_params(trained.params)
         return out
 
     @functools.cached_property
