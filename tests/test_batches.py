@@ -127,6 +127,9 @@ def test_two_devices_in_loss_fn_are_named_with_the_state_s_device_and_the_fix():
     other = loss_fn_failure(RuntimeError("Tensor on device cpu is not on the expected device cuda:0!"), None,
                             params={"w": torch.empty(2, device="meta")})  # stages 2-3: stand-ins, not named
     assert "The step computes where the state's params are:" in other
+    # a meta tensor's device message at stages 2-3 keeps its own cause (a unit's param used outside the unit's call)
+    unit = loss_fn_failure(RuntimeError("Tensor on device meta is not on the expected device cpu!"), None, units=True)
+    assert "A meta tensor (a shape without a value) was used" in unit and "Two devices met" not in unit
 
 
 def test_an_integer_loss_is_told_to_be_floating_point():

@@ -105,7 +105,7 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
     elif _META.search(str(error)) and any(x.is_meta for _, x in _tensor_leaves(batch)):
         lines.append("  The batch holds meta tensors (shapes without values): pass a batch with values, on the device "
                      "the model runs on.")
-    elif _DEVICES.search(str(error)):
+    elif _DEVICES.search(str(error)) and not _META.search(str(error)):  # a meta tensor's has its own causes (below)
         lines.append(DEVICE_MISMATCH.format(params=_devices_of(params, " ({})"), batch=_devices_of(batch, " (on {})")))
     elif units and _META.search(str(error)):
         lines.append(UNIT_OUTSIDE_ITS_CALL)
