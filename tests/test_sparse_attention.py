@@ -129,6 +129,55 @@ def test_sparse_attention_names_a_wrong_layout_or_mixed_dtypes():
     with pytest.raises(ValueError, match=r"sparse_attention: scale='1'; pass a finite number"):
         ops.sparse_attention(q, q, q, ops.DenseLayout(block=4), scale="1")
 
+def test_a_frozen_layouts_blocks_are_made_and_checked_once_per_length_and_a_bad_one_is_refused_at_every_call(monkeypatch):
+    """A model calls sparse_attention in every layer of every step with one layout: its blocks are made (Python loops)
+    and checked once per length, on the host (checked on the device, reading the check waited for the GPU in every
+    layer). A layout that fails the check is refused at every call, not only the first; an unhashable layout (not a
+    frozen config) is made anew at each call, so a change to it is seen."""
+    import dataclasses
+
+    made = []
+    real = ops.FixedLayout.blocks
+    monkeypatch.setattr(ops.FixedLayout, "blocks", lambda self, n: made.append(n) or real(self, n))
+    layout = ops.FixedLayout(block=4, num_local_blocks=2, num_heads=7)  # a layout no other test makes
+    q = torch.randn(1, 2, 12, 4)
+    first = ops.sparse_attention(q, q, q, layout)
+    for _ in range(3):
+        torch.testing.assert_close(ops.sparse_attention(q, q, q, layout), first, rtol=0, atol=0)
+    ops.sparse_attention(torch.randn(1, 2, 20, 4), torch.randn(1, 2, 20, 4), torch.randn(1, 2, 20, 4), layout)
+    assert made == [3, 5]
+
+    @dataclasses.dataclass(frozen=True)
+    class NoDiagonal:
+        block: int = 4
+
+        def blocks(self, n):
+            return torch.zeros(1, n, n, dtype=torch.bool)
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"NoDiagonal leaves out a diagonal block at 3 blocks"):
+            ops.sparse_attention(q, q, q, NoDiagonal())
+
+    class Mutable:  # not hashable: eq without hash
+        block = 4
+
+        def __init__(self):
+            self.keep = True
+
+        def __eq__(self, other):
+            return self is other
+
+        def blocks(self, n):
+            return torch.ones(1, n, n, dtype=torch.bool) if self.keep else torch.eye(n, dtype=torch.bool)[None]
+
+    mutable = Mutable()
+    dense = ops.sparse_attention(q, q, q, mutable)
+    mutable.keep = False
+    own_block = torch.block_diag(*[torch.ones(4, 4, dtype=torch.bool)] * 3)  # each query its own block's keys alone
+    torch.testing.assert_close(ops.sparse_attention(q, q, q, mutable), F.scaled_dot_product_attention(q, q, q, attn_mask=own_block))
+    torch.testing.assert_close(dense, F.scaled_dot_product_attention(q, q, q))
+
+
 def test_the_deepspeed_config_block_gives_the_layout():
     block = {"mode": "fixed", "block": 16, "different_layout_per_head": True, "num_local_blocks": 4,
              "num_global_blocks": 1, "attention": "bidirectional", "horizontal_global_attention": False,
