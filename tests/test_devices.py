@@ -265,75 +265,94 @@ def test_a_state_made_on_the_host_with_batches_on_the_gpu_is_named_with_the_fix(
 # -- host flags reduced over a group of NCCL alone -------------------------------------------------------
 
 
-class _Seen(Exception):
-    """Raised by ``_FlagComm`` once it has recorded where the flag it was given lives."""
-
-
-class _FlagComm:
-    """A comm of a torch.distributed group that records the device of the one tensor it is asked to all-reduce."""
-
-    rank, size, group = 0, 2, "group"
-
-    def __init__(self) -> None:
-        self.devices: list[torch.device] = []
-
-    def all_reduce(self, t, *, tag, label=None):
-        self.devices.append(t.device)
-        raise _Seen
-
-
-def test_a_flag_goes_to_the_device_where_the_group_has_no_gloo(monkeypatch):
-    """``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()``: NCCL alone takes no host tensor, so the flags
-    the host makes and reads back (did a rank fail in save?) are reduced on this process's GPU; beside gloo on the host."""
+def test_host_tensors_are_reduced_on_the_gpu_where_the_group_has_no_gloo(monkeypatch):
+    """``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()`` (as ``deepspeed.init_distributed()`` makes it):
+    NCCL alone takes no host tensor, so a comm over such a group reduces the host's tensors (save's "did a rank fail?",
+    an offloaded optimizer's norms) on this process's GPU; beside gloo, on the host."""
     import torch.distributed as dist
-    from types import SimpleNamespace
 
-    from fzero.mesh import flag_device
+    from fzero.mesh import host_stage
 
     backend = {"now": "nccl"}
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["now"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    comm = SimpleNamespace(group="group")
-    assert flag_device(comm) == torch.device("cuda", 1)
+    assert host_stage("group") == torch.device("cuda", 1)
     backend["now"] = "cpu:gloo,cuda:nccl"
-    assert flag_device(comm) == torch.device("cpu")
+    assert host_stage("group") is None
     backend["now"] = "gloo"
-    assert flag_device(comm) == torch.device("cpu")
-    assert flag_device(SimpleNamespace()) == torch.device("cpu")  # a local mesh's comm: no group
+    assert host_stage("group") is None
+    assert host_stage(None) is None  # a local mesh's comm: no group
 
 
-def test_the_flags_of_save_save_weights_and_the_step_go_where_flag_device_says(monkeypatch):
-    """``Ranks.any`` (every ``checkpoint.save`` under torchrun), ``save_weights``' verdict and the step's "a rank used
-    no param" exchange made their flags on the host whatever the group: under NCCL alone torch's bare "No backend type
-    associated with device type cpu". Meta stands in for the GPU ``flag_device`` names there."""
-    import fzero.mesh
-    import fzero.step._update as update
+def test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back(tmp_path, monkeypatch):
+    """Every collective of a ``DistComm`` (all-reduce, broadcast, all-gather, reduce-scatter) hands the group a copy of
+    a host tensor on its stage device and writes the result back into the caller's tensor; with no stage (gloo
+    serves the host) the tensor itself. Save's flag (``Ranks.any``) and ``save_weights``' verdict go through it: under
+    NCCL alone they failed with torch's bare "No backend type associated with device type cpu". A one-rank gloo group;
+    a copy on the host stands in for the GPU (the GPU twin: ``test_save_s_flag_is_reduced_over_a_group_of_nccl_alone``)."""
+    import torch.distributed as dist
+
+    import fzero.mesh._dist_comm as dist_comm
     from fzero.checkpoint._collective import Ranks
     from fzero.checkpoint._weights import _agree
+    from fzero.mesh import DistComm
 
-    meta = torch.device("meta")
-    monkeypatch.setattr(fzero.mesh, "flag_device", lambda comm: meta, raising=False)
-    monkeypatch.setattr(update, "flag_device", lambda comm: meta, raising=False)
-    ranks = Ranks("x", False)
-    ranks.comm = _FlagComm()
-    with pytest.raises(_Seen):
-        ranks.any(True, "what")
-    comm = _FlagComm()
-    with pytest.raises(_Seen):
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    given: list[torch.Tensor] = []
+
+    def recording(real):
+        def call(*args, **kwargs):
+            given.extend(a for a in args if isinstance(a, torch.Tensor))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("all_reduce", "broadcast"):
+        monkeypatch.setattr(dist_comm.dist, name, recording(getattr(dist, name)))
+    monkeypatch.setattr(dist_comm, "_ALL_GATHER", recording(dist_comm._ALL_GATHER))
+    monkeypatch.setattr(dist_comm, "_REDUCE_SCATTER", recording(dist_comm._REDUCE_SCATTER))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = DistComm(0, 1, dist.group.WORLD, None, None, collectives="native")
+        assert comm.stage is None
+        t = torch.tensor([2.0, 3.0])
+        assert comm.all_reduce(t, tag="x") is t and given[-1] is t  # no stage: the tensor itself
+        comm.stage = torch.device("cpu")  # stands in for the GPU NCCL alone needs
+        given.clear()
+        calls = {
+            "all_reduce": lambda t: comm.all_reduce(t, tag="x"),
+            "broadcast": lambda t: comm.broadcast(t, src=0, tag="x"),
+            "all_gather": lambda t: comm.all_gather(t, t.clone(), tag="x"),
+            "reduce_scatter": lambda t: comm.reduce_scatter(t, tag="x", out=t),
+        }
+        for name, call in calls.items():
+            t = torch.tensor([2.0, 3.0]) if name != "reduce_scatter" else torch.tensor([5.0])
+            given.clear()
+            out = call(t)
+            assert out is t, name
+            assert given and all(g is not t and g.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                                 for g in given), name
+            assert out.tolist() == ([2.0, 3.0] if name != "reduce_scatter" else [5.0]), name  # one rank: the sum is itself
+        given.clear()
+        ranks = Ranks("x", False)
+        ranks.comm = comm
+        assert ranks.any(True, "what") is True and ranks.any(False, "what") is False
         _agree(None, comm, "x")
-    used = torch.tensor([1.0 - update.EMPTY_FLAG])  # one rank of two used no param
-    step_comm = _FlagComm()
-    with pytest.raises(_Seen):
-        update._check_every_rank_used(step_comm, used, torch.zeros(1), 1)
-    assert ranks.comm.devices == comm.devices == step_comm.devices == [meta]
+        assert len(given) == 3 and all(g.device == comm.stage for g in given)
+        # a value the group writes comes back: an all-reduce whose result is not its input
+        monkeypatch.setattr(dist_comm.dist, "all_reduce", lambda t, **k: (t.add_(40), dist.barrier(async_op=True))[1])
+        t = torch.tensor([2.0])
+        assert comm.all_reduce(t, tag="x") is t and t.tolist() == [42.0]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
 @CUDA
 def test_save_s_flag_is_reduced_over_a_group_of_nccl_alone(tmp_path):
-    """The CPU twin: ``test_the_flags_of_save_save_weights_and_the_step_go_where_flag_device_says``. A one-process NCCL
+    """The CPU twin: ``test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back``. A one-process NCCL
     group (no gloo beside it), as ``dist.init_process_group("nccl")`` makes under torchrun: save's flag is reduced."""
     import torch.distributed as dist
 

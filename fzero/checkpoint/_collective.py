@@ -36,10 +36,7 @@ class Ranks:
         """Whether ``flag`` holds on any rank (this one's alone without a comm)."""
         if self.comm is None:
             return flag
-        from fzero.mesh import flag_device
-
-        # on the device where the group has no gloo (NCCL alone takes no host tensor: ``flag_device``)
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=flag_device(self.comm))
+        t = torch.tensor([int(flag)], dtype=torch.int64)  # reduced on the GPU where the group has no gloo (``host_stage``)
         self.comm.all_reduce(t, tag=what)
         return bool(int(t))
 

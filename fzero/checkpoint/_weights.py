@@ -288,10 +288,7 @@ def translate(e: Exception, *, api: str, path: str, needed: int) -> Exception:
 def _agree(error: Exception | None, comm: Any, api: str) -> None:
     """Raise ``error``; under torchrun (``comm``: the mesh's) every rank learns whether rank 0's writing failed."""
     if comm is not None:
-        from fzero.mesh import flag_device
-
-        # on the device where the group has no gloo (NCCL alone takes no host tensor: ``flag_device``)
-        flag = torch.tensor([0 if error is None else 1], device=flag_device(comm))
+        flag = torch.tensor([0 if error is None else 1])  # reduced on the GPU where the group has no gloo (``host_stage``)
         comm.all_reduce(flag, tag="save_weights")
         if error is None and int(flag):
             raise CheckpointError(f"{api}: writing failed on rank 0 (see its error).")

@@ -2,7 +2,7 @@
 
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.mesh._comm import AllGather, bucketed_reduce_scatter, GatherBucket, ReplicatedShardGrad, Comm, CommWrapper, events, Function, MeshTimeout, Pending, pooled_reduce_scatter, profiled, RanksDisagree, Rendezvous, ThreadComm
-from fzero.mesh._dist_comm import DistComm, flag_device
+from fzero.mesh._dist_comm import DistComm, host_stage
 from fzero.mesh._faults import process_alive, RankFailed, RankStopped
 from fzero.mesh._mesh import (
     AGREE_FIX,

@@ -39,18 +39,18 @@ CALLS_FIX = ("Under fzero.dist_mesh every rank makes the same fzero calls in the
              "the same number of steps on every rank.")
 
 
-def flag_device(comm: Any) -> torch.device:
-    """Where a small tensor the host makes and reads back (a flag, a count: "did any rank fail?") goes to be reduced
-    over ``comm``'s ranks: the host, except on a torch.distributed group without gloo, where this process's CUDA
-    device. Why: NCCL alone (``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()``, or Lightning's
-    ``process_group_backend="nccl"``) takes CUDA tensors only, and a host flag failed there with torch's bare "No
-    backend type associated with device type cpu" (every ``fzero.checkpoint.save`` under torchrun). A local mesh's
-    comm (no ``group``) sums any tensor: the host."""
-    group = getattr(comm, "group", None)
+def host_stage(group: Any) -> torch.device | None:
+    """Where a host tensor goes for a collective over ``group``: nowhere (None: it is reduced on the host) where gloo
+    serves the group, and this process's CUDA device on a torch.distributed group without gloo. Why: NCCL alone
+    (``dist.init_process_group("nccl")`` before ``fzero.dist_mesh()``, as ``deepspeed.init_distributed()`` makes it, or
+    Lightning's ``process_group_backend="nccl"``) takes CUDA tensors only, and every host tensor fzero reduces (a flag:
+    "did any rank fail?", a count, an offloaded optimizer's norms) failed there with torch's bare "No backend type
+    associated with device type cpu" (every ``fzero.checkpoint.save`` under torchrun did). A local mesh's comm (no
+    ``group``) sums any tensor: the host."""
     if group is None or not (dist.is_available() and dist.is_initialized()) or "gloo" in str(dist.get_backend(group)):
-        return torch.device("cpu")
+        return None
     if not torch.cuda.is_available():  # a backend of neither gloo nor CUDA (mpi, a custom one): as before
-        return torch.device("cpu")
+        return None
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -67,6 +67,20 @@ class DistComm(Recording):
         # of CPU tensors on gloo as exchanges (sums in rank order, as local_mesh takes them)
         self.collectives = collectives
         self._gloo = size > 1 and "gloo" in str(dist.get_backend(group))
+        self.stage = host_stage(group)  # where host tensors go for a collective (None: they stay)
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where the group can reduce it: a copy on ``stage`` for a host tensor on a group without gloo,
+        ``tensor`` itself elsewhere. The caller writes a copy's result back (``_back``)."""
+        if self.stage is None or tensor.device.type != "cpu":
+            return tensor
+        return tensor.to(self.stage, copy=True)
+
+    @staticmethod
+    def _back(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+        if staged is not tensor:
+            tensor.copy_(staged)  # after the wait: the current stream is ordered after the collective's
+        return tensor
 
     def _exchanges(self, op: str, tensor: torch.Tensor) -> bool:
         """Whether collective ``op`` of ``tensor`` runs as direct exchanges (``fzero.mesh._p2p``) rather than torch.distributed's."""
@@ -162,8 +176,10 @@ class DistComm(Recording):
             sent = self._post(lambda: _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group), call)
             return Pending(lambda: (self._wait_works(sent.works, call, out), sent.finish())[1])
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        work = self._post(lambda: _ALL_GATHER(out, shard.clone(), group=self.group, async_op=True), call)
-        return Pending(lambda: (self._wait(work, call, out), out)[1])
+        staged, piece = self._staged(out), self._staged(shard)
+        piece = piece.clone() if piece is shard else piece
+        work = self._post(lambda: _ALL_GATHER(staged, piece, group=self.group, async_op=True), call)
+        return Pending(lambda: (self._wait(work, call, staged), self._back(out, staged))[1])
 
     def reduce_scatter(self, full, *, tag, label=None, out=None):
         return self.reduce_scatter_async(full, tag=tag, label=label, out=out).wait()
@@ -176,8 +192,9 @@ class DistComm(Recording):
             sent = self._post(lambda: _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group, out=out), call)
             return Pending(lambda: (self._wait_works(sent.works, call, full), sent.finish())[1])
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device) if out is None else out
-        work = self._post(lambda: _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
-        return Pending(lambda: (self._wait(work, call, full), out)[1])
+        staged, whole = self._staged(out), self._staged(full)
+        work = self._post(lambda: _REDUCE_SCATTER(staged, whole, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
+        return Pending(lambda: (self._wait(work, call, whole), self._back(out, staged))[1])
 
     def all_reduce(self, tensor, *, tag, label=None):
         return self.all_reduce_async(tensor, tag=tag, label=label).wait()
@@ -191,12 +208,14 @@ class DistComm(Recording):
                                                       wait=lambda works: self._wait_works(works, call, tensor)), call)
             # its finish posts the second round's messages
             return Pending(lambda: (self._wait_works(sent.works, call, tensor), self._post(sent.finish, call))[1])
-        work = self._post(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
-        return Pending(lambda: (self._wait(work, call, tensor), tensor)[1])
+        staged = self._staged(tensor)
+        work = self._post(lambda: dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
+        return Pending(lambda: (self._wait(work, call, staged), self._back(tensor, staged))[1])
 
     @ranged
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
         call = self._issue("broadcast", tag, label, tensor, tensor.numel(), src)
-        self._wait(self._post(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), call), call, tensor)
-        return tensor
+        staged = self._staged(tensor)
+        self._wait(self._post(lambda: dist.broadcast(staged, src=src, group=self.group, async_op=True), call), call, staged)
+        return self._back(tensor, staged)

@@ -111,8 +111,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
                 if dist:  # the receivers keep their state where rank 0 keeps its own: rank 0's materialize may make CPU
                     # tensors on a machine with CUDA (the mesh's guess for a rank that only receives), and a job of more
                     # ranks than GPUs runs on the CPU
-                    home = torch.device("cpu") if "gloo" in step.mesh.backend else step.mesh.device  # gloo where it serves
-                    code = torch.tensor([0 if device is None or device.type == "cpu" else 1], device=home)
+                    code = torch.tensor([0 if device is None or device.type == "cpu" else 1])  # on the GPU without gloo (host_stage)
                     comm.broadcast(code, src=0, tag="init")
                     if receives and int(code[0]) == 0:
                         device = torch.device("cpu")
@@ -245,8 +244,7 @@ def _reader_on_every_rank(materialize: Any, comm: Any, mesh: Any) -> Any:
     broadcasting it: no rank reads or receives the model, and nothing of it crosses the network. Where any rank
     has no reader (ranks other than 0 may pass meta params alone), all ranks keep rank 0's broadcast."""
     has = all(callable(getattr(materialize, name, None)) for name in ("reads", "read_range")) and hasattr(materialize, "device")
-    home = torch.device("cpu") if "gloo" in mesh.backend else mesh.device  # gloo where it serves
-    count = torch.tensor([1 if has else 0], dtype=torch.int64, device=home)
+    count = torch.tensor([1 if has else 0], dtype=torch.int64)  # reduced on the GPU where the group has no gloo (host_stage)
     comm.all_reduce(count, tag="init")
     return materialize if int(count[0]) == comm.size else None
 

@@ -45,7 +45,7 @@ import torch
 
 from fzero.layout import Layout, LayoutSegments
 from fzero.optim import scheduled
-from fzero.mesh import Pending, flag_device
+from fzero.mesh import Pending
 from fzero.step._context import Usage
 from fzero.step._pool import Pool, forget, give
 
@@ -363,8 +363,7 @@ def _check_every_rank_used(comm: Any, used: torch.Tensor, own: torch.Tensor, ste
     empty = _empty_ranks(used, n)
     if not 0 < empty < n:
         return
-    # where the metrics' all-reduce ran (``own`` is the host's flags): NCCL alone takes no host tensor (``flag_device``)
-    mine = torch.zeros(n, dtype=torch.float32, device=flag_device(comm))
+    mine = torch.zeros(n, dtype=torch.float32)  # reduced on the GPU where the group has no gloo (``host_stage``)
     mine[comm.rank] = float(not bool((own > 0).any()))
     ranks = comm.all_reduce(mine, tag="usage").nonzero().flatten().tolist()
     raise RuntimeError(
