@@ -372,3 +372,38 @@ def test_save_s_flag_is_reduced_over_a_group_of_nccl_alone(tmp_path):
         _agree(None, comm, "x")  # no error: rank 0 wrote
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@CUDA
+def test_an_offloaded_lamb_trains_over_a_group_of_nccl_alone(tmp_path):
+    """``offload="cpu"`` with LAMB (its per-parameter norms are summed over the ranks on the host, where the optimizer
+    runs) on a one-process NCCL group with no gloo beside it: the norms are reduced on the GPU (``host_stage``), and two
+    steps equal the same steps on ``local_mesh(1)``, whose comm sums on the host. Its CPU twin:
+    ``test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).cuda()
+    batches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
+
+    def loss_fn(p, x):
+        return fzero.apply(model, p, x).square().mean()
+
+    def run(mesh):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.lamb(1e-2), stages=2, offload="cpu", mesh=mesh)
+        state = step.init(fzero.params_of(model))
+        for x in batches:
+            state, _ = step(state, x)
+        return step.gather(state)
+
+    want = run(fzero.local_mesh(1))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = run(fzero.dist_mesh())
+    finally:
+        dist.destroy_process_group()
+    assert_trees_equal(got, want)
