@@ -2,7 +2,8 @@
 # skips what is already installed, so they run the same on a fresh machine and on a used checkout.
 # torch goes in first, pinned: on this kind of machine torch==2.13.0 is a CPU wheel on local disk,
 # whereas letting `pip install -e .` resolve torch>=2.4 could fetch a multi-GB CUDA build.
-# The tests run on two pytest-xdist workers: 7-9 minutes on 2 cores, against 12-14 serially.
+# The tests run on two pytest-xdist workers (13-15 minutes on 2 cores); --dist loadgroup keeps the tests that share
+# a torchrun launch on one worker (tests/test_torchrun.py: one launch for all its jobs, not one per test).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -22,4 +23,4 @@ train: $(VENV)/bin/python
 test: $(VENV)/bin/python
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[test]'
-	$(VENV)/bin/python -m pytest -q -n 2
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup

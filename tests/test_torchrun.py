@@ -4,6 +4,7 @@ Bitwise needs one intra-op thread on both sides (torchrun sets OMP_NUM_THREADS=1
 run pins torch to one thread too (one intra-op thread sums in one order: the same bits as a rank's). Select with ``-m torchrun``; CI runs them.
 """
 
+import json
 import os
 
 import pytest
@@ -15,20 +16,68 @@ from launch import torchrun
 from problems import PROBLEMS, fzero_run
 
 HERE = os.path.dirname(__file__)
+# One xdist worker runs this module's tests (``--dist loadgroup``), so that their jobs share its launches (``launched``).
+pytestmark = pytest.mark.xdist_group("test_torchrun")
 
 
-def run_torchrun(tmp_path, problem: str, stages: int, *extra: str, nproc: int = 2) -> dict:
-    out = tmp_path / f"{problem}-{stages}.pt"
-    torchrun([os.path.join(HERE, "torchrun_worker.py"), "--problem", problem, "--stages", str(stages), "--out", str(out), *extra],
-             nproc=nproc)
-    return torch.load(out, weights_only=False)
+def _job(name: str, params: dict, where) -> tuple[int, list[str]] | None:
+    """The torchrun job of one test of this module (its parameters ``params``; ``where``: a directory of its own), as
+    (number of ranks, the worker's arguments); None for a test that runs none."""
+    stages = str(params.get("stages", 3))
+    problem = params.get("problem", "gpt")
+    extra = {
+        "test_torchrun_equals_local_mesh_bitwise": [],
+        "test_torchrun_with_sharded_frozen_params_equals_local_mesh_bitwise": ["--shard-frozen"],
+        "test_torchrun_under_torch_func_equals_local_mesh_bitwise": ["--autodiff", "func"],
+        "test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise": ["--collectives", "native"],
+        "test_torchrun_bucketed_equals_local_mesh_bitwise": ["--bucket-elements", "30000"],
+        "test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise": ["--collectives", "p2p"],
+        "test_torchrun_offload_equals_local_mesh_without_offload": (
+            ["--offload", params.get("where", ""), "--offload-dir", str(where / "offload")] if params.get("where") == "disk"
+            else ["--offload", params.get("where", "")]),
+        "test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh": [
+            "--offload", "disk", "--offload-dir", str(where / "offload"), "--offload-params", "--meta-init"],
+    }.get(name)
+    if extra is None:
+        return None
+    nproc = 4 if name == "test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise" else 2
+    return nproc, ["--problem", problem, "--stages", stages, "--out", str(where / "out.pt"), *extra]
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory) -> dict:
+    """Test id -> its job's directory: every selected test of this module has its job run by one torchrun launch per
+    number of ranks (``torchrun_worker.py --jobs``), not one launch per test (about 5 s each on 2 cores)."""
+    root = tmp_path_factory.mktemp("torchrun_jobs")
+    dirs: dict[str, object] = {}
+    jobs: dict[int, list[list[str]]] = {}
+    for i, item in enumerate(it for it in request.session.items if it.module is request.module):
+        where = root / str(i)
+        job = _job(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), where)
+        if job is None:
+            continue
+        (where / "offload").mkdir(parents=True)
+        dirs[item.nodeid] = where
+        jobs.setdefault(job[0], []).append(job[1])
+    for nproc, lists in jobs.items():
+        spec = root / f"jobs-{nproc}.json"
+        spec.write_text(json.dumps(lists))
+        torchrun([os.path.join(HERE, "torchrun_worker.py"), "--jobs", str(spec)], nproc=nproc, timeout=60 + 30 * len(lists))
+    return dirs
+
+
+@pytest.fixture
+def job(request, launched):
+    """This test's job: what rank 0 saved, and its offload directory."""
+    where = launched[request.node.nodeid]
+    return torch.load(where / "out.pt", weights_only=False), where / "offload"
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("problem", ["mlp", "gpt", "any"])
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
-def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stages):
-    dist = run_torchrun(tmp_path, problem, stages)
+def test_torchrun_equals_local_mesh_bitwise(job, one_thread, problem, stages):
+    dist, _ = job
     local, metrics = fzero_run(PROBLEMS[problem](), stages=stages, mesh=fzero.local_mesh(2))
     assert dist["world"] == 2
     assert len(dist["history"]) == len(local) == 5
@@ -42,10 +91,10 @@ def test_torchrun_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stage
 
 
 @pytest.mark.torchrun
-def test_torchrun_with_sharded_frozen_params_equals_local_mesh_bitwise(tmp_path, one_thread):
+def test_torchrun_with_sharded_frozen_params_equals_local_mesh_bitwise(job, one_thread):
     """Stage 3 with the GPT's matrices frozen and sharded (``init(..., frozen=...)``, the module's emptied): each
     process keeps its own shard of them and gathers them with their units, as each rank of a local mesh does."""
-    dist = run_torchrun(tmp_path, "gpt", 3, "--shard-frozen")
+    dist, _ = job
     local, metrics = fzero_run(PROBLEMS["gpt"](), stages=3, mesh=fzero.local_mesh(2), shard_frozen=True)
     assert len(dist["history"]) == len(local) == 5
     for d, l in zip(dist["history"], local):
@@ -56,11 +105,11 @@ def test_torchrun_with_sharded_frozen_params_equals_local_mesh_bitwise(tmp_path,
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [0, 3])
-def test_torchrun_under_torch_func_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
+def test_torchrun_under_torch_func_equals_local_mesh_bitwise(job, one_thread, stages):
     """autodiff="func" runs the first step's structure check inside torch.func.grad, whose tensors have no storage:
     under torchrun its exchange of the ranks' descriptions raised "Cannot access data pointer of Tensor that doesn't
     have storage" at the first step (local_mesh never exchanges them)."""
-    dist = run_torchrun(tmp_path, "gpt", stages, "--autodiff", "func")
+    dist, _ = job
     local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2), autodiff="func")
     for d, l in zip(dist["history"], local):
         assert_trees_equal(d, l)
@@ -68,10 +117,10 @@ def test_torchrun_under_torch_func_equals_local_mesh_bitwise(tmp_path, one_threa
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, one_thread, stages):
+def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(job, one_thread, stages):
     # the default ("auto") runs all-gathers and reduce-scatters as point-to-point exchanges (the test above);
     # gloo's own collectives give the same bits on 2 ranks (a sum of two numbers does not depend on its order)
-    dist = run_torchrun(tmp_path, "gpt", stages, "--collectives", "native")
+    dist, _ = job
     local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2))
     for d, l in zip(dist["history"], local):
         assert_trees_equal(d, l)
@@ -80,11 +129,11 @@ def test_torchrun_with_gloo_own_collectives_equals_local_mesh_bitwise(tmp_path, 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("problem", ["gpt", "any"])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_torchrun_bucketed_equals_local_mesh_bitwise(tmp_path, one_thread, problem, stages):
+def test_torchrun_bucketed_equals_local_mesh_bitwise(job, one_thread, problem, stages):
     # bucket_elements under dist_mesh: several units' gradients in one reduce-scatter, several units in one
     # all-gather (stage 2: the updated params; stage 3: the prefetched units, whose refills are gathered into fresh
     # buffers and moved into the freed ones)
-    dist = run_torchrun(tmp_path, problem, stages, "--bucket-elements", "30000")
+    dist, _ = job
     mesh = fzero.count_collectives(fzero.local_mesh(2))
     local, metrics = fzero_run(PROBLEMS[problem](), stages=stages, mesh=mesh)  # one gather and one reduction per unit
     for d, l in zip(dist["history"], local):
@@ -98,10 +147,10 @@ def test_torchrun_bucketed_equals_local_mesh_bitwise(tmp_path, one_thread, probl
 @pytest.mark.torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [0, 3])
-def test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise(tmp_path, one_thread, stages):
+def test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise(job, one_thread, stages):
     # collectives="p2p" sums in rank order 0..N-1, as local_mesh does: the same bits on more than 2 ranks,
     # where the order of a sum changes its rounding (gloo's ring sums each chunk in another order)
-    dist = run_torchrun(tmp_path, "gpt", stages, "--collectives", "p2p", nproc=4)
+    dist, _ = job
     local, metrics = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(4))
     assert dist["world"] == 4
     for d, l in zip(dist["history"], local):
@@ -112,23 +161,21 @@ def test_torchrun_exchanges_on_4_ranks_equal_local_mesh_bitwise(tmp_path, one_th
 @pytest.mark.torchrun
 @pytest.mark.parametrize("where", ["cpu", "disk"])
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_torchrun_offload_equals_local_mesh_without_offload(tmp_path, one_thread, where, stages):
-    extra = ["--offload", where] + (["--offload-dir", str(tmp_path)] if where == "disk" else [])
-    dist = run_torchrun(tmp_path, "gpt", stages, *extra)
+def test_torchrun_offload_equals_local_mesh_without_offload(job, one_thread, where, stages):
+    dist, offload_dir = job
     local, _ = fzero_run(PROBLEMS["gpt"](), stages=stages, mesh=fzero.local_mesh(2))
     for d, l in zip(dist["history"], local):
         assert_trees_equal(d, l)
     if where == "disk":
-        assert os.listdir(tmp_path) == [f"gpt-{stages}.pt"]  # the ranks' offload files are gone with their states
+        assert os.listdir(offload_dir) == []  # the ranks' offload files are gone with their states
 
 
 @pytest.mark.torchrun
-def test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh(tmp_path, one_thread):
+def test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh(job, one_thread):
     # rank 1 passes shapes only (meta) to init and receives rank 0's values; param shards live in files
-    extra = ["--offload", "disk", "--offload-dir", str(tmp_path), "--offload-params", "--meta-init"]
-    dist = run_torchrun(tmp_path, "gpt", 3, *extra)
+    dist, offload_dir = job
     local, metrics = fzero_run(PROBLEMS["gpt"](), stages=3, mesh=fzero.local_mesh(2))
     for d, l in zip(dist["history"], local):
         assert_trees_equal(d, l)
     assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
-    assert os.listdir(tmp_path) == ["gpt-3.pt"]
+    assert os.listdir(offload_dir) == []

@@ -2,9 +2,15 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/torchrun_worker.py \
         --problem gpt --stages 2 --out /tmp/run.pt
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/torchrun_worker.py --jobs /tmp/jobs.json
+
+``--jobs``: a JSON list of such argument lists, run one after the other in one launch, each with its own mesh
+(``dist_mesh`` over the one process group) and its own output file. Why: a launch costs about 5 s of this 2-core
+machine's time (three interpreters importing torch), several times the run of a small problem.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -16,7 +22,7 @@ import fzero  # noqa: E402
 from problems import PROBLEMS, fzero_run  # noqa: E402
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--problem", choices=sorted(PROBLEMS), required=True)
     parser.add_argument("--stages", type=int, required=True)
@@ -29,7 +35,24 @@ def main() -> None:
     parser.add_argument("--bucket-elements", type=int, default=0)
     parser.add_argument("--autodiff", choices=("autograd", "func"), default=None)
     parser.add_argument("--shard-frozen", action="store_true", help="freeze the matrices and shard them (init's frozen=)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--jobs"]:
+        with open(sys.argv[2]) as f:
+            jobs = json.load(f)
+    else:
+        jobs = [sys.argv[1:]]
+    for job in jobs:
+        run(parser().parse_args(job))
+        torch.distributed.barrier()  # the ranks start each job together
+    # every rank tears down together: a rank that destroys its gloo group while the other is still in (or just
+    # past) the last collective can abort in C++ ("terminate called without an active exception") under load
+    torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
     mesh = fzero.count_collectives(fzero.dist_mesh(collectives=args.collectives))
     prob = PROBLEMS[args.problem]()
     # under dist_mesh each process passes its own share of the global batch
@@ -46,10 +69,6 @@ def main() -> None:
     if mesh.rank == 0:
         gathers = [c.label for c in mesh.counter.calls if c.rank == mesh.rank and c.op == "all_gather"]
         torch.save({"history": history, "metrics": metrics, "calls": calls, "gathers": gathers, "world": mesh.size}, args.out)
-    # every rank tears down together: a rank that destroys its gloo group while the other is still in (or just
-    # past) the last collective can abort in C++ ("terminate called without an active exception") under load
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
