@@ -179,6 +179,20 @@ def test_peak_rss_of_an_offloaded_step_is_the_state_plus_units(tmp_path):
     assert got["train_peak_bytes_per_param"] == pytest.approx(est.one_memory.total / psi, rel=0.05), est.one_memory
 
 
+def test_each_host_operation_of_the_offloaded_update_allocates_nothing_on_the_cpu(tmp_path):
+    """``benchmarks/offload_host_ops.py``, the instrument for the 12 B/param an H200 showed inside ``apply_update``:
+    on this CPU torch's fused AdamW over page-locked-style masters and fzero's in-place update add no host memory
+    (what offload's 16 B/param rests on); its CUDA rows run on a GPU. A subprocess, so the test's own memory does
+    not count; 64 MiB per tensor, so the sampler's noise is far below a byte per element."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload_host_ops.py"), "--elements", str(1 << 24)],
+                         check=True, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = [line for line in out.stdout.splitlines() if "B/elem" in line]
+    assert len(rows) == (7 if torch.cuda.is_available() else 3), out.stdout
+    for line in rows[:3]:  # the host's own operations (the CUDA rows are what a GPU run reads from the benchmark)
+        peak = float(line.split("peak +")[1].split()[0])
+        assert peak < 0.5, line
+
+
 # -- disk offload: RAM bounded by its buffers --------------------------------------------------------------------------
 
 
