@@ -211,7 +211,12 @@ def profile_one(step, batches, args, trace_path=None) -> dict:
     top_cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:30]
     top_dev = sorted(ka, key=lambda e: -getattr(e, "self_device_time_total", 0))[:30]
     ranges = {}
+    copies: dict[tuple[str, str], int] = {}  # (the op that launched it, the copy's kind and size class): count
     for e in events:
+        for k in getattr(e, "kernels", None) or []:
+            if "memcpy" in k.name.lower():
+                key = (e.name, k.name)
+                copies[key] = copies.get(key, 0) + 1
         if e.name.startswith("fzero."):
             key = e.name.split(":")[0]
             r = ranges.setdefault(key, [0, 0.0])
@@ -229,6 +234,8 @@ def profile_one(step, batches, args, trace_path=None) -> dict:
         "top_self_cpu": [(e.key, e.count / n, e.self_cpu_time_total / n / 1e3) for e in top_cpu],
         "top_self_device": [(e.key, e.count / n, getattr(e, "self_device_time_total", 0) / n / 1e3) for e in top_dev],
         "fzero_ranges": {k: (c / n, t / n / 1e3) for k, (c, t) in sorted(ranges.items(), key=lambda kv: -kv[1][1])[:40]},
+        # which op makes each device copy, and of which kind (HtoD / DtoH / DtoD, pageable or pinned)
+        "memcpy_by_op": [(f"{op} -> {kind}", c / n) for (op, kind), c in sorted(copies.items(), key=lambda kv: -kv[1])[:20]],
     }
 
 
@@ -354,7 +361,7 @@ def main(argv=None) -> None:
 
                 row["error"] = "".join(traceback.format_exception(e))[-3000:]
             results.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("top") and k != "fzero_ranges"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("top") and k not in ("fzero_ranges", "memcpy_by_op")}), flush=True)
             lines = [f"== {size} {name}{' jit' if args.jit else ''}: " + json.dumps({k: row.get(k) for k in (
                 "step_ms", "tokens_per_s", "peak_gib", "wall_ms_profiled", "device_busy_ms", "kernels_per_step",
                 "memcpy_per_step", "launches_per_step", "syncs_per_step", "memcpy_calls_per_step", "record_event_per_step")})]
@@ -363,6 +370,9 @@ def main(argv=None) -> None:
             for key in ("top_self_cpu", "top_self_device"):
                 lines.append(f"-- {key} (name, calls/step, ms/step)")
                 lines += [f"{ms:9.3f} {c:7.1f}  {k[:110]}" for k, c, ms in row.get(key, [])]
+            if row.get("memcpy_by_op"):
+                lines.append("-- device copies (the op that made it -> its kind, per step)")
+                lines += [f"{c:7.1f}  {what[:140]}" for what, c in row["memcpy_by_op"]]
             if row.get("fzero_ranges"):
                 lines.append("-- fzero ranges (name, calls/step, cpu ms/step incl. children)")
                 lines += [f"{ms:9.3f} {c:7.1f}  {k}" for k, (c, ms) in row["fzero_ranges"].items()]
