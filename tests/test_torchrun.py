@@ -6,6 +6,7 @@ run pins torch to one thread too (one intra-op thread sums in one order: the sam
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from launch import torchrun
 from problems import PROBLEMS, fzero_run
 
 HERE = os.path.dirname(__file__)
-# One xdist worker runs this module's tests (``--dist loadgroup``), so that their jobs share its launches (``launched``).
+# One xdist worker runs this module's tests (``--dist loadgroup``) where xdist groups them; ``launched`` shares the
+# launches between workers where it does not.
 pytestmark = pytest.mark.xdist_group("test_torchrun")
 
 
@@ -45,31 +47,56 @@ def _job(name: str, params: dict, where) -> tuple[int, list[str]] | None:
 
 
 @pytest.fixture(scope="module")
-def launched(request, tmp_path_factory) -> dict:
-    """Test id -> its job's directory: every selected test of this module has its job run by one torchrun launch per
-    number of ranks (``torchrun_worker.py --jobs``), not one launch per test (about 5 s each on 2 cores)."""
-    root = tmp_path_factory.mktemp("torchrun_jobs")
+def launched(request, tmp_path_factory) -> tuple[dict, dict]:
+    """(test id -> its job's directory, test id -> why its launch failed): every selected test of this module has its
+    job run by one torchrun launch per number of ranks (``torchrun_worker.py --jobs``), not one launch per test (about
+    5 s each on 2 cores). Under xdist the workers share those launches, in a directory of the run: the first worker to
+    need one runs it, under a lock, and the others wait for it and read it. Why not the xdist group alone: a worker
+    does not know which of the module's tests it will get (``--dist load``, ``worksteal``, or ``loadgroup`` where it
+    does not group: pytest-xdist 3.8 under pytest 9.2, pytest-dev/pytest-xdist#1386), and a launch of every job in
+    each worker ran them all once per worker."""
+    import filelock  # torch's own dependency
+
+    items = [it for it in request.session.items if it.module is request.module]
+    shared = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    root = tmp_path_factory.getbasetemp().parent / "torchrun_jobs" if shared else tmp_path_factory.mktemp("torchrun_jobs")
+    root.mkdir(exist_ok=True)
     dirs: dict[str, object] = {}
-    jobs: dict[int, list[list[str]]] = {}
-    for i, item in enumerate(it for it in request.session.items if it.module is request.module):
+    held: dict[int, list[tuple[str, list[str]]]] = {}
+    for i, item in enumerate(items):  # the same items, in the same order, in every worker
         where = root / str(i)
         job = _job(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), where)
         if job is None:
             continue
-        (where / "offload").mkdir(parents=True)
         dirs[item.nodeid] = where
-        jobs.setdefault(job[0], []).append(job[1])
-    for nproc, lists in jobs.items():
-        spec = root / f"jobs-{nproc}.json"
-        spec.write_text(json.dumps(lists))
-        torchrun([os.path.join(HERE, "torchrun_worker.py"), "--jobs", str(spec)], nproc=nproc, timeout=60 + 30 * len(lists))
-    return dirs
+        held.setdefault(job[0], []).append((item.nodeid, job[1]))
+    failed: dict[str, str] = {}
+    with filelock.FileLock(str(root) + ".lock"):
+        for nproc, jobs in held.items():
+            done, failure = root / f"done-{nproc}", root / f"failed-{nproc}.txt"
+            if not done.exists() and not failure.exists():
+                for nodeid, _ in jobs:
+                    (dirs[nodeid] / "offload").mkdir(parents=True, exist_ok=True)
+                spec = root / f"jobs-{nproc}.json"
+                spec.write_text(json.dumps([args for _, args in jobs]))
+                try:
+                    torchrun([os.path.join(HERE, "torchrun_worker.py"), "--jobs", str(spec)], nproc=nproc,
+                             timeout=60 + 30 * len(jobs))
+                    done.touch()
+                except (AssertionError, subprocess.TimeoutExpired) as e:
+                    failure.write_text(str(e))
+            if failure.exists():
+                failed.update((nodeid, failure.read_text()) for nodeid, _ in jobs)
+    return dirs, failed
 
 
 @pytest.fixture
 def job(request, launched):
     """This test's job: what rank 0 saved, and its offload directory."""
-    where = launched[request.node.nodeid]
+    dirs, failed = launched
+    if request.node.nodeid in failed:
+        pytest.fail(f"this test's torchrun launch failed:\n{failed[request.node.nodeid]}", pytrace=False)
+    where = dirs[request.node.nodeid]
     return torch.load(where / "out.pt", weights_only=False), where / "offload"
 
 

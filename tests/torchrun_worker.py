@@ -44,8 +44,13 @@ def main() -> None:
             jobs = json.load(f)
     else:
         jobs = [sys.argv[1:]]
-    for job in jobs:
-        run(parser().parse_args(job))
+    for i, job in enumerate(jobs):
+        try:
+            run(parser().parse_args(job))
+        except BaseException as e:  # which job failed, in its traceback (the tests' error shows a launch's stderr)
+            if hasattr(e, "add_note"):
+                e.add_note(f"torchrun_worker.py: job {i + 1} of {len(jobs)} failed: {' '.join(job)}")
+            raise
         torch.distributed.barrier()  # the ranks start each job together
     # every rank tears down together: a rank that destroys its gloo group while the other is still in (or just
     # past) the last collective can abort in C++ ("terminate called without an active exception") under load
