@@ -380,7 +380,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     mask = None if attn_mask is None else _mask_4d(attn_mask, q)
     nb = -(-seq // layout.block)
     frozen = _hashable(layout)
-    blocks = (_cached_blocks if frozen else _checked_blocks)(layout, heads, nb)  # on the host
+    blocks = _blocks(layout, heads, nb, frozen)  # on the host
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "flex" or (impl == "auto" and q.is_cuda):
         if frozen and mask is None:  # the block mask made once for the layout and length (the caller's mask is data)
@@ -418,6 +418,15 @@ def _checked_blocks(layout: Any, heads: int, nb: int) -> torch.Tensor:
 # step with the same layout, and making them (Python loops over the blocks) took 1.4 ms at 512 blocks, 22 ms at 2,048.
 # Callers never write them (the reference reads them; the flex path copies them to the device).
 _cached_blocks = functools.lru_cache(maxsize=32)(_checked_blocks)
+
+
+def _blocks(layout: Any, heads: int, nb: int, frozen: bool) -> torch.Tensor:
+    """The layout's checked blocks: from the cache for a frozen layout, except while ``torch.compile`` traces (a unit
+    under ``jit=True``): Dynamo does not call an ``lru_cache``, it traces the function inside and warns that it did
+    ("Dynamo detected a call to a functools.lru_cache-wrapped function"), an error where warnings are."""
+    if frozen and not torch.compiler.is_compiling():
+        return _cached_blocks(layout, heads, nb)
+    return _checked_blocks(layout, heads, nb)
 
 
 def _reference(q, k, v, blocks, bs, *, causal, scale, attn_mask=None):
@@ -479,7 +488,7 @@ def _block_mask(layout: Any, heads: int, seq_len: int, causal: bool, device: str
     """The ``BlockMask`` of a (frozen, hashable) layout at a length, made once: a model's attention layers and its
     steps share it (made per call, its making was most of a sparse layer's time)."""
     nb = -(-seq_len // layout.block)
-    blocks = _cached_blocks(layout, heads, nb)
+    blocks = _blocks(layout, heads, nb, True)
     return _make_block_mask(blocks.to(device), layout.block, seq_len, causal, torch.device(device))
 
 

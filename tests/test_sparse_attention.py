@@ -178,6 +178,17 @@ def test_a_frozen_layouts_blocks_are_made_and_checked_once_per_length_and_a_bad_
     torch.testing.assert_close(dense, F.scaled_dot_product_attention(q, q, q))
 
 
+def test_a_frozen_layout_compiles_without_dynamo_s_lru_cache_warning():
+    """Under ``torch.compile`` (a unit under ``jit=True``) the blocks are made as they are traced, not looked up in
+    their cache: Dynamo does not call an ``lru_cache``, and warned "Dynamo detected a call to a
+    functools.lru_cache-wrapped function" at every compile of the reference path (an error here, where warnings are)."""
+    layout = ops.FixedLayout(block=4, num_local_blocks=2)
+    q = torch.randn(1, 2, 12, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: ops.sparse_attention(x, x, x, layout, impl="torch"), backend="eager")
+    torch.testing.assert_close(compiled(q), ops.sparse_attention(q, q, q, layout, impl="torch"), rtol=0, atol=0)
+
+
 def test_the_deepspeed_config_block_gives_the_layout():
     block = {"mode": "fixed", "block": 16, "different_layout_per_head": True, "num_local_blocks": 4,
              "num_global_blocks": 1, "attention": "bidirectional", "horizontal_global_attention": False,
