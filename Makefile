@@ -2,8 +2,9 @@
 # skips what is already installed, so they run the same on a fresh machine and on a used checkout.
 # torch goes in first, pinned: on this kind of machine torch==2.13.0 is a CPU wheel on local disk,
 # whereas letting `pip install -e .` resolve torch>=2.4 could fetch a multi-GB CUDA build.
-# The tests run on two pytest-xdist workers (13-15 minutes on 2 cores); --dist loadgroup keeps the tests that share
-# a torchrun launch on one worker (tests/test_torchrun.py: one launch for all its jobs, not one per test).
+# The tests run on two pytest-xdist workers (12-14 minutes on 2 cores). tests/test_torchrun.py's tests share one
+# torchrun launch for all their jobs, whichever worker runs them (a lock in the run's directory); --dist loadgroup
+# also keeps them on one worker where pytest-xdist groups (not under pytest 9.2 with xdist 3.8: xdist issue 1386).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0

@@ -81,7 +81,7 @@ def launched(request, tmp_path_factory) -> tuple[dict, dict]:
                 spec.write_text(json.dumps([args for _, args in jobs]))
                 try:
                     torchrun([os.path.join(HERE, "torchrun_worker.py"), "--jobs", str(spec)], nproc=nproc,
-                             timeout=60 + 30 * len(jobs))
+                             timeout=120 + 40 * len(jobs))
                     done.touch()
                 except (AssertionError, subprocess.TimeoutExpired) as e:
                     failure.write_text(str(e))
