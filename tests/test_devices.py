@@ -283,6 +283,8 @@ def test_host_tensors_are_reduced_on_the_gpu_where_the_group_has_no_gloo(monkeyp
     assert host_stage("group") is None
     backend["now"] = "gloo"
     assert host_stage("group") is None
+    backend["now"] = "mpi"  # a backend that takes host tensors itself (mpi, ucc): the host, as before
+    assert host_stage("group") is None
     assert host_stage(None) is None  # a local mesh's comm: no group
 
 

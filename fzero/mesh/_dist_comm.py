@@ -47,9 +47,10 @@ def host_stage(group: Any) -> torch.device | None:
     "did any rank fail?", a count, an offloaded optimizer's norms) failed there with torch's bare "No backend type
     associated with device type cpu" (every ``fzero.checkpoint.save`` under torchrun did). A local mesh's comm (no
     ``group``) sums any tensor: the host."""
-    if group is None or not (dist.is_available() and dist.is_initialized()) or "gloo" in str(dist.get_backend(group)):
+    if group is None or not (dist.is_available() and dist.is_initialized()):
         return None
-    if not torch.cuda.is_available():  # a backend of neither gloo nor CUDA (mpi, a custom one): as before
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "nccl" not in backend or not torch.cuda.is_available():  # mpi, ucc, a custom one: the host
         return None
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -69,12 +70,13 @@ class DistComm(Recording):
         self._gloo = size > 1 and "gloo" in str(dist.get_backend(group))
         self.stage = host_stage(group)  # where host tensors go for a collective (None: they stay)
 
-    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` where the group can reduce it: a copy on ``stage`` for a host tensor on a group without gloo,
-        ``tensor`` itself elsewhere. The caller writes a copy's result back (``_back``)."""
+    def _staged(self, tensor: torch.Tensor, *, read: bool = True) -> torch.Tensor:
+        """``tensor`` where the group can reduce it: a copy on ``stage`` for a host tensor on a group without gloo
+        (``read=False``: a buffer of its shape there, for what the collective only writes), ``tensor`` itself
+        elsewhere. The caller writes a staged buffer's result back (``_back``)."""
         if self.stage is None or tensor.device.type != "cpu":
             return tensor
-        return tensor.to(self.stage, copy=True)
+        return tensor.to(self.stage, copy=True) if read else torch.empty_like(tensor, device=self.stage)
 
     @staticmethod
     def _back(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
@@ -176,7 +178,7 @@ class DistComm(Recording):
             sent = self._post(lambda: _p2p.all_gather(out, shard, rank=self.rank, size=self.size, group=self.group), call)
             return Pending(lambda: (self._wait_works(sent.works, call, out), sent.finish())[1])
         # gloo may not accept an input that aliases the output; a shard-sized copy is cheap.
-        staged, piece = self._staged(out), self._staged(shard)
+        staged, piece = self._staged(out, read=False), self._staged(shard)
         piece = piece.clone() if piece is shard else piece
         work = self._post(lambda: _ALL_GATHER(staged, piece, group=self.group, async_op=True), call)
         return Pending(lambda: (self._wait(work, call, staged), self._back(out, staged))[1])
@@ -192,7 +194,7 @@ class DistComm(Recording):
             sent = self._post(lambda: _p2p.reduce_scatter(full, rank=self.rank, size=self.size, group=self.group, out=out), call)
             return Pending(lambda: (self._wait_works(sent.works, call, full), sent.finish())[1])
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device) if out is None else out
-        staged, whole = self._staged(out), self._staged(full)
+        staged, whole = self._staged(out, read=False), self._staged(full)
         work = self._post(lambda: _REDUCE_SCATTER(staged, whole, op=dist.ReduceOp.SUM, group=self.group, async_op=True), call)
         return Pending(lambda: (self._wait(work, call, whole), self._back(out, staged))[1])
 
@@ -216,6 +218,6 @@ class DistComm(Recording):
     def broadcast(self, tensor, *, src, tag, label=None):
         self._note("broadcast", tag, tensor.numel(), tensor, label)
         call = self._issue("broadcast", tag, label, tensor, tensor.numel(), src)
-        staged = self._staged(tensor)
+        staged = self._staged(tensor, read=self.rank == src)
         self._wait(self._post(lambda: dist.broadcast(staged, src=src, group=self.group, async_op=True), call), call, staged)
         return self._back(tensor, staged)
