@@ -356,7 +356,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Attention of ``q, k, v`` (batch, heads, seq, head_dim) over the blocks of ``layout`` (see the module docstring).
     ``impl``: "flex" (CUDA: FlexAttention), "torch" (the block-sparse reference), or "auto" (flex on CUDA).
     ``attn_mask``: the model's mask (padding), bool and broadcastable to (batch, heads, seq, seq), True where a query
-    may attend (as SDPA's); it is ANDed with the layout. A query with no key left gives zeros, as with SDPA."""
+    may attend (as SDPA's); it is ANDed with the layout. A query with no key left gives zeros, as with SDPA.
+    A hashable layout (the frozen configs here) is read once per sequence length and head count, its blocks kept: to
+    change the pattern, make another layout (``dataclasses.replace``), not a change to an object already used."""
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         gqa = (q.dim() == 4 and k.dim() == 4 and k.shape[1] != q.shape[1] and k.shape[::2] == q.shape[::2])
         raise ValueError(f"fzero.ops.sparse_attention: q, k, v must be (batch, heads, seq, head_dim) alike; got "
@@ -425,7 +427,8 @@ def _blocks(layout: Any, heads: int, nb: int, frozen: bool) -> torch.Tensor:
     under ``jit=True``): Dynamo does not call an ``lru_cache``, it traces the function inside and warns that it did
     ("Dynamo detected a call to a functools.lru_cache-wrapped function"), an error where warnings are."""
     if frozen and not torch.compiler.is_compiling():
-        return _cached_blocks(layout, heads, nb)
+        with torch._C._DisableFuncTorch():  # made outside torch.func's transforms: the cache outlives their levels
+            return _cached_blocks(layout, heads, nb)
     return _checked_blocks(layout, heads, nb)
 
 
