@@ -353,61 +353,14 @@ def test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back(tmp_pat
 
 @pytest.mark.gpu
 @CUDA
-def test_save_s_flag_is_reduced_over_a_group_of_nccl_alone(tmp_path):
-    """The CPU twin: ``test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back``. A one-process NCCL
-    group (no gloo beside it), as ``dist.init_process_group("nccl")`` makes under torchrun: save's flag is reduced."""
-    import torch.distributed as dist
+@pytest.mark.parametrize("check", ["flags", "lamb"])
+def test_host_tensors_are_reduced_over_a_group_of_nccl_alone(check):
+    """The GPU twin of ``test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back``: a one-rank torchrun
+    job whose group is NCCL's alone (``tests/nccl_worker.py``, which says why a child process). ``flags``: save's flag
+    and save_weights' verdict are reduced; ``lamb``: ``offload="cpu"`` with LAMB (per-parameter norms summed on the
+    host) trains as on ``local_mesh(1)``, bitwise."""
+    import os
 
-    from fzero.checkpoint._collective import Ranks
-    from fzero.checkpoint._weights import _agree
-    from fzero.mesh import DistComm
+    from launch import torchrun
 
-    if dist.is_initialized():
-        pytest.skip("a process group exists in this process already")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        comm = DistComm(0, 1, dist.group.WORLD, None, None, collectives="native")
-        ranks = Ranks("x", False)
-        ranks.comm = comm
-        assert ranks.any(True, "what") is True and ranks.any(False, "what") is False
-        _agree(None, comm, "x")  # no error: rank 0 wrote
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.gpu
-@CUDA
-def test_an_offloaded_lamb_trains_over_a_group_of_nccl_alone(tmp_path, monkeypatch):
-    """``offload="cpu"`` with LAMB (its per-parameter norms are summed over the ranks on the host, where the optimizer
-    runs) on a one-process NCCL group with no gloo beside it: the norms are reduced on the GPU (``host_stage``), and two
-    steps equal the same steps on ``local_mesh(1)``, whose comm sums on the host. Its CPU twin:
-    ``test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back``."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group exists in this process already")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).cuda()
-    batches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
-
-    def loss_fn(p, x):
-        return fzero.apply(model, p, x).square().mean()
-
-    def run(mesh):
-        step = fzero.compile(loss_fn, optimizer=fzero.optim.lamb(1e-2), stages=2, offload="cpu", mesh=mesh)
-        state = step.init(fzero.params_of(model))
-        for x in batches:
-            state, _ = step(state, x)
-        return step.gather(state)
-
-    want = run(fzero.local_mesh(1))
-    # no fault board: its process hooks would outlive this test's process group (they write to its store at exit)
-    monkeypatch.setattr("fzero.mesh._mesh.fault_board", lambda timeout: None)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        got = run(fzero.dist_mesh())
-    finally:
-        dist.destroy_process_group()
-    assert_trees_equal(got, want)
+    torchrun([os.path.join(os.path.dirname(__file__), "nccl_worker.py"), "--check", check], nproc=1, timeout=120)
