@@ -293,7 +293,7 @@ def test_a_comm_copies_each_host_tensor_to_its_stage_and_the_result_back(tmp_pat
     a host tensor on its stage device and writes the result back into the caller's tensor; with no stage (gloo
     serves the host) the tensor itself. Save's flag (``Ranks.any``) and ``save_weights``' verdict go through it: under
     NCCL alone they failed with torch's bare "No backend type associated with device type cpu". A one-rank gloo group;
-    a copy on the host stands in for the GPU (the GPU twin: ``test_save_s_flag_is_reduced_over_a_group_of_nccl_alone``)."""
+    a copy on the host stands in for the GPU (the GPU twin: ``test_host_tensors_are_reduced_over_a_group_of_nccl_alone``)."""
     import torch.distributed as dist
 
     import fzero.mesh._dist_comm as dist_comm
