@@ -39,15 +39,17 @@ def _hf_loss_fn(model):
 def _module_picture(model: nn.Module) -> dict:
     """Everything fzero must leave as it is: per submodule, its ``__dict__`` keys, every hook dictionary's
     entries, its class; and the values of every parameter and buffer. One thing fzero adds on purpose is left out: the
-    forward pre-hook that refuses a direct call of a module a step has trained (``tests/test_untrained_module.py``)."""
-    from fzero.step._module import _refuse_untrained_call
+    forward pre-hook and the state_dict pre-hook that refuse a direct call or a save of a module a step has trained
+    (``tests/test_untrained_module.py``)."""
+    from fzero.step._module import _refuse_untrained_call, _refuse_untrained_state_dict
 
     picture = {}
     for name, m in model.named_modules():
-        hooks = {k: [key for key, h in v.items() if h is not _refuse_untrained_call] for k, v in m.__dict__.items()
+        hooks = {k: [key for key, h in v.items() if h is not _refuse_untrained_call and h is not _refuse_untrained_state_dict]
+                 for k, v in m.__dict__.items()
                  if k.endswith("hooks") or "hooks_" in k}
         picture[name] = (type(m), sorted(m.__dict__), hooks)
-    picture["tensors"] = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+    picture["tensors"] = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
     return picture
 
 
@@ -258,7 +260,7 @@ def test_fzero_remat_writes_buffers_once_at_stages_0_to_2():
         before = {k: v.clone() for k, v in block.state_dict().items()}
         for i in range(3):
             state, _ = step(state, torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
-        assert all(torch.equal(v, before[k]) for k, v in block.state_dict().items())  # the recompute too
+        assert all(torch.equal(v, before[k]) for k, v in block.state_dict(keep_vars=True).items())  # the recompute too
         return step.state_dict(state, block)
 
     for stages in (0, 1, 2):

@@ -140,3 +140,52 @@ def test_trained_values_written_through_data_or_swapped_in_lift_it(how):
     model.float()
     _load(model, trained, how)
     assert torch.equal(model(x), fzero.apply(model, trained, x))
+
+
+SAVE_MESSAGE = (r"Sequential\.state_dict\(\) was called{where} after a fzero\.Step trained it.*untrained model.*"
+                r"model\.load_state_dict\(step\.state_dict\(state, model\)\)")
+
+
+@pytest.mark.parametrize("stages, ranks", [(0, 1), (2, 2), (3, 1)])
+def test_saving_a_module_a_step_trained_is_refused_until_the_trained_values_are_loaded(tmp_path, stages, ranks):
+    """``torch.save(model.state_dict())`` (and what reads it to save or copy the weights: ``save_pretrained``,
+    Accelerate's ``save_model``, an EMA's ``load_state_dict(model.state_dict())``) after training wrote the values
+    from ``step.init``, silently: hours of training lost at the save. Refused like a call, naming the fix; a parent's
+    ``state_dict()`` reads it too. ``keep_vars=True`` (the tensors by reference, how fzero's own exports read names)
+    passes, and so does a module whose trained values were loaded."""
+    model = _mlp()
+    step = _step(model, stages, ranks)
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(8, 4)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}  # before any step: the module's values are the state's
+    state, _ = step(state, {"x": x})
+    with pytest.raises(RuntimeError, match=SAVE_MESSAGE.format(where="")):
+        torch.save(model.state_dict(), tmp_path / "model.pt")  # before: the initial weights, silently
+    assert not (tmp_path / "model.pt").exists()
+    parent = torch.nn.ModuleDict({"net": model})
+    with pytest.raises(RuntimeError, match=SAVE_MESSAGE.format(where=r" \(read as 'net' of a module holding it\)")):
+        parent.state_dict()
+    assert set(model.state_dict(keep_vars=True)) == set(initial)  # names by reference: fzero's exports read them so
+    trained = step.state_dict(state, model)  # the fix the message gives: from the state
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    model.load_state_dict(trained)  # or into the module, then save as before
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(saved[k], trained[k]) for k in trained)
+
+
+def test_a_hugging_face_save_pretrained_after_training_is_refused_and_saves_the_trained_model_once_loaded(tmp_path):
+    """transformers' ``save_pretrained`` reads ``model.state_dict()``: the refusal names the model's class."""
+    model = gpt2()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b["ids"], labels=b["ids"]).loss,
+                         optimizer=fzero.optim.adamw(1e-2), stages=3)
+    state = step.init(fzero.params_of(model))
+    ids = torch.randint(0, 100, (2, 8))
+    state, _ = step(state, {"ids": ids})
+    with pytest.raises(RuntimeError, match=r"GPT2LMHeadModel\.state_dict\(\) was called after a fzero\.Step trained it"):
+        model.save_pretrained(tmp_path / "hf")
+    model.load_state_dict(step.state_dict(state, model))
+    model.save_pretrained(tmp_path / "hf")
+    reloaded = type(model).from_pretrained(tmp_path / "hf")
+    trained = step.state_dict(state, model)
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in trained.items() if k in reloaded.state_dict())

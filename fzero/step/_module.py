@@ -244,6 +244,35 @@ def note_trained_params(modules: Any) -> None:
                 _untrained.pop(module, None)
         if held and not any(h is _refuse_untrained_call for h in module._forward_pre_hooks.values()):
             module.register_forward_pre_hook(_refuse_untrained_call)
+        if held and not any(h is _refuse_untrained_state_dict for h in module._state_dict_pre_hooks.values()):
+            module.register_state_dict_pre_hook(_refuse_untrained_state_dict)
+
+
+def _still_untrained(module: nn.Module) -> bool:
+    """Whether ``module``'s trainable parameters are still the tensors a train step left them as, unchanged: their
+    values from ``step.init``, behind the state the step trained. False for a module no step trained."""
+    with _trained_lock:
+        held = _untrained.get(module)
+    if not held:
+        return False
+    now = {}
+    for name, (pid, version, _) in held.items():
+        try:
+            p = module.get_parameter(name)
+        except AttributeError:
+            p = None
+        if p is None or p.is_meta or id(p) != pid or p._version != version:  # replaced, or written in place
+            return False
+        now[name] = p
+    for name, p in now.items():  # the same tensors, unwritten in place: a write through .data changed only the values
+        first = held[name][2]
+        values = p.detach().reshape(-1)[:_FIRST]
+        if values.shape != first.shape or not torch.equal(values, first.to(device=values.device, dtype=values.dtype)):
+            return False
+    return True
+
+
+_LOAD_FIX = "model.load_state_dict(step.state_dict(state, model))"
 
 
 def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
@@ -253,34 +282,36 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     the trained values were loaded into holds other tensors, versions or values: each passes. The record stays (a
     call inside ``fzero.apply`` or ``functional_call`` sees the tensors swapped in, not the module's own). Under
     ``torch.compile``'s tracing it does nothing: a lock in the traced hook would break ``fullgraph=True``."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _still_untrained(module):
         return
-    with _trained_lock:
-        held = _untrained.get(module)
-    if not held:
-        return
-    now = {}
-    for name, (pid, version, _) in held.items():
-        try:
-            p = module.get_parameter(name)
-        except AttributeError:
-            p = None
-        if p is None or p.is_meta or id(p) != pid or p._version != version:  # replaced, or written in place
-            return
-        now[name] = p
-    for name, p in now.items():  # the same tensors, unwritten in place: a write through .data changed only the values
-        first = held[name][2]
-        values = p.detach().reshape(-1)[:_FIRST]
-        if values.shape != first.shape or not torch.equal(values, first.to(device=values.device, dtype=values.dtype)):
-            return
     kind = type(module).__name__
     raise RuntimeError(
         f"fzero: {kind} was called directly after a fzero.Step trained it, but a step trains its state, not the module: "
         f"its parameters still hold their values from step.init, so this forward would run the untrained model (an "
         f"evaluation, generate(), a sample in the loop). Put the trained values in it first, "
-        f"model.load_state_dict(step.state_dict(state, model)), then call it as before; or run it with them, "
+        f"{_LOAD_FIX}, then call it as before; or run it with them, "
         f"fzero.apply(model, step.state_dict(state, model), x). To run the values from step.init on purpose: "
         f"fzero.apply(model, fzero.params_of(model), x)."
+    )
+
+
+def _refuse_untrained_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state_dict pre-hook: refuse ``module.state_dict()`` (and a parent's, which reads it under ``prefix``) of a
+    module a step has trained while its trainable parameters still hold their ``step.init`` values, as the forward
+    pre-hook above refuses a call: what reads it to save or copy the weights (``torch.save(model.state_dict())``,
+    ``save_pretrained``, Accelerate's ``save_model``, peft's adapter file, an EMA's ``load_state_dict(model.state_dict())``)
+    would take the untrained model, silently. ``keep_vars=True`` (the tensors themselves, by reference: how fzero's own
+    ``step.state_dict``, checkpoints and exports read a module's names) passes."""
+    if keep_vars or torch.compiler.is_compiling() or not _still_untrained(module):
+        return
+    kind = type(module).__name__
+    where = f" (read as {prefix.rstrip('.')!r} of a module holding it)" if prefix else ""
+    raise RuntimeError(
+        f"fzero: {kind}.state_dict() was called{where} after a fzero.Step trained it, but a step trains its state, "
+        f"not the module: its parameters still hold their values from step.init, so this would save or copy the "
+        f"untrained model (torch.save(model.state_dict()), save_pretrained, an EMA's copy). Put the trained values in "
+        f"it first, {_LOAD_FIX}, then save it as before; or take them from the state: step.state_dict(state, model) "
+        f"(the same names), fzero.checkpoint.save_weights(step, state, out_dir, model=model) for safetensors files."
     )
 
 
