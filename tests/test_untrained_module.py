@@ -189,3 +189,36 @@ def test_a_hugging_face_save_pretrained_after_training_is_refused_and_saves_the_
     reloaded = type(model).from_pretrained(tmp_path / "hf")
     trained = step.state_dict(state, model)
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in trained.items() if k in reloaded.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_loaders_that_read_state_dict_for_its_names_load_into_a_trained_module(tmp_path):
+    """safetensors' load_model, Accelerate's load_state / load_checkpoint_in_model and peft's set_peft_model_state_dict
+    (load_adapter, PeftModel.from_pretrained) read ``model.state_dict()`` for its names before they load: a load into
+    a trained module (the trained values from a file: the fix) was refused as a save of the untrained weights."""
+    import safetensors.torch
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = gpt2()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, input_ids=b, labels=b).loss, optimizer=fzero.optim.adamw(1e-2), stages=2)
+    state = step.init(fzero.params_of(model))
+    state, _ = step(state, torch.randint(0, 128, (2, 16)))
+    fzero.checkpoint.save_weights(step, state, tmp_path / "w", model=model, format="safetensors", dtype="fp32")
+    with pytest.raises(RuntimeError, match=r"GPT2LMHeadModel\.state_dict\(\) was called after a fzero\.Step trained it"):
+        model.state_dict()
+    safetensors.torch.load_model(model, next((tmp_path / "w").glob("*.safetensors")), strict=False)
+    want = step.state_dict(state, model)
+    assert all(torch.equal(t, want[n]) for n, t in model.state_dict().items())  # loaded: passes, the trained values
+
+    lora = peft.get_peft_model(gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+    lora.save_pretrained(tmp_path / "second")
+    step = fzero.compile(lambda p, b: fzero.apply(lora, p, input_ids=b, labels=b).loss, optimizer=fzero.optim.adamw(1e-2), stages=2)
+    state = step.init(fzero.params_of(lora))
+    state, _ = step(state, torch.randint(0, 128, (2, 16)))
+    lora.load_adapter(tmp_path / "second", adapter_name="second")  # another adapter beside the trained one
+    with pytest.raises(RuntimeError, match=r"PeftModel\.state_dict\(\) was called after a fzero\.Step trained it"):
+        lora.state_dict()  # the trained adapter is still its step.init values
+    adapter = peft.get_peft_model_state_dict(lora, state_dict=step.state_dict(state, lora))
+    peft.set_peft_model_state_dict(lora, adapter)
+    assert lora.state_dict()

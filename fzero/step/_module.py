@@ -295,6 +295,27 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     )
 
 
+# Loaders that read ``module.state_dict()`` (keep_vars=False) for its names and shapes, then load into the module: a
+# load (the trained values from a file, a second adapter), never a save, so a trained module's state_dict() there passes.
+# (module, function) as the frame names them; the load itself writes the params, which lifts the refusal.
+_LOADERS = frozenset({
+    ("safetensors.torch", "load_model"),  # also accelerate's load_state / load_checkpoint_in_model of .safetensors
+    ("accelerate.utils.modeling", "load_checkpoint_in_model"),
+    ("peft.utils.save_and_load", "set_peft_model_state_dict"),  # PeftModel.load_adapter, from_pretrained, transformers' load_adapter
+    ("peft.utils.save_and_load", "set_base_model_state_dict"),
+})
+
+
+def _loading() -> bool:
+    """Whether a loader of ``_LOADERS`` is on the stack (read only where the refusal would otherwise be raised)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _LOADERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _refuse_untrained_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """A state_dict pre-hook: refuse ``module.state_dict()`` (and a parent's, which reads it under ``prefix``) of a
     module a step has trained while its trainable parameters still hold their ``step.init`` values, as the forward
@@ -302,7 +323,7 @@ def _refuse_untrained_state_dict(module: nn.Module, prefix: str, keep_vars: bool
     ``save_pretrained``, Accelerate's ``save_model``, peft's adapter file, an EMA's ``load_state_dict(model.state_dict())``)
     would take the untrained model, silently. ``keep_vars=True`` (the tensors themselves, by reference: how fzero's own
     ``step.state_dict``, checkpoints and exports read a module's names) passes."""
-    if keep_vars or torch.compiler.is_compiling() or not _still_untrained(module):
+    if keep_vars or torch.compiler.is_compiling() or not _still_untrained(module) or _loading():
         return
     kind = type(module).__name__
     where = f" (read as {prefix.rstrip('.')!r} of a module holding it)" if prefix else ""
