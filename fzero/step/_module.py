@@ -273,6 +273,7 @@ def _still_untrained(module: nn.Module) -> bool:
 
 
 _LOAD_FIX = "model.load_state_dict(step.state_dict(state, model))"
+_LIGHTNING = " Under fzero's Lightning strategy the step and state are trainer.strategy.step and trainer.strategy.state."
 
 
 def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
@@ -291,7 +292,7 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
         f"evaluation, generate(), a sample in the loop). Put the trained values in it first, "
         f"{_LOAD_FIX}, then call it as before; or run it with them, "
         f"fzero.apply(model, step.state_dict(state, model), x). To run the values from step.init on purpose: "
-        f"fzero.apply(model, fzero.params_of(model), x)."
+        f"fzero.apply(model, fzero.params_of(model), x).{_LIGHTNING}"
     )
 
 
@@ -333,6 +334,7 @@ def _refuse_untrained_state_dict(module: nn.Module, prefix: str, keep_vars: bool
         f"untrained model (torch.save(model.state_dict()), save_pretrained, an EMA's copy). Put the trained values in "
         f"it first, {_LOAD_FIX}, then save it as before; or take them from the state: step.state_dict(state, model) "
         f"(the same names), fzero.checkpoint.save_weights(step, state, out_dir, model=model) for safetensors files."
+        f"{_LIGHTNING}"
     )
 
 
