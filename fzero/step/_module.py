@@ -309,7 +309,7 @@ _LOADERS = frozenset({
 
 def _loading() -> bool:
     """Whether a loader of ``_LOADERS`` is on the stack (read only where the refusal would otherwise be raised)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _LOADERS:
             return True
