@@ -3,8 +3,7 @@
 # torch goes in first, pinned: on this kind of machine torch==2.13.0 is a CPU wheel on local disk,
 # whereas letting `pip install -e .` resolve torch>=2.4 could fetch a multi-GB CUDA build.
 # The tests run on two pytest-xdist workers (12-14 minutes on 2 cores). tests/test_torchrun.py's tests share one
-# torchrun launch for all their jobs, whichever worker runs them (a lock in the run's directory); --dist loadgroup
-# also keeps them on one worker where pytest-xdist groups (not under pytest 9.2 with xdist 3.8: xdist issue 1386).
+# torchrun launch for all their jobs, whichever worker runs them (a lock in the run's directory).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -24,4 +23,4 @@ train: $(VENV)/bin/python
 test: $(VENV)/bin/python
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[test]'
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
+	$(VENV)/bin/python -m pytest -q -n 2

@@ -17,9 +17,6 @@ from launch import torchrun
 from problems import PROBLEMS, fzero_run
 
 HERE = os.path.dirname(__file__)
-# One xdist worker runs this module's tests (``--dist loadgroup``) where xdist groups them; ``launched`` shares the
-# launches between workers where it does not.
-pytestmark = pytest.mark.xdist_group("test_torchrun")
 
 
 def _job(name: str, params: dict, where) -> tuple[int, list[str]] | None:
@@ -51,10 +48,10 @@ def launched(request, tmp_path_factory) -> tuple[dict, dict]:
     """(test id -> its job's directory, test id -> why its launch failed): every selected test of this module has its
     job run by one torchrun launch per number of ranks (``torchrun_worker.py --jobs``), not one launch per test (about
     5 s each on 2 cores). Under xdist the workers share those launches, in a directory of the run: the first worker to
-    need one runs it, under a lock, and the others wait for it and read it. Why not the xdist group alone: a worker
-    does not know which of the module's tests it will get (``--dist load``, ``worksteal``, or ``loadgroup`` where it
-    does not group: pytest-xdist 3.8 under pytest 9.2, pytest-dev/pytest-xdist#1386), and a launch of every job in
-    each worker ran them all once per worker."""
+    need one runs it, under a lock, and the others wait for it and read it. Why: a worker does not know which of the
+    module's tests it will get, and a launch of every job in each worker ran them all once per worker (an xdist group
+    would keep them on one worker, but ``--dist loadgroup`` does not group under pytest 9.2 with pytest-xdist 3.8,
+    pytest-dev/pytest-xdist#1386)."""
     import filelock  # torch's own dependency
 
     items = [it for it in request.session.items if it.module is request.module]
