@@ -11,19 +11,15 @@ row's arithmetic is 0: the buffers are made before. The CUDA rows run where CUDA
 """
 
 import argparse
+import os
 import sys
 import threading
 import time
 
 import torch
 
-
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offload_rss import vm_rss as rss  # noqa: E402  (this directory's: the resident set, from /proc)
 
 
 class Peak:
