@@ -130,6 +130,47 @@ def test_offload_equals_no_offload_on_the_same_device(tmp_path, device, where, p
             assert_trees_close({k: v.to(device) for k, v in g.items()}, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+@CUDA
+def test_offloaded_gradients_leave_the_device_unit_by_unit(monkeypatch):
+    """``offload="cpu"`` with the params on the GPU: each unit's gradient shard goes to its host buffer in backward,
+    so the device's peak in a step holds a unit or two of gradient, not the whole (ZeRO-Offload's device memory: the
+    params). Against the same step with the gradient kept on the device until the update (the route turned off): at
+    least half the gradient's bytes less at the peak, and the same params (the same host AdamW on the same numbers;
+    the norm is summed on the host instead, and the divisor is 1). CPU twin, the route forced on a CPU:
+    ``tests/test_offload.py::test_offloaded_gradients_go_to_the_host_as_backward_makes_them``."""
+    import fzero.zero._policies as policies
+
+    torch.manual_seed(0)
+    d, layers = 1024, 16
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)]).cuda()
+    x = torch.randn(4, d, device="cuda")
+
+    def loss_fn(params, b):
+        return fzero.apply(model, params, b).pow(2).mean()
+
+    def second_step(route: bool):
+        with monkeypatch.context() as m:
+            if not route:
+                m.setattr(policies, "_on_device", lambda t: False)
+            step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(1), offload="cpu")
+            state = step.init(fzero.params_of(model))
+            state, _ = step(state, x)  # the first step makes the host buffers
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            state, metrics = step(state, x)
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base, step.gather(state), metrics
+
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+    routed, params, metrics = second_step(True)
+    kept, params_kept, metrics_kept = second_step(False)
+    assert kept - routed >= 0.5 * grad_bytes, (kept, routed, grad_bytes)
+    assert_trees_close(params, params_kept, rtol=1e-6, atol=1e-7)
+    assert metrics["grad_norm"] == pytest.approx(metrics_kept["grad_norm"], rel=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_saved_on_the_device_loads_on_the_cpu_and_back(tmp_path, device):
     prob = on(PROBLEMS["mlp"](steps=3), device)

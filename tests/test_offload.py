@@ -405,3 +405,97 @@ def test_disk_offload_with_parameter_groups_equals_no_offload_bitwise(tmp_path, 
     got = train(fzero.DiskOffload(str(tmp_path), sub_group_size=sub_group_size))
     for g, e in zip(got, base):
         assert_trees_equal(g, e)
+
+
+def _homes_forced(monkeypatch):
+    """Route a CPU step's gradients through the host buffers that ``CPUOffload`` gives a step whose params are on a GPU
+    (host and device are one memory here, so the route is off by itself); returns a count of the gradients routed."""
+    import fzero.zero._policies as policies
+    import fzero.zero._stages as stages_mod
+
+    monkeypatch.setattr(policies, "_on_device", lambda t: True)
+    routed = {"n": 0}
+    to_home = stages_mod.ShardGradView._to_home
+
+    def counted(self, *a, **k):
+        routed["n"] += 1
+        return to_home(self, *a, **k)
+
+    monkeypatch.setattr(stages_mod.ShardGradView, "_to_home", counted)
+    return routed
+
+
+_BF16_FP32_REDUCE = fzero.Precision(compute=torch.bfloat16, reduce=torch.float32)  # fp32 shards, rounded to the bf16 param's
+
+
+@pytest.mark.parametrize("stages, ranks, precision, grad_accum, bucket", [
+    (2, 1, "fp32", 1, 0), (2, 2, "bf16", 2, 1 << 20), (3, 1, "bf16", 2, 0), (3, 2, "fp32", 1, 1 << 20), (3, 2, "bf16", 2, 0),
+    (3, 2, _BF16_FP32_REDUCE, 2, 0), (2, 2, _BF16_FP32_REDUCE, 1, 0)],
+    ids=lambda v: "bf16-reduce-fp32" if isinstance(v, fzero.Precision) else str(v))
+def test_offloaded_gradients_go_to_the_host_as_backward_makes_them(monkeypatch, stages, ranks, precision, grad_accum, bucket):
+    """With the params on a GPU, ``offload="cpu"`` sends each unit's gradient shard to a host buffer as soon as its
+    reduction is waited for, so the device never holds the whole gradient (ZeRO-Offload's device memory: the params).
+    On the CPU the route is off (one memory); forced on here, it runs: every step's params and metrics bitwise those of
+    the step without it (the same roundings: the shard's dtype, sums over micro-batches kept in it), the buffers made
+    at the first step and reused, a unit's buffer one per rank's shard. Clipping on, so the host's norm counts."""
+    prob = PROBLEMS["gpt"](steps=3)
+    kw = dict(stages=stages, mesh=fzero.local_mesh(ranks), precision=precision, grad_accum=grad_accum, offload="cpu",
+              clip_grad_norm=0.05, bucket_elements=bucket)
+
+    def steps():
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), **kw)
+        state = step.init(fzero.params_of(prob.model))
+        out = []
+        for b in prob.batches:
+            state, m = step(state, b)
+            out.append((step.gather(state), m["loss"], m["grad_norm"]))
+        return out, state
+
+    base, _ = steps()
+    routed = _homes_forced(monkeypatch)
+    got, state = steps()
+    assert routed["n"] >= len(prob.batches) * grad_accum * len(state[0].meta.layout.units)  # each unit, each micro-batch
+    for (g, loss, norm), (e, loss_e, norm_e) in zip(got, base):
+        assert_trees_equal(g, e)
+        assert (loss, norm) == (loss_e, norm_e)
+    # one buffer per unit and rank, kept on the state's flats from the first step on: the same memory every step
+    from fzero.zero._policies import _HOMES
+
+    homes = [h for rank in state for flat in rank.params.values() for h in flat.__dict__.get(_HOMES, {}).values()]
+    assert len({h.data_ptr() for h in homes}) == len(state[0].meta.layout.units) * ranks
+    assert all(h.dtype == torch.float32 for h in homes)
+
+
+def test_a_saved_state_holds_no_gradient_buffer(monkeypatch, tmp_path):
+    """The host gradient buffers are kept on the state's flats, whose attributes ``torch.save`` and ``copy.deepcopy``
+    carry: they are left out (a checkpoint of a state holds no gradient-sized buffer beside its params)."""
+    import copy
+
+    from fzero.zero._policies import _HOMES
+
+    _homes_forced(monkeypatch)
+    prob = PROBLEMS["gpt"](steps=1)
+    step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(1), offload="cpu")
+    state = step.init(fzero.params_of(prob.model))
+    state, _ = step(state, prob.batches[0])
+    flats = dict(state[0].params)
+    assert all(flat.__dict__.get(_HOMES) for flat in flats.values())
+    torch.save(flats, tmp_path / "flats.pt")
+    loaded = torch.load(tmp_path / "flats.pt", weights_only=False)
+    copied = copy.deepcopy(flats)
+    for name, flat in flats.items():
+        assert torch.equal(loaded[name], flat) and torch.equal(copied[name], flat)
+        assert not loaded[name].__dict__.get(_HOMES) and not copied[name].__dict__.get(_HOMES)
+
+
+def test_only_cpu_offload_of_device_params_moves_gradients_in_backward():
+    """``grad_homes``: a host buffer per unit only where the optimizer is on the host and the params are not (CUDA);
+    on a CPU-only machine, with ``offload_params=True`` (shards on the host) or disk offload (sub-groups of the device
+    gradient at a time), and without offload, None: the gradient stays where backward makes it."""
+    from fzero.step._parts import ON_DEVICE
+    from fzero.zero._policies import CPUOffload, DiskOffload
+
+    flat = torch.zeros(64)
+    assert CPUOffload().grad_homes({"u": (flat, 0, 32)}) is None
+    assert DiskOffload(dir=".").grad_homes({"u": (flat, 0, 32)}) is None
+    assert ON_DEVICE.grad_homes({"u": (flat, 0, 32)}) is None

@@ -29,7 +29,8 @@ Given a model or a params pytree (not just a count) the estimate uses fzero's ow
   The peak is the larger of the two phases; activations are not counted (they depend on the batch).
 
 Offload: ``"cpu"`` moves the optimizer state (master included) to the host, with the fp32 gradient it reads
-(one copy, kept from step to step) and, without fp32 masters, a copy of the param shards it updates;
+(one copy, kept from step to step; at stages 2-3 each unit's shard goes there as backward makes it, so the device
+holds no whole gradient) and, without fp32 masters, a copy of the param shards it updates;
 ``offload_params=True`` (stage 3) the param shards too. ``"disk"``/``"nvme"`` keeps the optimizer state in mapped
 files, updated a sub-group at a time (``sub_group_size`` elements of one unit's owned shard, the root unit's
 included): the pages of the sub-group being updated are resident in the process (the next one is read ahead into
@@ -276,6 +277,16 @@ def estimate_memory(
         opt_grads = 4 * owned_e if prec.has_master else grads
         one["transient"] = (max(backward_peak, update_peak, held + opt_grads + gathered + mapped) - held - grads - gathered
                             + frozen_cast)
+    if offload is not None and KINDS[offload] == "cpu" and stages >= 2 and not offload_params:
+        # the gradient goes to the host unit by unit in backward (``CPUOffload.grad_homes``), into the host gradient
+        # counted above: the device holds the unit being differentiated and one reduced shard in flight, the root
+        # unit's pieces until the backward ends, and no gradient in the update (one memory: as before, the same tensors)
+        device["grads"] = 0.0
+        in_backward = held + gathered + backward_extra + p_bytes * largest / n
+        if root:
+            gathered_root = p_bytes * root if _rules.sharded("params", stages) else 0.0
+            in_backward = max(in_backward, held + gathered_root + p_bytes * (root + max(root, root_tie)))
+        device["transient"] = in_backward - held - gathered + frozen_cast
     return MemoryEstimate(
         num_params=psi, stages=stages, world_size=n, precision=_precision_name(prec), optimizer=opt_name,
         offload=offload, offload_params=offload_params, device=Bytes(**device), host=Bytes(**host), disk=Bytes(**disk),

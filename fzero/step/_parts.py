@@ -251,9 +251,9 @@ class ParamsReplicated:
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
              pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
-             settings: UnitSettings = UnitSettings()) -> StepView:
+             settings: UnitSettings = UnitSettings(), homes: dict[str, torch.Tensor] | None = None) -> StepView:
         """``masters`` (fp32 masters beside the params) is for stage 3, which gathers from them; whole params need none."""
-        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool, settings=settings)
+        return grads.replicated_view(comm, state, reduce_dtype=reduce_dtype, pool=pool, settings=settings, homes=homes)
 
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
         layout = state.meta.layout
@@ -316,8 +316,10 @@ class GradsAllReduce:
         return None
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None,
-                        settings: UnitSettings = UnitSettings()) -> View:
-        """The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
+                        settings: UnitSettings = UnitSettings(), homes: dict[str, torch.Tensor] | None = None) -> View:
+        """``homes`` is for the views that reduce in backward (stages 2-3); stages 0-1 reduce after it.
+
+        The gradient is taken per param (``Layout.param_views``: one gradient in memory, not 2.6) and
         flattened into unit buffers, one unit at a time, for the collectives; under plain autograd each unit's
         reduction starts as soon as backward has completed it (``ParamView``), as DDP's buckets do."""
         def start(flat: torch.Tensor) -> Any:
@@ -364,6 +366,10 @@ class OnDevice:
         return apply_update(optimizer, grads, opt_state, params, segments)
 
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
+        return None
+
+    def grad_homes(self, shards: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+        """None: the optimizer runs where the gradient is made."""
         return None
 
     def has_masters(self, opt_state: Any) -> bool:

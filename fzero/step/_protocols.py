@@ -82,8 +82,9 @@ class ParamsPart(Protocol):
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any,
              pool: Pool | None = None, masters: dict[str, torch.Tensor] | None = None,
-             settings: UnitSettings = UnitSettings()) -> StepView:
-        """What the gradient of a micro-batch is taken over, and what ``loss_fn`` receives."""
+             settings: UnitSettings = UnitSettings(), homes: dict[str, torch.Tensor] | None = None) -> StepView:
+        """What the gradient of a micro-batch is taken over, and what ``loss_fn`` receives. ``homes``: where each unit's
+        gradient shard goes as backward makes it (``OffloadPolicy.grad_homes``), for the views that reduce in backward."""
         ...
 
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> StepView:
@@ -121,7 +122,7 @@ class GradsPart(Protocol):
         ...
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Pool | None = None,
-                        settings: UnitSettings = UnitSettings()) -> StepView:
+                        settings: UnitSettings = UnitSettings(), homes: dict[str, torch.Tensor] | None = None) -> StepView:
         """The view of whole params (stages 0-2) that the gradient is taken over."""
         ...
 
@@ -199,6 +200,11 @@ class OffloadPolicy(Protocol):
 
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
         """Called with each param shard when its use is over (a file-backed shard gives its pages back); None: nothing."""
+        ...
+
+    def grad_homes(self, shards: dict[str, tuple[torch.Tensor, int, int]]) -> dict[str, torch.Tensor] | None:
+        """Where each unit's gradient shard goes as backward makes it, by unit, given (the state's flat of the unit,
+        the rank's range in it); None: it stays where it is made."""
         ...
 
     def has_masters(self, opt_state: Any) -> bool:

@@ -484,12 +484,26 @@ def rank_program(step: Any, comm: Any, state: TrainState, batch: Any) -> tuple[T
     # under torch.func the backward's buffers are the transform's: a pool lends only to plain autograd's
     pool = step.pool if step.autodiff == "autograd" else None
     view = step.params.view(step.grads, comm, state, reduce_dtype=reduce_dtype, release=release, pool=pool,
-                            masters=_masters_beside_params(step, state), settings=step.unit_settings)
+                            masters=_masters_beside_params(step, state), settings=step.unit_settings,
+                            homes=_grad_homes(step, comm, state))
     try:
         new_state, metrics = _step(step, comm, state, batch, view, release)
     finally:  # after the update (whose gradients are gone by now), or on an error: the params whole again
         view.restore()
     return dataclasses.replace(new_state, params=dict(state.params)), metrics
+
+
+def _grad_homes(step: Any, comm: Any, state: TrainState) -> dict[str, torch.Tensor] | None:
+    """Where each unit's gradient shard goes as backward makes it (the offload policy's ``grad_homes``): for stages 2-3
+    under plain autograd, whose views take each unit's reduction in backward; None elsewhere."""
+    if not step.grads.in_backward or step.autodiff != "autograd":
+        return None
+    units = meta_of(state).layout.units
+    if step.params.sharded:  # the rank's shard is the state's flat itself
+        shards = {u.name: (state.params[u.name], 0, state.params[u.name].numel()) for u in units}
+    else:
+        shards = {u.name: (state.params[u.name], *u.shard_range(comm.rank, comm.size)) for u in units}
+    return step.opt_state.offload.grad_homes(shards)
 
 
 def _masters_beside_params(step: Any, state: TrainState) -> dict[str, torch.Tensor] | None:

@@ -83,6 +83,37 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
     return out
 
 
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives apart from the host (a GPU's memory): only then has a gradient a way to go to the host.
+    A function of its own so that tests can route a CPU step's gradients through the host buffers as well."""
+    return t.device.type != "cpu"
+
+
+class _Homes(dict):
+    """The gradient homes kept on a state's flat buffer (``grad_home``). Neither pickled nor copied with the tensor
+    (``torch.save`` or ``copy.deepcopy`` of a state carries a tensor's attributes): a copy starts with none, so a
+    saved state holds no gradient-sized buffer beside its params, and a copied one makes its own."""
+
+    def __reduce__(self) -> tuple:
+        return (_Homes, ())
+
+
+_HOMES = "_fzero_grad_homes"
+
+
+def grad_home(owner: torch.Tensor, lo: int, hi: int, *, pin: bool) -> torch.Tensor:
+    """The host buffer a unit's gradient shard goes to as backward makes it: fp32, ``hi - lo`` elements, page-locked
+    where CUDA is, made at the first step and kept on ``owner`` (the state's flat of the unit: its whole buffer at
+    stage 2, the rank's shard at stage 3) for as long as it lives, so no step allocates or page-locks one again."""
+    homes = owner.__dict__.get(_HOMES)
+    if homes is None:
+        homes = owner.__dict__[_HOMES] = _Homes()
+    buf = homes.get((lo, hi))
+    if buf is None:
+        buf = homes[(lo, hi)] = host_empty(torch.empty(hi - lo, dtype=torch.float32, device="meta"), pin=pin)
+    return buf
+
+
 def _copy_back(params: dict[str, torch.Tensor], host: dict[str, torch.Tensor]) -> None:
     """The updated host params into the device params (nothing where they are the same tensors)."""
     with torch.no_grad():
@@ -143,6 +174,16 @@ class CPUOffload:
         _copy_back(params, host)
         return opt_state
 
+    def grad_homes(self, shards: dict[str, tuple[torch.Tensor, int, int]]) -> dict[str, torch.Tensor] | None:
+        """Where each unit's gradient shard goes as backward makes it (stages 2-3, plain autograd): a host buffer per
+        unit (``grad_home``), so that the device never holds the whole gradient: ZeRO-Offload copies each reduced
+        partition to the host during the backward, and the device keeps the params alone. ``shards``: unit ->
+        (the state's flat that keeps the buffer, the rank's range in it). None where the params are on the host
+        already (a CPU machine, ``params=True``): the gradient is there as it is made."""
+        if not any(_on_device(flat) for flat, _, _ in shards.values()):
+            return None
+        return {name: grad_home(flat, lo, hi, pin=self.pin_memory) for name, (flat, lo, hi) in shards.items()}
+
     def release(self, opt_state: Any) -> Callable[[torch.Tensor], None] | None:
         return None
 
@@ -201,6 +242,11 @@ class DiskOffload:
 
     def release(self, opt_state: DiskOptState) -> Callable[[torch.Tensor], None]:
         return opt_state.store.release
+
+    def grad_homes(self, shards: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+        """None: the gradient stays where backward makes it; the update takes it sub-group by sub-group (``disk_update``),
+        so RAM holds sub-groups, whatever the model's size."""
+        return None
 
     def has_masters(self, opt_state: DiskOptState) -> bool:
         return opt_state.master  # the fp32 masters are files of the store, or there are none

@@ -89,14 +89,14 @@ class GradsInBackward(GradsReduceScatter):
         return by_container_child if self.units is None else by_prefixes(self.units, api=api)
 
     def replicated_view(self, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, pool: Any = None,
-                        settings: UnitSettings = UnitSettings()) -> View:
+                        settings: UnitSettings = UnitSettings(), homes: dict[str, torch.Tensor] | None = None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         inputs = [flats[u.name][slice(*u.shard_range(comm.rank, comm.size))] for u in layout.units]
         return ShardGradView(inputs, lambda xs, sink: ReplicatedParams(dict(zip(names, xs)), layout, comm, flats, reduce_dtype=reduce_dtype,
                                                                        jit_cache=settings.compiled if settings.jit else None, sink=sink, pool=pool,
                                                                        remat=settings.remat),
-                             names, comm=comm, pool=pool, bucket_elements=settings.bucket_elements)
+                             names, comm=comm, pool=pool, bucket_elements=settings.bucket_elements, homes=homes)
 
     def sync(self, comm: Any, grad: torch.Tensor, *, reduce_dtype: torch.dtype, compute: torch.dtype, pool: Any = None) -> torch.Tensor:
         return grad  # already this rank's reduced shard
@@ -119,12 +119,19 @@ class ShardGradView(View):
     whole gradient more alive at a time. The shards are the same numbers the synchronous path gives (the same
     reduction, cast to the shard's dtype as autograd casts it, accumulated over micro-batches in order).
     Under ``torch.func.grad`` (``autodiff="func"``) ``grad_into`` is not called and the reductions stay synchronous.
+
+    ``homes`` (``CPUOffload.grad_homes``: the optimizer runs on the host, the params are on a GPU): each unit's shard
+    gradient goes to its host buffer as soon as its reduction is waited for, so the device holds a unit or two of
+    gradient, not the whole (ZeRO-Offload's device memory: the params alone). The values are the ones the device path
+    keeps: rounded to the shard's dtype, and summed over micro-batches in that dtype (``_to_home``). One order differs:
+    a unit that gets two gradients in one micro-batch (a layer called twice) adds each into the sum as it comes, where
+    the device path adds the micro-batch's two first, so with ``grad_accum`` > 1 their last bits may differ.
     """
 
     IN_FLIGHT = 1
 
     def __init__(self, inputs: list[torch.Tensor], build: Callable, names: list[str], *, comm: Any = None, pool: Any = None,
-                 bucket_elements: int = 0) -> None:
+                 bucket_elements: int = 0, homes: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__(inputs, build, releases=True)
         self.names = names
         self.bucket_elements = bucket_elements
@@ -136,6 +143,8 @@ class ShardGradView(View):
         self._pending: list[tuple[list[tuple[str, torch.Tensor]], Any]] = []
         self._micro: dict[str, torch.Tensor] = {}  # this micro-batch's shard gradients
         self._acc: dict[str, torch.Tensor] = {}  # the step's, summed over micro-batches
+        self.homes = homes
+        self._copying: torch.device | None = None  # a device whose copies into the homes may be in flight
 
     def make(self, xs: list[torch.Tensor]) -> Any:
         """``build(xs, sink)``: the unit params, handing their units' reductions to this view once ``grad_into`` made it
@@ -180,7 +189,32 @@ class ShardGradView(View):
         for name, like in units:
             shard = shards if len(units) == 1 else shards[at:at + like.numel()]
             at += like.numel()
+            if self.homes is not None:
+                self._to_home(self.homes, name, shard, like.dtype)
+                continue
             _add(self._micro, name, shard.to(like.device, like.dtype, non_blocking=like.is_cuda), self.pool)
+
+    def _to_home(self, homes: dict[str, torch.Tensor], name: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """Unit ``name``'s gradient ``grad`` (a reduced shard, or a leaf's ``.grad``) into its host buffer, as the device
+        path would keep it: rounded to ``dtype`` (the shard's, as autograd casts a leaf's gradient) and, after the
+        first, added in ``dtype``. The first of the step is an asynchronous copy (into page-locked memory, ordered
+        on the stream; ``collect`` waits for it); a later one waits for the device, then adds on the host."""
+        home = homes[name]
+        low = grad.to(dtype)
+        if name not in self._acc:
+            home.copy_(low, non_blocking=True)
+            self._acc[name] = home
+            if home.device != grad.device:
+                self._copying = grad.device
+        else:
+            add = low.to(home.device)  # waits for the stream: the copies issued before it have landed
+            if dtype == home.dtype:
+                home.add_(add)
+            else:
+                home.copy_(home.to(dtype).add_(add))  # holds exactly what a sum kept in ``dtype`` holds
+        del low
+        if self.pool is not None:  # the shard is done with (the pool takes back only what it lent, and only on the host)
+            self.pool.give(grad)
 
     def release(self) -> None:
         """The end of a micro-batch: wait for what is in flight, then add the micro-batch's gradients (a unit called
@@ -190,7 +224,10 @@ class ShardGradView(View):
             self._settle()
         for name, leaf in zip(self.names, self._leaves):
             if leaf.grad is not None:
-                _add(self._micro, name, leaf.grad, self.pool)
+                if self.homes is not None:
+                    self._to_home(self.homes, name, leaf.grad, leaf.dtype)
+                else:
+                    _add(self._micro, name, leaf.grad, self.pool)
                 leaf.grad = None
         self._leaves = ()
         for name, g in self._micro.items():
@@ -203,6 +240,11 @@ class ShardGradView(View):
             return grads
         grads.clear()
         acc, self._acc = self._acc, {}
+        if self.homes is not None:
+            if self._copying is not None:  # the host reads the homes next
+                torch.cuda.current_stream(self._copying).synchronize()
+                self._copying = None
+            return [acc[n] if n in acc else self.homes[n].zero_() for n in self.names]
         return [acc[n] if n in acc else torch.zeros_like(x) for n, x in zip(self.names, self.inputs)]
 
 
@@ -416,7 +458,8 @@ class ParamsSharded:
         return dict(flats)  # the shards themselves
 
     def view(self, grads: GradsPart, comm: Any, state: Any, *, reduce_dtype: torch.dtype | None, release: Any, pool: Any = None,
-             masters: dict[str, torch.Tensor] | None = None, settings: UnitSettings = UnitSettings()) -> View:
+             masters: dict[str, torch.Tensor] | None = None, settings: UnitSettings = UnitSettings(),
+             homes: dict[str, torch.Tensor] | None = None) -> View:
         """``masters``: this rank's fp32 masters where they live beside the shards (no offload): the step then gathers
         from them and frees the compute-dtype shards while it runs (``CastFromMasters``)."""
         casts = None
@@ -424,14 +467,14 @@ class ParamsSharded:
             casts = CastFromMasters(state.params, masters)
             casts.free()
         try:
-            return self._view(grads, comm, state, reduce_dtype, release, pool, casts, settings)
+            return self._view(grads, comm, state, reduce_dtype, release, pool, casts, settings, homes)
         except BaseException:
             if casts is not None:  # the state stays whole when the step cannot start
                 casts.restore()
             raise
 
     def _view(self, grads: GradsPart, comm: Any, state: Any, reduce_dtype: torch.dtype | None, release: Any, pool: Any,
-              casts: CastFromMasters | None, settings: UnitSettings) -> View:
+              casts: CastFromMasters | None, settings: UnitSettings, homes: dict[str, torch.Tensor] | None = None) -> View:
         layout, flats = state.meta.layout, state.params
         names = [u.name for u in layout.units]
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
@@ -442,7 +485,7 @@ class ParamsSharded:
             [flats[n] for n in names],
             lambda xs, sink: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,
                                            jit_cache=settings.compiled if settings.jit else None, sink=sink, pool=pool),
-            schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=settings.bucket_elements,
+            schedule, names, casts=casts, comm=comm, pool=pool, bucket_elements=settings.bucket_elements, homes=homes,
         )
 
     def eval_view(self, comm: Any, state: Any, *, release: Any, settings: UnitSettings = UnitSettings()) -> View:
