@@ -893,3 +893,40 @@ def test_the_stale_read_check_takes_sparse_nested_and_wrapper_tensors_a_forward_
         for x in _batches(2):
             state, _ = step(state, x)
     assert type(model.tagged) is _Wrapped and model.adj.layout == torch.sparse_coo
+
+
+class _SwitchingBlock(nn.Module):
+    """Swaps a submodule for good at its first forward, as Hugging Face BigBird's forward does (``set_attention_type``
+    puts a full-attention module in place of the block-sparse one when the sequence is too short for it), or adds one."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin, self.act, self.how, self.mode = nn.Linear(WIDTH, WIDTH), nn.Tanh(), how, "tanh"
+
+    def forward(self, x):
+        if self.mode == "tanh":
+            self.mode = "relu"
+            if self.how == "replaced":
+                self.act = nn.ReLU()
+            else:
+                self.extra = nn.ReLU()
+        return self.act(self.lin(x)) + (self.extra(x) if hasattr(self, "extra") else 0)
+
+
+@pytest.mark.parametrize("how", ["replaced", "added"])
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_a_submodule_the_forward_replaces_or_adds_is_refused_by_name(stages, ranks, how):
+    """PyTorch keeps the new submodule on the module; fzero's copy was dropped after the step, so the next step ran the
+    module as it was (while ``mode`` was written back: 0.7 off PyTorch after 3 SGD steps, silently), and the new
+    module's public attributes were written onto the old one (``inplace`` onto the Tanh)."""
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ModuleList([_SwitchingBlock(how)])[0])  # a unit at stages 2-3
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    what = "replaced the submodule `1.act` \\(Tanh\\) with a ReLU" if how == "replaced" else "added the submodule `1.extra`"
+    with pytest.raises(RuntimeError, match=f"(?s)fzero.apply: the forward of Sequential {what}.*before fzero.params_of"):
+        step(state, _batches(1)[0])
+    block = model[1]
+    assert type(block.act) is nn.Tanh and "inplace" not in vars(block.act) and block.mode == "tanh"
+    assert not hasattr(block, "extra")

@@ -232,7 +232,7 @@ def clone_structure(module: nn.Module, *, param: Callable[[nn.Parameter], torch.
 class _Cloner:
     """One ``clone_structure`` call: its memos (by ``id``: module, tensor, container) and its mappings."""
 
-    __slots__ = ("param", "buffer", "copies", "private", "modules", "fresh", "tensors", "containers")
+    __slots__ = ("param", "buffer", "copies", "private", "modules", "fresh", "tensors", "containers", "origins")
 
     def __init__(self, param: Callable[[nn.Parameter], torch.Tensor] | None,
                  buffer: Callable[[torch.Tensor], torch.Tensor] | None, writes: "Writes | None",
@@ -240,6 +240,7 @@ class _Cloner:
         self.param, self.buffer = param, buffer
         self.copies = None if writes is None else writes.copies
         self.private = None if writes is None else writes.private
+        self.origins = None if writes is None else writes.origins
         self.modules: dict[int, nn.Module] = {} if made is None else made
         self.fresh: list[int] = []  # the modules this call copied (``modules`` may hold earlier calls' copies)
         self.tensors: dict[int, torch.Tensor] = {}
@@ -261,6 +262,8 @@ class _Cloner:
         new = cls.__new__(cls)
         self.modules[id(m)] = new
         self.fresh.append(id(m))
+        if self.origins is not None:
+            self.origins[id(new)] = id(m)
         d = new.__dict__
         containers, private = self.containers, self.private
         own_callable = False
@@ -284,6 +287,8 @@ class _Cloner:
         if own_callable and not _holds_tensors(m):  # shared, not cloned: see _bound_to (a rank of several: a deep copy)
             shared = m if private is None else _private_module(m, private)
             self.modules[id(m)] = shared
+            if self.origins is not None:
+                self.origins[id(shared)] = id(m)
             return shared
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
@@ -314,11 +319,14 @@ class Writes:
     through fzero's copies of them, to be written into those modules when the call succeeds (see "What a forward
     writes on its module" in the module docstring)."""
 
-    __slots__ = ("changed", "copies", "private")
+    __slots__ = ("changed", "copies", "private", "origins")
 
     def __init__(self, *, private: bool = False) -> None:
         self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
         self.copies: dict[int, tuple[Any, Any]] = {}  # id(a copy's public container) -> (it, the module's it copies)
+        # id(a module of a copy's tree) -> id(the user's module it copies), for the copies made with this record: a
+        # submodule slot of a copy holding anything else was set by the forward (``_refuse_replaced``)
+        self.origins: dict[int, int] = {}
         # ``private``: this rank is one of several in this process (a local mesh's), which must not write the user's
         # objects while the others read them: id(a mutable object the modules hold) -> (this rank's copy, the object)
         self.private: dict[int, tuple[Any, Any]] | None = {} if private else None
@@ -362,6 +370,7 @@ class Writes:
             for k in stale:
                 del cd[k]
             copies = cd["_modules"]
+            _refuse_replaced(original, o, od["_modules"], copies, self.origins)
             for k, sub in od["_modules"].items():
                 csub = copies.get(k)
                 if sub is not None and csub is not None:
@@ -399,7 +408,7 @@ class Writes:
                         old.update(v)
                 else:
                     d[k] = _detached(v)
-        self.changed, self.copies = {}, {}
+        self.changed, self.copies, self.origins = {}, {}, {}
         self.private = None if self.private is None else {}
 
 
@@ -623,6 +632,39 @@ def _refuse_freed(root: nn.Module, module: nn.Module, diff: dict[str, Any]) -> N
                     f"(`self.{k} = <the tensor>.detach().clone()`), or read the trained parameters after the step with "
                     f"`step.gather(state)`."
                 )
+
+
+def _refuse_replaced(root: nn.Module, module: nn.Module, own: dict[str, Any], copied: dict[str, Any],
+                     origins: dict[int, int]) -> None:
+    """Refuse a submodule the forward set on a copy of ``module`` (``own``/``copied``: the two ``_modules``): one
+    replaced (``self.act = nn.ReLU()``; Hugging Face BigBird's ``set_attention_type``, which its forward calls when the
+    sequence is too short for block-sparse attention), added or deleted. The copy is fzero's and is dropped after the
+    step, where PyTorch keeps the new submodule on the module: each step would start from the module as it was while
+    its public attributes carried the forward's other writes (BigBird's ``attention_type``), and the new module's public
+    attributes were written onto the old one as if it were its copy (0.7 off PyTorch after 3 SGD steps of a Linear
+    whose Tanh the first forward replaced by a ReLU, silently; BigBird's second step failed deep in its attention)."""
+    changed = [k for k in own if k not in copied] if len(own) != len(copied) else []
+    for k, c in copied.items():  # a dict lookup per submodule: this runs for every module a step copied
+        o = own.get(k, _GONE)
+        if c is not o and (o is _GONE or o is None or c is None or origins.get(id(c)) != id(o)):
+            changed.append(k)
+    if not changed:
+        return
+    path = next((n for n, sub in root.named_modules(remove_duplicate=False) if sub is module), "?")
+    k = sorted(changed)[0]
+    name = f"{path}.{k}" if path else k
+    old, new = own.get(k), copied.get(k)
+    what = (f"added the submodule `{name}` ({type(new).__name__})" if k not in own else
+            f"deleted the submodule `{name}` ({type(old).__name__})" if k not in copied else
+            f"replaced the submodule `{name}` ({type(old).__name__}) with a {type(new).__name__}")
+    raise RuntimeError(
+        f"fzero.apply: the forward of {type(root).__name__} {what}. Within a step fzero runs a copy of your module and "
+        f"never changes its structure, so the next step would run the module as it was before (PyTorch keeps the new "
+        f"submodule), silently. Make the change before fzero.params_of and step.init: call what the forward calls to "
+        f"make it (for Hugging Face BigBird, whose forward switches to full attention for sequences too short for "
+        f"block-sparse attention: model.set_attention_type('original_full'), or config.attention_type="
+        f"'original_full'), or set the submodule once in __init__ and have the forward choose between them."
+    )
 
 
 def freed(t: torch.Tensor) -> bool:
