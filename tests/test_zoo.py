@@ -1,7 +1,8 @@
 """Model zoo (issue 12): models nobody here wrote train under fzero exactly as plain PyTorch trains them.
 
 Every zoo model (tests/zoo.py: Hugging Face GPT-2, Llama, Mistral, Qwen2, T5, BERT, OPT with LayerDrop,
-Gemma, Qwen2-MoE, Mamba, ViT, Whisper's encoder, RegNet (BatchNorm, grouped convs, SE), ConvNextV2 with stochastic depth, ALBERT (one layer shared across depth), BLOOM (ALiBi), Llava (a CLIP tower's captured hidden state into a Llama),
+Gemma, Qwen2-MoE, Mamba, ViT, Whisper's encoder, RegNet (BatchNorm, grouped convs, SE), ConvNextV2 with stochastic depth, ALBERT (one layer shared across depth), BLOOM (ALiBi), Llava (a CLIP tower's captured hidden state into a Llama), CLIP (a
+parameter of the root module), Wav2Vec2 (weight_norm parametrization, SpecAugment's NumPy masks, LayerDrop),
 each from its default config with tiny sizes; a BatchNorm CNN; nn.TransformerEncoder; LSTM/GRU; a forward
 hook feeding an auxiliary loss; a unit returning a dataclass; in-place adds; an unused head;
 spectral_norm; Funnel, whose nested layer lists need ``units=fzero.units_of(model)``) runs 4 AdamW steps at stages 0-3 on local_mesh(1) and local_mesh(2), against
@@ -84,6 +85,8 @@ def _known(name: str, stages: int, ranks: int) -> list[str]:
         "qwen2_moe_router_checkpointing": [],
         "bloom": [],
         "llava": [],
+        "clip": [],
+        "wav2vec2": [],
     }
     return causes[name]
 

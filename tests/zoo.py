@@ -13,7 +13,8 @@ The reference follows what ``torchrun`` + DDP would do with the same seeded prog
   one that some rank used counts as zero on the others, as DDP with ``find_unused_parameters``); one
   AdamW step. Buffers as ``broadcast_buffers=True``: each step every rank starts from rank 0's buffers.
   RNG: at every step each rank's stream restarts as a copy of the process generator's state (rank 0's end
-  state of the step before), and the process generator goes on from rank 0's end state. That is not what
+  state of the step before), and the process generator goes on from rank 0's end state; NumPy's global stream
+  likewise (Wav2Vec2's SpecAugment masks, BigBird's random blocks draw from it). That is not what
   torchrun does: each process goes on from its own end state, as fzero's per-rank streams on a ``local_mesh``
   do (``fzero.mesh._rank.Carry``). The two agree here because every rank of every entry draws as many values
   in a step (equal per-rank batch shapes: dropout masks, LayerDrop and drop-path draws), so the ranks end each
@@ -32,6 +33,7 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +45,7 @@ LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01  # torch.optim.AdamW's defaul
 STEPS = 4
 GLOBAL_BATCH = 4  # 2 per rank on local_mesh(2)
 SEQ = 8
-SEED = 1234  # the process generator is seeded with this before the first step (dropout, LayerDrop)
+SEED = 1234  # the process generator (and NumPy's global one) is seeded with this before the first step (dropout, LayerDrop)
 NOISE = 1e-6  # reference gradients below this in every step are rounding noise
 RTOL = ATOL = 1e-5
 
@@ -326,6 +328,55 @@ def funnel():
     # its layers sit in a ModuleList of ModuleLists: units must be fzero.units_of(model) (test_zoo.py)
     return FunnelForMaskedLM(FunnelConfig(vocab_size=128, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64,
                                           num_decoder_layers=1, max_position_embeddings=32))
+
+
+def clip():
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+
+    # two towers and a contrastive loss over the rank's batch, scaled by logit_scale, a parameter of the root module
+    # itself (no submodule holds it: at stages 2-3 it lies in the root unit)
+    text = CLIPTextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=32, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    vision = CLIPVisionConfig(image_size=8, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4)
+    return CLIPModel(CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16))
+
+
+def _text_image():
+    gen = torch.Generator().manual_seed(40)
+    return [{"input_ids": torch.randint(3, 128, (GLOBAL_BATCH, SEQ), generator=gen),
+             "pixel_values": torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=gen)} for _ in range(STEPS)]
+
+
+def _contrastive_loss(call, b):
+    return call(input_ids=b["input_ids"], pixel_values=b["pixel_values"], return_loss=True).loss
+
+
+def wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    # a conv feature extractor, a positional conv under a weight_norm parametrization (original0/original1 are the
+    # params), SpecAugment's time masks drawn from NumPy's global stream (mask_time_prob 0.05 by default; spans of 2
+    # frames for the 39 frames of 400 samples) over a trained masked_spec_embed, and LayerDrop (0.1 by default)
+    return Wav2Vec2ForCTC(Wav2Vec2Config(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                         num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, mask_time_length=2,
+                                         pad_token_id=0))
+
+
+def _speech():
+    gen = torch.Generator().manual_seed(41)
+    return [{"x": torch.randn(GLOBAL_BATCH, 400, generator=gen), "labels": torch.randint(1, 32, (GLOBAL_BATCH, 5), generator=gen)}
+            for _ in range(STEPS)]
+
+
+def _ctc_loss(call, b):
+    return call(input_values=b["x"], labels=b["labels"]).loss
+
+
+def _time_masked(ref: "Reference") -> None:
+    """SpecAugment must mask some frame in some step (masked_spec_embed then gets a gradient), or the entry tests less."""
+    assert any("wav2vec2.masked_spec_embed" in used for used in ref.used), "SpecAugment masked no frame; change SEED"
 
 
 def bn_cnn():
@@ -614,6 +665,10 @@ ZOO: dict[str, Entry] = {
     # from a sweep of Hugging Face architectures not in the zoo: the loss reaches a unit only through what a forward hook
     # captured (stage 3 read that unit's freed params in backward)
     "llava": Entry(_seeded(llava), _image_text, _image_text_loss, hf=True),
+    # from a sweep of Hugging Face families not in the zoo (DeBERTa-v2 to Reformer, 2026-12): a parameter of the root
+    # module (CLIP's logit_scale); a weight_norm parametrization, NumPy's RNG and LayerDrop together (Wav2Vec2)
+    "clip": Entry(_seeded(clip), _text_image, _contrastive_loss, hf=True),
+    "wav2vec2": Entry(_seeded(wav2vec2), _speech, _ctc_loss, check=_time_masked, hf=True),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
     # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
     # from torch.func's (test_zoo.py)
@@ -664,23 +719,26 @@ def reference_run(entry: Entry, ranks: int) -> Reference:
     grad_max = {n: torch.zeros_like(p) for n, p in named.items()}
     params, losses, used = [], [], []
     torch.manual_seed(SEED)
+    np.random.seed(SEED)
     for batch in entry.batches():
         state = model.state_dict()
         for rep in replicas[1:]:  # DDP: the same params, and rank 0's buffers (broadcast_buffers=True)
             rep.load_state_dict(state)
-        start, end = torch.get_rng_state(), None
+        start, end = (torch.get_rng_state(), np.random.get_state()), None
         grads, rank_losses = [], []
         for r, (rep, half) in enumerate(zip(replicas, split(batch, ranks))):
             if r:  # each rank's stream restarts where rank 0's did (torchrun's own streams, while ranks draw alike)
-                torch.set_rng_state(start)
+                torch.set_rng_state(start[0])
+                np.random.set_state(start[1])
             rep.zero_grad(set_to_none=True)
             loss = entry.loss(rep, half)
             loss.backward()
             rank_losses.append(loss.item())
             grads.append([p.grad for p in rep.parameters() if p.requires_grad])
             if r == 0:
-                end = torch.get_rng_state()
-        torch.set_rng_state(end)  # the process goes on as rank 0 did
+                end = (torch.get_rng_state(), np.random.get_state())
+        torch.set_rng_state(end[0])  # the process goes on as rank 0 did
+        np.random.set_state(end[1])
         model.zero_grad(set_to_none=True)
         for (n, p), gs in zip(named.items(), zip(*grads)):
             present = [g for g in gs if g is not None]
@@ -726,6 +784,7 @@ def fzero_run(entry: Entry, *, stages: int, ranks: int) -> Run:
     state = step.init(fzero.params_of(model))
     params, losses = [], []
     torch.manual_seed(SEED)
+    np.random.seed(SEED)
     for batch in entry.batches():
         state, metrics = step(state, batch)
         params.append(step.gather(state))
