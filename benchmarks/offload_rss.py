@@ -158,7 +158,7 @@ def one_process(args: argparse.Namespace) -> dict:
                       materialize=lambda path, m: (torch.randn(m.shape, generator=g) * 0.02).to(args.device))
     init_rss, init_peak = vm_rss() - base, vm_hwm() - base
     reset_hwm()
-    peaks, times = [], []
+    peaks, times, device_peaks = [], [], []
     init_s = time.perf_counter() - t_init
     print(f"init: {init_s:.1f} s, {init_rss / psi:.2f} B/param resident (peak {init_peak / psi:.2f})", file=sys.stderr, flush=True)
     rows: list[dict] = []
@@ -168,11 +168,17 @@ def one_process(args: argparse.Namespace) -> dict:
         x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
         if args.phases:  # each step's rows peak since that step began (the first step's one-time buffers apart)
             reset_hwm()
+        cuda = torch.device(args.device).type == "cuda"
+        if cuda:  # the device's peak too: the params, activations and what backward holds of the gradient
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         state, m = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
         times.append(time.perf_counter() - t0)  # the metrics are host numbers: the step has finished on the device
         peaks.append(vm_hwm() - base)
-        print(f"step: {times[-1]:.1f} s, peak {peaks[-1] / psi:.2f} B/param", file=sys.stderr, flush=True)
+        if cuda:
+            device_peaks.append(torch.cuda.max_memory_allocated())
+        print(f"step: {times[-1]:.1f} s, peak {peaks[-1] / psi:.2f} B/param"
+              + (f", device peak {device_peaks[-1] / psi:.2f} B/param" if cuda else ""), file=sys.stderr, flush=True)
         if args.phases:
             rows.append({"phase": "step returned", "rss": (vm_rss() - base) / psi, "peak": peaks[-1] / psi,
                          "sampled": float("nan"), **rss_kinds(psi)})
@@ -186,7 +192,7 @@ def one_process(args: argparse.Namespace) -> dict:
            "largest_unit": max(u.numel for u in state[0].meta.layout.units),
            "init_bytes_per_param": init_rss / psi, "init_peak_bytes_per_param": init_peak / psi,
            "train_peak_bytes_per_param": max(peaks) / psi,
-           "peak_per_step": [p / psi for p in peaks], "init_s": init_s, "step_s": times, "loss": m["loss"],
+           "peak_per_step": [p / psi for p in peaks], "device_peak_per_step": [p / psi for p in device_peaks], "init_s": init_s, "step_s": times, "loss": m["loss"],
            "phases": phases}
     print(json.dumps(out, indent=1))
     if args.json_out:
