@@ -459,19 +459,21 @@ def test_offloaded_gradients_go_to_the_host_as_backward_makes_them(monkeypatch, 
         assert_trees_equal(g, e)
         assert (loss, norm) == (loss_e, norm_e)
     # one buffer per unit and rank, kept on the state's flats from the first step on: the same memory every step
-    from fzero.zero._policies import _HOMES
+    from fzero.zero._policies import grad_homes_of
 
-    homes = [h for rank in state for flat in rank.params.values() for h in flat.__dict__.get(_HOMES, {}).values()]
+    homes = [h for rank in state for flat in rank.params.values() for h in grad_homes_of(flat).values()]
     assert len({h.data_ptr() for h in homes}) == len(state[0].meta.layout.units) * ranks
     assert all(h.dtype == torch.float32 for h in homes)
 
 
 def test_a_saved_state_holds_no_gradient_buffer(monkeypatch, tmp_path):
-    """The host gradient buffers are kept on the state's flats, whose attributes ``torch.save`` and ``copy.deepcopy``
-    carry: they are left out (a checkpoint of a state holds no gradient-sized buffer beside its params)."""
+    """The host gradient buffers are kept for the state's flats, not in their attributes, which ``torch.save`` and
+    ``copy.deepcopy`` carry: a checkpoint of a state holds no gradient-sized buffer beside its params, a copy makes its
+    own, and ``torch.load``'s default ``weights_only=True`` reads the flats back (an object of fzero's in a tensor's
+    attributes made it refuse the file after a step had routed a gradient)."""
     import copy
 
-    from fzero.zero._policies import _HOMES
+    from fzero.zero._policies import grad_homes_of
 
     _homes_forced(monkeypatch)
     prob = PROBLEMS["gpt"](steps=1)
@@ -479,13 +481,13 @@ def test_a_saved_state_holds_no_gradient_buffer(monkeypatch, tmp_path):
     state = step.init(fzero.params_of(prob.model))
     state, _ = step(state, prob.batches[0])
     flats = dict(state[0].params)
-    assert all(flat.__dict__.get(_HOMES) for flat in flats.values())
+    assert all(grad_homes_of(flat) for flat in flats.values())
     torch.save(flats, tmp_path / "flats.pt")
-    loaded = torch.load(tmp_path / "flats.pt", weights_only=False)
+    loaded = torch.load(tmp_path / "flats.pt")  # weights_only=True, torch's default
     copied = copy.deepcopy(flats)
     for name, flat in flats.items():
         assert torch.equal(loaded[name], flat) and torch.equal(copied[name], flat)
-        assert not loaded[name].__dict__.get(_HOMES) and not copied[name].__dict__.get(_HOMES)
+        assert not grad_homes_of(loaded[name]) and not grad_homes_of(copied[name])
 
 
 def test_only_cpu_offload_of_device_params_moves_gradients_in_backward():

@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from typing import Any, Callable, ClassVar
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fzero.layout import SHARD_ALIGN
 from fzero.zero._offload import DiskOptState, disk_update, gather_master, init_disk, spill
@@ -89,29 +91,34 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-class _Homes(dict):
-    """The gradient homes kept on a state's flat buffer (``grad_home``). Neither pickled nor copied with the tensor
-    (``torch.save`` or ``copy.deepcopy`` of a state carries a tensor's attributes): a copy starts with none, so a
-    saved state holds no gradient-sized buffer beside its params, and a copied one makes its own."""
-
-    def __reduce__(self) -> tuple:
-        return (_Homes, ())
-
-
-_HOMES = "_fzero_grad_homes"
+# The gradient homes of each state's flat buffer (``grad_home``): (lo, hi) -> host buffer, by flat, held weakly, so
+# that they live as long as the flat and go with it. Not an attribute of the tensor, as ``_KEPT`` is: ``torch.save``
+# and ``copy.deepcopy`` carry a tensor's ``__dict__``, so a saved state would hold a gradient-sized buffer beside its
+# params, and an object of fzero's in a tensor's pickle makes ``torch.load`` refuse the file under its default
+# ``weights_only=True`` (``torch.save(state.params)`` after one step could no longer be read back). A copy of a flat,
+# pickled or deep-copied, starts with none and makes its own.
+_HOMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_HOMES_LOCK = threading.Lock()  # the ranks of a local mesh make theirs at once, on their own flats
 
 
 def grad_home(owner: torch.Tensor, lo: int, hi: int, *, pin: bool) -> torch.Tensor:
     """The host buffer a unit's gradient shard goes to as backward makes it: fp32, ``hi - lo`` elements, page-locked
-    where CUDA is, made at the first step and kept on ``owner`` (the state's flat of the unit: its whole buffer at
+    where CUDA is, made at the first step and kept for ``owner`` (the state's flat of the unit: its whole buffer at
     stage 2, the rank's shard at stage 3) for as long as it lives, so no step allocates or page-locks one again."""
-    homes = owner.__dict__.get(_HOMES)
-    if homes is None:
-        homes = owner.__dict__[_HOMES] = _Homes()
+    with _HOMES_LOCK:
+        homes = _HOMES.get(owner)
+        if homes is None:
+            homes = _HOMES[owner] = {}
     buf = homes.get((lo, hi))
     if buf is None:
         buf = homes[(lo, hi)] = host_empty(torch.empty(hi - lo, dtype=torch.float32, device="meta"), pin=pin)
     return buf
+
+
+def grad_homes_of(owner: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+    """The gradient homes kept for ``owner`` (a state's flat), by range; empty before its first routed step."""
+    with _HOMES_LOCK:
+        return dict(_HOMES.get(owner) or {})
 
 
 def _copy_back(params: dict[str, torch.Tensor], host: dict[str, torch.Tensor]) -> None:
