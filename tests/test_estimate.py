@@ -141,12 +141,16 @@ def test_offload_moves_state_off_the_device():
     disk = fzero.estimate_memory(1e8, offload="nvme", sub_group_size=1 << 20, **base)
     assert cpu.device.optimizer == disk.device.optimizer == 0 and cpu.host.optimizer == none.device.optimizer
     assert disk.disk.optimizer == none.device.optimizer and disk.host.optimizer == 0
-    assert cpu.host.transient == 4 * 1e8 / 4  # the fp32 gradient the host optimizer reads
+    # the fp32 gradient the host optimizer reads: at stages 2-3 it goes there unit by unit in backward, and is the
+    # rank's gradient (none on the device)
+    assert cpu.host.grads == 4 * 1e8 / 4 and cpu.host.transient == 0
     # disk: one sub-group's fp32 gradient on the host at a time, and the pages of the sub-group of state updated (the
     # next one is read ahead into the page cache, not into the process)
     assert disk.host.transient == 4 * (1 << 20) + 12 * (1 << 20)
     fp32 = fzero.estimate_memory(1e8, stages=2, world_size=4, offload="cpu")  # no master: the host updates a param copy
-    assert fp32.host.transient == (4 + 4) * 1e8 / 4
+    assert fp32.host.grads == fp32.host.transient == 4 * 1e8 / 4
+    stage1 = fzero.estimate_memory(1e8, stages=1, world_size=4, offload="cpu", precision="bf16")  # reduced after backward
+    assert stage1.host.transient == 4 * 1e8 / 4 and stage1.host.grads == 0
     # stages 2-3: the gradient goes to the host unit by unit in backward, into that fp32 gradient: none on the device
     assert cpu.device.grads == fp32.device.grads == 0 and disk.device.grads == none.device.grads
     assert cpu.device.total == cpu.device.params  # (a count has no units: nothing transient on the device)
@@ -157,6 +161,7 @@ def test_offload_moves_state_off_the_device():
     assert fp32.one_memory.total == fzero.estimate_memory(1e8, stages=2, world_size=4).device.total
     assert disk.one_memory.total == disk.device.total + 12 * (1 << 20)  # the mapped sub-group, in the update
     assert none.model_states == disk.model_states
+    assert cpu.model_states == none.model_states + (4 - 2) * 1e8 / 4  # the rank's gradient, on the host in fp32
     params = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="cpu", offload_params=True)
     assert params.device.params == 0 and params.host.params == 4 * 1e8 / 4
     files = fzero.estimate_memory(1e8, stages=3, world_size=4, offload="disk", offload_params=True)

@@ -278,10 +278,13 @@ def estimate_memory(
         one["transient"] = (max(backward_peak, update_peak, held + opt_grads + gathered + mapped) - held - grads - gathered
                             + frozen_cast)
     if offload is not None and KINDS[offload] == "cpu" and stages >= 2 and not offload_params:
-        # the gradient goes to the host unit by unit in backward (``CPUOffload.grad_homes``), into the host gradient
-        # counted above: the device holds the unit being differentiated and one reduced shard in flight, the root
-        # unit's pieces until the backward ends, and no gradient in the update (one memory: as before, the same tensors)
+        # the gradient goes to the host unit by unit in backward (``CPUOffload.grad_homes``; plain autograd, the
+        # default: under autodiff="func" it stays on the device until the update), into the fp32 host gradient counted
+        # above, which is then the rank's gradient: the device holds the unit being differentiated and one reduced shard
+        # in flight, the root unit's pieces until the backward ends, and no gradient in the update (one memory: as
+        # before, the same tensors)
         device["grads"] = 0.0
+        host["grads"], host["transient"] = 4 * owned_e, host["transient"] - 4 * owned_e
         in_backward = held + gathered + backward_extra + p_bytes * largest / n
         if root:
             gathered_root = p_bytes * root if _rules.sharded("params", stages) else 0.0

@@ -197,21 +197,19 @@ class ShardGradView(View):
     def _to_home(self, homes: dict[str, torch.Tensor], name: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
         """Unit ``name``'s gradient ``grad`` (a reduced shard, or a leaf's ``.grad``) into its host buffer, as the device
         path would keep it: rounded to ``dtype`` (the shard's, as autograd casts a leaf's gradient) and, after the
-        first, added in ``dtype``. The first of the step is an asynchronous copy (into page-locked memory, ordered
-        on the stream; ``collect`` waits for it); a later one waits for the device, then adds on the host."""
+        first, added in ``dtype`` where ``grad`` is. The first of the step is an asynchronous copy down (into page-locked
+        memory, ordered on the stream; ``collect`` waits before the host reads it); a later one (``grad_accum``, a unit
+        called twice) brings the sum so far up, adds there and copies it back down, each ordered on the stream, so the
+        backward never waits for the host (as DeepSpeed's offload accumulates on the host through the device)."""
         home = homes[name]
         low = grad.to(dtype)
-        if name not in self._acc:
-            home.copy_(low, non_blocking=True)
-            self._acc[name] = home
-            if home.device != grad.device:
-                self._copying = grad.device
-        else:
-            add = low.to(home.device)  # waits for the stream: the copies issued before it have landed
-            if dtype == home.dtype:
-                home.add_(add)
-            else:
-                home.copy_(home.to(dtype).add_(add))  # holds exactly what a sum kept in ``dtype`` holds
+        if name in self._acc:
+            up = home.to(grad.device, non_blocking=True)  # after the copy down before it: one stream
+            low = (up if dtype == home.dtype else up.to(dtype)).add_(low)  # exactly what a sum kept in ``dtype`` holds
+        home.copy_(low, non_blocking=True)
+        self._acc[name] = home
+        if home.device != grad.device:
+            self._copying = grad.device
         del low
         if self.pool is not None:  # the shard is done with (the pool takes back only what it lent, and only on the host)
             self.pool.give(grad)
