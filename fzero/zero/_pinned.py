@@ -42,7 +42,14 @@ def cuda_register(address: int, nbytes: int) -> Callable[[], None]:
             f"limit page-locked memory (ulimit -l) or be out of it. Pass fzero.CPUOffload(pin_memory=False) to offload "
             f"into pageable memory (copies are then synchronous)."
         )
-    return lambda: cudart.cudaHostUnregister(address)
+
+    def unregister() -> None:
+        # a copy into these pages may still be in flight (a step that failed after issuing it, whose state is then
+        # dropped): wait for the device first, so no transfer outlives the pages (rare: once per buffer, at its end)
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(address)
+
+    return unregister
 
 
 class _Mapping:
