@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 from typing import Callable
 
 import torch
@@ -46,7 +47,8 @@ def cuda_register(address: int, nbytes: int) -> Callable[[], None]:
     def unregister() -> None:
         # a copy into these pages may still be in flight (a step that failed after issuing it, whose state is then
         # dropped): wait for the device first, so no transfer outlives the pages (rare: once per buffer, at its end)
-        torch.cuda.synchronize()
+        if not sys.is_finalizing():  # (at the interpreter's exit nothing is left to copy, and CUDA may be gone)
+            torch.cuda.synchronize()
         cudart.cudaHostUnregister(address)
 
     return unregister
