@@ -474,6 +474,61 @@ def test_apply_inplace_with_a_segments_that_skips_leaves_them_alone():
         assert not torch.equal(p["a"], params["a"]), name
 
 
+class _TwoOutputs(nn.Module):
+    """A unit returning two results, of two layers: ``aux`` reaches nothing in the loss."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.main, self.aux = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.main(h)), {"aux": self.aux(h)}
+
+
+class _PartlyUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([_TwoOutputs(D) for _ in range(2)])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h, _ = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_the_params_behind_a_units_output_that_reaches_nothing_get_no_gradient(stages, remat, autodiff):
+    """A unit's output that reaches nothing in the loss gives the layers behind it no gradient, as in torch (grad=None:
+    AdamW leaves them as they are). At stage 3 the unit's outputs pass a Function that refills the unit before its
+    backward; it handed the unused output a zero gradient, which reached ``aux`` as a zero gradient: its weight decayed
+    and its moments moved, silently."""
+    torch.manual_seed(0)
+    model = _PartlyUsed()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_fn(params, batch):
+        logits = fzero.apply(model, params, batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    step = fzero.compile(loss_fn, optimizer=fo.adamw(LR, weight_decay=0.1), stages=stages, mesh=fzero.local_mesh(2),
+                         remat=remat, autodiff=autodiff)
+    state = step.init(fzero.params_of(model))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        state, _ = step(state, {"x": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+                                "y": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)})
+    got = step.gather(state)
+    for i in range(2):
+        for name in (f"blocks.{i}.aux.weight", f"blocks.{i}.aux.bias"):
+            assert torch.equal(got[name], start[name]), f"{name} got a gradient at stage {stages}"
+        assert not torch.equal(got[f"blocks.{i}.main.weight"], start[f"blocks.{i}.main.weight"])
+
+
 # -- torchrun ---------------------------------------------------------------------------------------------------------
 
 

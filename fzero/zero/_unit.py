@@ -687,6 +687,9 @@ class _RefillBeforeBackward(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.call = inputs[0]
+        # an output that reaches nothing in the loss gets None, not zeros: a zero gradient sent into the unit would
+        # give the params behind that output a zero gradient where torch gives them none (grad=None, which AdamW skips)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -705,7 +708,7 @@ class _Refill(Function):
     @staticmethod
     def forward(call, *grads):
         call.refill_once()  # (a hook's capture may have refilled it already: ``_refill_on_escape``)
-        return tuple(g.view_as(g) for g in grads)
+        return tuple(None if g is None else g.view_as(g) for g in grads)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
