@@ -172,6 +172,43 @@ def test_side_effects_of_a_unit_train_as_at_stage_0(kind, autodiff):
     assert not torch.equal(expected["head.weight"], model.head.weight)  # it did train
 
 
+
+class _WritesTanhOutput(nn.Module):
+    """Blocks ending in a tanh (which saves its output for its backward), each block's output scaled in place after
+    the block (``written=True``) or out of place: the same computation. In plain PyTorch the in-place write raises
+    ("modified by an inplace operation"); at stage 3 the write lands on a copy of the unit's output."""
+
+    def __init__(self, written: bool):
+        super().__init__()
+        self.written = written
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            y = block(x)
+            y = y.mul_(2) if self.written else y * 2
+            x = x + y
+        return self.head(x)
+
+
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+def test_a_units_output_written_in_place_leaves_what_its_backward_saved_as_it_was(autodiff):
+    """Under ``torch.func`` the unit's outputs were views of what its last layer returned, so the write went into the
+    tanh's saved output unseen by autograd's check of saved tensors: the backward used 2 * tanh where tanh was saved,
+    silently (stage 3 under autodiff="func" trained off the same step under "autograd", with no error)."""
+    def loss_fn(model):
+        return lambda params, b: nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    torch.manual_seed(0)
+    out_of_place = _WritesTanhOutput(written=False)
+    written = _WritesTanhOutput(written=True)
+    written.load_state_dict(out_of_place.state_dict())
+    expected = _train(out_of_place, loss_fn(out_of_place), stages=0, autodiff=autodiff)
+    got = _train(written, loss_fn(written), stages=3, autodiff=autodiff)
+    assert_trees_equal(got, expected)
+    assert not torch.equal(expected["head.weight"], out_of_place.head.weight)  # it did train
+
 class _SideChannel(nn.Module):
     """A unit that also leaves a tensor on a side channel; the loss uses only that tensor."""
 

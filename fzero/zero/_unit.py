@@ -600,8 +600,7 @@ def _before_backward(out: Any, call: UnitCall) -> Any:
     wanted = [i for i, t in enumerate(found) if t.requires_grad]
     if not wanted:
         return out
-    copy = not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]])  # plain autograd (see the Function)
-    passed = _RefillBeforeBackward.apply(call, copy, *[found[i] for i in wanted])
+    passed = _RefillBeforeBackward.apply(call, *[found[i] for i in wanted])
     for i, t in zip(wanted, passed):
         found[i] = t
     return rebuild(found)
@@ -675,14 +674,17 @@ class _UnitReduce(Function):
 class _RefillBeforeBackward(Function):
     """Forward: the unit's outputs. Backward: refill the unit's buffer (``_Refill``), gradients unchanged.
 
-    ``copy``: under plain autograd the outputs are copies, not views: a view made by a custom Function cannot
-    be modified in place there, and models do that to a block's output (``h = block(h); h.add_(x)``). Under
-    ``torch.func`` such a view can be, so no copy is made.
+    The outputs are copies, not views: models write a block's output in place (``h = block(h); h.add_(x)``). Under
+    plain autograd a view made by a custom Function cannot be written in place. Under ``torch.func`` it can, but the
+    write went into the tensor the unit's last layer saved for its backward (a tanh, a sigmoid, a softmax saves its
+    output), and autograd's check of saved tensors did not see it (the view's version counter is not the saved
+    tensor's): the backward silently used the written values, where PyTorch raises "modified by an inplace operation".
+    On a copy the write leaves the unit's saved tensors as they were, as under plain autograd.
     """
 
     @staticmethod
-    def forward(call, copy, *outs):
-        return tuple(o.clone() if copy else o.view_as(o) for o in outs)
+    def forward(call, *outs):
+        return tuple(o.clone() for o in outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -693,7 +695,7 @@ class _RefillBeforeBackward(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_Refill.apply(ctx.call, *grads))
+        return (None, *_Refill.apply(ctx.call, *grads))
 
 
 class _Refill(Function):
