@@ -579,6 +579,54 @@ def test_an_argument_written_in_place_during_the_forward_is_refused():
     assert w.grad.tolist() == [16.0, 24.0]
 
 
+
+@pytest.mark.parametrize("mode", ["grad", "backward"])
+def test_an_output_that_is_a_view_may_be_written_in_place_as_checkpoints_may(mode):
+    """A Linear on a 3-d input returns a view (its 2-d product reshaped). remat returned it as it was, and a write into
+    it after the call (h = block(h); h.mul_(2), fine under torch.utils.checkpoint) raised torch's raw "Output 0 of
+    _RematForward is a view and is being modified inplace"."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 3, 4)
+
+    def loss_fn(params, wrap):
+        run = lambda p, x: fzero.apply(lin, p, x)  # noqa: E731
+        y = (remat(run) if wrap else run)(params, x)
+        y.mul_(2)
+        return torch.tanh(y).sum()
+
+    params = fzero.params_of(lin)
+    expected = grads_by(mode, lambda p: loss_fn(p, False), params)
+    assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_units_output_that_is_a_view_may_be_written_in_place(stages):
+    """The same through compile(remat=True): units whose output is a Linear's on 3-d activations, each written in
+    place after the unit, train as without remat."""
+    class Written(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, h):
+            for block in self.blocks:
+                y = block(h)
+                y.mul_(0.5)
+                h = torch.tanh(h + y)
+            return h
+
+    torch.manual_seed(0)
+    net = Written()
+    runs = []
+    for recompute in (False, True):
+        step = fzero.compile(lambda p, b: fzero.apply(net, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                             stages=stages, mesh=fzero.local_mesh(2), remat=recompute)
+        state = step.init(fzero.params_of(net))
+        state, _ = step(state, torch.randn(4, 3, 4, generator=torch.Generator().manual_seed(1)))
+        runs.append(step.gather(state))
+    assert_trees_equal(runs[1], runs[0])
+
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_compiled_unit_writing_its_input_in_place_is_refused(stages):
     """compile(remat=True): a unit that adds into its input in place (the zoo's ShiftBlock; fine without remat) is

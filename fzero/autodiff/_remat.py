@@ -502,6 +502,12 @@ class _RematForward(Function):
         for o in outs:
             if id(o) in seen or any(o is x for x in inputs):
                 o = o.view_as(o)
+            elif o._is_view():
+                # a view made in the forward (a Linear on a 3-d input reshapes its 2-d product), returned as it is, is an
+                # output that torch refuses to see written in place ("Output 0 of _RematForward is a view and is being
+                # modified inplace"), where torch.utils.checkpoint's output may be (h = block(h); h.mul_(2)). Detached
+                # (no grad here), it is no view: the same memory and version counter
+                o = o.detach()
             seen.add(id(o))
             res.append(o)
         return tuple(res)
