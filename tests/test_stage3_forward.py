@@ -209,6 +209,49 @@ def test_a_units_output_written_in_place_leaves_what_its_backward_saved_as_it_wa
     assert_trees_equal(got, expected)
     assert not torch.equal(expected["head.weight"], out_of_place.head.weight)  # it did train
 
+
+class _MaybeSkipped(nn.Module):
+    def __init__(self, skip: bool):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.skip = skip
+
+    def forward(self, x):
+        return x if self.skip else self.lin(x)  # skipped: its input, as it is (LayerDrop inside a block)
+
+
+class _WritesWhatASkipReturns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_MaybeSkipped(False), _MaybeSkipped(True), _MaybeSkipped(False)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        h = x * 1.0
+        for block in self.blocks:
+            residual = h
+            h = block(h)
+            h.mul_(2)  # where the block returned h itself, this writes residual too (in PyTorch)
+            h = h + residual
+        return self.head(h)
+
+
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+def test_a_unit_that_returns_its_input_returns_that_very_tensor(autodiff):
+    """A unit returning its argument unwritten hands the caller that tensor, as in PyTorch: a write into it after the
+    call reaches every other reference the caller holds. Stage 3 returned a copy (each output passed a Function that
+    refills the unit before its backward), so the write missed the caller's residual: another computation, silently
+    (here 8.8e-4 off stage 0 in blocks.0.lin.bias after 3 steps)."""
+    torch.manual_seed(0)
+    model = _WritesWhatASkipReturns()
+
+    def loss_fn(params, b):
+        return nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    expected = _train(model, loss_fn, stages=0, autodiff=autodiff)
+    assert_trees_equal(_train(model, loss_fn, stages=3, autodiff=autodiff), expected)
+    assert not torch.equal(expected["head.weight"], model.head.weight)  # it did train
+
 class _SideChannel(nn.Module):
     """A unit that also leaves a tensor on a side channel; the loss uses only that tensor."""
 

@@ -550,6 +550,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
     if not unit.slots and call.keeps_graph:  # frozen params alone: no gradient of its own says its backward is over
         args, kwargs = _after_backward((args, kwargs), call)
+    given = {id(t): (t, t._version) for t in _tree.tensors_and_rebuild((args, kwargs))[0]} if call.keeps_graph else {}
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
     if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
@@ -557,7 +558,13 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
         return out
     if not call.params.schedule.kept(call):
         call.free()
-    return _before_backward(out, call)
+    return _before_backward(out, call, given)
+
+
+def _unwritten_argument(t: torch.Tensor, given: dict[int, tuple[torch.Tensor, int]]) -> bool:
+    """Whether ``t`` is one of the unit's tensor arguments (``given``), not written in place by the unit."""
+    arg = given.get(id(t))
+    return arg is not None and arg[0] is t and t._version == arg[1]
 
 
 def _any_requires_grad(inputs: Any) -> bool:
@@ -587,7 +594,7 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _before_backward(out: Any, call: UnitCall) -> Any:
+def _before_backward(out: Any, call: UnitCall, given: dict[int, tuple[torch.Tensor, int]] | None = None) -> Any:
     """``out`` with its differentiable tensors passed through ``_RefillBeforeBackward``: the unit's backward
     cannot start before the gradient of every output that reaches the loss has arrived there, so that is
     where the buffer is refilled (as FSDP's pre-backward hook on a module's outputs).
@@ -595,9 +602,15 @@ def _before_backward(out: Any, call: UnitCall) -> Any:
     Pytrees, dataclasses (a unit may return one) and Hugging Face ``ModelOutput``s are searched; a tensor
     that leaves the unit another way (stored on a module, captured by a hook on a submodule inside the
     unit) and is the only path of a gradient into the unit is not seen (see the module docstring).
+
+    ``given``: the unit's tensor arguments and their versions before the call. An output that is one of them, unwritten
+    (a block that skips itself: ``return x``), is returned as it is: no gradient through it reaches the unit's params,
+    and a copy would break the alias the caller may rely on (``h = block(h); h.mul_(2)`` writes the ``h`` it still
+    holds as its residual, in PyTorch).
     """
     found, rebuild = _tree.tensors_and_rebuild(out)
-    wanted = [i for i, t in enumerate(found) if t.requires_grad]
+    given = given or {}
+    wanted = [i for i, t in enumerate(found) if t.requires_grad and not _unwritten_argument(t, given)]
     if not wanted:
         return out
     passed = _RefillBeforeBackward.apply(call, *[found[i] for i in wanted])
