@@ -600,6 +600,31 @@ def test_an_output_that_is_a_view_may_be_written_in_place_as_checkpoints_may(mod
     assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
 
 
+
+@pytest.mark.parametrize("mode", ["grad", "vjp", "backward"])
+def test_an_argument_returned_as_it_is_is_that_very_tensor(mode):
+    """A function that returns its argument as it is (a block that skips itself) hands back that very tensor, as
+    without remat: a write into the output after the call reaches the caller's other references to it, with its
+    gradient. remat returned a view made by its Function: under plain autograd torch refused to see it written
+    ("Output 0 of _RematForward is a view"), and under torch.func the write reached the caller's tensor but not its
+    graph (weight's gradient 0.495 off, silently)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def loss_fn(params, wrap):
+        def run(p, h, skip):
+            return h if skip else fzero.apply(lin, p, h)
+
+        h = x * params["weight"].sum()
+        same = (remat(run) if wrap else run)(params, h, True)
+        same.mul_(2)  # writes h too
+        return (h * fzero.apply(lin, params, x)).sum()
+
+    params = fzero.params_of(lin)
+    expected = grads_by(mode, lambda p: loss_fn(p, False), params)
+    assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
+
 @pytest.mark.parametrize("stages", [0, 3])
 def test_a_units_output_that_is_a_view_may_be_written_in_place(stages):
     """The same through compile(remat=True): units whose output is a Linear's on 3-d activations, each written in

@@ -134,8 +134,10 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     # Decided here, outside apply: inside a Function's forward under torch.func, requires_grad reads False.
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
     call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
-    outs = _RematForward.apply(call, *tensors)
-    return call.rebuild(list(outs))
+    outs = list(_RematForward.apply(call, *tensors))
+    for i, j in call.returned_inputs.items():  # an argument returned as it is: that very tensor, as without remat
+        outs[i] = tensors[j]
+    return call.rebuild(outs)
 
 
 _SLOT = object()  # where a tensor goes back into a flattened pytree of inputs or outputs
@@ -157,6 +159,7 @@ class _Call:
         self.rng: _RngState | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.unused: list[bool] = []
+        self.returned_inputs: dict[int, int] = {}  # output position -> the argument (tensor position) it is, as it is
         self.snapshots = Snapshots()  # the step's buffers as the forward found them, for the recompute
         self.bank, self.dtype = current_buffers(), current_compute_dtype()  # what fzero.apply ran with in the forward
         self.cached = _parametrize_caching()  # under torch.nn.utils.parametrize.cached() in the forward
@@ -499,8 +502,13 @@ class _RematForward(Function):
         # A Function must not return one of its inputs as is, nor one tensor twice.
         seen: set[int] = set()
         res = []
-        for o in outs:
-            if id(o) in seen or any(o is x for x in inputs):
+        for i, o in enumerate(outs):
+            given = next((j for j, x in enumerate(inputs) if o is x), None)
+            if given is not None:  # (unwritten: checked above) handed back as that very argument by ``_remat_call``: a
+                # write into it after the call reaches the caller's references to it, as without remat (a view of it,
+                # made by a Function, could not be written: "Output 0 of _RematForward is a view")
+                call.returned_inputs[i] = given
+            if id(o) in seen or given is not None:
                 o = o.view_as(o)
             elif o._is_view():
                 # a view made in the forward (a Linear on a 3-d input reshapes its 2-d product), returned as it is, is an
