@@ -29,7 +29,7 @@ from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_vie
 from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
 from fzero.step import (current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
-from fzero.zero._unit_hooks import _after_backward, _refill_on_escape, _refill_on_escape_pre
+from fzero.zero._unit_hooks import _after_backward, _refill_on_escape, _refill_on_escape_pre, write_back
 
 
 class UnitCall:
@@ -548,10 +548,12 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
         return remat(unit_forward)(shard, *args, **kwargs)
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
+    passed: list = []
     if not unit.slots and call.keeps_graph:  # frozen params alone: no gradient of its own says its backward is over
-        args, kwargs = _after_backward((args, kwargs), call)
+        (args, kwargs), passed = _after_backward((args, kwargs), call)
     given = {id(t): (t, t._version) for t in _tree.tensors_and_rebuild((args, kwargs))[0]} if call.keeps_graph else {}
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
+    write_back(passed)
     if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()

@@ -37,15 +37,16 @@ class _UnitCall(Protocol):
     def free(self) -> None: ...
 
 
-def _after_backward(inputs: Any, call: _UnitCall) -> Any:
+def _after_backward(inputs: Any, call: _UnitCall) -> tuple[Any, list]:
     """``inputs`` with their differentiable tensors passed through ``_FreeAfterBackward``: for a unit of frozen params
     alone (``step.init(..., frozen=...)``), whose gather has no gradient to join and reduce, the gradient of its inputs
     is where its backward ends and its buffer can be freed again. (No input with a gradient: no backward reaches the
-    unit, and its buffer, freed after the forward, is never refilled.)"""
+    unit, and its buffer, freed after the forward, is never refilled.) Also returns, under ``torch.func``, each input
+    with the view the unit gets of it and that view's version, for ``write_back`` after the call (else [])."""
     found, rebuild = _tree.tensors_and_rebuild(inputs)
     wanted = [i for i, t in enumerate(found) if t.requires_grad]
     if not wanted:
-        return inputs
+        return inputs, []
     if not torch._C._functorch.is_functorch_wrapped_tensor(found[wanted[0]]):
         # plain autograd: a hook on the inputs themselves, not a Function between them and the unit. A Function's
         # outputs are views that the unit may not modify in place (``F.relu(x, inplace=True)`` on its input raised
@@ -53,11 +54,25 @@ def _after_backward(inputs: Any, call: _UnitCall) -> Any:
         # of the input's uses inside the unit before the uses outside it (not bitwise the run without frozen=)
         call.hooks = torch.autograd.graph.register_multi_grad_hook([found[i] for i in wanted],
                                                                    functools.partial(_free_after_backward, call), mode="all")
-        return inputs
-    passed = _FreeAfterBackward.apply(call, *[found[i] for i in wanted])
+        return inputs, []
+    given = [found[i] for i in wanted]
+    passed = _FreeAfterBackward.apply(call, *given)
     for i, t in zip(wanted, passed):
         found[i] = t
-    return rebuild(found)
+    return rebuild(found), [(g, t, t._version) for g, t in zip(given, passed)]
+
+
+def write_back(passed: list) -> None:
+    """After the call of a unit of frozen params alone under ``torch.func``: each of its inputs that it wrote in place
+    (``nn.ReLU(inplace=True)`` first in a frozen tower) is copied into the caller's tensor it is a view of (``passed``:
+    (that tensor, the view, its version before the call), from ``_after_backward``). The write itself already reached
+    the caller's memory, but not its graph (nor autograd's check of the tensors saved from it): a view made by a
+    Function is a tensor of its own there, so a caller that used the tensor after the unit (a residual beside the
+    tower) got silently wrong gradients. The copy (of each element onto itself) records the write in the caller's
+    tensor, as the write does in PyTorch."""
+    for tensor, view, version in passed:
+        if view._version != version:
+            tensor.copy_(view)
 
 
 def _free_after_backward(call: _UnitCall, grads: Any) -> None:
