@@ -147,6 +147,35 @@ def test_a_failing_rank_raises_instead_of_hanging(prob):
     assert "raised on rank 1" in str(info.value.__notes__)
 
 
+
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+def test_a_failing_rank_leaves_no_reference_cycle_behind(prob, autodiff):
+    """The error a rank raised held, through its traceback, that rank's frames, whose closure held the mesh's list of
+    errors, which held the error: a cycle only the garbage collector frees. One left to the interpreter's exit, with
+    torch.func's wrapped tensors among the frames' locals, aborted the process there ("terminate called without an
+    active exception", exit status 134, after a stage-3 step under autodiff="func" raised in backward on local_mesh(2))."""
+    import gc
+    import weakref
+
+    alive = []
+
+    def loss_fn(params, b):
+        marker = torch.zeros(1)  # a local of the rank's frame
+        alive.append(weakref.ref(marker))
+        prob.loss_fn(params, b)
+        raise RuntimeError("boom on every rank")
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(2, timeout=30),
+                         autodiff=autodiff)
+    state = step.init(fzero.params_of(prob.model))
+    gc.disable()  # what refcounts alone free
+    try:
+        with pytest.raises(RuntimeError, match="boom on every rank"):
+            step(state, {"x": torch.randn(8, 16), "y": torch.randn(8, 4)})
+        assert len(alive) == 2 and [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()
+
 @pytest.mark.parametrize("stages, autodiff", [(0, "autograd"), (1, "func"), (2, "autograd"), (3, "autograd"), (3, "func")])
 def test_a_loss_fn_that_calls_backward_itself_is_named_and_the_state_trains_on(stages, autodiff):
     """``loss.backward()`` at the end of ``loss_fn``, as a plain PyTorch training step ends: torch's "Trying to backward

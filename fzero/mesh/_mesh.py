@@ -122,7 +122,14 @@ class LocalMesh:
         if first is not None:
             rank = errors.index(first)
             first.add_note(f"(raised on rank {rank} of fzero.local_mesh({self.size}))")
-            raise first
+            # each error's traceback holds its rank's frames, whose closure holds this list: a cycle that kept the ranks'
+            # frames (torch.func's wrapped tensors among their locals) for the garbage collector, and one left to the
+            # interpreter's exit aborted the process there ("terminate called without an active exception")
+            errors.clear()
+            try:
+                raise first
+            finally:
+                first = None  # (this frame, in the traceback, would hold the error too)
         return results
 
     def _context(self, rank: int) -> ContextManager[Any]:
