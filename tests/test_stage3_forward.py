@@ -211,19 +211,23 @@ def test_a_units_output_written_in_place_leaves_what_its_backward_saved_as_it_wa
 
 
 class _MaybeSkipped(nn.Module):
-    def __init__(self, skip: bool):
+    def __init__(self, skip: str):
         super().__init__()
         self.lin = nn.Linear(WIDTH, WIDTH)
         self.skip = skip
 
     def forward(self, x):
-        return x if self.skip else self.lin(x)  # skipped: its input, as it is (LayerDrop inside a block)
+        if self.skip == "itself":  # skipped: its input, as it is (LayerDrop inside a block)
+            return x
+        if self.skip == "view":  # or a view of it
+            return x.view(x.shape)
+        return self.lin(x)
 
 
 class _WritesWhatASkipReturns(nn.Module):
-    def __init__(self):
+    def __init__(self, skip: str):
         super().__init__()
-        self.blocks = nn.ModuleList([_MaybeSkipped(False), _MaybeSkipped(True), _MaybeSkipped(False)])
+        self.blocks = nn.ModuleList([_MaybeSkipped(""), _MaybeSkipped(skip), _MaybeSkipped("")])
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x):
@@ -236,14 +240,15 @@ class _WritesWhatASkipReturns(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.parametrize("skip", ["itself", "view"])
 @pytest.mark.parametrize("autodiff", ["func", "autograd"])
-def test_a_unit_that_returns_its_input_returns_that_very_tensor(autodiff):
-    """A unit returning its argument unwritten hands the caller that tensor, as in PyTorch: a write into it after the
-    call reaches every other reference the caller holds. Stage 3 returned a copy (each output passed a Function that
-    refills the unit before its backward), so the write missed the caller's residual: another computation, silently
-    (here 8.8e-4 off stage 0 in blocks.0.lin.bias after 3 steps)."""
+def test_a_unit_that_returns_its_input_returns_that_very_tensor(autodiff, skip):
+    """A unit returning its argument (or a view of it) unwritten hands the caller that tensor, as in PyTorch: a write
+    into it after the call reaches every other reference the caller holds. Stage 3 returned a copy (each output passed
+    a Function that refills the unit before its backward), so the write missed the caller's residual: another
+    computation, silently (here 8.8e-4 off stage 0 in blocks.0.lin.bias after 3 steps)."""
     torch.manual_seed(0)
-    model = _WritesWhatASkipReturns()
+    model = _WritesWhatASkipReturns(skip)
 
     def loss_fn(params, b):
         return nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])

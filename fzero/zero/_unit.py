@@ -564,9 +564,15 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
 
 
 def _unwritten_argument(t: torch.Tensor, given: dict[int, tuple[torch.Tensor, int]]) -> bool:
-    """Whether ``t`` is one of the unit's tensor arguments (``given``), not written in place by the unit."""
+    """Whether ``t`` is one of the unit's tensor arguments (``given``), or a view of one (``x.transpose(1, 2)``), that
+    the unit did not write in place (a write through a view moves its base's version too)."""
     arg = given.get(id(t))
-    return arg is not None and arg[0] is t and t._version == arg[1]
+    if arg is not None:
+        return arg[0] is t and t._version == arg[1]
+    if not given or not t._is_view():
+        return False
+    ptr = _storage_ptr(t)
+    return any(a._version == version and _storage_ptr(a) == ptr for a, version in given.values())
 
 
 def _any_requires_grad(inputs: Any) -> bool:
@@ -605,10 +611,10 @@ def _before_backward(out: Any, call: UnitCall, given: dict[int, tuple[torch.Tens
     that leaves the unit another way (stored on a module, captured by a hook on a submodule inside the
     unit) and is the only path of a gradient into the unit is not seen (see the module docstring).
 
-    ``given``: the unit's tensor arguments and their versions before the call. An output that is one of them, unwritten
-    (a block that skips itself: ``return x``), is returned as it is: no gradient through it reaches the unit's params,
-    and a copy would break the alias the caller may rely on (``h = block(h); h.mul_(2)`` writes the ``h`` it still
-    holds as its residual, in PyTorch).
+    ``given``: the unit's tensor arguments and their versions before the call. An output that is one of them, or a view
+    of one, unwritten (a block that skips itself: ``return x``), is returned as it is: no gradient through it reaches
+    the unit's params, and a copy would break the alias the caller may rely on (``h = block(h); h.mul_(2)`` writes the
+    ``h`` it still holds as its residual, in PyTorch).
     """
     found, rebuild = _tree.tensors_and_rebuild(out)
     given = given or {}
