@@ -70,6 +70,37 @@ def test_prefetch_order_is_re_recorded_when_the_forward_changes():
     assert_trees_equal(runs[True], runs[False])  # a wrong prefetch was dropped, not used
 
 
+
+@pytest.mark.parametrize("bucket_elements", [0, 1 << 20])
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+def test_a_unit_called_twice_in_the_forward_keeps_the_prefetch_going(monkeypatch, autodiff, bucket_elements):
+    """The "any" problem runs its shared block twice. The second call's prefetch had gone into the freed buffer of the
+    first call (the order cannot tell it from a backward refill), which the forward's gather refused: prefetch stopped
+    there for the rest of every step, forward and backward (layers shared across depth, a block applied twice). Now
+    only a change of the order stops it, and the params trained are bitwise those without prefetch."""
+    from fzero.zero._unit import Schedule
+
+    stops: list[tuple[int, str]] = []
+    stop = Schedule._stop_following
+
+    def record(self, ahead):
+        stops.append((len(self.seen), self.seen[-1]))
+        return stop(self, ahead)
+
+    monkeypatch.setattr(Schedule, "_stop_following", record)
+    prob = PROBLEMS["any"]()
+    runs = {}
+    for prefetch in (True, False):
+        step = fzero.compile(prob.loss_fn, optimizer=fzero.optim.adamw(1e-3), stages=3, mesh=fzero.local_mesh(2),
+                             prefetch=prefetch, autodiff=autodiff, bucket_elements=bucket_elements)
+        state = step.init(fzero.params_of(prob.model))
+        for b in prob.batches:
+            state, _ = step(state, b)
+        runs[prefetch] = step.gather(state)
+    assert state[0].meta.gather_order.count("shared.0") == 4
+    assert stops == []
+    assert_trees_equal(runs[True], runs[False])
+
 def _gathered_peak(n_layer: int, prefetch: bool, **settings) -> tuple[int, int, list[int]]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=2, d_model=64, seq_len=16))

@@ -413,6 +413,19 @@ class Schedule:
         pos, ahead = self._next(name)
         if self.following and ahead is not None and ahead[0] == name and ahead[2] is None:
             full = ahead[1].wait()
+        elif self.following and ahead is not None and ahead[0] == name:
+            # a unit called again in the forward (a block applied twice, layers shared across depth): the order does
+            # not tell this gather from a backward refill, so it went into the freed buffer of the unit's call that
+            # waits for its backward (or kept the buffer of the call just run). The values are this call's too: copied
+            # into a buffer of its own, and the prefetch goes on (it stopped here, for the rest of every step)
+            target = ahead[2]
+            full = _events.gathered(take(self.pool, self.sizes[name], dtype=shard.dtype, device=self.device))
+            with _same_version(target.full), torch.no_grad():
+                if ahead[1] is not None:
+                    ahead[1].wait()
+                full.copy_(target.full)
+            del ahead  # (the pending gather holds its buffer)
+            target.free()
         else:
             if self.following:
                 self._stop_following(ahead)
