@@ -652,6 +652,31 @@ def test_a_units_output_that_is_a_view_may_be_written_in_place(stages):
         runs.append(step.gather(state))
     assert_trees_equal(runs[1], runs[0])
 
+@pytest.mark.parametrize("mode", ["grad", "backward"])
+def test_an_output_that_is_a_view_of_another_output_sees_writes_into_it(mode):
+    """An output that is a view of another output (``h, h[:, :2]``: a hidden state and its first features, as a pooler
+    takes them). Returned detached, it shared the other output's memory but not its graph: a write into that output
+    after the call changed the view's values and not its gradient (silently; before the detach it was torch's "Output 1
+    of _RematForward is a view and its base ... has been modified inplace"). It is made again on that output outside
+    the Function, a view of it as in PyTorch."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def run(p, x):
+        h = fzero.apply(lin, p, x)
+        return h, h[:, :2]
+
+    def loss_fn(params, wrap):
+        h, first = (remat(run) if wrap else run)(params, x)
+        h.mul_(2)  # writes first too
+        return torch.tanh(h).sum() + (first * first).sum()
+
+    params = fzero.params_of(lin)
+    expected = grads_by(mode, lambda p: loss_fn(p, False), params)
+    assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
+
+
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_compiled_unit_writing_its_input_in_place_is_refused(stages):
     """compile(remat=True): a unit that adds into its input in place (the zoo's ShiftBlock; fine without remat) is

@@ -137,6 +137,8 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     outs = list(_RematForward.apply(call, *tensors))
     for i, j in call.returned_inputs.items():  # an argument returned as it is: that very tensor, as without remat
         outs[i] = tensors[j]
+    for i, (source, k, geometry) in call.views.items():  # a view of an argument or of another output: made again on it
+        outs[i] = (tensors[k] if source == "input" else outs[k]).as_strided(*geometry)
     return call.rebuild(outs)
 
 
@@ -160,6 +162,8 @@ class _Call:
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.unused: list[bool] = []
         self.returned_inputs: dict[int, int] = {}  # output position -> the argument (tensor position) it is, as it is
+        # output position -> ("input" or "output", the position of the tensor it is a view of, (size, stride, offset))
+        self.views: dict[int, tuple[str, int, tuple]] = {}
         self.snapshots = Snapshots()  # the step's buffers as the forward found them, for the recompute
         self.bank, self.dtype = current_buffers(), current_compute_dtype()  # what fzero.apply ran with in the forward
         self.cached = _parametrize_caching()  # under torch.nn.utils.parametrize.cached() in the forward
@@ -515,6 +519,7 @@ class _RematForward(Function):
                 # output that torch refuses to see written in place ("Output 0 of _RematForward is a view and is being
                 # modified inplace"), where torch.utils.checkpoint's output may be (h = block(h); h.mul_(2)). Detached
                 # (no grad here), it is no view: the same memory and version counter
+                _view_of(call, i, o, inputs, outs)
                 o = o.detach()
             seen.add(id(o))
             res.append(o)
@@ -547,6 +552,23 @@ class _RematForward(Function):
             g = grads.pop(0) if need else None
             out.append(None if g is None or next(unused) else g)
         return tuple(out)
+
+
+def _view_of(call: "_Call", i: int, o: torch.Tensor, inputs: tuple, outs: Any) -> None:
+    """Record in ``call.views`` that output ``i`` (``o``, a view) is a view of an argument or of another output (its
+    base): ``_remat_call`` makes it again on that tensor outside the Function. Detached alone, it would share their memory
+    but not their graph: a write into the base after the call (``h, cls = block(x); h.mul_(2)``, ``cls = h[:, 0]``)
+    changed ``cls``'s values but not its gradient (silently), where PyTorch records the write in the view."""
+    base = o._base
+    geometry = (tuple(o.size()), tuple(o.stride()), o.storage_offset())
+    for k, x in enumerate(inputs):
+        if x is base or (x._is_view() and x._base is base):
+            call.views[i] = ("input", k, geometry)
+            return
+    for k, x in enumerate(outs):
+        if x is base:
+            call.views[i] = ("output", k, geometry)
+            return
 
 
 def _wanted_now(ctx: Any, diff: list[bool]) -> tuple[bool, ...]:
