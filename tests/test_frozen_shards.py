@@ -598,6 +598,55 @@ def test_a_frozen_unit_writing_an_input_the_caller_uses_after_it_trains_as_pytor
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
+class _SkippedTower(nn.Module):
+    """A frozen unit that skips itself: its input (or a view of it) back as it is."""
+
+    def __init__(self, skip: str):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.skip = skip
+
+    def forward(self, x):
+        return x if self.skip == "itself" else x.view(x.shape)
+
+
+class _WritesWhatATowerReturns(nn.Module):
+    def __init__(self, skip: str):
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.tower = _SkippedTower(skip).requires_grad_(False)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        out = self.tower(h)
+        out.mul_(2)  # writes h too, in PyTorch
+        return self.head(out + h)
+
+
+@pytest.mark.parametrize("skip", ["itself", "view"])
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+def test_a_frozen_unit_returning_its_input_unwritten_returns_the_callers_tensor(autodiff, skip):
+    """A frozen unit (``frozen=``) returning its input (or a view of it) as it is hands the caller its own tensor, as any
+    unit does: under torch.func the unit got a view made by ``_FreeAfterBackward``, and returning that, a write into it
+    after the call reached the caller's memory but not its graph (2.3 off stage 0 after two steps, silently)."""
+    def run(stages, frozen):
+        torch.manual_seed(0)
+        model = _WritesWhatATowerReturns(skip)
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                             stages=stages, mesh=fzero.local_mesh(2), units=("tower",) if frozen else None, autodiff=autodiff)
+        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            state, _ = step(state, torch.randn(4, 4, generator=g))
+        return step.gather(state)
+
+    expected = run(0, False)
+    got = run(3, True)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_buckets_fill_by_what_a_unit_gathers_not_by_what_it_trains():
     """A bucket counts each unit's gathered buffer, frozen params included: units that train nothing (padded 0) no
     longer all went into one bucket, gathering every frozen block at once."""

@@ -567,6 +567,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     given = {id(t): (t, t._version) for t in _tree.tensors_and_rebuild((args, kwargs))[0]} if call.keeps_graph else {}
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
     write_back(passed)
+    out = _as_passed(out, passed, given)
     if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()
@@ -574,6 +575,31 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     if not call.params.schedule.kept(call):
         call.free()
     return _before_backward(out, call, given)
+
+
+def _as_passed(out: Any, passed: list, given: dict[int, tuple[torch.Tensor, int]]) -> Any:
+    """``out`` with each output that is an input of a frozen unit under ``torch.func`` (``passed``: the caller's tensor,
+    the view of it the unit got, that view's version before the call; see ``_after_backward``), or a view of one, left
+    unwritten, made the caller's tensor again (or that view of it), as ``_before_backward`` returns an unwritten argument
+    of any other unit: the unit got a view made by a Function, a tensor of its own under torch.func, so a write into it
+    after the call (``h = tower(h); h.mul_(2)`` where the tower skips itself) reached the caller's memory but not its
+    graph (silently wrong gradients). The caller's tensor is added to ``given``, so that it is returned as it is."""
+    if not passed:
+        return out
+    found, rebuild = _tree.tensors_and_rebuild(out)
+    for i, t in enumerate(found):
+        for tensor, view, version in passed:
+            if view._version != version:
+                continue
+            if t is view:
+                found[i] = tensor
+            elif t._is_view() and _storage_ptr(t) == _storage_ptr(view):
+                found[i] = tensor.as_strided(t.size(), t.stride(), t.storage_offset())
+            else:
+                continue
+            given[id(tensor)] = (tensor, tensor._version)
+            break
+    return rebuild(found)
 
 
 def _unwritten_argument(t: torch.Tensor, given: dict[int, tuple[torch.Tensor, int]]) -> bool:
