@@ -660,10 +660,44 @@ def _before_backward(out: Any, call: UnitCall, given: dict[int, tuple[torch.Tens
     wanted = [i for i, t in enumerate(found) if t.requires_grad and not _unwritten_argument(t, given)]
     if not wanted:
         return out
-    passed = _RefillBeforeBackward.apply(call, *[found[i] for i in wanted])
-    for i, t in zip(wanted, passed):
-        found[i] = t
+    # an output that is a view of another (``return h, h[:, 0]``, a pooler's first token) is made again on that one's
+    # copy: copied apart, a write into one (``h.mul_(2)``) would no longer show in the other, silently
+    bases, views = _aliases([found[i] for i in wanted])
+    passed = _RefillBeforeBackward.apply(call, *[found[wanted[j]] for j in bases])
+    for j, t in zip(bases, passed):
+        found[wanted[j]] = t
+    for j, (b, size, stride, offset) in views.items():
+        found[wanted[j]] = found[wanted[b]].as_strided(size, stride, offset)
     return rebuild(found)
+
+
+def _aliases(outs: list[torch.Tensor]) -> tuple[list[int], dict[int, tuple[int, Any, Any, int]]]:
+    """The outputs to copy (their positions), and each other output that is a view of one of them: position ->
+    (that one's position, its size, stride and offset from that one's start). A view's base is an output of the same
+    memory, contiguous (so its copy keeps its strides), whose elements hold the view's; the largest such."""
+    meta = [_unwrapped(t) for t in outs]
+    ptrs = [t.untyped_storage().data_ptr() for t in meta]
+    if len(set(ptrs)) == len(ptrs):  # the usual case: no two outputs share memory
+        return list(range(len(outs))), {}
+    views: dict[int, tuple[int, Any, Any, int]] = {}
+    for i, t in enumerate(meta):
+        lo = t.storage_offset()
+        hi = lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1 if t.numel() else lo
+        holders = [b for b, m in enumerate(meta) if b != i and ptrs[b] == ptrs[i] and m.is_contiguous()
+                   and m.storage_offset() <= lo and hi <= m.storage_offset() + m.numel()
+                   and (m.numel() > t.numel() or m.numel() == t.numel() and b < i)  # (one returned twice: the first)
+                   and all(st >= 0 for st in t.stride())]
+        if holders:
+            b = max(holders, key=lambda k: meta[k].numel())
+            views[i] = (b, t.shape, t.stride(), int(lo - meta[b].storage_offset()))
+    return [i for i in range(len(outs)) if i not in views], views
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a ``torch.func`` wrapper holds (its metadata is the wrapper's), or ``t``."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 class _UnitGather(Function):
