@@ -566,8 +566,9 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
         (args, kwargs), passed = _after_backward((args, kwargs), call)
     given = {id(t): (t, t._version) for t in _tree.tensors_and_rebuild((args, kwargs))[0]} if call.keeps_graph else {}
     out = call.run(views, args, kwargs, keep=torch.is_grad_enabled())
-    write_back(passed)
-    out = _as_passed(out, passed, given)
+    if passed:  # a unit of frozen params alone under torch.func (``_after_backward``)
+        write_back(passed)
+        out = _as_passed(out, passed, given)
     if not torch.is_grad_enabled() and call.full is not None:  # no graph: nothing will read the buffer again
         out = _unalias(out, call.full)
         call.free()
