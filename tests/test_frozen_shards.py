@@ -577,26 +577,30 @@ class _ResidualTower(_Tower):
         return self.head(h + self.tower(h))  # the tower's ReLU writes h in place: the residual is relu(h), as in PyTorch
 
 
+def _tower_run(make, *, stages: int, frozen: bool, autodiff: str) -> dict:
+    """Two SGD steps of ``make()``'s model on ``local_mesh(2)``; ``frozen``: its frozen tower a unit held sharded
+    (``frozen=``), against the stage-0 run the tests compare with. The gathered params."""
+    torch.manual_seed(0)
+    model = make()
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(2), units=("tower",) if frozen else None, autodiff=autodiff)
+    state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4, 4, generator=g))
+    return step.gather(state)
+
+
 @pytest.mark.parametrize("autodiff", ["autograd", "func"])
 def test_a_frozen_unit_writing_an_input_the_caller_uses_after_it_trains_as_pytorch(autodiff):
     """A frozen unit (``frozen=``) whose first layer writes its input in place, an input the caller uses again after
     the unit. Under torch.func the unit's inputs are views made by a Function: the write reached the caller's memory
     but not its graph, so the residual's gradient skipped the ReLU (6.1e-3 off stage 0 after two steps, silently)."""
-    def run(stages, frozen):
-        torch.manual_seed(0)
-        model = _ResidualTower()
-        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.sgd(0.1),
-                             stages=stages, mesh=fzero.local_mesh(2), units=("tower",) if frozen else None, autodiff=autodiff)
-        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            state, _ = step(state, torch.randn(4, 4, generator=g))
-        return step.gather(state)
-
-    expected = run(0, False)
-    got = run(3, True)
+    expected = _tower_run(_ResidualTower, stages=0, frozen=False, autodiff=autodiff)
+    got = _tower_run(_ResidualTower, stages=3, frozen=True, autodiff=autodiff)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
 
 class _SkippedTower(nn.Module):
     """A frozen unit that skips itself: its input (or a view of it) back as it is."""
@@ -630,19 +634,8 @@ def test_a_frozen_unit_returning_its_input_unwritten_returns_the_callers_tensor(
     """A frozen unit (``frozen=``) returning its input (or a view of it) as it is hands the caller its own tensor, as any
     unit does: under torch.func the unit got a view made by ``_FreeAfterBackward``, and returning that, a write into it
     after the call reached the caller's memory but not its graph (2.3 off stage 0 after two steps, silently)."""
-    def run(stages, frozen):
-        torch.manual_seed(0)
-        model = _WritesWhatATowerReturns(skip)
-        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.sgd(0.1),
-                             stages=stages, mesh=fzero.local_mesh(2), units=("tower",) if frozen else None, autodiff=autodiff)
-        state = step.init(fzero.params_of(model), frozen=fzero.frozen_of(model) if frozen else None)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            state, _ = step(state, torch.randn(4, 4, generator=g))
-        return step.gather(state)
-
-    expected = run(0, False)
-    got = run(3, True)
+    expected = _tower_run(lambda: _WritesWhatATowerReturns(skip), stages=0, frozen=False, autodiff=autodiff)
+    got = _tower_run(lambda: _WritesWhatATowerReturns(skip), stages=3, frozen=True, autodiff=autodiff)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
