@@ -637,9 +637,7 @@ def _unalias(out: Any, full: torch.Tensor) -> Any:
 def _storage_ptr(t: torch.Tensor) -> int:
     """Where ``t``'s memory is; under ``torch.func`` (a unit run under ``torch.no_grad()`` inside the transform) the
     tensor a wrapper holds ("Cannot access storage of TensorWrapper")."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t.untyped_storage().data_ptr()
+    return _unwrapped(t).untyped_storage().data_ptr()
 
 
 def _before_backward(out: Any, call: UnitCall, given: dict[int, tuple[torch.Tensor, int]] | None = None) -> Any:
@@ -677,7 +675,7 @@ def _aliases(outs: list[torch.Tensor]) -> tuple[list[int], dict[int, tuple[int, 
     (that one's position, its size, stride and offset from that one's start). A view's base is an output of the same
     memory, contiguous (so its copy keeps its strides), whose elements hold the view's; the largest such."""
     meta = [_unwrapped(t) for t in outs]
-    ptrs = [t.untyped_storage().data_ptr() for t in meta]
+    ptrs = [_storage_ptr(t) for t in meta]
     if len(set(ptrs)) == len(ptrs):  # the usual case: no two outputs share memory
         return list(range(len(outs))), {}
     views: dict[int, tuple[int, Any, Any, int]] = {}
