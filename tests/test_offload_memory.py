@@ -8,6 +8,7 @@ whole process's peak RSS in a subprocess (``benchmarks/offload_rss.py``), so the
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ import fzero
 from fzero.memory import resident_bytes_of_files_under
 from fzero.memory import LiveBytes, state_categories
 from fzero.zero import _pinned
-from fzero.zero._policies import _KEPT, _kept
+from fzero.zero._policies import _kept, grad_homes_of, kept_of
 from problems import gpt_problem
 from fzero.models import GPT, GPTConfig
 
@@ -63,7 +64,7 @@ def test_pinned_empty_registers_exactly_its_pages_and_unregisters_before_unmappi
     assert calls[1] == ("unregister", address, nbytes)
 
 
-def test_host_buffers_are_kept_per_unit_only_where_a_device_is():
+def test_host_buffers_are_kept_per_unit_only_where_a_device_is(tmp_path):
     owner, other = torch.zeros(8), torch.zeros(8)
     assert _kept({"u": owner}, {"u": torch.zeros(8)}, "grad", True) is None  # host and device are one memory: no copy
     on_device = {"u": torch.empty(8, device="meta")}  # stands for a CUDA gradient: only its shape and dtype are read
@@ -74,7 +75,12 @@ def test_host_buffers_are_kept_per_unit_only_where_a_device_is():
     assert _kept({"u": owner}, on_device, "param", True)["u"] is not first  # per role
     flat = torch.zeros(16)  # stages 1-2: a fresh view of the unit's buffer at every step, one kept buffer
     assert _kept({"u": flat[8:]}, on_device, "grad", True)["u"] is _kept({"u": flat[8:]}, on_device, "grad", True)["u"]
-    assert owner.__dict__[_KEPT][("grad", "u")] is first  # held by its owner (the state's master), nowhere else
+    assert kept_of(owner)[("grad", "u")] is first  # kept for its owner (the state's master)
+    # not in the owner's attributes, which torch.save and deepcopy carry: a saved master holds no gradient beside it,
+    # and torch.load's default weights_only=True reads it back (an fzero object in its pickle made it refuse the file)
+    torch.save({"u": owner}, tmp_path / "master.pt")
+    assert torch.equal(torch.load(tmp_path / "master.pt")["u"], owner)
+    assert not kept_of(torch.load(tmp_path / "master.pt")["u"]) and not kept_of(copy.deepcopy(owner))
     gone = weakref.ref(first)
     del owner, first
     gc.collect()
@@ -98,12 +104,26 @@ def test_cpu_offload_on_cuda_holds_exact_page_locked_masters_and_one_kept_gradie
     assert all(m.device.type == "cpu" and m.is_pinned() for m in masters.values())
     for b in prob.batches:
         state, _ = step(state, {k: v.cuda() for k, v in b.items()})
-    def kept_grads():  # one host gradient per unit, kept for its master (by the buffer the master views)
-        return [(m if m._base is None else m._base).__dict__[_KEPT][("grad", u)] for u, m in masters.items()]
+    def homes():  # stage 3: one host gradient per unit, which backward copies into, kept for the state's flat
+        return [h for flat in state[0].params.values() for h in grad_homes_of(flat).values()]
+
+    kept = homes()
+    assert len(kept) == len(masters)
+    state, _ = step(state, {k: v.cuda() for k, v in prob.batches[0].items()})
+    assert [k.data_ptr() for k in homes()] == [k.data_ptr() for k in kept]  # reused by every step
+    assert all(k.is_pinned() and k.dtype == torch.float32 for k in kept)
+    # stage 1 copies the whole reduced gradient after the backward, into one host buffer per unit kept for its master
+    step1 = fzero.compile(prob.loss_fn, stages=1, mesh=fzero.local_mesh(1), precision="bf16", offload="cpu")
+    state1 = step1.init(fzero.params_of(prob.model))
+    state1, _ = step1(state1, {k: v.cuda() for k, v in prob.batches[0].items()})
+    masters1 = state1[0].opt_state.master
+
+    def kept_grads():
+        return [kept_of(m if m._base is None else m._base)[("grad", u)] for u, m in masters1.items()]
 
     kept = kept_grads()
-    state, _ = step(state, {k: v.cuda() for k, v in prob.batches[0].items()})
-    assert [k.data_ptr() for k in kept_grads()] == [k.data_ptr() for k in kept]  # reused by every step
+    state1, _ = step1(state1, {k: v.cuda() for k, v in prob.batches[0].items()})
+    assert [k.data_ptr() for k in kept_grads()] == [k.data_ptr() for k in kept]
     assert all(k.is_pinned() and k.dtype == torch.float32 for k in kept)
 
 

@@ -63,9 +63,21 @@ def _host_params(params: dict[str, torch.Tensor], pin: bool, *, into: dict | Non
 
 # Host buffers a CPU-offloaded state copies into at every step (the gradient; without masters, the params), one per
 # unit, made at the first step and kept for as long as the tensor they belong to (the unit's master or param shard)
-# lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again. They are
-# an attribute of that tensor (``_KEPT``), so they go with it: no registry outlives or outnumbers the state.
-_KEPT = "_fzero_kept"
+# lives: so the host holds one gradient, of exact size, and no step allocates or page-locks memory again. Held in a
+# weak registry keyed by that tensor (``_owned``), as the gradient homes below are, not in the tensor's ``__dict__``:
+# ``torch.save`` and ``copy.deepcopy`` carry a tensor's ``__dict__``, so a saved state would hold a gradient-sized
+# buffer beside each master, and ``torch.load``'s default ``weights_only=True`` would refuse the file.
+_KEPT: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()  # the ranks of a local mesh make theirs at once, on their own tensors
+
+
+def _owned(registry: WeakTensorKeyDictionary, owner: torch.Tensor) -> dict:
+    """``owner``'s entry in ``registry`` (made empty on first use), under the lock that the ranks of a local mesh share."""
+    with _REGISTRY_LOCK:
+        held = registry.get(owner)
+        if held is None:
+            held = registry[owner] = {}
+        return held
 
 
 def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: str, pin: bool) -> dict[str, torch.Tensor] | None:
@@ -77,12 +89,18 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
     out = {}
     for k, t in like.items():
         owner = owners[k] if owners[k]._base is None else owners[k]._base  # a shard's view: its unit's buffer
-        kept = owner.__dict__.setdefault(_KEPT, {})  # one rank's tensors: no other thread reaches this one
+        kept = _owned(_KEPT, owner)  # one rank's tensors: no other thread reaches this entry
         buf = kept.get((role, k))  # by unit too: units could view one buffer
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = kept[(role, k)] = host_empty(t, pin=pin)
         out[k] = buf
     return out
+
+
+def kept_of(owner: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
+    """The host buffers kept for ``owner`` (a master or param shard, or the buffer it views), by (role, unit)."""
+    with _REGISTRY_LOCK:
+        return dict(_KEPT.get(owner) or {})
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -92,23 +110,16 @@ def _on_device(t: torch.Tensor) -> bool:
 
 
 # The gradient homes of each state's flat buffer (``grad_home``): (lo, hi) -> host buffer, by flat, held weakly, so
-# that they live as long as the flat and go with it. Not an attribute of the tensor, as ``_KEPT`` is: ``torch.save``
-# and ``copy.deepcopy`` carry a tensor's ``__dict__``, so a saved state would hold a gradient-sized buffer beside its
-# params, and an object of fzero's in a tensor's pickle makes ``torch.load`` refuse the file under its default
-# ``weights_only=True`` (``torch.save(state.params)`` after one step could no longer be read back). A copy of a flat,
+# that they live as long as the flat and go with it (as ``_KEPT``'s, and for the same reason). A copy of a flat,
 # pickled or deep-copied, starts with none and makes its own.
 _HOMES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-_HOMES_LOCK = threading.Lock()  # the ranks of a local mesh make theirs at once, on their own flats
 
 
 def grad_home(owner: torch.Tensor, lo: int, hi: int, *, pin: bool) -> torch.Tensor:
     """The host buffer a unit's gradient shard goes to as backward makes it: fp32, ``hi - lo`` elements, page-locked
     where CUDA is, made at the first step and kept for ``owner`` (the state's flat of the unit: its whole buffer at
     stage 2, the rank's shard at stage 3) for as long as it lives, so no step allocates or page-locks one again."""
-    with _HOMES_LOCK:
-        homes = _HOMES.get(owner)
-        if homes is None:
-            homes = _HOMES[owner] = {}
+    homes = _owned(_HOMES, owner)
     buf = homes.get((lo, hi))
     if buf is None:
         buf = homes[(lo, hi)] = host_empty(torch.empty(hi - lo, dtype=torch.float32, device="meta"), pin=pin)
@@ -117,7 +128,7 @@ def grad_home(owner: torch.Tensor, lo: int, hi: int, *, pin: bool) -> torch.Tens
 
 def grad_homes_of(owner: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
     """The gradient homes kept for ``owner`` (a state's flat), by range; empty before its first routed step."""
-    with _HOMES_LOCK:
+    with _REGISTRY_LOCK:
         return dict(_HOMES.get(owner) or {})
 
 
