@@ -220,8 +220,6 @@ def test_disk_offload_holds_masters_in_files_from_the_start(tmp_path):
     """``Step.init`` makes the fp32 masters unit by unit before the rank's store exists: ``DiskOffload.hold`` puts
     each in an unlinked file at once (held in RAM until then, they were the model's size: init peaked at 7.4 B/param
     of a 133M GPT in bf16, 3.4 now; docs/benchmarks.md)."""
-    from fzero.zero._offload import _SPILLED
-
     from fzero.zero._offload import _SPILLED, unspill
 
     policy = fzero.DiskOffload(str(tmp_path))

@@ -88,7 +88,8 @@ def _kept(owners: dict[str, torch.Tensor], like: dict[str, torch.Tensor], role: 
         return None
     out = {}
     for k, t in like.items():
-        owner = owners[k] if owners[k]._base is None else owners[k]._base  # a shard's view: its unit's buffer
+        base = owners[k]._base
+        owner = owners[k] if base is None else base  # a shard's view: its unit's buffer
         kept = _owned(_KEPT, owner)  # one rank's tensors: no other thread reaches this entry
         buf = kept.get((role, k))  # by unit too: units could view one buffer
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
