@@ -625,20 +625,34 @@ def test_an_argument_returned_as_it_is_is_that_very_tensor(mode):
     expected = grads_by(mode, lambda p: loss_fn(p, False), params)
     assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
 
+class _Twice(torch.nn.Module):
+    """A Linear that returns its output twice (``return y, y``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h):
+        y = self.lin(h)
+        return y, y
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 @pytest.mark.parametrize("stages", [0, 3])
-def test_a_units_output_that_is_a_view_may_be_written_in_place(stages):
+def test_a_units_output_that_is_a_view_may_be_written_in_place(stages, twice):
     """The same through compile(remat=True): units whose output is a Linear's on 3-d activations, each written in
-    place after the unit, train as without remat."""
+    place after the unit, train as without remat; so do units that return their output twice, written through
+    one name and read through the other."""
     class Written(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+            self.blocks = torch.nn.Sequential(*[_Twice() if twice else torch.nn.Linear(4, 4) for _ in range(3)])
 
         def forward(self, h):
             for block in self.blocks:
-                y = block(h)
+                y, other = block(h) if twice else (block(h),) * 2
                 y.mul_(0.5)
-                h = torch.tanh(h + y)
+                h = torch.tanh(h + other)
             return h
 
     torch.manual_seed(0)
@@ -671,6 +685,31 @@ def test_an_output_that_is_a_view_of_another_output_sees_writes_into_it(mode):
         h, first = (remat(run) if wrap else run)(params, x)
         h.mul_(2)  # writes first too
         return torch.tanh(h).sum() + (first * first).sum()
+
+    params = fzero.params_of(lin)
+    expected = grads_by(mode, lambda p: loss_fn(p, False), params)
+    assert_trees_equal(grads_by(mode, lambda p: loss_fn(p, True), params), expected)
+
+
+@pytest.mark.parametrize("mode", ["grad", "backward"])
+@pytest.mark.parametrize("written", [0, 1])
+def test_one_tensor_returned_twice_may_be_written_through_either(mode, written):
+    """``return h, h``: one tensor at two positions. The second was returned as a view made by the Function, which
+    torch refuses to see written in place ("Output 1 of _RematForward is a view and its base or another view of its
+    base has been modified inplace"), where without remat both names are one tensor. It is now made again outside the
+    Function as an alias of the first: a write through either name reaches the other, and the gradient, as in PyTorch."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def run(p, x):
+        h = fzero.apply(lin, p, x) * 1.5
+        return h, h
+
+    def loss_fn(params, wrap):
+        both = (remat(run) if wrap else run)(params, x)
+        both[written].mul_(2)  # writes the other name too
+        return torch.tanh(both[0]).sum() + (both[1] * both[1]).sum()
 
     params = fzero.params_of(lin)
     expected = grads_by(mode, lambda p: loss_fn(p, False), params)

@@ -504,7 +504,7 @@ class _RematForward(Function):
                                                what=", ".join(f"{tuple(t.shape)} {t.dtype}{_held_where(t)}" for t in escaped[:3])))
         del watch
         # A Function must not return one of its inputs as is, nor one tensor twice.
-        seen: set[int] = set()
+        first: dict[int, int] = {}  # id of each tensor ``fn`` returned -> the first position it was returned at
         res = []
         for i, o in enumerate(outs):
             given = next((j for j, x in enumerate(inputs) if o is x), None)
@@ -512,16 +512,23 @@ class _RematForward(Function):
                 # write into it after the call reaches the caller's references to it, as without remat (a view of it,
                 # made by a Function, could not be written: "Output 0 of _RematForward is a view")
                 call.returned_inputs[i] = given
-            if id(o) in seen or given is not None:
                 o = o.view_as(o)
+            elif id(o) in first:
+                # one tensor returned twice (``return h, h``): made again by ``_remat_call`` as an alias of its first
+                # position, so that a write into either reaches the other and its gradient, as without remat (a
+                # ``view_as`` here was a view made by a Function, which torch refuses to see written in place)
+                call.views[i] = ("output", first[id(o)], (tuple(o.size()), tuple(o.stride()), o.storage_offset()))
+                o = o.detach()
             elif o._is_view():
+                first[id(o)] = i
                 # a view made in the forward (a Linear on a 3-d input reshapes its 2-d product), returned as it is, is an
                 # output that torch refuses to see written in place ("Output 0 of _RematForward is a view and is being
                 # modified inplace"), where torch.utils.checkpoint's output may be (h = block(h); h.mul_(2)). Detached
                 # (no grad here), it is no view: the same memory and version counter
                 _view_of(call, i, o, inputs, outs)
                 o = o.detach()
-            seen.add(id(o))
+            else:
+                first[id(o)] = i
             res.append(o)
         return tuple(res)
 
