@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 import fzero
-from fzero.lightning._translate import Optimizer, check_module, clip_of, precision_of
+from fzero.lightning._translate import Optimizer, check_clip_outside, check_module, clip_of, precision_of
 from fzero.step import batch_rows, per_row_items, record_list, rows_listed, trainable_changes
 
 # Keywords of fzero.compile that a Lightning run sets elsewhere: where to set them instead.
@@ -137,8 +137,9 @@ class FZeroStrategy(DDPStrategy):
             check_module(module, trainer)
             self.setup_optimizers(trainer)  # Lightning refuses several optimizers under automatic optimization
             self._optimizer = Optimizer(self.optimizers[0], module)
-            kwargs.update(optimizer=self._optimizer.fzero, grad_accum=trainer.accumulate_grad_batches,
-                          clip_grad_norm=clip_of(trainer))
+            clip = clip_of(trainer)
+            check_clip_outside(self._optimizer, clip, module)
+            kwargs.update(optimizer=self._optimizer.fzero, grad_accum=trainer.accumulate_grad_batches, clip_grad_norm=clip)
         mesh = fzero.dist_mesh() if self.world_size > 1 else None  # over the process group Lightning set up
         self.step = fzero.compile(self._loss_fn, mesh=mesh, **kwargs)
         self._warned = set()

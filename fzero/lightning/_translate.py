@@ -110,6 +110,29 @@ def clip_of(trainer: Any) -> float | None:
     return float(value)
 
 
+def check_clip_outside(optimizer: "Optimizer", clip: float | None, module: Any) -> None:
+    """Refuse clipping when trainable params lie outside the optimizer's groups (an optimizer built on a head's params
+    while the backbone keeps ``requires_grad=True``).
+
+    Lightning clips ``clip_grad_norm_`` over the optimizer's params only (``Precision.main_params``), so their
+    gradients count in no norm there. An fzero step clips the global norm of every param the state trains, and the
+    state trains every param with ``requires_grad=True`` (those are updated by nothing, ``set_to_zero``): their
+    gradients would enlarge the norm and shrink the update of the rest, silently (measured: 1.2% of the head's
+    movement after 4 steps of a CNN at ``gradient_clip_val=0.05``). Freezing them trains the same numbers in Lightning
+    and here; adding them to the optimizer trains them in both."""
+    if clip is None or not optimizer.outside:
+        return
+    names = list(optimizer.outside)
+    shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(
+        f"FZeroStrategy: Trainer(gradient_clip_val={clip:g}) with trainable parameters that are in no param group of "
+        f"{type(optimizer.torch).__name__}: {shown}. Lightning clips the norm of the optimizer's params only, and fzero "
+        f"clips the norm of every trainable param, so their gradients would shrink the update of the others. Freeze "
+        f"them in {type(module).__name__} (requires_grad_(False) in __init__ or configure_model: Lightning then trains "
+        f"the same numbers), or put them in the optimizer."
+    )
+
+
 def _live(optimizer: torch.optim.Optimizer, index: int, key: str) -> Callable[[int], float]:
     """The schedule fzero evaluates at each step: the value the torch optimizer's group holds now.
 
@@ -145,6 +168,7 @@ class Optimizer:
                     continue
                 labels[names[id(p)]] = f"group{i}"
         left = [n for n in names.values() if n not in labels]
+        self.outside = tuple(left)  # trainable, but in no group: Lightning neither updates nor clips them
         if left:  # trainable, but in no group: torch leaves them as they are
             groups["not_in_optimizer"] = fzero.optim.set_to_zero()
             labels.update({n: "not_in_optimizer" for n in left})
