@@ -910,6 +910,24 @@ def test_load_into_another_model_or_optimizer_is_refused(saved):
         fzero.checkpoint.load(path, like=prob.model)
 
 
+def test_extra_with_keys_json_would_turn_into_str_is_refused_before_writing(saved, tmp_path):
+    """``extra`` goes through JSON, which writes every dict key as a str without a word: a loader's ``{rank: position}``
+    came back as ``{"0": ...}`` (``positions.get(rank, 0)`` restarted the data, silently), and ``{1: a, "1": b}`` lost
+    an entry. DeepSpeed's ``client_state`` (``torch.save``) keeps them. Refused by name, with the fix; str keys, lists
+    and nested dicts round-trip exactly."""
+    _, step, state = saved
+    for extra, match in (({"pos": {0: 120, 1: 96}}, r"extra\['pos'\] has the key 0 \(int\), which would come back from "
+                                                     r"read_extra as the str '0'\. Write str keys \(str\(0\)\)"),
+                         ({1: "a", "1": "b"}, r"extra has the key 1 \(int\).*the key of the entry extra\['1'\], one of "
+                                              r"which would be lost"),
+                         ({"runs": [{"ok": 1}, {None: 2}]}, r"extra\['runs'\]\[1\] has the key None \(NoneType\)")):
+        with pytest.raises(TypeError, match=r"fzero.checkpoint.save: extra must be JSON data, whose dict keys are str; " + match):
+            fzero.checkpoint.save(tmp_path / "a", state, extra=extra)
+        assert not os.path.exists(tmp_path / "a")
+    good = {"pos": {"0": 120, "1": 96}, "seen": [1, 2.5, None, True, "x"], "nested": {"a": {"b": []}}}
+    assert fzero.checkpoint.read_extra(fzero.checkpoint.save(tmp_path / "b", state, extra=good)) == good
+
+
 def test_save_errors(saved, tmp_path):
     _, step, state = saved
     with pytest.raises(ValueError, match="pass the whole RankStates"):

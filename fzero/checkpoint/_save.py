@@ -51,7 +51,8 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     ``keep=K``: ``path`` is a parent directory; the checkpoint is ``path/step_<step:08d>`` and only the K
     newest complete ones are kept. The first such save of a process holds the directory for it while it lives: a
     save of another process (another run) into it is refused, naming that process. ``extra``: anything JSON can
-    hold (e.g. the data loader's position), returned by ``read_extra``. Under torchrun every rank calls ``save``
+    hold (e.g. the data loader's position), returned by ``read_extra``: dict keys must be str (JSON would turn
+    others into str; refused), and tuples come back as lists. Under torchrun every rank calls ``save``
     with its own state (a rank that does not is named, see ``_collective``).
 
     ``model``: the module the state trains; its frozen parameters (``requires_grad=False``, which stay in the module
@@ -70,6 +71,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         extra_json = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as e:
         raise TypeError(f"{api}: extra must be JSON data (dicts, lists, str, int, float, bool, None); {e}.") from None
+    _check_keys(extra, "extra", api)
     path = os.path.abspath(os.fspath(path))
     if keep is not None and is_complete(path):
         raise ValueError(f"{api}: {path} is a checkpoint itself; keep=K saves step_* checkpoints into a parent directory. Pass its parent.")
@@ -153,6 +155,27 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
         for fd in lock:
             unlock(fd)
     return final
+
+
+def _check_keys(value: Any, where: str, api: str) -> None:
+    """Refuse a dict key of ``extra`` that is not a str: JSON writes it as one, so it would come back changed (a data
+    loader's ``{rank: position}`` read back as ``{"0": ...}``, where ``positions.get(rank, 0)`` restarts the data
+    silently) or, beside the str of itself (``{1: a, "1": b}``), not come back at all. ``torch.save``, which
+    DeepSpeed's ``client_state`` goes through, would have kept it; ``json.dumps`` accepts it without a word."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                written = next(iter(json.loads(json.dumps({key: 0}))))  # what JSON makes of it
+                clash = f", the key of the entry {where}[{written!r}], one of which would be lost" if written in value else ""
+                raise TypeError(
+                    f"{api}: extra must be JSON data, whose dict keys are str; {where} has the key {key!r} "
+                    f"({type(key).__name__}), which would come back from read_extra as the str {written!r}{clash}. "
+                    f"Write str keys (str({key!r})) and convert them back after read_extra, or a list of pairs."
+                )
+            _check_keys(item, f"{where}[{key!r}]", api)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_keys(item, f"{where}[{i}]", api)
 
 
 def _outside_fzero() -> int:
