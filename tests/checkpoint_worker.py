@@ -89,6 +89,7 @@ def dist_fault(args) -> None:
     - ``loads``: every rank saves at step 2 and at step 4; rank 0 loads step 4, rank 1 step 2.
     - ``save-killed``: every rank saves at step 2 and at step 4 (keep=2); at step 4 rank 1's process ends (``os._exit``)
       as it starts writing its data file, inside torch.distributed.checkpoint.
+    - ``extras``: every rank saves at step 2 with its own ``extra`` (its data position).
 
     Each rank writes ``<out>/rank<r>.json``: its pid, the error it raised (or null) and when; the error is re-raised.
     """
@@ -119,10 +120,12 @@ def dist_fault(args) -> None:
                 _dcp._Writer.write_data = killed
             if args.kind in ("loads", "save-killed") and k in (2, 4):
                 fzero.checkpoint.save(os.path.join(args.out, "ck"), state, keep=2)
+            if args.kind == "extras" and k == 2:
+                fzero.checkpoint.save(os.path.join(args.out, "ck"), state, extra={"pos": 10 * (mesh.rank + 1)})
         if args.kind == "loads":
             which = os.path.join(args.out, "ck", fzero.checkpoint.step_dir(4 if mesh.rank == 0 else 2))
             state = fzero.checkpoint.load(which, like=step)
-        elif args.kind == "save-killed":
+        elif args.kind in ("save-killed", "extras"):
             pass
         elif mesh.rank == 0:
             record("fault.json")
@@ -142,7 +145,7 @@ def dist_fault(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "crash", "dist-fault"])
-    parser.add_argument("--kind", choices=["save0", "save0-stall", "loads", "save-killed"], help="dist-fault: which")
+    parser.add_argument("--kind", choices=["save0", "save0-stall", "loads", "save-killed", "extras"], help="dist-fault: which")
     parser.add_argument("--timeout", type=float, default=None, help="dist-fault: dist_mesh(timeout=...)")
     parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
     parser.add_argument("--stages", type=int, default=3)

@@ -817,6 +817,21 @@ def test_ranks_that_load_different_checkpoints_are_refused_naming_both(tmp_path)
 
 
 @pytest.mark.torchrun
+def test_ranks_that_save_different_extras_are_refused_naming_both(tmp_path):
+    """Each rank passes its own data position as extra (rank 0: 10, rank 1: 20). Before: the checkpoint kept rank 0's
+    and rank 1's was dropped without a word (it resumed from 10); now both ranks raise, naming both values, before
+    anything is written."""
+    proc, seconds, files = dist_fault(tmp_path, "extras")
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-5000:])
+    for rank in (0, 1):
+        error = _error(files, rank, proc)
+        assert re.match(r'ValueError: fzero\.checkpoint\.save: the ranks give different extra: rank 0 \{"pos": 10\}, rank 1 '
+                        r'\{"pos": 20\}\. A checkpoint holds one extra, so the other ranks\' would be lost\. Give every rank '
+                        r"the same extra", error), error
+    assert not os.path.exists(tmp_path / "ck")
+
+
+@pytest.mark.torchrun
 def test_a_rank_killed_while_writing_its_data_is_named_by_the_others_save(tmp_path):
     """Rank 1's process ends inside torch.distributed.checkpoint, as it writes its data file. Before: rank 0 raised
     "CheckpointError: ... could not write the checkpoint: RuntimeError: [.../gloo/transport/tcp/pair.cc:537] Read

@@ -52,7 +52,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     newest complete ones are kept. The first such save of a process holds the directory for it while it lives: a
     save of another process (another run) into it is refused, naming that process. ``extra``: anything JSON can
     hold (e.g. the data loader's position), returned by ``read_extra``: dict keys must be str (JSON would turn
-    others into str; refused), and tuples come back as lists. Under torchrun every rank calls ``save``
+    others into str; refused), and tuples come back as lists; under torchrun every rank gives the same one. Under torchrun every rank calls ``save``
     with its own state (a rank that does not is named, see ``_collective``).
 
     ``model``: the module the state trains; its frozen parameters (``requires_grad=False``, which stay in the module
@@ -82,6 +82,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     parent, name = os.path.split(final)
     partial = os.path.join(parent, f".{name}.partial")
     ranks = Ranks(api, distributed)
+    _agree_on_extra(ranks, extra_json, api)
     process, processes = which_process(distributed)
     ents = [entries(s, api=api) for s in states]
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
@@ -176,6 +177,29 @@ def _check_keys(value: Any, where: str, api: str) -> None:
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _check_keys(item, f"{where}[{i}]", api)
+
+
+def _agree_on_extra(ranks: Ranks, extra_json: Any, api: str) -> None:
+    """Refuse, on every rank, an ``extra`` that differs between the ranks under torchrun.
+
+    Why: the checkpoint holds one ``extra``, rank 0's (as DeepSpeed keeps rank 0's ``client_state``), so another
+    rank's (its own data loader's position, its own sample count) was dropped without a word, and that rank resumed
+    from rank 0's value. Every rank sees every rank's text, so all raise alike (none is left in a collective)."""
+    if ranks.comm is None:
+        return
+    mine = json.dumps(extra_json, sort_keys=True)
+    every = ranks.gather(mine, f"{api}: compare the ranks' extra")
+    differ = [r for r, text in enumerate(every) if text != every[0]]
+    if not differ:
+        return
+    cut = lambda text: text if len(text) <= 120 else text[:117] + "..."  # noqa: E731
+    raise ValueError(
+        f"{api}: the ranks give different extra: rank 0 {cut(every[0])}, rank {differ[0]} {cut(every[differ[0]])}"
+        f"{f' (and {len(differ) - 1} more ranks)' if len(differ) > 1 else ''}. A checkpoint holds one extra, so the "
+        f"other ranks' would be lost. Give every rank the same extra: gather what differs into it first (e.g. "
+        f"torch.distributed.all_gather_object, then extra={{'pos': positions}}, one per rank, read back by rank), and "
+        f"leave out what need not be kept (a per-rank time)."
+    )
 
 
 def _outside_fzero() -> int:
