@@ -231,6 +231,33 @@ def test_save_weights_streams_one_unit_at_a_time(tmp_path):
     assert gathered.peak >= whole  # what the streaming avoids
 
 
+@pytest.mark.parametrize("stages", [0, 3])
+def test_an_fp16_export_of_values_past_its_range_is_refused_not_written_as_inf(tmp_path, stages):
+    """A weight of 1e5 (fp16's largest finite is 65504) exported with dtype="fp16": before, written as inf without a
+    word by save_weights and by consolidate in both formats, and the exported model computed inf/NaN. Now each raises,
+    naming the tensor and the largest magnitude, and leaves no file; bf16 holds the value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight[1, 2] = 1e5
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), optimizer=fzero.optim.sgd(0.0),
+                         stages=stages, mesh=fzero.local_mesh(2) if stages else None)
+    state = step.init(fzero.params_of(model))
+    ck = fzero.checkpoint.save(tmp_path / "ck", state)
+    match = (r"0\.weight holds 1 value\(s\) too large for float16 \(largest magnitude 100000; the dtype's largest finite "
+             r"is 65504\): written in it, they would be inf\. Export with dtype=\"bf16\"")
+    for api, export in (("save_weights", lambda out: fzero.checkpoint.save_weights(step, state, out, model=model, dtype="fp16")),
+                        ("consolidate", lambda out: fzero.checkpoint.consolidate(ck, out, model=model, format="safetensors", dtype="fp16")),
+                        ("consolidate", lambda out: fzero.checkpoint.consolidate(ck, out / "m.pt", model=model, dtype="fp16"))):
+        out = tmp_path / f"out_{len(os.listdir(tmp_path))}"
+        out.mkdir()
+        with pytest.raises(fzero.checkpoint.CheckpointError, match=rf"fzero\.checkpoint\.{api}: " + match):
+            export(out)
+        assert os.listdir(out) == []
+    fzero.checkpoint.save_weights(step, state, tmp_path / "bf16", model=model, dtype="bf16")
+    assert safetensors_torch.load_file(tmp_path / "bf16" / "model.safetensors")["0.weight"][1, 2] == 1e5
+
+
 def test_weights_errors(tmp_path):
     model, step, state = trained("llama", stages=3, steps=1)
     with pytest.raises(ValueError, match=r"save_weights: dtype must be one of \['bf16', 'fp16', 'fp32'\] .*got 'int8'"):

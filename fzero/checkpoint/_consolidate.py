@@ -14,7 +14,7 @@ from fzero.checkpoint import _dcp, _oserrors
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import fsync_dir, open_checkpoint
 from fzero.checkpoint._oserrors import CheckpointWriteError, check_space
-from fzero.checkpoint._safetensors import out_dtype, parse_size
+from fzero.checkpoint._safetensors import check_in_range, out_dtype, parse_size
 from fzero.step import check_export_model
 from fzero.checkpoint._weights import DEFAULT_SHARD, check_format, check_tied_values, items_for, names, prepare_dir, writing
 
@@ -74,7 +74,10 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, *, model: 
             out = {**tensors, **{alias: tensors[name] for alias, name in (info.get("ties") or {}).items() if name in tensors}}
         else:
             out = _as_model_state_dict(tensors, model, found, api, complete=_complete(info))
-        torch.save({k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}, f)
+        converted = {k: v.to(dt) if v.is_floating_point() else v for k, v in out.items()}
+        for k, v in out.items():
+            check_in_range(k, v, converted[k].reshape(-1), api=api)
+        torch.save(converted, f)
     os.replace(tmp, out_file)
     fsync_dir(os.path.dirname(out_file))
     return out_file

@@ -104,6 +104,28 @@ def header(items: list[Item]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+def check_in_range(name: str, source: torch.Tensor, written: torch.Tensor, *, api: str) -> None:
+    """Refuse a tensor whose values the output dtype cannot hold: ``dtype="fp16"`` of fp32 or bf16 values past 65504.
+
+    Why: the cast makes them inf without a word (as ``model.half()`` does), and the exported model then computes inf
+    and NaN wherever it reads them. Only finite values that became inf are refused; an inf or NaN the state already
+    held is written as it is."""
+    if not written.is_floating_point() or written.dtype == source.dtype or not written.numel():
+        return
+    inf = torch.isinf(written)
+    if not bool(inf.any()):  # the usual case: one pass over what is written, none over the source
+        return
+    lost = inf & torch.isfinite(source.detach().reshape(-1).to(device="cpu"))
+    if not bool(lost.any()):
+        return
+    largest = float(source.detach().abs().max())
+    raise CheckpointError(
+        f"{api}: {name} holds {int(lost.sum())} value(s) too large for {str(written.dtype).removeprefix('torch.')} "
+        f"(largest magnitude {largest:.6g}; the dtype's largest finite is {torch.finfo(written.dtype).max:.6g}): written "
+        f"in it, they would be inf. Export with dtype=\"bf16\" (fp32's range) or dtype=\"fp32\"."
+    )
+
+
 class Writer:
     """Writes ``items`` (in order, one ``put`` each) into ``directory`` as safetensors files; ``close()`` publishes them.
 
@@ -147,6 +169,7 @@ class Writer:
         if k != self.current:
             self._open(k)
         data = tensor.detach().to(device="cpu", dtype=item.dtype).contiguous().reshape(-1)
+        check_in_range(name, tensor, data, api=self.api)
         self.handle.write(data.view(torch.uint8).numpy() if data.numel() else b"")
         self.next += 1
 
