@@ -150,3 +150,30 @@ def test_discrete_difficulties_dim_and_step_that_make_no_curriculum_are_named():
         c.apply({"x": torch.zeros(2, 16)}, None)
     with pytest.raises(TypeError, match=r"Curriculum.from_deepspeed: block must be the \"curriculum_learning\" dict"):
         Curriculum.from_deepspeed([block])
+
+
+def test_a_config_that_enables_curriculum_or_layer_drop_is_refused_by_compile_unless_read_first(tmp_path):
+    """DeepSpeed's engine applies curriculum_learning and progressive_layer_drop itself (curriculum_seqlen and pld_theta
+    into the model's forward). compile(config=path) used to train on full sequences and every layer without a word:
+    the blocks live in Settings, for the loop, and compile never handed them back. Refused by name with the recipe; the
+    Settings read first are taken, and the loop cuts the batches as the error says."""
+    import json
+
+    block = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 16,
+             "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 8}}
+    prob = gpt_problem(steps=2)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"curriculum_learning": block}))
+    with pytest.raises(ValueError, match=r"fzero\.compile: the config enables blocks that the training loop applies.*"
+                                         r"curriculum_learning: cut each batch in the loop, step\(state, settings\.curriculum"
+                                         r"\.apply\(batch, state\.step_count\)\).*settings = fzero\.config\.from_deepspeed"):
+        fzero.compile(prob.loss_fn, config=str(path))
+    with pytest.raises(ValueError, match=r"progressive_layer_drop: pass the step's draw to the model in loss_fn"):
+        fzero.compile(prob.loss_fn, config={"progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}})
+    fzero.compile(prob.loss_fn, config={"curriculum_learning": {**block, "enabled": False}})  # disabled: nothing to apply
+    settings = fzero.config.from_deepspeed(str(path), world_size=1)
+    step = fzero.compile(prob.loss_fn, config=settings)
+    state = step.init(fzero.params_of(prob.model))
+    for b in prob.batches:
+        state, _ = step(state, settings.curriculum.apply(b, state.step_count))
+    assert settings.curriculum.difficulty(0) == 8 and prob.batches[0]["x"].shape[1] == 16

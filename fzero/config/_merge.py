@@ -40,6 +40,7 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
         if unused:
             raise ValueError(f"fzero.compile: {', '.join(f'{k}=' for k in unused)} given, but the config has no \"auto\" "
                              f"that it resolves. Drop it.")
+        _check_no_loop_blocks(settings)
     if settings.world_size is not None and world is not None and settings.world_size != world:
         raise ValueError(f"fzero.compile: the config's settings were checked for world_size={settings.world_size}, but the "
                          f"mesh has {world} ranks. Read the config again with world_size={world}.")
@@ -59,6 +60,30 @@ def merge_with_keywords(config: Any, compile_fn: Callable, arguments: dict[str, 
     out.update(details)
     out["mesh"] = mesh
     return out
+
+
+def _check_no_loop_blocks(settings: Settings) -> None:
+    """Refuse a config file or dict given to ``compile`` that enables a block only the training loop can apply.
+
+    Why: DeepSpeed's engine applies ``curriculum_learning`` and ``progressive_layer_drop`` itself, passing
+    ``curriculum_seqlen`` and ``pld_theta`` to the model's forward at each step. An fzero step cannot cut the batch or
+    choose the layers: ``from_deepspeed`` gives them as ``settings.curriculum`` and ``settings.progressive_layer_drop``
+    for the loop, but ``compile(config=path)`` never hands the settings back, so the run trained on full sequences and
+    every layer without a word. ``config=settings`` (read first) is taken as it is: the loop has them in hand."""
+    blocks = []
+    if settings.curriculum is not None:
+        blocks.append("curriculum_learning: cut each batch in the loop, step(state, settings.curriculum.apply(batch, "
+                      "state.step_count)) (DeepSpeed's engine passes curriculum_seqlen to the model)")
+    if settings.progressive_layer_drop is not None:
+        blocks.append("progressive_layer_drop: pass the step's draw to the model in loss_fn, "
+                      "settings.progressive_layer_drop.layers(step, n_layers) (DeepSpeed's engine passes pld_theta)")
+    if blocks:
+        raise ValueError(
+            "fzero.compile: the config enables blocks that the training loop applies, not the step, so compile(config="
+            "...) alone would train without them: " + "; ".join(blocks) + ". Read the config first, settings = "
+            "fzero.config.from_deepspeed(config, world_size=...), pass config=settings to compile and use them as said, "
+            "or set the block's \"enabled\" to false (docs/migrating.md, \"Curriculum learning\", \"Progressive layer drop\")."
+        )
 
 
 def _check_given_optimizer_keeps_the_schedule(optimizer: Any, settings: Settings) -> None:
