@@ -383,6 +383,16 @@ def test_a_binary_file_as_the_config_path(tmp_path):
         from_deepspeed(str(path))
 
 
+def test_an_accelerate_yaml_as_the_deepspeed_config_names_from_accelerate(tmp_path):
+    """compile(config="accelerate.yaml") said only "is not valid JSON"; the reader for that file is from_accelerate."""
+    path = tmp_path / "default_config.yaml"
+    path.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\nnum_processes: 1\n")
+    with pytest.raises(ValueError, match=r"is not valid JSON .*A YAML file is Accelerate's config: read it with settings = "
+                                         r"fzero\.config\.from_accelerate\(path\) and pass config=settings"):
+        fzero.compile(_loss_of(_model()), config=str(path))
+    assert fzero.compile(_loss_of(_model()), config=fzero.config.from_accelerate(str(path))).stage == 2
+
+
 # -- keywords -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("typo, meant", [

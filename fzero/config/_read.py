@@ -104,7 +104,11 @@ def _load(config: Any) -> tuple[str, dict[str, Any]]:
         except UnicodeDecodeError as e:
             raise ValueError(f"{API}: {path!r} is not a text JSON file ({e.reason} at byte {e.start}).") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{API}: {path!r} is not valid JSON ({e}).") from None
+            hint = ""
+            if path.endswith((".yaml", ".yml")):  # Accelerate's config (accelerate config writes YAML), not DeepSpeed's
+                hint = (" A YAML file is Accelerate's config: read it with settings = fzero.config.from_accelerate(path) "
+                        "and pass config=settings.")
+            raise ValueError(f"{API}: {path!r} is not valid JSON ({e}).{hint}") from None
         source = path
     elif isinstance(config, Mapping):
         data, source = copy.deepcopy(dict(config)), "dict"
