@@ -814,3 +814,43 @@ def test_an_inputs_gradient_taken_inside_loss_fn_trains_nothing_under_remat(stag
     got = step.gather(state)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-6)
+
+
+class _PlainBlocks(torch.nn.Module):
+    """Blocks kept as plain attributes: no ModuleList/Sequential index in any param's name, so no default unit."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block1, self.block2, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block2(torch.tanh(self.block1(x)))))
+
+
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+def test_remat_with_no_unit_to_recompute_is_refused_and_named_units_recompute(stages):
+    """compile(remat=True) on a model with no default unit (its blocks plain attributes) recomputed nothing, without a
+    word: every param was in the root unit, which runs once (block1's forward ran once per step, as without remat).
+    Refused by name at every stage; at stages 2-3 the blocks named as units recompute (twice) and train as without."""
+    model = _PlainBlocks()
+    calls = []
+    model.block1.register_forward_hook(lambda *a: calls.append(1))
+    loss = lambda p, x: fzero.apply(model, p, x).pow(2).mean()  # noqa: E731
+    mesh = fzero.local_mesh(2) if stages else None
+    step = fzero.compile(loss, stages=stages, mesh=mesh, remat=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    match = (r"fzero\.Step\.init: remat=True recomputes each unit's forward in backward, but every param is in the root unit"
+             if stages >= 2 else r"fzero\.compile\(remat=True\): at stages 0-1 the units recomputed in backward are "
+             r"fzero\.units_of\(model\)'s .* and _PlainBlocks has none, so nothing would be recomputed")
+    with pytest.raises(ValueError, match=match):
+        step(step.init(fzero.params_of(model)), x)
+    if stages < 2:
+        return
+    named = fzero.compile(loss, stages=stages, mesh=mesh, remat=True, units=("block1", "block2"))
+    calls.clear()
+    state, _ = named(named.init(fzero.params_of(model)), x)
+    assert len(calls) == 2 * 2  # each of the 2 ranks: the forward and its recompute
+    plain = fzero.compile(loss, stages=stages, mesh=mesh, units=("block1", "block2"))
+    want, _ = plain(plain.init(fzero.params_of(model)), x)
+    assert_trees_equal(named.gather(state), plain.gather(want))

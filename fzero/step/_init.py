@@ -32,6 +32,25 @@ from fzero.step._state import RankStates, StateMeta, TrainState
 API = "fzero.Step.init"
 
 
+def _check_remat_has_units(step: Any, layout: Any) -> None:
+    """Refuse ``remat=True`` at stages 2-3 where the layout has no unit but the root.
+
+    Why: remat recomputes each unit's forward; the root unit (what no unit holds) runs once with its graph kept. A model
+    whose blocks are plain attributes (``self.block1``, ``self.block2``: no ``ModuleList``/``Sequential`` index in any
+    param's name, so no default unit) had every param in the root: ``remat=True`` recomputed nothing and saved no
+    activation memory, without a word."""
+    if not step.unit_settings.remat or step.grads.unit_of(API) is None:
+        return
+    if any(u.name != ROOT for u in layout.units):
+        return
+    raise ValueError(
+        f"{API}: remat=True recomputes each unit's forward in backward, but every param is in the root unit (the default "
+        f"units are the children of a ModuleList/Sequential, and no param name has one's index), so nothing would be "
+        f"recomputed and no activation memory saved. Name the blocks as units: units=fzero.units_of(model, "
+        f"module_types=YourBlock) or their module paths, e.g. units=('block1', 'block2'); or drop remat=True."
+    )
+
+
 def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | None,
                materialize: Callable[[str, torch.Tensor], torch.Tensor] | None, donate: bool = False,
                frozen: dict[str, torch.Tensor] | None = None) -> TrainState | RankStates:
@@ -57,6 +76,7 @@ def init_state(step: Any, params: Any, *, buffers: dict[str, torch.Tensor] | Non
         check_units_exist(step.grads.units, [*layout.paths, *(frozen if isinstance(frozen, dict) else ())], api=API)
     if frozen is not None:
         layout = _frozen_layout(step, layout, params, frozen, low)
+    _check_remat_has_units(step, layout)
     paths, leaves, _ = _tree.flatten_with_paths(params)
     check_not_freed(zip([p or "<root>" for p in paths], leaves), api=API, what="params")
     device = device_of(paths, leaves, api=API)  # None: all meta (made by materialize, or received)

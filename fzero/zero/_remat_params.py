@@ -45,11 +45,32 @@ class RematParams(Mapping):
         target = module_for_thread(module)
         if target is not module and not target.__dict__.get("_fz_remat"):  # a clone, once: never the user's module
             target.__dict__["_fz_remat"] = True
-            for path in units_of(target):
+            units = units_of(target)
+            if not units:
+                _refuse_no_units(target, self.params)
+            for path in units:
                 sub = target.get_submodule(path)
                 sub.__class__ = _skinned(_RematUnit, type(sub))  # type: ignore[arg-type]  # (classes hash)
                 sub.__dict__["_fz_unit"] = path
         return apply_dict(module, self.params, args, kwargs, method=method)
+
+
+def _refuse_no_units(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Refuse ``remat=True`` at stages 0-1 for a module with no unit to recompute that runs every param of the step.
+
+    Why: the units recomputed are ``fzero.units_of(module)`` (children of a ``ModuleList``/``Sequential``); a model whose
+    blocks are plain attributes has none, and ``remat=True`` recomputed nothing and saved no activation memory, without a
+    word. Only a module holding all of the step's params is refused: beside another module run with the same params (a
+    generator and its discriminator), the other may have the units."""
+    held = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    if not set(params) <= held:
+        return
+    raise ValueError(
+        f"fzero.compile(remat=True): at stages 0-1 the units recomputed in backward are fzero.units_of(model)'s (the "
+        f"children of a ModuleList/Sequential), and {type(module).__name__} has none, so nothing would be recomputed and "
+        f"no activation memory saved. Keep its blocks in an nn.ModuleList, wrap them in fzero.remat yourself, or use "
+        f"stages=2 or 3 with units=fzero.units_of(model, module_types=YourBlock); or drop remat=True."
+    )
 
 
 class _RematUnit(nn.Module):
