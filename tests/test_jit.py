@@ -308,3 +308,18 @@ def test_units_past_torch_compiles_recompile_limit_are_refused_not_run_eagerly()
         assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # the user's setting, back after each unit
     assert torch._dynamo.config.recompile_limit == 8  # and torch's own limit, back after the test
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_jit_on_a_model_with_no_unit_is_refused_not_run_eagerly(stages):
+    """Blocks kept as plain attributes: no default unit, every param in the root unit, which jit does not compile. Before:
+    jit=True ran everything eagerly without a word (no frame compiled). Refused at step.init with the fix (units=)."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.block1, model.block2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    model.forward = lambda x: model.block2(torch.tanh(model.block1(x)))
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), stages=stages, jit=True)
+    with pytest.raises(ValueError, match=r"fzero\.Step\.init: jit=True compiles each unit's forward, but every param is in "
+                                         r"the root unit .* so nothing would be compiled\. Name the blocks as units: "
+                                         r"units=fzero\.units_of\(model, module_types=YourBlock\)"):
+        step.init(fzero.params_of(model))

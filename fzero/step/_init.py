@@ -33,21 +33,24 @@ API = "fzero.Step.init"
 
 
 def _check_remat_has_units(step: Any, layout: Any) -> None:
-    """Refuse ``remat=True`` at stages 2-3 where the layout has no unit but the root.
+    """Refuse ``remat=True`` or ``jit=True`` at stages 2-3 where the layout has no unit but the root.
 
-    Why: remat recomputes each unit's forward; the root unit (what no unit holds) runs once with its graph kept. A model
-    whose blocks are plain attributes (``self.block1``, ``self.block2``: no ``ModuleList``/``Sequential`` index in any
-    param's name, so no default unit) had every param in the root: ``remat=True`` recomputed nothing and saved no
-    activation memory, without a word."""
-    if not step.unit_settings.remat or step.grads.unit_of(API) is None:
+    Why: both act on each unit (remat recomputes its forward, jit compiles it); the root unit (what no unit holds) runs
+    once, eagerly, with its graph kept. A model whose blocks are plain attributes (``self.block1``, ``self.block2``: no
+    ``ModuleList``/``Sequential`` index in any param's name, so no default unit) had every param in the root:
+    ``remat=True`` recomputed nothing and saved no activation memory, ``jit=True`` compiled nothing, without a word."""
+    asked = [name for name, on in (("remat=True", step.unit_settings.remat), ("jit=True", step.unit_settings.jit)) if on]
+    if not asked or step.grads.unit_of(API) is None:
         return
     if any(u.name != ROOT for u in layout.units):
         return
+    what = {"remat=True": "recomputes each unit's forward in backward", "jit=True": "compiles each unit's forward"}
     raise ValueError(
-        f"{API}: remat=True recomputes each unit's forward in backward, but every param is in the root unit (the default "
-        f"units are the children of a ModuleList/Sequential, and no param name has one's index), so nothing would be "
-        f"recomputed and no activation memory saved. Name the blocks as units: units=fzero.units_of(model, "
-        f"module_types=YourBlock) or their module paths, e.g. units=('block1', 'block2'); or drop remat=True."
+        f"{API}: {' and '.join(f'{a} {what[a]}' for a in asked)}, but every param is in the root unit (the default units "
+        f"are the children of a ModuleList/Sequential, and no param name has one's index), so nothing would be "
+        f"{'recomputed (no activation memory saved)' if 'remat=True' in asked else 'compiled'}. Name the blocks as "
+        f"units: units=fzero.units_of(model, module_types=YourBlock) or their module paths, e.g. units=('block1', "
+        f"'block2'); or drop {' and '.join(asked)}."
     )
 
 
