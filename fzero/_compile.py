@@ -79,8 +79,15 @@ def compile(  # noqa: A001 - the public name is the design's
         from fzero.config import merge_with_keywords
 
         return compile(loss_fn, **merge_with_keywords(config, compile, locals()))
+    sub_group_given = not isinstance(sub_group_size, Default)
     stages, offload, offload_params, offload_dir, sub_group_size, precision, grad_accum, clip_grad_norm = map(
         _value, (stages, offload, offload_params, offload_dir, sub_group_size, precision, grad_accum, clip_grad_norm))
+    if sub_group_given and offload is None:  # it sizes disk offload's updates; without offload it was ignored silently
+        raise ValueError(
+            f"fzero.compile: sub_group_size={sub_group_size!r} sizes the updates of the optimizer state offloaded to disk "
+            f"(offload='disk', with offload_dir), but offload=None: each rank updates its shard of every unit whole, so "
+            f"it would change nothing. Drop it, or offload to disk."
+        )
     units = details.pop("units", None)
     jit = details.pop("jit", False)
     bucket = {"bucket_elements": details.pop("bucket_elements")} if "bucket_elements" in details else {}

@@ -393,6 +393,20 @@ def test_an_accelerate_yaml_as_the_deepspeed_config_names_from_accelerate(tmp_pa
     assert fzero.compile(_loss_of(_model()), config=fzero.config.from_accelerate(str(path))).stage == 2
 
 
+def test_sub_group_size_without_offload_is_refused_not_ignored(tmp_path):
+    """compile(sub_group_size=...) sizes disk offload's updates; with offload=None any value (even -5) was taken and
+    changed nothing, without a word (DeepSpeed users set it for stage 3 with or without offload). Refused by name; with
+    a config, its sub_group_size comes with its offload block only, and offload=None drops both."""
+    model = _model()
+    for value in (-5, 100):
+        with pytest.raises(ValueError, match=rf"fzero\.compile: sub_group_size={value} sizes the updates of the optimizer "
+                                             r"state offloaded to disk .* but offload=None"):
+            fzero.compile(_loss_of(model), stages=3, sub_group_size=value)
+    fzero.compile(_loss_of(model), stages=1, offload="disk", offload_dir=str(tmp_path), sub_group_size=128)
+    config = {"zero_optimization": {"stage": 3, "sub_group_size": 1000, "offload_optimizer": {"device": "cpu"}}}
+    assert fzero.compile(_loss_of(model), config=config, offload=None).stage == 3
+
+
 # -- keywords -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("typo, meant", [
