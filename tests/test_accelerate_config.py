@@ -287,3 +287,27 @@ def test_a_short_batch_under_a_deepspeed_config_is_not_said_to_be_accelerates():
                                          r"\(DataLoader\(\.\.\., drop_last=True\)\): a step here would split its rows "
                                          r"into 2 micro-batches at full weight \(under Accelerate"):
         step(state, {"x": torch.randn(2, 3)})
+
+
+def test_a_relative_deepspeed_config_file_is_read_from_the_working_directory_as_accelerate_does(tmp_path, monkeypatch):
+    """accelerate launch passes deepspeed_config_file as written and its processes open it from their working directory
+    (HfDeepSpeedConfig). Read beside the YAML instead, a stage-3 file there was trained in place of the stage-2 file
+    Accelerate would use, silently. Now the working directory's is read; where it has none, the one beside the YAML,
+    with a note."""
+    import json
+
+    launch_dir, config_dir = tmp_path / "project", tmp_path / "configs"
+    launch_dir.mkdir()
+    config_dir.mkdir()
+    (launch_dir / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+    (config_dir / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}))
+    yaml = _write(config_dir, "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+                              "mixed_precision: 'no'\nnum_processes: 1\n")
+    monkeypatch.chdir(launch_dir)
+    got = from_accelerate(yaml)
+    assert got.stages == 2 and not any("deepspeed_config_file" in n for n in got.notes)
+    monkeypatch.chdir(tmp_path)  # no ds.json here: the one beside the YAML, said
+    got = from_accelerate(yaml)
+    assert got.stages == 3
+    assert any(n.startswith("deepspeed_config_file='ds.json': not in the current directory") and str(config_dir) in n
+               for n in got.notes), got.notes

@@ -148,6 +148,24 @@ def _micro_batch(ds: dict[str, Any], keywords: dict[str, Any]) -> None:
         )
 
 
+def _deepspeed_file(file: str, source: str, notes: list[str]) -> str:
+    """``deepspeed_config_file`` as Accelerate opens it: a relative path from the current directory.
+
+    Why: ``accelerate launch`` passes the value as written (``ACCELERATE_DEEPSPEED_CONFIG_FILE``), and the processes'
+    ``HfDeepSpeedConfig`` opens it from their working directory, not from the YAML's (``accelerate config`` keeps the YAML
+    in ~/.cache/huggingface/accelerate). Read beside the YAML, a second file of that name there was taken in place of
+    the one Accelerate trains with, silently. Where the working directory has no such file, the one beside the YAML is
+    read, and a note says so."""
+    if os.path.isabs(file) or source == "dict" or os.path.exists(file):
+        return file
+    beside = os.path.join(os.path.dirname(source), file)
+    if os.path.exists(beside):
+        notes.append(f"deepspeed_config_file={file!r}: not in the current directory ({os.getcwd()}), where Accelerate opens "
+                     f"a relative path; read beside the config file instead ({beside})")
+        return beside
+    return file  # from_deepspeed names the missing file
+
+
 def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: Any) -> Settings:
     """Read an Accelerate config (a YAML path or a dict) with ``distributed_type: DEEPSPEED`` into fzero ``Settings``.
     ``keywords``: as ``from_deepspeed``'s (``learning_rate=`` and the rest resolve the DeepSpeed file's ``"auto"``);
@@ -182,7 +200,7 @@ def from_accelerate(config: str | os.PathLike | Mapping[str, Any], **keywords: A
         if section:
             raise ValueError(f"{API}: deepspeed_config_file is given beside {sorted(section)}; Accelerate refuses both "
                              f"too. Put those settings in the JSON file.")
-        path = file if os.path.isabs(file) or source == "dict" else os.path.join(os.path.dirname(source), file)
+        path = _deepspeed_file(str(file), source, notes)
         ds: Any = path
     else:
         unknown = sorted(set(section) - set(_FIELDS))
