@@ -761,7 +761,7 @@ def test_disk_offload_leaves_no_directories_after_a_failed_init_and_sweeps_those
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
     live = step.init(fzero.params_of(model))  # this run's: held while it lives
-    held = sorted(d for d in os.listdir(tmp_path) if d.startswith(f"fzero-rank") and f"-p{os.getpid()}-" in d)
+    held = sorted(d for d in os.listdir(tmp_path) if d.startswith("fzero-rank") and f"-p{os.getpid()}-" in d)
     assert len(held) == 2 and not dead.exists() and old_style.exists() and (mine / "notes.txt").exists()
     from fzero.zero import _offload_dir
 
