@@ -78,7 +78,7 @@ _ZERO: dict[str, Spec] = {
     "stage3_gather_fp16_weights_on_model_save": NoEffect("step.gather(state) and fzero.checkpoint.consolidate give full weights"),
     "elastic_checkpoint": NoEffect(_CKPT), "load_from_fp32_weights": NoEffect(_CKPT),
     "pipeline_loading_checkpoint": NoEffect(_CKPT),
-    "ignore_unused_parameters": NoEffect("unused parameters get zero gradients in fzero"),
+    "ignore_unused_parameters": NoEffect("a parameter no rank used skips its update in fzero, as DDP with find_unused_parameters leaves its grad None"),
     "round_robin_gradients": NoEffect(_NONE), "use_multi_rank_bucket_allreduce": NoEffect(_NONE),
     "legacy_stage1": NoEffect(_NONE), "memory_efficient_linear": NoEffect(_NONE),
     "override_module_apply": NoEffect(_NONE), "log_trace_cache_warnings": NoEffect(_NONE),
