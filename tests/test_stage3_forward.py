@@ -570,9 +570,25 @@ def test_a_param_the_forward_writes_in_place_is_refused_where_the_write_would_be
         step(step.init(fzero.params_of(model)), _TOKENS[0])
 
 
+class _MaxNormOutsideBlocks(nn.Module):
+    """The max_norm embedding in the root unit (the blocks of a ModuleList are the units): its weight is a view of
+    the split of the root's buffer, which torch names "a function that returns multiple views"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, WIDTH, max_norm=1.0)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH)])
+        self.head = nn.Linear(WIDTH, 16)  # a second param in the root unit: its buffer is split into several views
+
+    def forward(self, x):
+        return self.head(self.blocks[0](self.emb(x)))
+
+
+@pytest.mark.parametrize("make", [_max_norm_model, _MaxNormOutsideBlocks], ids=["in_a_unit", "in_the_root_unit"])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_a_param_the_forward_writes_in_place_at_stages_2_3_gets_the_cause_named(stages):
-    model = _max_norm_model()
+def test_a_param_the_forward_writes_in_place_at_stages_2_3_gets_the_cause_named(stages, make):
+    model = make()
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
                          stages=stages, mesh=fzero.local_mesh(1))
     with pytest.raises(RuntimeError, match=r"modified inplace(.|\n)*The view written is most likely a param(.|\n)*"

@@ -68,6 +68,11 @@ PARAM_WRITTEN_AT_STAGE_2_3 = (
     + PARAM_WRITE_FIX
 )
 
+# how torch names the views a unit's params are when one is written in place: made by fzero's Functions (a unit the
+# model calls), or by the split of the root unit's buffer, "a function that returns multiple views" (an
+# nn.Embedding(max_norm=...) outside the blocks; before, torch's message alone)
+_UNIT_VIEWS = ("created inside a custom Function", "returns multiple views")
+
 
 # an attribute read from the user's module in loss_fn, which a forward sets on self (an auxiliary loss kept on the module)
 MODULE_ATTRIBUTE_IN_A_STEP = (
@@ -109,7 +114,7 @@ def loss_fn_failure(error: BaseException, batch: Any, *, split: bool = False, un
         lines.append(DEVICE_MISMATCH.format(params=_devices_of(params, " ({})"), batch=_devices_of(batch, " (on {})")))
     elif units and _META.search(str(error)):
         lines.append(UNIT_OUTSIDE_ITS_CALL)
-    elif units and "created inside a custom Function" in str(error) and "modified inplace" in str(error):
+    elif units and "modified inplace" in str(error) and any(how in str(error) for how in _UNIT_VIEWS):
         lines.append(PARAM_WRITTEN_AT_STAGE_2_3)
     elif (isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), nn.Module)
           and isinstance(missing := getattr(error, "name", None), str) and not missing.startswith("_")):
