@@ -293,6 +293,8 @@ class _Cloner:
         param, buffer, mapped = self.param, self.buffer, self.mapped
         d["_parameters"] = {k: mapped(p, param) for k, p in m._parameters.items()} if param else dict(m._parameters)
         d["_buffers"] = {k: mapped(b, buffer) for k, b in m._buffers.items()} if buffer else dict(m._buffers)
+        if private is not None and m._non_persistent_buffers_set:
+            _private_buffers(d["_buffers"], m._non_persistent_buffers_set, private)
         d["_modules"] = {k: None if c is None else self.visit(c) for k, c in m._modules.items()}
         return new
 
@@ -475,6 +477,19 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
         items = tuple(_private(x, memo) for x in v)
         return items if any(a is not b for a, b in zip(items, v)) else v
     return v
+
+
+def _private_buffers(buffers: dict[str, Any], names: set[str], memo: dict[int, tuple[Any, Any]]) -> None:
+    """This rank's own copies (``_private``) of the non-persistent buffers among ``buffers`` (a copy's ``_buffers``).
+    The step's bank stands in for the persistent ones; the non-persistent ones (rotary tables, masks, a running average
+    kept out of the state_dict) are the module's, and a forward that writes one in place wrote the one tensor every
+    rank thread reads: twice a step on ``local_mesh(2)``, where each torchrun process writes its own and DDP hands
+    every rank rank 0's at each forward (``broadcast_buffers`` covers every buffer). Rank 0's copy is written back
+    when the call succeeds (``_keep_private``), so each step starts every rank from it, as DDP does."""
+    for k in names:
+        b = buffers.get(k)
+        if isinstance(b, torch.Tensor):
+            buffers[k] = _private(b, memo)
 
 
 def _version(t: torch.Tensor) -> int | None:
