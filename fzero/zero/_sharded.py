@@ -31,7 +31,7 @@ from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit
 from fzero.step import (usage as _usage, Pool, buffers_for_run, call_module, cast_floating, check_trainable_set,
                         check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes)
-from fzero.mesh import AllGather, ReplicatedShardGrad
+from fzero.mesh import AllGather, ReplicatedShardGrad, current_context
 from fzero.zero._stand_in import _sharded_frozen, _StandIn
 from fzero.zero._unit import run_unit
 from fzero.zero._jit import compiled
@@ -73,10 +73,17 @@ class UnitParams(Mapping):
         run = functools.partial(compiled, inner, unit.name, self.jit_cache) if self.jit_cache is not None else lambda: inner
         return functools.partial(_as_own_class, inner, run)
 
-    def unit_buffers(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The step's buffers inside ``unit``, by name relative to it."""
+    def unit_buffers(self, unit: Unit, inner: nn.Module) -> dict[str, torch.Tensor]:
+        """The step's buffers inside ``unit`` (its module ``inner``), by name relative to it. Under a remat forward or
+        recompute (``buffers_for_run``) the module's non-persistent ones too, which the step's bank does not hold:
+        a forward that writes one (a running average kept out of the state_dict) must write it once, and the
+        recompute must read what the forward read, as stages 0-1's units do (before: at stages 2-3 the recompute
+        read the written value and wrote it again, 3.6e-3 off PyTorch after one AdamW step, silently)."""
         prefix = unit.name + "."
-        return buffers_for_run({k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)})
+        own = {k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)}
+        if current_context().snapshots is not None:
+            own = {**{k: v for k, v in named_tensors(inner, "_buffers") if k not in own}, **own}
+        return buffers_for_run(own)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._unit_of)
@@ -178,7 +185,7 @@ class ReplicatedParams(UnitParams):
         run = self.runner(inner, unit)
 
         def unit_forward(views, /, *args, **kwargs):  # under remat: the step's buffers as remat hands them out
-            return call_module(inner, {**self.unit_buffers(unit), **views}, args, kwargs, call=run, owned=self.buffers,
+            return call_module(inner, {**self.unit_buffers(unit, inner), **views}, args, kwargs, call=run, owned=self.buffers,
                                prefix=unit.name + ".")
 
         if not (self.remat and torch.is_grad_enabled()):

@@ -65,7 +65,7 @@ class UnitCall:
         prefix = len(self.unit.name) + 1
         self.tensors = {s.path[prefix:]: v for s, v in zip(self.unit.slots, views)}
         self.tensors.update(self.frozen)
-        self.tensors.update(self.params.unit_buffers(self.unit))
+        self.tensors.update(self.params.unit_buffers(self.unit, self.inner))
         self.bind()
         watches = self._watch_hooks(views)
         try:
