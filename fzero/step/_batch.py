@@ -451,14 +451,16 @@ class LossFnInContext:
 
 def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor], batch: Any, scale: float, autodiff: str,
              buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None, into: Callable | None = None,
-             on_written: Callable[[list[int]], None] | None = None, reader: Any = None):
+             on_written: Callable[[list[int]], list[str]] | None = None, reader: Any = None):
     """Gradient of ``loss_fn(as_params(inputs), batch) * scale`` with respect to ``inputs``; and the loss, aux
     and the buffers after the forward (``buffers``: their values before it, never written; ``dtype``: the
     compute dtype floating buffers meet the params in; ``into``: under plain autograd, a function that gives the
     leaves ``.grad`` buffers to accumulate into, in place, returning True if it did: see
-    ``fzero.step._parts.ParamView``; ``on_written``: under plain autograd, called before the backward with the
-    indices of the inputs the forward wrote in place, if it wrote any; ``reader``: the state's record of what it
-    read of the module's buffers, ``StateMeta.reader``).
+    ``fzero.step._parts.ParamView``; ``on_written``: called with the indices of the inputs the forward wrote in
+    place, if it wrote any (under plain autograd before the backward, under torch.func after the transform; before
+    the update either way): it raises where the write would be lost, else returns the names of the params written,
+    which a backward that fails on the write then names; ``reader``: the state's record of what it read of the
+    module's buffers, ``StateMeta.reader``).
 
     By ``torch.func.grad`` or by plain ``torch.autograd.grad`` on leaf aliases of ``inputs``. torch.func
     unwraps only tensors out of aux, so the non-tensor leaves of aux are kept aside and put back.
@@ -475,6 +477,7 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
         return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)], bank.result())
 
     if autodiff == "func":
+        versions = [x._version for x in inputs] if on_written is not None else []
         try:
             with step_scope(), _named_freed_failure(getattr(loss_fn, "units", False), autodiff):
                 grads, (loss, tensors, new_buffers) = torch.func.grad(objective, has_aux=True)(inputs)
@@ -484,6 +487,11 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             if any(m in str(e) for m in _FUNC_REFUSALS):
                 raise RuntimeError(_func_refusal(str(e).splitlines()[0], frames=_traceback_files(e))) from e
             raise
+        # torch.func writes through to the inputs as plain autograd does: refused alike where the write would be lost
+        # (before: not looked for, so on 2 ranks each rank's write landed in its own copy, 2e-4 off DDP, silently)
+        written = [i for i, (x, v) in enumerate(zip(inputs, versions)) if x._version != v]
+        if written and on_written is not None:
+            on_written(written)
     else:
         leaves = [x.detach().requires_grad_() for x in inputs]  # aliases of the state's buffers, as leaves
         versions = [x._version for x in leaves] if on_written is not None else []  # (a detached alias shares the counter)
@@ -492,10 +500,10 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
             in_place = into is not None and into(leaves)
             scaled, (loss, tensors, new_buffers) = objective(leaves)
             written = [i for i, (x, v) in enumerate(zip(leaves, versions)) if x._version != v]
-            if written and on_written is not None:
-                on_written(written)
+            kept = on_written(written) if written and on_written is not None else []
             with _named_meta_failure(getattr(loss_fn, "units", False)), _named_reentrant_failure(), \
-                    _named_freed_failure(getattr(loss_fn, "units", False), autodiff), _named_second_backward():
+                    _named_freed_failure(getattr(loss_fn, "units", False), autodiff), _named_second_backward(), \
+                    _named_kept_write_failure(kept):
                 if in_place:  # each param's gradient added to its .grad as soon as it exists, then freed
                     if scaled.requires_grad:
                         torch.autograd.backward(scaled, inputs=leaves)
@@ -535,6 +543,32 @@ def _named_second_backward() -> Iterator[None]:
         if "backward through the graph a second time" not in str(e) or str(e).startswith("fzero"):
             raise
         raise RuntimeError(_SECOND_BACKWARD.format(error=str(e).splitlines()[0])) from e
+
+
+@contextlib.contextmanager
+def _named_kept_write_failure(written: list[str]) -> Iterator[None]:
+    """torch's "one of the variables needed for gradient computation has been modified by an inplace operation" from
+    the backward of a forward that wrote ``written`` (params, by name) in place where the write is kept (one rank,
+    stages 0-1): the params of a unit are views of one flat buffer and share its version counter, so a write into one
+    marks every param of the unit that the backward saved as changed, where PyTorch tracks each param on its own (a
+    weight clamped under no_grad in the second block failed the first block's backward; before: torch's message alone)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not written or "modified by an inplace operation" not in str(e) or str(e).startswith("fzero"):
+            raise
+        raise RuntimeError(_KEPT_WRITE.format(names=written[:6], more=" ..." if len(written) > 6 else "",
+                                              error=str(e).splitlines()[0])) from e
+
+
+_KEPT_WRITE = """fzero.Step: the forward wrote a param in place, one of {names}{more} (nn.Embedding(max_norm=...) renormalizes
+the rows it looks up in place; so does a weight clamped under torch.no_grad()), and the backward then found a tensor
+it had saved changed (torch: {error}).
+At stages 0-1 the params of one unit are views of one flat buffer and share its version counter, so a write into one
+param marks every param of its unit that the backward saved as changed; plain PyTorch tracks each param on its own
+(where the written param itself was saved before the write, plain PyTorch fails the same way).
+Fix: give each param a buffer of its own, compile(..., unit_elements=1), with which the write is kept as in PyTorch;
+or train without the in-place write."""
 
 
 @contextlib.contextmanager

@@ -546,12 +546,13 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     return new_state, metrics
 
 
-def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> Callable[[list[int]], None] | None:
+def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> Callable[[list[int]], list[str]]:
     """What the step does when the forward writes a param in place (``nn.Embedding(max_norm=...)`` renormalizes the
-    rows it looks up; a model may edit a weight under ``torch.no_grad()``): None where the write lands in the train
-    state itself and nothing else holds the value (one rank, stages 0-1, no master copies, nothing offloaded), as in
-    plain PyTorch; elsewhere a function that refuses it, naming the params and why the write would be lost, or would
-    make the ranks' copies differ, silently."""
+    rows it looks up; a model may edit a weight under ``torch.no_grad()``), given the indices of the inputs written:
+    where the write lands in the train state itself and nothing else holds the value (one rank, stages 0-1, no master
+    copies, nothing offloaded), as in plain PyTorch, it returns the names of the params written (for a backward that
+    fails on the write to name them); elsewhere it refuses the write, naming the params and why the write would be
+    lost, or would make the ranks' copies differ, silently."""
     if comm.size > 1:
         why = (f"each of the {comm.size} ranks would write its own copy from its own share of the batch, so the copies "
                f"would differ (plain DDP lets its replicas drift apart the same way) or be overwritten by the rank that "
@@ -564,14 +565,17 @@ def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> C
     elif step.stage >= 2:
         why = "at stages 2-3 each unit's params are made for its call and dropped after it"
     else:
-        return None
-    def refuse(written: list[int]) -> None:
+        why = None
+
+    def refuse(written: list[int]) -> list[str]:
         # a unit's params are views of one buffer and share its version counter: the unit is what can be named
         units = meta_of(state).layout.units
         per_slot = [u for u in units for _ in u.slots]
         owner = per_slot if len(per_slot) == len(view.inputs) else list(units)  # the inputs: per param, or per unit
         hit = list(dict.fromkeys(owner[i] for i in written if i < len(owner)))
         params = [s.path for u in hit for s in u.slots]
+        if why is None:
+            return params
         raise ValueError(
             f"fzero.Step: the forward wrote a param in place, one of {params[:6]}{' ...' if len(params) > 6 else ''} "
             f"(nn.Embedding(max_norm=...) renormalizes the rows it looks up in place; so does a model that edits a "

@@ -33,7 +33,7 @@ from fzero.step import (usage as _usage, Pool, buffers_for_run, call_module, cas
                         check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes)
 from fzero.mesh import AllGather, ReplicatedShardGrad, current_context
 from fzero.zero._stand_in import _sharded_frozen, _StandIn
-from fzero.zero._unit import run_unit
+from fzero.zero._unit import _WRITTEN_IN_UNIT, _unwrapped, run_unit
 from fzero.zero._jit import compiled
 
 
@@ -135,6 +135,10 @@ class UnitParams(Mapping):
         unit buffer goes back to the step's pool (lent again only once nothing holds it)."""
         self._views.clear()
         try:
+            # the root unit stays gathered for the step: a write into it by the forward (under torch.func; plain autograd
+            # refuses it first) would be dropped with the buffer, as a unit's is (UnitCall.run)
+            if any(t._version != v for t, v in getattr(self, "_root_versions", [])):
+                raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=ROOT, cls=""))
             if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
                 seen: set[int] = set()
                 for module, skel in self._skeletons.values():
@@ -143,6 +147,7 @@ class UnitParams(Mapping):
             self._skeletons.clear()
             roots: list[torch.Tensor] = getattr(self, "_roots", [])
             self._roots: list[torch.Tensor] = []
+            self._root_versions: list[tuple[torch.Tensor, int]] = []
             self._root_frozen = None
             if self.pool is not None:
                 for root in roots:
@@ -234,6 +239,8 @@ class ShardedParams(UnitParams):
             cast = cast.to(device, non_blocking=True) if cast is not None else None
         root = AllGather.apply(shard, self.comm, "params", "grads", self.reduce_dtype, self.pool, cast)
         self._roots = [*getattr(self, "_roots", []), root]  # one per grad mode the step's forwards ran in (``views``)
+        plain = _unwrapped(root)
+        self._root_versions = [*getattr(self, "_root_versions", []), (plain, plain._version)]
         return root
 
     def run_unit(self, inner, unit, args, kwargs):

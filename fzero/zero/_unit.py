@@ -27,7 +27,7 @@ from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
                           split_sizes)
 from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
-from fzero.step import (current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
+from fzero.step import (PARAM_WRITE_FIX, current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
 from fzero.zero._unit_hooks import _after_backward, _refill_on_escape, _refill_on_escape_pre, write_back
 
@@ -68,8 +68,14 @@ class UnitCall:
         self.tensors.update(self.params.unit_buffers(self.unit, self.inner))
         self.bind()
         watches = self._watch_hooks(views)
+        # a write into any param of the unit (every view of its buffer shares one version counter) shows here
+        probe = views[0] if views else next(iter(self.frozen.values()), None)
+        probe = _unwrapped(probe) if probe is not None else None
+        version = probe._version if probe is not None else 0
         try:
             out = self.params.runner(self.inner, self.unit)(*args, **kwargs)
+            if probe is not None and probe._version != version:
+                raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=self.unit.name, cls=f" ({type(self.inner).__name__})"))
             bank = current_buffers()
             if bank is not None and self.params.buffers and not current_context().replay:  # a buffer the forward replaced
                 bank.adopt_replaced(self.inner, self.tensors, self.params.buffers, prefix=self.unit.name + ".")
@@ -527,6 +533,17 @@ def _fill(bucket: GatherBucket, at: int, dest: Callable[[], torch.Tensor], unit:
     for (fbucket, fat), region in zip(tails, regions(full)):
         fbucket.fill(fat, region)
     return full
+
+
+# a write into a unit's gathered buffer by the unit's own forward (under plain autograd torch refuses it first: "Output 0
+# of _UnitGather is a view and ... has been modified inplace"; torch.func lets it through)
+_WRITTEN_IN_UNIT = (
+    "fzero.apply (stage 3): the forward of unit {unit!r}{cls} wrote one of its params in place "
+    "(nn.Embedding(max_norm=...) renormalizes the rows it looks up in place; so does a weight clamped under "
+    "torch.no_grad()). At stage 3 a unit's params are gathered into a buffer for its call (the root unit's: for the "
+    "step) and dropped after it, so the write would never reach the train state (before: lost silently under autodiff='func', 3.35 off PyTorch "
+    "after one step). " + PARAM_WRITE_FIX
+)
 
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
