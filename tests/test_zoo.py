@@ -3,7 +3,7 @@
 Every zoo model (tests/zoo.py: Hugging Face GPT-2, Llama, Mistral, Qwen2, T5, BERT, OPT with LayerDrop,
 Gemma, Qwen2-MoE, Mamba, ViT, Whisper's encoder, RegNet (BatchNorm, grouped convs, SE), ConvNextV2 with stochastic depth, ALBERT (one layer shared across depth), BLOOM (ALiBi), Llava (a CLIP tower's captured hidden state into a Llama), CLIP (a
 parameter of the root module), Wav2Vec2 (weight_norm parametrization, SpecAugment's NumPy masks, LayerDrop),
-each from its default config with tiny sizes; a BatchNorm CNN; nn.TransformerEncoder; LSTM/GRU; a forward
+each from its default config with tiny sizes; a BatchNorm CNN; an RReLU CNN (random draws whose count differs per rank); nn.TransformerEncoder; LSTM/GRU; a forward
 hook feeding an auxiliary loss; a unit returning a dataclass; in-place adds; an unused head;
 spectral_norm; Funnel, whose nested layer lists need ``units=fzero.units_of(model)``) runs 4 AdamW steps at stages 0-3 on local_mesh(1) and local_mesh(2), against
 torch.optim.AdamW on the same batches, with DDP's semantics for two ranks (zoo.py's docstring). Asserted:
@@ -63,6 +63,7 @@ def _known(name: str, stages: int, ranks: int) -> list[str]:
         "bert": [],
         "opt_layerdrop": [],
         "bn_cnn": [],
+        "rrelu_cnn": [],
         "transformer_encoder": [FUNC_DROPOUT],
         "transformer_encoder_autograd": [],
         "lstm_gru": [],

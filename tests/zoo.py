@@ -11,7 +11,8 @@ The reference follows what ``torchrun`` + DDP would do with the same seeded prog
 - n ranks: n replicas of the model, each on its 1/n of the global batch (split on dim 0, as
   ``local_mesh(n)`` splits it); gradients averaged over ranks (a param no rank used keeps ``grad=None``,
   one that some rank used counts as zero on the others, as DDP with ``find_unused_parameters``); one
-  AdamW step. Buffers as ``broadcast_buffers=True``: each step every rank starts from rank 0's buffers.
+  AdamW step. Buffers as ``broadcast_buffers=True``: each step every rank starts from rank 0's buffers (all of
+  them, as DDP's ``named_buffers()``: the non-persistent ones too).
   RNG: at every step each rank's stream restarts as a copy of the process generator's state (rank 0's end
   state of the step before), and the process generator goes on from rank 0's end state; NumPy's global stream
   likewise (Wav2Vec2's SpecAugment masks, BigBird's random blocks draw from it). That is not what
@@ -19,8 +20,8 @@ The reference follows what ``torchrun`` + DDP would do with the same seeded prog
   do (``fzero.mesh._rank.Carry``). The two agree here because every rank of every entry draws as many values
   in a step (equal per-rank batch shapes: dropout masks, LayerDrop and drop-path draws), so the ranks end each
   step in one state (checked for every entry on two ranks); an entry whose ranks draw different amounts (a
-  mixture of experts dropping overflow tokens before a dropout, data-dependent sampling) needs a reference that
-  keeps each rank's own stream: this one would then differ from torchrun, and fzero would not.
+  mixture of experts dropping overflow tokens before a dropout, data-dependent sampling: RReLU draws a slope for
+  each negative input only) sets ``own_streams``, and its reference keeps each rank's own stream, as torchrun does.
 
 ``python tests/zoo.py`` prints the pass/fail matrix (model x stage x mesh, with the max param
 difference or the exception) without pytest's xfail marks.
@@ -59,6 +60,9 @@ class Entry:
     check: Callable[["Reference"], None] | None = None  # asserts the reference exercises what the entry is for
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # fzero.compile details, e.g. autodiff
     hf: bool = False  # built with transformers
+    # the reference's rank streams go on from their own end states, as torchrun's processes and fzero's local-mesh ranks
+    # do, rather than from rank 0's (see the module docstring): for a model whose ranks draw different amounts
+    own_streams: bool = False
 
 
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -625,6 +629,14 @@ def _unused_never_gets_grad(ref: "Reference") -> None:
     assert {"heads.unused.weight", "heads.unused.bias"} <= set(ref.params[0])
 
 
+def rrelu_cnn():
+    """A convnet with RReLU, whose random negative slopes are drawn in training for the negative inputs only (torch's CPU
+    kernel): each rank draws as many values as its share of the batch has negative activations, so the ranks' streams
+    part (``own_streams``)."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.RReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.RReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
 def spectral():
     sn = torch.nn.utils.parametrizations.spectral_norm
     return TokenModel(Blocks(block=lambda d: nn.Sequential(sn(nn.Linear(d, d)), nn.Tanh())))
@@ -670,6 +682,8 @@ ZOO: dict[str, Entry] = {
     "clip": Entry(_seeded(clip), _text_image, _contrastive_loss, hf=True),
     "wav2vec2": Entry(_seeded(wav2vec2), _speech, _ctc_loss, check=_time_masked, hf=True),
     "bn_cnn": Entry(_seeded(bn_cnn), _images, _classify, buffers=True),
+    # from a sweep of torch.nn features: a random draw whose count depends on the data (each rank's stream its own)
+    "rrelu_cnn": Entry(_seeded(rrelu_cnn), _images, _classify, own_streams=True),
     # under torch.func.grad (autodiff="func"), and the same under the default plain autograd: tells fzero's causes
     # from torch.func's (test_zoo.py)
     "transformer_encoder": Entry(_seeded(transformer_encoder), _tokens(64, seed=8), _lm_loss,
@@ -708,6 +722,11 @@ def split(batch: Any, n: int) -> list[Any]:
     return [_pytree.tree_unflatten([p[r] for p in parts], spec) for r in range(n)]
 
 
+def _same_streams(a: tuple[torch.Tensor, Any], b: tuple[torch.Tensor, Any]) -> bool:
+    """Whether two (torch, NumPy) stream states are one."""
+    return torch.equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+
+
 def reference_run(entry: Entry, ranks: int) -> Reference:
     model = entry.build()
     replicas = [model] + [copy.deepcopy(model) for _ in range(ranks - 1)]
@@ -720,23 +739,33 @@ def reference_run(entry: Entry, ranks: int) -> Reference:
     params, losses, used = [], [], []
     torch.manual_seed(SEED)
     np.random.seed(SEED)
+    streams = None  # each rank's (torch, NumPy) stream state at the end of the last step
     for batch in entry.batches():
         state = model.state_dict()
         for rep in replicas[1:]:  # DDP: the same params, and rank 0's buffers (broadcast_buffers=True)
             rep.load_state_dict(state)
+            with torch.no_grad():  # every buffer, as DDP broadcasts them: the non-persistent ones too
+                for b, b0 in zip(rep.buffers(), model.buffers()):
+                    b.copy_(b0)
         start, end = (torch.get_rng_state(), np.random.get_state()), None
+        if streams is None:  # the first step: every rank starts from the process's streams, as torchrun's seeded alike
+            streams = [start] * ranks
         grads, rank_losses = [], []
         for r, (rep, half) in enumerate(zip(replicas, split(batch, ranks))):
             if r:  # each rank's stream restarts where rank 0's did (torchrun's own streams, while ranks draw alike)
-                torch.set_rng_state(start[0])
-                np.random.set_state(start[1])
+                torch.set_rng_state(streams[r][0] if entry.own_streams else start[0])
+                np.random.set_state(streams[r][1] if entry.own_streams else start[1])
             rep.zero_grad(set_to_none=True)
             loss = entry.loss(rep, half)
             loss.backward()
             rank_losses.append(loss.item())
             grads.append([p.grad for p in rep.parameters() if p.requires_grad])
+            streams[r] = (torch.get_rng_state(), np.random.get_state())
             if r == 0:
-                end = (torch.get_rng_state(), np.random.get_state())
+                end = streams[0]
+        if not entry.own_streams and not all(_same_streams(st, end) for st in streams):
+            raise AssertionError(f"the ranks ended step {len(params) + 1} in different random states (they drew different "
+                                 f"amounts): this reference would differ from torchrun's; give the entry own_streams=True")
         torch.set_rng_state(end[0])  # the process goes on as rank 0 did
         np.random.set_state(end[1])
         model.zero_grad(set_to_none=True)
