@@ -854,3 +854,50 @@ def test_remat_with_no_unit_to_recompute_is_refused_and_named_units_recompute(st
     plain = fzero.compile(loss, stages=stages, mesh=mesh, units=("block1", "block2"))
     want, _ = plain(plain.init(fzero.params_of(model)), x)
     assert_trees_equal(named.gather(state), plain.gather(want))
+
+
+class _HookNormed(torch.nn.Module):
+    """Blocks under torch's deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm``: a forward pre-hook computes
+    the weight and sets it on the Linear as a plain attribute at every call (spectral_norm also steps its power
+    iteration's buffers), as older audio and GAN code does."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        wrap = {"weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm}[kind]
+        self.inp = torch.nn.Linear(6, 12)
+        self.blocks = torch.nn.ModuleList(wrap(torch.nn.Linear(12, 12)) for _ in range(2))
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = torch.tanh(block(h)) + h
+        return self.out(h)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("stages", [0, 2, 3])
+def test_the_deprecated_hook_norms_train_under_remat_as_pytorch(stages, kind):
+    """The weight their pre-hook sets on the module outlives the remat forward, and was refused as an escaped tensor at
+    stages 0-2 (a model plain PyTorch's checkpoint trains); the hook sets it anew at every call, so the recompute makes
+    its graph."""
+    ref = _HookNormed(kind)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in _parametrized_batches():
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    model = _HookNormed(kind)
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.adamw(1e-2), stages=stages, remat=True)
+    state = step.init(fzero.params_of(model))
+    for b in _parametrized_batches():
+        state, _ = step(state, b)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    sd = step.state_dict(state, model)
+    for name, b in ref.named_buffers():  # spectral_norm's power-iteration vectors, stepped once per forward
+        torch.testing.assert_close(sd[name], b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

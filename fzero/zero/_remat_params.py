@@ -98,5 +98,6 @@ class _RematUnit(nn.Module):
                                prefix=prefix)
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
+        unit_forward.module = self  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hook_weights)
         check_unit_hooks(self, self.__dict__["_fz_unit"])
         return remat(unit_forward)(params, *args, **kwargs)
