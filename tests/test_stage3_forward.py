@@ -656,3 +656,50 @@ def test_a_param_written_in_place_after_its_units_other_params_were_saved_names_
         got = step.gather(state)
         for name, p in reference.named_parameters():
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+class _DirectForward(nn.Module):
+    """Blocks in a ModuleList (the units) whose forward the model calls directly, ``block.forward(h)``, as Hugging Face's
+    SqueezeBERT encoder does; a forward hook on a block, which PyTorch's direct call skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 4)
+        self.calls = 0
+        self.blocks[0].register_forward_hook(self._count)
+
+    def _count(self, module, args, output):
+        self.calls += 1
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block.forward(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_unit_whose_forward_the_model_calls_directly_trains_as_pytorch(stages, remat):
+    """The unit was run on the skeleton's meta stand-ins (its call, which gathers it, never ran): refused at stages 2-3
+    with a hint that did not fit. Now a direct ``forward`` runs the unit as its call does, without its hooks, as in
+    PyTorch."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(3)]
+    reference = _DirectForward()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in batches:
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+    model = _DirectForward()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(1), remat=remat)
+    state = step.init(fzero.params_of(model))
+    for x in batches:
+        state, _ = step(state, x)
+    got = step.gather(state)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+    assert reference.calls == model.calls == 0

@@ -469,6 +469,16 @@ class _UnitSkin(nn.Module):
                 return params.run_unit(self, unit, args, kwargs)
         return params.run_unit(self, unit, args, kwargs)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The unit's forward called directly, not through its module's call (Hugging Face's SqueezeBERT encoder runs
+        ``layer.forward(...)``): the unit is gathered and run as when called, and, as in PyTorch, its module's own hooks
+        do not run (``_as_own_class``). Before: the forward ran on the skeleton's meta stand-ins, refused at stages 2-3."""
+        self.__dict__["_fz_forward_only"] = True
+        try:
+            return self(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_fz_forward_only", None)
+
     def __getattr__(self, name: str) -> Any:
         value = super().__getattr__(name)
         if isinstance(value, torch.Tensor) and value.is_meta:
@@ -531,6 +541,9 @@ def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> 
     skin = type(module)
     module.__class__ = getattr(skin, "_fz_class")  # set by _skinned
     try:
-        return runner()(*args, **kwargs)
+        run = runner()
+        if run is module and module.__dict__.get("_fz_forward_only"):  # called as unit.forward(...) (_UnitSkin.forward)
+            run = module.forward
+        return run(*args, **kwargs)
     finally:
         module.__class__ = skin
