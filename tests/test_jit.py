@@ -323,3 +323,54 @@ def test_jit_on_a_model_with_no_unit_is_refused_not_run_eagerly(stages):
                                          r"the root unit .* so nothing would be compiled\. Name the blocks as units: "
                                          r"units=fzero\.units_of\(model, module_types=YourBlock\)"):
         step.init(fzero.params_of(model))
+
+
+def _one_wrapper(forward):
+    def forward_with_wrapper(self, *args, **kwargs):  # one code object for every class, as transformers 5 wraps each
+        return forward(self, *args, **kwargs)  # layer class's forward (GradientCheckpointingLayer)
+
+    return forward_with_wrapper
+
+
+class _TanhLayer(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    forward = _one_wrapper(lambda self, x: torch.tanh(self.lin(x)))
+
+
+class _GeluLayer(_TanhLayer):
+    forward = _one_wrapper(lambda self, x: torch.nn.functional.gelu(self.lin(x)))
+
+
+class _SigmoidLayer(_TanhLayer):
+    forward = _one_wrapper(lambda self, x: torch.sigmoid(self.lin(x)))
+
+
+def _wrapped_layers_run(*, jit):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_TanhLayer(6), _GeluLayer(6), _SigmoidLayer(6))
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=3, jit=jit)
+    state = step.init(fzero.params_of(model))
+    out = []
+    for k in range(2):
+        state, _ = step(state, torch.randn(4, 6, generator=torch.Generator().manual_seed(k)))
+        out.append(step.gather(state))
+    return out
+
+
+@pytest.mark.slow  # three compiles
+def test_unit_classes_whose_forward_is_one_wrapper_each_get_their_own_graph_budget():
+    """transformers 5 wraps every layer class's forward in one function, so torch.compile (whose recompile limit counts
+    per code object) drew all those classes' graphs from one budget of 8: after a few Hugging Face models had compiled
+    in a process, the next one's units were refused as past the limit. Three classes of one graph each, under a limit
+    of 2 graphs, train as eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        jitted = _wrapped_layers_run(jit=True)
+    assert counters["stats"]["unique_graphs"] == 3
+    for got, expected in zip(jitted, _wrapped_layers_run(jit=False)):
+        assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -57,7 +58,9 @@ def compiled(inner: nn.Module, unit: str, cache: dict[Any, Callable]) -> Callabl
         if hooks or inline:  # a code object of its own: torch keeps compiled graphs per code object (with no guard on
             # inner hooks), and counts its recompile limit per code object: one _inline for every torch class would
             # share one budget of graphs among nn.Sequential, nn.TransformerEncoderLayer, ...
-            frame = _own_code(frame, len(cache))
+            frame = _own_code(frame, f"hooks{len(cache)}")
+        else:  # the same for a forward that several classes share (_class_frame)
+            frame = _class_frame(cls, frame)
         # fallback_random: dropout draws from torch's generator, as eager does, not inductor's own (whose masks differ:
         # 1.3e-2 off the eager step after one step); the ranks' streams stay fzero's
         fn = cache[key] = torch.compile(frame, options={"fallback_random": True})
@@ -132,13 +135,35 @@ def _inner_hooks(inner: nn.Module) -> tuple:
     return tuple(out)
 
 
-def _own_code(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
-    """``fn`` as a function with a code object of its own (renamed): torch.compile's graphs and their guards are kept
-    on the code object, so a unit whose inner hooks differ gets graphs of its own rather than another unit's."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_hooks{n}")
+def _own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``fn`` as a function with a code object of its own (renamed ``<name>_<tag>``): torch.compile's graphs and their
+    guards are kept on the code object, so a unit whose inner hooks differ gets graphs of its own rather than another
+    unit's."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
     out = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
+
+
+# each unit class's forward with a code object of the class's own, for the process: (the class's forward, its copy)
+_CLASS_FRAMES: weakref.WeakKeyDictionary[type, tuple[Callable[..., Any], Callable[..., Any]]] = weakref.WeakKeyDictionary()
+
+
+def _class_frame(cls: type, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` (``cls.forward``) with a code object that is ``cls``'s alone, made once per class for the process, so
+    that a later step's units reuse the graphs an earlier step compiled, as with the class's own code.
+
+    Why: torch.compile counts its recompile limit (8 graphs) per code object, and one code object can be the forward
+    of many classes. transformers 5 wraps the forward of every layer class (``GradientCheckpointingLayer``) in one
+    function, ``forward_with_checkpointing``, so all its layer classes in a process drew on one budget: a Whisper
+    encoder's units were refused as past the limit after the units of a few other Hugging Face models had compiled
+    (found by a sweep of the test zoo in one process; each model alone compiled)."""
+    kept = _CLASS_FRAMES.get(cls)
+    if kept is not None and kept[0] is forward:
+        return kept[1]
+    own = _own_code(forward, re.sub(r"\W", "_", cls.__name__))
+    _CLASS_FRAMES[cls] = (forward, own)
+    return own
 
 
 def _refuse_uncompiled_modules(inner: nn.Module, unit: str, cls: type) -> None:
