@@ -135,19 +135,31 @@ class Binding:
     @classmethod
     def of(cls, module: nn.Module) -> "Binding":
         """One walk of ``module``'s tree (every path to a shared submodule, as ``remove_duplicate=False`` walks)."""
+        # ``walk``'s order, inlined (a step makes one per unit call and one per ``fzero.apply``: the generator, the
+        # per-kind loop and the list per tensor were most of its cost); a tensor's first name in ``first``, a list only
+        # for a tensor held under a second name
         slots: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
-        by_tensor: dict[int, list[str]] = {}
-        for prefix, m in walk(module):
+        first: dict[int, str] = {}
+        tied: dict[int, list[str]] = {}
+        stack = [("", module)]
+        while stack:
+            prefix, m = stack.pop()
+            d = m.__dict__
             for kind in _KINDS:
-                for key, t in m.__dict__[kind].items():
+                for key, t in d[kind].items():
                     if t is None:
                         continue
                     name = prefix + key
                     if kind == "_buffers" and name in slots:
                         continue  # a parameter of that name wins, as named_parameters() comes first in torch
                     slots[name] = (m, kind, key, t)
-                    by_tensor.setdefault(id(t), []).append(name)
-        ties = {n: tuple(names) for names in by_tensor.values() if len(names) > 1 for n in names}
+                    held = first.setdefault(id(t), name)
+                    if held is not name:
+                        tied.setdefault(id(t), [held]).append(name)
+            subs = d["_modules"]
+            if subs:
+                stack.extend((f"{prefix}{key}.", c) for key, c in reversed(subs.items()) if c is not None)
+        ties = {n: tuple(names) for names in tied.values() for n in names}
         return cls(module, slots, ties)
 
     def current(self) -> bool:
