@@ -100,7 +100,9 @@ def walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     while stack:
         prefix, m = stack.pop()
         yield prefix, m
-        stack.extend((f"{prefix}{key}.", c) for key, c in reversed(m.__dict__["_modules"].items()) if c is not None)
+        subs = m.__dict__["_modules"]
+        if subs:  # most modules are leaves: no list made for them (a step walks its whole tree several times)
+            stack.extend([(f"{prefix}{key}.", c) for key, c in reversed(subs.items()) if c is not None])
 
 
 def named_tensors(module: nn.Module, kind: str, *, remove_duplicate: bool = True,

@@ -25,7 +25,7 @@ from torch import nn
 
 from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
-                          split_sizes)
+                          split_sizes, walk)
 from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
 from fzero.step import (PARAM_WRITE_FIX, current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
@@ -105,7 +105,7 @@ class UnitCall:
         if torch._C._functorch.peek_interpreter_stack() is not None or (
                 views and torch._C._functorch.is_functorch_wrapped_tensor(views[0])):  # torch.func: no collective in a backward
             return []
-        modules = [self.inner] if self.params.jit_cache is not None else self.inner.modules()
+        modules = [self.inner] if self.params.jit_cache is not None else _each_module(self.inner)
         handles: list = []
         for m in modules:
             if m._forward_hooks or m._forward_pre_hooks:
@@ -200,6 +200,18 @@ class UnitCall:
             alloc_memory(self.schedule.pool, full)
             _events.resized(full)
         return full
+
+
+def _each_module(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())``: each module of the tree once, in its order, by one ``walk`` (torch's nested
+    generators cost a unit call's host time: this runs at every unit call that keeps its graph)."""
+    seen: set[int] = set()
+    out: list[nn.Module] = []
+    for _, m in walk(module):
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
 
 
 class Schedule:
