@@ -298,6 +298,11 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     device = schedule.device if schedule is not None else next((t.device for t in params.inputs.values()), None)
     sharded = _sharded_frozen(module, params.layout, params.frozen_seen(), api) if params.layout.frozen else {}
 
+    # no torch function or dispatch mode and no torch.func transform on: a meta tensor made here is a plain one, which
+    # the stand-ins may share from one step to the next (``_meta_base``); under any of them each is made as it comes
+    plain = (not torch._C._len_torch_function_stack() and not torch._C._len_torch_dispatch_stack()
+             and torch._C._functorch.peek_interpreter_stack() is None)
+
     def skeleton_param(p):
         held = sharded.get(id(p))
         if held is not None:  # a frozen param the state holds sharded (frozen=): a stand-in, bound from its unit's gather
@@ -311,7 +316,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
             # in the dtype the unit runs it in (a bf16/fp16 policy's): ``model.dtype`` (transformers: the first param's)
             # read outside the unit says what stages 0-2 say, not the module's fp32 (a mask built in fp32 at stage 3 only)
             low = dtype if dtype is not None and p.is_floating_point() else p.dtype
-            meta = (p.detach() if p.is_meta and low == p.dtype else
+            meta = (p.detach() if p.is_meta and low == p.dtype else _meta_base(p.size(), p.stride(), low) if plain else
                     torch.empty_strided(p.size(), p.stride(), dtype=low, device="meta"))
             stand = torch.Tensor._make_subclass(_StandIn, meta, True)  # what nn.Parameter(meta) runs, minus its Python
             stand.__dict__["_fz_device"] = device
@@ -398,6 +403,14 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                         and not isinstance(owner, (_UnitSkin, _EncoderSkin))):  # torch's forward, not a subclass's own
                     owner.__class__ = _skinned(_EncoderSkin, type(owner))  # type: ignore[arg-type]
     return skel
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta_base(size: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of this size, stride and dtype, made once: each stand-in is its own tensor object over it
+    (``_make_subclass`` aliases it, as ``p.detach()`` does a meta param), which a meta tensor can share since it has no
+    memory to write. ``torch.empty_strided(..., device="meta")`` costs ~2 us, paid per trainable param per step."""
+    return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
 def _tie_groups(every: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
