@@ -233,7 +233,7 @@ def note_trained_params(modules: Any) -> None:
         with _trained_lock:
             before = _untrained.get(module) or {}
         held = {}
-        for n, p in module.named_parameters():
+        for n, p in named_tensors(module, "_parameters"):  # named_parameters(), by one walk: this runs every step
             if p.requires_grad and not p.is_meta:
                 pid, version, old = id(p), p._version, before.get(n)
                 held[n] = (pid, version, old[2] if old is not None and old[0] == pid and old[1] == version else _first_values(p))
