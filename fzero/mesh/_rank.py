@@ -136,11 +136,28 @@ def with_context(**fields: Any) -> Iterator[RankContext]:
     """This thread's context with ``fields`` changed, for the length of the block; on exit the fields it set get
     their outer values back (only those: what a block entered inside it set and left open stays)."""
     outer = current_context()
-    _local.context = inner = dataclasses.replace(outer, **fields)
+    _local.context = inner = _replaced(outer, fields)
     try:
         yield inner
     finally:
-        _local.context = dataclasses.replace(current_context(), **{k: getattr(outer, k) for k in fields})
+        _local.context = _replaced(current_context(), {k: getattr(outer, k) for k in fields})
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(RankContext))
+
+
+def _replaced(context: RankContext, fields: dict[str, Any]) -> RankContext:
+    """``dataclasses.replace(context, **fields)``: a copy of its fields with ``fields`` set, without ``replace``'s
+    per-field walk through ``__init__`` (~10 us; a step enters a context per unit call). ``RankContext`` sets its
+    fields and nothing else at init, so the copy is what ``__init__`` would make; a name that is no field goes to
+    ``replace``, whose error names it."""
+    if not fields.keys() <= _FIELDS:
+        return dataclasses.replace(context, **fields)
+    new = object.__new__(RankContext)
+    d = new.__dict__
+    d.update(context.__dict__)
+    d.update(fields)
+    return new
 
 
 _GLOBAL = threading.Lock()  # held while a rank's state is swapped into the global generator
