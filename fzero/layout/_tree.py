@@ -86,6 +86,15 @@ def tree_leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
+def _builtin_nodes() -> frozenset[type]:
+    """The built-in containers whose torch.utils._pytree node is torch's own (what ``_walk`` rebuilds itself)."""
+    own = {tuple: (torch_pytree._tuple_flatten, torch_pytree._tuple_unflatten),
+           list: (torch_pytree._list_flatten, torch_pytree._list_unflatten),
+           dict: (torch_pytree._dict_flatten, torch_pytree._dict_unflatten)}
+    nodes = torch_pytree.SUPPORTED_NODES
+    return frozenset(k for k, (f, u) in own.items() if k in nodes and (nodes[k].flatten_fn, nodes[k].unflatten_fn) == (f, u))
+
+
 def tensors_and_rebuild(obj: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
     """The tensors inside ``obj`` and a function that rebuilds ``obj`` with replacements for them.
 
@@ -102,6 +111,16 @@ def _walk(obj: Any, found: list) -> Callable[[Any], Any]:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
         return lambda it: next(it)
+    kind = type(obj)
+    if (kind is tuple or kind is list or kind is dict) and kind in _BUILTIN_NODES:
+        # the built-in nodes as torch.utils._pytree flattens and rebuilds them, without its node lookups (a stage-3 unit
+        # call walks its arguments and its outputs: ``(args, kwargs)`` is three of these)
+        if kind is dict:
+            keys = list(obj)
+            parts = [_walk(obj[k], found) for k in keys]
+            return lambda it: dict(zip(keys, [p(it) for p in parts]))
+        parts = [_walk(c, found) for c in obj]
+        return lambda it: kind([p(it) for p in parts])
     node = None if torch_pytree.tree_is_leaf(obj) else torch_pytree.SUPPORTED_NODES[torch_pytree._get_node_type(obj)]
     if node is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj)]
@@ -119,3 +138,6 @@ def _walk(obj: Any, found: list) -> Callable[[Any], Any]:
         parts = [_walk(c, found) for c in children]
         return lambda it: node.unflatten_fn([p(it) for p in parts], context)
     return lambda it: obj
+
+
+_BUILTIN_NODES = _builtin_nodes()
