@@ -101,7 +101,7 @@ def step_scope() -> Iterator[None]:
 
 
 def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any, *, call: Any = None,
-                owned: Mapping[str, torch.Tensor] | None = None, prefix: str = "") -> Any:
+                owned: Mapping[str, torch.Tensor] | None = None, prefix: str = "", binding: Any = None) -> Any:
     """``torch.func.functional_call(module, tensors, args, kwargs)``, but within a step the module keeps
     ``tensors`` until the step's backward is done, not only until the forward returns.
 
@@ -111,7 +111,8 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     The module is restored when the step's scope closes; the user's module is never left changed.
     ``call``: what to call instead of ``module`` while it holds ``tensors`` (its compiled forward, ``jit=True``).
     ``owned``: the step's buffers this call was handed (by name in the step's module; ``prefix`` + a name here), whose
-    replacement by the forward the step's bank takes over (``Buffers.adopt_replaced``).
+    replacement by the forward the step's bank takes over (``Buffers.adopt_replaced``). ``binding``: a
+    ``fzero.layout.Binding`` of ``module`` made since anything last changed it (the stage 2-3 skeleton's, made with it).
     """
     from fzero.layout import bound
 
@@ -124,18 +125,18 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     # the root's call covers the whole tree (a unit is a subtree the root's forward runs): one walk per forward
     unset = _unset_buffers(module) if not prefix and current_buffers() is not None and not current_context().replay else ()
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
-        with bound(module, tensors):
+        with bound(module, tensors, binding):
             out = run(*args, **kwargs)
             _refuse_created(module, unset, prefix)
             if bank is not None:
                 bank.adopt_replaced(module, tensors, owned, prefix=prefix)
             return out
     if current_context().replay:  # a remat recompute: see live_buffers
-        with bound(module, tensors):
+        with bound(module, tensors, binding):
             out = run(*args, **kwargs)
-        scope.enter_context(bound(module, live_buffers(tensors)))
+        scope.enter_context(bound(module, live_buffers(tensors), binding))
         return out
-    scope.enter_context(bound(module, tensors))
+    scope.enter_context(bound(module, tensors, binding))
     out = run(*args, **kwargs)
     _refuse_created(module, unset, prefix)
     if bank is not None:

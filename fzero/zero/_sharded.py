@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fzero.autodiff import check_unit_hooks, remat
-from fzero.layout import clone_structure, named_tensors, ROOT, Layout, Unit
+from fzero.layout import Binding, clone_structure, named_tensors, ROOT, Layout, Unit
 from fzero.step import (usage as _usage, Pool, buffers_for_run, call_module, cast_floating, check_trainable_set,
                         check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes)
 from fzero.mesh import AllGather, ReplicatedShardGrad, current_context
@@ -57,6 +57,9 @@ class UnitParams(Mapping):
         self._unit_of = {s.path: u for u in layout.units for s in u.slots}
         self._views: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}  # (unit, grad enabled) -> its views
         self._skeletons: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(module) -> (module, its skeleton)
+        # id(module) -> the Binding of its skeleton made with it, for the skeleton's first call only (a second call of
+        # the module in the step may meet what the first one's forward changed on it: it walks the skeleton again)
+        self._fresh: dict[int, Binding] = {}
         self.writes = current_writes()  # what the skeletons' forwards write on them (fzero.layout.Writes)
         self.buffers: dict[str, torch.Tensor] = {}  # this step's buffers of the module being run (fzero.step._module)
         self._root_frozen: dict[str, torch.Tensor] | None = None  # stage 3, frozen=: gathered once a step (``root_frozen``)
@@ -145,6 +148,7 @@ class UnitParams(Mapping):
                     self.writes.note(module, skel, seen=seen)  # may refuse a kept tensor by name: before the update, so the state stays whole
         finally:
             self._skeletons.clear()
+            self._fresh.clear()
             roots: list[torch.Tensor] = getattr(self, "_roots", [])
             self._roots: list[torch.Tensor] = []
             self._root_versions: list[tuple[torch.Tensor, int]] = []
@@ -156,8 +160,13 @@ class UnitParams(Mapping):
     def skeleton(self, module: nn.Module) -> nn.Module:
         entry = self._skeletons.get(id(module))
         if entry is None:
-            entry = self._skeletons[id(module)] = (module, _build_skeleton(module, self))
+            skel, self._fresh[id(module)] = _build_skeleton(module, self)
+            entry = self._skeletons[id(module)] = (module, skel)
         return entry[1]
+
+    def fresh_binding(self, module: nn.Module) -> Binding | None:
+        """The Binding of ``module``'s skeleton made when it was built, once (None after: ``bound`` walks it again)."""
+        return self._fresh.pop(id(module), None)
 
 
 class ReplicatedParams(UnitParams):
@@ -285,10 +294,12 @@ def apply_units(module: nn.Module, params: UnitParams, args: tuple, kwargs: dict
         params.buffers = bank.for_module(module)
         views = {**params.buffers, **views}
     return call_module(skel, views, args, kwargs, call=None if method is None else types.MethodType(method, skel),
-                       owned=params.buffers)
+                       owned=params.buffers, binding=params.fresh_binding(module))
 
 
-def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
+def _build_skeleton(module: nn.Module, params: UnitParams) -> tuple[nn.Module, Binding]:
+    """The skeleton of ``module`` for this step (see the module docstring), checked against the state's layout, and its
+    ``Binding``: the walk the checks read its params from, which its first call binds with."""
     api = f"fzero.apply (stage {3 if isinstance(params, ShardedParams) else 2})"
     dtype = params.compute_dtype  # under bf16/fp16, buffers and frozen params are cast copies for this step
 
@@ -333,8 +344,10 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
     # the checks read every stand-in's metadata (requires_grad, shape): with torch functions of subclasses off, at C
     # speed (through _StandIn.__torch_function__ each read costs ~6 us, ~5 ms a step at GPT-2 124M's 148 params)
     with torch._C.DisableTorchFunctionSubclass():
-        # named_parameters(remove_duplicate=False) in one walk, for every check below (torch's walks are a step's cost)
-        every = named_tensors(skel, "_parameters", remove_duplicate=False)
+        # named_parameters(remove_duplicate=False) for every check below, from the walk that binds the skeleton's first
+        # call (its parameter slots, in walk order: named_tensors(skel, "_parameters", remove_duplicate=False))
+        binding = Binding.of(skel)
+        every = [(name, slot[3]) for name, slot in binding.slots.items() if slot[1] == "_parameters"]
         layout = params.layout
         # first: a requires_grad changed since init would otherwise be blamed on the params' names or on ties below, and a
         # param made trainable since would run as the meta stand-in above, whose memory torch's CPU kernels read as values
@@ -402,7 +415,7 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> nn.Module:
                 if (isinstance(owner, nn.TransformerEncoder) and type(owner).forward is nn.TransformerEncoder.forward
                         and not isinstance(owner, (_UnitSkin, _EncoderSkin))):  # torch's forward, not a subclass's own
                     owner.__class__ = _skinned(_EncoderSkin, type(owner))  # type: ignore[arg-type]
-    return skel
+    return skel, binding
 
 
 @functools.lru_cache(maxsize=4096)
