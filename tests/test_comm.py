@@ -9,7 +9,7 @@ import pytest
 
 import fzero
 from fzero.layout._layout import SHARD_ALIGN
-from problems import PROBLEMS, fzero_run
+from problems import PROBLEMS
 
 
 @pytest.mark.parametrize("stages", [0, 1, 2])

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 from typing import Any, Callable
 
 import pytest
