@@ -660,7 +660,8 @@ def test_a_param_written_in_place_after_its_units_other_params_were_saved_names_
 
 class _DirectForward(nn.Module):
     """Blocks in a ModuleList (the units) whose forward the model calls directly, ``block.forward(h)``, as Hugging Face's
-    SqueezeBERT encoder does; a forward hook on a block, which PyTorch's direct call skips."""
+    SqueezeBERT encoder does; forward hooks on a block, which PyTorch's direct call skips: one counts, one doubles the
+    block's output (were it run, by the forward or by a remat recompute, the gradients would differ)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -669,9 +670,14 @@ class _DirectForward(nn.Module):
         self.head = nn.Linear(WIDTH, 4)
         self.calls = 0
         self.blocks[0].register_forward_hook(self._count)
+        self.blocks[0].register_forward_hook(self._double)
 
     def _count(self, module, args, output):
         self.calls += 1
+
+    @staticmethod
+    def _double(module, args, output):
+        return output * 2
 
     def forward(self, x):
         for block in self.blocks:
@@ -684,7 +690,8 @@ class _DirectForward(nn.Module):
 def test_a_unit_whose_forward_the_model_calls_directly_trains_as_pytorch(stages, remat):
     """The unit was run on the skeleton's meta stand-ins (its call, which gathers it, never ran): refused at stages 2-3
     with a hint that did not fit. Now a direct ``forward`` runs the unit as its call does, without its hooks, as in
-    PyTorch."""
+    PyTorch; under remat its recompute too (the recompute, after the call returned, ran the hooks: 1.9e-2 off PyTorch
+    after two SGD steps, silently)."""
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(3)]
     reference = _DirectForward()

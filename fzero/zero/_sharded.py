@@ -71,9 +71,16 @@ class UnitParams(Mapping):
         ``forward`` (``fzero.apply(module.method, ...)``)."""
         return apply_units(module, self, args, kwargs, method=method)
 
-    def runner(self, inner: nn.Module, unit: Unit) -> Any:
-        """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward."""
-        run = functools.partial(compiled, inner, unit.name, self.jit_cache) if self.jit_cache is not None else lambda: inner
+    def runner(self, inner: nn.Module, unit: Unit, *, forward_only: bool = False) -> Any:
+        """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward.
+        ``forward_only``: the unit was called as ``unit.forward(...)`` (``_UnitSkin.forward``), read by the caller when
+        the unit's forward ran, so that a remat recompute, which runs after that call returned, runs it so too."""
+        if forward_only:  # its forward, without its module's hooks, as in PyTorch
+            run: Any = lambda: inner.forward  # noqa: E731  (read under its own class: the user's forward)
+        elif self.jit_cache is not None:
+            run = functools.partial(compiled, inner, unit.name, self.jit_cache)
+        else:
+            run = lambda: inner  # noqa: E731
         return functools.partial(_as_own_class, inner, run)
 
     def unit_buffers(self, unit: Unit, inner: nn.Module) -> dict[str, torch.Tensor]:
@@ -196,7 +203,7 @@ class ReplicatedParams(UnitParams):
     def run_unit(self, inner, unit, args, kwargs):
         prefix = len(unit.name) + 1
         views = {path[prefix:]: v for path, v in self.views(unit).items()}
-        run = self.runner(inner, unit)
+        run = self.runner(inner, unit, forward_only=called_as_forward(inner))
 
         def unit_forward(views, /, *args, **kwargs):  # under remat: the step's buffers as remat hands them out
             return call_module(inner, {**self.unit_buffers(unit, inner), **views}, args, kwargs, call=run, owned=self.buffers,
@@ -560,6 +567,12 @@ def _skinned(skin: type, cls: type) -> type:
                                             "_fz_class": cls})
 
 
+def called_as_forward(module: nn.Module) -> bool:
+    """Whether the unit ``module`` is being called as ``module.forward(...)`` (``_UnitSkin.forward``): read at the
+    call, since a remat recompute runs after the call has returned."""
+    return bool(module.__dict__.get("_fz_forward_only"))
+
+
 def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """``runner()(*args, **kwargs)`` with ``module`` of its own class again for the call: its hooks and its class's
     ``__call__`` run as in eager PyTorch, and ``torch.compile`` (``jit``, made on the first call) sees the class it
@@ -567,9 +580,6 @@ def _as_own_class(module: nn.Module, runner: Any, *args: Any, **kwargs: Any) -> 
     skin = type(module)
     module.__class__ = getattr(skin, "_fz_class")  # set by _skinned
     try:
-        run = runner()
-        if run is module and module.__dict__.get("_fz_forward_only"):  # called as unit.forward(...) (_UnitSkin.forward)
-            run = module.forward
-        return run(*args, **kwargs)
+        return runner()(*args, **kwargs)
     finally:
         module.__class__ = skin

@@ -55,6 +55,8 @@ class UnitCall:
         self.hooks: Any = None  # a unit of frozen params alone: the hook on its inputs that ends its backward
         self._bound: Any = None
         self._binding: Binding | None = None  # where the unit's module keeps each tensor: found once per call
+        # called as ``inner.forward(...)``: read now, since a remat recompute runs this call again after it returned
+        self.forward_only = bool(inner.__dict__.get("_fz_forward_only"))
 
     @property
     def schedule(self) -> "Schedule":
@@ -73,7 +75,7 @@ class UnitCall:
         probe = _unwrapped(probe) if probe is not None else None
         version = probe._version if probe is not None else 0
         try:
-            out = self.params.runner(self.inner, self.unit)(*args, **kwargs)
+            out = self.params.runner(self.inner, self.unit, forward_only=self.forward_only)(*args, **kwargs)
             if probe is not None and probe._version != version:
                 raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=self.unit.name, cls=f" ({type(self.inner).__name__})"))
             bank = current_buffers()
