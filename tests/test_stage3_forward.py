@@ -710,3 +710,33 @@ def test_a_unit_whose_forward_the_model_calls_directly_trains_as_pytorch(stages,
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
     assert reference.calls == model.calls == 0
+
+
+class _WritesAUnitParamOutside(nn.Module):
+    """A forward that writes a unit's param in place outside that unit's call (under no_grad, from the root), which
+    PyTorch keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.blocks[1][0].weight.mul_(0.9)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_unit_param_written_in_place_outside_its_unit_is_refused_by_name(stages):
+    """Between its unit's calls a param is a meta stand-in: the write ran on it and did nothing, so stages 2-3 trained
+    without it where PyTorch (and stage 0) keeps it, silently. Now refused, naming the param, its unit and the fix."""
+    model = _WritesAUnitParamOutside()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=r"mul_\(\) wrote the parameter 'blocks.1.0.weight' of unit 'blocks.1'.*in place "
+                                           r"outside that unit's call.*Train without the in-place write"):
+        step(state, torch.randn(4, WIDTH))

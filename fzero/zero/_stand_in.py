@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fzero.layout import named_tensors, ROOT, Layout
+from fzero.step import PARAM_WRITE_FIX
 
 
 # What a stand-in may be asked outside its unit's call (its shape, dtype, ``requires_grad``: properties, read by
@@ -64,6 +65,15 @@ def _guard(func: Any, args: Any = (), kwargs: Any = None) -> Any:
             with torch._C.DisableTorchFunctionSubclass():
                 out = first if dtype is None else first.to(dtype=dtype)
             return out if out is first else _guarded(out, stand_in)
+    if getter is None and args and isinstance(args[0], _GUARDED) and _writes_in_place(name):
+        # an in-place write of a stand-in alone (``self.blocks[1].fc.weight.mul_(0.9)`` under no_grad in the model's
+        # forward, outside that unit's call) would run on meta and do nothing, where PyTorch keeps it (it was lost silently)
+        at = args[0].__dict__.get("_fz_where")
+        what = f"parameter {at[1]!r} of unit {at[0]!r}" if at else "a unit's parameter"
+        raise RuntimeError(
+            f"{name}() wrote the {what} (shape {tuple(args[0].shape)}) in place outside that unit's call. At stages 2-3 a "
+            f"unit's params exist only while the unit runs (between its calls each is a stand-in with no values), so the "
+            f"write would be lost. {PARAM_WRITE_FIX}")
     if getter is not None or all(t.is_meta for t in tensors):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
@@ -76,6 +86,19 @@ def _guard(func: Any, args: Any = (), kwargs: Any = None) -> Any:
     # not "fzero..."-prefixed: the step's wrapper adds the batch and the fix for a unit's param used outside its call
     raise RuntimeError(f"{getattr(func, '__name__', func)}() was given the {what} outside that "
                        f"unit's call, where it is a meta tensor with no values to compute with" + (f". {tied}" if tied else ""))
+
+
+# in-place methods that change no values (what fzero itself and torch's module methods call on a parameter)
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+
+
+def _writes_in_place(name: str | None) -> bool:
+    """Whether the tensor method ``name`` writes its tensor's values in place (``mul_``, ``clamp_``, ``w[0] = ...``)."""
+    if not name or name in _NOT_WRITES:
+        return False
+    if name.startswith("__"):
+        return name == "__setitem__" or (name.startswith("__i") and name not in ("__index__", "__invert__", "__iter__", "__int__"))
+    return name.endswith("_") and not name.startswith("_")
 
 
 class _StandIn(nn.Parameter):
