@@ -475,6 +475,9 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
         if v.requires_grad and not v.is_leaf:  # computed from the user's tensors: shared, as before, so that a loss it
             return v                           # reaches is refused as on one rank (a detached copy trained silently)
+        c = _private_view(v, memo)
+        if c is not None:
+            return c
         c = v.detach().clone()
         if v.requires_grad:  # never requires_grad_(False): under torch.func.grad any requires_grad_ call is refused
             c.requires_grad_()
@@ -491,6 +494,24 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
         items = tuple(_private(x, memo) for x in v)
         return items if any(a is not b for a, b in zip(items, v)) else v
     return v
+
+
+def _private_view(v: torch.Tensor, memo: dict[int, tuple[Any, Any]]) -> torch.Tensor | None:
+    """This rank's copy of ``v``, a view of another tensor (``v._base``), as the same view of this rank's copy of that
+    base, so that the copies alias as the originals do (a non-persistent buffer ``head = cache[:4]`` that the forward
+    reads after writing ``cache`` in place: cloned apart, ``head`` kept its old values on a local mesh, 4e-2 off DDP
+    after 3 SGD steps, silently). None where ``v`` is no view, or its base is not copied (a parameter) or not copied
+    alike (its copy's layout differs): ``v`` is then cloned on its own, as before."""
+    base = v._base
+    if base is None or v.requires_grad or base.requires_grad or isinstance(base, nn.Parameter) or base.is_meta:
+        return None
+    cb = _private(base, memo)
+    if cb is base or not isinstance(cb, torch.Tensor) or cb.stride() != base.stride() or base.storage_offset() != 0 \
+            or cb.storage_offset() != 0 or cb.dtype != v.dtype:
+        return None
+    c = cb.as_strided(v.size(), v.stride(), v.storage_offset())
+    memo[id(v)] = (c, v, _version(v))  # type: ignore[assignment]  # (as _private's entries: a third item)
+    return c
 
 
 def _private_buffers(buffers: dict[str, Any], names: set[str], memo: dict[int, tuple[Any, Any]]) -> None:
