@@ -740,3 +740,30 @@ def test_a_unit_param_written_in_place_outside_its_unit_is_refused_by_name(stage
     with pytest.raises(RuntimeError, match=r"mul_\(\) wrote the parameter 'blocks.1.0.weight' of unit 'blocks.1'.*in place "
                                            r"outside that unit's call.*Train without the in-place write"):
         step(state, torch.randn(4, WIDTH))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_unit_whose_forward_the_model_calls_directly_runs_without_its_hooks_under_jit(stages):
+    """Under jit the unit's call went through its compiled call, which runs the module's hooks: the direct forward ran
+    them (1.8e-2 off PyTorch after two SGD steps, silently). Now a unit with hooks of its own runs its forward eagerly
+    there, without them; one without (the second block) is compiled as before."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(2)]
+    reference = _DirectForward()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in batches:
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+    model = _DirectForward()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(1), jit=True)
+    state = step.init(fzero.params_of(model))
+    for x in batches:
+        state, _ = step(state, x)
+    got = step.gather(state)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
+    assert reference.calls == model.calls == 0

@@ -75,7 +75,8 @@ class UnitParams(Mapping):
         """What runs a unit's module, as its own class (``_UnitSkin``): itself, or (``jit``) its compiled forward.
         ``forward_only``: the unit was called as ``unit.forward(...)`` (``_UnitSkin.forward``), read by the caller when
         the unit's forward ran, so that a remat recompute, which runs after that call returned, runs it so too."""
-        if forward_only:  # its forward, without its module's hooks, as in PyTorch
+        if forward_only and (self.jit_cache is None or _own_hooks(inner)):  # its forward, without its module's hooks,
+            # as in PyTorch (under jit: eager where the module has hooks of its own, which the compiled call would run)
             run: Any = lambda: inner.forward  # noqa: E731  (read under its own class: the user's forward)
         elif self.jit_cache is not None:
             run = functools.partial(compiled, inner, unit.name, self.jit_cache)
@@ -565,6 +566,12 @@ def _skinned(skin: type, cls: type) -> type:
     One per pair, made once: a cache of types, no state."""
     return type(cls.__name__, (skin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                             "_fz_class": cls})
+
+
+def _own_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own, which its call runs and a call of its ``forward`` does not."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def called_as_forward(module: nn.Module) -> bool:
