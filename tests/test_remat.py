@@ -878,11 +878,12 @@ class _HookNormed(torch.nn.Module):
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
-@pytest.mark.parametrize("stages", [0, 2, 3])
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
 def test_the_deprecated_hook_norms_train_under_remat_as_pytorch(stages, kind):
     """The weight their pre-hook sets on the module outlives the remat forward, and was refused as an escaped tensor at
     stages 0-2 (a model plain PyTorch's checkpoint trains); the hook sets it anew at every call, so the recompute makes
-    its graph."""
+    its graph, and at stages 0-1 it is set again with a graph after the call (a read outside the unit trains too). At
+    stage 2 it stays refused by name: there a read of it outside the unit could not get its gradient."""
     ref = _HookNormed(kind)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for x, y in _parametrized_batches():
@@ -893,6 +894,10 @@ def test_the_deprecated_hook_norms_train_under_remat_as_pytorch(stages, kind):
     step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
                          optimizer=fzero.optim.adamw(1e-2), stages=stages, remat=True)
     state = step.init(fzero.params_of(model))
+    if stages == 2:
+        with pytest.raises(RuntimeError, match=r"(?s)fzero.remat: unit 'blocks.0' made 1 tensor\(s\) .* held as Linear.weight"):
+            step(state, _parametrized_batches()[0])
+        return
     for b in _parametrized_batches():
         state, _ = step(state, b)
     got = step.gather(state)
@@ -901,3 +906,53 @@ def test_the_deprecated_hook_norms_train_under_remat_as_pytorch(stages, kind):
     sd = step.state_dict(state, model)
     for name, b in ref.named_buffers():  # spectral_norm's power-iteration vectors, stepped once per forward
         torch.testing.assert_close(sd[name], b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _NormInside(torch.nn.Module):
+    """Blocks whose Linear (inside the unit, not the unit itself) is under a deprecated norm hook, and a forward that
+    reads the first block's hook-set weight after the block's call, outside it (a tied or regularised weight)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        wrap = {"weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm}[kind]
+        self.inp = torch.nn.Linear(6, 12)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(wrap(torch.nn.Linear(12, 12)), torch.nn.Tanh()) for _ in range(2))
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h) + h
+        return self.out(h + self.blocks[0][0].weight.sum() * 0.1)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize(("stages", "ranks"), [(0, None), (0, 2), (1, None), (1, 2), (2, 2)])
+def test_a_deprecated_norm_weight_read_outside_its_unit_under_remat_trains_or_is_refused(stages, kind, ranks):
+    """The weight the hook set in the remat forward (no_grad: no graph) read after the unit's call, outside it: that
+    read trained without its gradient (0.62 off PyTorch after 2 SGD steps at stages 0-1, silently). At stages 0-1 the
+    weight is set again with a graph from the step's params after the call, so it trains as PyTorch; at stage 2 on a
+    mesh it is refused as an escaped tensor, naming the fixes. Open (docs/migrating.md): stage 2 without a mesh and
+    stage 3, where the escape check does not see it."""
+    ref = _NormInside(kind)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _parametrized_batches()[:2]:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    model = _NormInside(kind)
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=True,
+                         mesh=None if ranks is None else fzero.local_mesh(ranks))
+    state = step.init(fzero.params_of(model))
+    if stages == 2:
+        with pytest.raises(RuntimeError, match=r"(?s)fzero.remat: unit 'blocks.0' made 1 tensor\(s\) .* held as Linear.weight"):
+            step(state, _parametrized_batches()[0])
+        return
+    for b in _parametrized_batches()[:2]:
+        state, _ = step(state, b)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

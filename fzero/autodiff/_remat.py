@@ -135,6 +135,8 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
     call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
     outs = list(_RematForward.apply(call, *tensors))
+    if call.renorm:
+        _renorm(call.renorm)
     for i, j in call.returned_inputs.items():  # an argument returned as it is: that very tensor, as without remat
         outs[i] = tensors[j]
     for i, (source, k, geometry) in call.views.items():  # a view of an argument or of another output: made again on it
@@ -161,6 +163,7 @@ class _Call:
         self.rng: _RngState | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.unused: list[bool] = []
+        self.renorm: list[tuple[torch.nn.Module, Any]] = []  # deprecated norm hooks whose weight is set again (_renorm)
         self.returned_inputs: dict[int, int] = {}  # output position -> the argument (tensor position) it is, as it is
         # output position -> ("input" or "output", the position of the tensor it is a view of, (size, stride, offset))
         self.views: dict[int, tuple[str, int, tuple]] = {}
@@ -356,20 +359,38 @@ def _held_where(t: torch.Tensor) -> str:
     return ""
 
 
-def _norm_hook_weights(module: torch.nn.Module | None) -> set[int]:
-    """The ids of the weights that torch's deprecated ``torch.nn.utils.weight_norm`` or ``spectral_norm`` computes in a
-    forward pre-hook of a module of ``module`` (a unit: what fzero's remat of units gives as ``fn.module``) and sets
-    on it as a plain attribute. Such a weight outlives the forward, but the hook sets it anew at every call of its
-    module, whose forward is what reads it, so the recompute makes its graph as plain PyTorch's checkpoint does
-    (before: refused as an escaped tensor at stages 0-2, a model PyTorch trains). A walk of the unit, made only when
-    something escaped."""
+def _norm_hooks(module: torch.nn.Module | None) -> list[tuple[torch.nn.Module, Any]]:
+    """The (module, hook) pairs of torch's deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm`` among the modules
+    of ``module`` (a unit: what fzero's remat of units gives as ``fn.module``) whose hook has set its weight on its
+    module as a plain attribute (a forward pre-hook computes it at every call)."""
     if module is None:
-        return set()
+        return []
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
-    return {id(m.__dict__[h.name]) for m in module.modules() for h in m._forward_pre_hooks.values()
-            if isinstance(h, (WeightNorm, SpectralNorm)) and isinstance(m.__dict__.get(h.name), torch.Tensor)}
+    return [(m, h) for m in module.modules() for h in m._forward_pre_hooks.values()
+            if isinstance(h, (WeightNorm, SpectralNorm)) and isinstance(m.__dict__.get(h.name), torch.Tensor)]
+
+
+def _norm_hook_weights(module: torch.nn.Module | None) -> set[int]:
+    """The ids of the weights ``_norm_hooks`` names. Such a weight outlives the forward, but the hook sets it anew at
+    every call of its module, whose forward is what reads it, so the recompute makes its graph as plain PyTorch's
+    checkpoint does (before: refused as an escaped tensor at stages 0-2, a model PyTorch trains). Made only when
+    something escaped; ``_remat_call`` then sets each such weight again with a graph (``_renorm``)."""
+    return {id(m.__dict__[h.name]) for m, h in _norm_hooks(module)}
+
+
+def _renorm(hooked: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Each deprecated norm hook's weight set again on its module, computed with a graph from the module's params as
+    they are bound now (``compute_weight``, spectral_norm's without another power iteration: the forward's has moved
+    its vectors, so it gives the forward's value). The forward ran under no_grad, so the weight it left had no graph:
+    read outside its unit after the call (``self.blocks[0].fc.weight.sum()`` in the model's forward), it trained without
+    that read's gradient (0.62 off PyTorch after 2 SGD steps, silently). At stage 3 the params outside their unit's call
+    are meta stand-ins, so such a read gives a meta tensor, which the step refuses by name, instead of no gradient."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for m, h in hooked:
+        setattr(m, h.name, h.compute_weight(m, do_power_iteration=False) if isinstance(h, SpectralNorm) else h.compute_weight(m))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -515,9 +536,11 @@ class _RematForward(Function):
         _check_inputs_unwritten(call, inputs, versions)
         _check_unchanged(call, before)
         escaped = watch.escaped(outs)
-        if escaped:  # (what a deprecated norm hook set on a module of the unit is set again at every call)
-            hooked = _norm_hook_weights(getattr(call.fn, "module", None))
-            escaped = [t for t in escaped if id(t) not in hooked]
+        if escaped and getattr(call.fn, "renorm", False):  # (a deprecated norm hook's weight: set again, with a graph)
+            hooked = _norm_hooks(getattr(call.fn, "module", None))
+            weights = {id(m.__dict__[h.name]): (m, h) for m, h in hooked}
+            call.renorm = [weights[id(t)] for t in escaped if id(t) in weights]
+            escaped = [t for t in escaped if id(t) not in weights]
         if escaped:
             raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
                                                what=", ".join(f"{tuple(t.shape)} {t.dtype}{_held_where(t)}" for t in escaped[:3])))

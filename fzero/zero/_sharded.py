@@ -213,7 +213,7 @@ class ReplicatedParams(UnitParams):
         if not (self.remat and torch.is_grad_enabled()):
             return unit_forward(views, *args, **kwargs)
         unit_forward.__qualname__ = f"unit {unit.name!r}"
-        unit_forward.module = inner  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hook_weights)
+        unit_forward.module = inner  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hooks)
         check_unit_hooks(inner, unit.name)
         return remat(unit_forward)(views, *args, **kwargs)
 

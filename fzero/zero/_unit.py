@@ -588,7 +588,7 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
             return out
 
         unit_forward.__qualname__ = f"unit {unit.name!r}"
-        unit_forward.module = inner  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hook_weights)
+        unit_forward.module = inner  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hooks)
         check_unit_hooks(inner, unit.name)
         return remat(unit_forward)(shard, *args, **kwargs)
     call.keeps_graph = torch.is_grad_enabled()
