@@ -559,12 +559,14 @@ class _Counted(nn.Module):
         return torch.tanh(self.fc(x)) * (1 + 0.1 * self.n)
 
 
-class _CountedNet(nn.Module):
-    def __init__(self):
+class _ChainNet(nn.Module):
+    """``block()`` once in the root unit, twice as the units of stages 2-3, then a head."""
+
+    def __init__(self, block: type[nn.Module]):
         super().__init__()
         torch.manual_seed(0)
-        self.first = _Counted()  # in the root unit
-        self.blocks = nn.ModuleList([_Counted() for _ in range(2)])  # units at stages 2-3
+        self.first = block()  # in the root unit
+        self.blocks = nn.ModuleList([block() for _ in range(2)])  # units at stages 2-3
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
@@ -584,7 +586,7 @@ def test_a_buffer_the_forward_replaces_is_kept_as_pytorch_keeps_it(settings, ran
     value it had handed out, and the next step started from it: the counters stayed 0 where PyTorch's are 3, the losses
     up to 0.02 off, silently, at every stage and under torchrun. Against DDP's semantics: each rank's replica starts
     the step from rank 0's buffers."""
-    model = _CountedNet()
+    model = _ChainNet(_Counted)
     ref = copy.deepcopy(model)
     replicas = [ref] + [copy.deepcopy(ref) for _ in range(ranks - 1)]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -672,21 +674,6 @@ class _RunningMean(nn.Module):
         return torch.tanh(self.fc(x - self.avg))
 
 
-class _RunningMeanNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = _RunningMean()  # in the root unit
-        self.blocks = nn.ModuleList([_RunningMean() for _ in range(2)])  # units at stages 2-3
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        x = self.first(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("settings", [{"stages": 0}, {"stages": 1}, {"stages": 2}, {"stages": 3}, {"stages": 0, "remat": True},
                                       {"stages": 2, "remat": True}, {"stages": 3, "remat": True}],
@@ -697,7 +684,7 @@ def test_a_non_persistent_buffer_the_forward_writes_trains_as_pytorch(settings, 
     every rank thread wrote the module's one tensor (twice a step, each rank reading the other's write: 3.7e-3 off
     after one AdamW step in a zoo-sized model), and under remat at stages 2-3 the recompute read the value the forward
     had written and wrote it again (3.6e-3 off on one rank), silently. The user's module ends holding rank 0's value, as in PyTorch."""
-    model = _RunningMeanNet()
+    model = _ChainNet(_RunningMean)
     ref = copy.deepcopy(model)
     replicas = [ref] + [copy.deepcopy(ref) for _ in range(ranks - 1)]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)

@@ -692,8 +692,14 @@ def test_a_unit_whose_forward_the_model_calls_directly_trains_as_pytorch(stages,
     with a hint that did not fit. Now a direct ``forward`` runs the unit as its call does, without its hooks, as in
     PyTorch; under remat its recompute too (the recompute, after the call returned, ran the hooks: 1.9e-2 off PyTorch
     after two SGD steps, silently)."""
+    _direct_forward_trains_as_pytorch(stages, steps=3, rtol=1e-6, atol=1e-7, remat=remat)
+
+
+def _direct_forward_trains_as_pytorch(stages: int, *, steps: int, rtol: float, atol: float, **settings) -> None:
+    """``_DirectForward`` trained by SGD in plain PyTorch and by fzero at ``stages`` with ``settings``: equal params, and
+    the hooks the direct calls skip never ran on either side."""
     gen = torch.Generator().manual_seed(4)
-    batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(3)]
+    batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(steps)]
     reference = _DirectForward()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x in batches:
@@ -702,13 +708,13 @@ def test_a_unit_whose_forward_the_model_calls_directly_trains_as_pytorch(stages,
         opt.step()
     model = _DirectForward()
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
-                         stages=stages, mesh=fzero.local_mesh(1), remat=remat)
+                         stages=stages, mesh=fzero.local_mesh(1), **settings)
     state = step.init(fzero.params_of(model))
     for x in batches:
         state, _ = step(state, x)
     got = step.gather(state)
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[name], p.detach(), rtol=rtol, atol=atol)
     assert reference.calls == model.calls == 0
 
 
@@ -749,21 +755,4 @@ def test_a_unit_whose_forward_the_model_calls_directly_runs_without_its_hooks_un
     """Under jit the unit's call went through its compiled call, which runs the module's hooks: the direct forward ran
     them (1.8e-2 off PyTorch after two SGD steps, silently). Now a unit with hooks of its own runs its forward eagerly
     there, without them; one without (the second block) is compiled as before."""
-    gen = torch.Generator().manual_seed(4)
-    batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(2)]
-    reference = _DirectForward()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x in batches:
-        opt.zero_grad()
-        reference(x).square().mean().backward()
-        opt.step()
-    model = _DirectForward()
-    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
-                         stages=stages, mesh=fzero.local_mesh(1), jit=True)
-    state = step.init(fzero.params_of(model))
-    for x in batches:
-        state, _ = step(state, x)
-    got = step.gather(state)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
-    assert reference.calls == model.calls == 0
+    _direct_forward_trains_as_pytorch(stages, steps=2, rtol=1e-5, atol=1e-6, jit=True)
