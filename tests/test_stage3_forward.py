@@ -756,3 +756,64 @@ def test_a_unit_whose_forward_the_model_calls_directly_runs_without_its_hooks_un
     them (1.8e-2 off PyTorch after two SGD steps, silently). Now a unit with hooks of its own runs its forward eagerly
     there, without them; one without (the second block) is compiled as before."""
     _direct_forward_trains_as_pytorch(stages, steps=2, rtol=1e-5, atol=1e-6, jit=True)
+
+
+class _State(dict):
+    """A dict subclass no pytree knows, passed from unit to unit (a model's own state container)."""
+
+
+class _StateBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h):
+        return _State(a=torch.tanh(self.fc(h["a"])) + h["b"], b=h["b"])
+
+
+class _StateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_StateBlock() for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        h = _State(a=x, b=x * 0.5)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h["a"])
+
+
+def test_a_dict_subclass_between_units_trains_as_pytorch_at_stage_3():
+    """A dict subclass is a leaf to torch's pytree, so the tensors in it reached the unit without being its call's inputs:
+    the backward failed inside torch ("setStorage: ... out of bounds"). It is walked as a dict and rebuilt as a copy of
+    itself, type kept. (Under remat such an argument is still refused, by remat's own check, not trained wrongly.)"""
+    from fzero.layout._tree import tensors_and_rebuild
+
+    state = _State(a=torch.zeros(1), b=[torch.ones(1)])
+    state.note = "kept"
+    found, rebuild = tensors_and_rebuild(state)
+    again = rebuild([t + 1 for t in found])
+    assert len(found) == 2 and type(again) is _State and again.note == "kept" and float(again["a"]) == 1.0
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, WIDTH, generator=gen) for _ in range(2)]
+    reference = _StateNet()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in batches:
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+    model = _StateNet()
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=3, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    for x in batches:
+        state, _ = step(state, x)
+    got = step.gather(state)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+    remat = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                          stages=3, mesh=fzero.local_mesh(1), remat=True)
+    with pytest.raises(RuntimeError, match=r"fzero.remat: unit 'blocks.1' read a tensor that requires grad but is not one of its"):
+        remat(remat.init(fzero.params_of(model)), batches[0])

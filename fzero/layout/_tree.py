@@ -137,7 +137,30 @@ def _walk(obj: Any, found: list) -> Callable[[Any], Any]:
         children, context = node.flatten_fn(obj)
         parts = [_walk(c, found) for c in children]
         return lambda it: node.unflatten_fn([p(it) for p in parts], context)
+    if isinstance(obj, (dict, list)):  # a subclass no pytree knows (``class State(dict)``): a leaf to torch's pytree
+        return _walk_container(obj, found)
     return lambda it: obj
+
+
+def _walk_container(obj: dict | list, found: list) -> Callable[[Any], Any]:
+    """A dict or list subclass that is no pytree node, walked as its base and rebuilt as a shallow copy of itself (its
+    type and attributes) with the new items. Left a leaf, the tensors in it passed into a stage-3 unit without being
+    its call's inputs: the unit's backward failed inside torch ("setStorage: ... out of bounds"), or under remat
+    their gradient was lost (2.8e-2 off PyTorch after 2 SGD steps, silently)."""
+    keys = list(obj) if isinstance(obj, dict) else range(len(obj))
+    parts = [_walk(obj[k], found) for k in keys]
+
+    def rebuild_container(it):
+        clone = copy.copy(obj)
+        values = [p(it) for p in parts]
+        if isinstance(clone, dict):
+            for k, v in zip(keys, values):
+                clone[k] = v
+        else:
+            clone[:] = values
+        return clone
+
+    return rebuild_container
 
 
 _BUILTIN_NODES = _builtin_nodes()
