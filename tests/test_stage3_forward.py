@@ -796,6 +796,8 @@ def test_a_dict_subclass_between_units_trains_as_pytorch_at_stage_3():
     found, rebuild = tensors_and_rebuild(state)
     again = rebuild([t + 1 for t in found])
     assert len(found) == 2 and type(again) is _State and again.note == "kept" and float(again["a"]) == 1.0
+    plain = _State(n=1)  # no tensor in it: the very object, which a forward may write into
+    assert tensors_and_rebuild(plain)[1]([]) is plain
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, WIDTH, generator=gen) for _ in range(2)]
     reference = _StateNet()

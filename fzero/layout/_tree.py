@@ -148,7 +148,10 @@ def _walk_container(obj: dict | list, found: list) -> Callable[[Any], Any]:
     its call's inputs: the unit's backward failed inside torch ("setStorage: ... out of bounds"), or under remat
     their gradient was lost (2.8e-2 off PyTorch after 2 SGD steps, silently)."""
     keys = list(obj) if isinstance(obj, dict) else range(len(obj))
+    before = len(found)
     parts = [_walk(obj[k], found) for k in keys]
+    if len(found) == before:  # no tensor in it: the object itself, as before (a forward may write into it)
+        return lambda it: obj
 
     def rebuild_container(it):
         clone = copy.copy(obj)
