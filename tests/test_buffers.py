@@ -559,6 +559,30 @@ class _Counted(nn.Module):
         return torch.tanh(self.fc(x)) * (1 + 0.1 * self.n)
 
 
+def _ddp_step(replicas: list[nn.Module], opt: torch.optim.Optimizer, batch: torch.Tensor, *, every_buffer: bool = False) -> float:
+    """One step of DDP's semantics over ``replicas`` (``replicas[0]`` is the one ``opt`` steps): each replica starts from
+    rank 0's params and buffers (the state_dict's; ``every_buffer``: the non-persistent ones too, as DDP broadcasts
+    ``named_buffers()``), runs its share of ``batch``, and the averaged gradient takes one step. Returns the mean loss."""
+    ref = replicas[0]
+    for rep in replicas[1:]:
+        rep.load_state_dict(ref.state_dict())
+        if every_buffer:
+            with torch.no_grad():
+                for buf, buf0 in zip(rep.buffers(), ref.buffers()):
+                    buf.copy_(buf0)
+    losses, grads = [], []
+    for rep, half in zip(replicas, batch.chunk(len(replicas))):
+        rep.zero_grad()
+        loss = _loss(rep(half))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad for p in rep.parameters()])
+    for p, gs in zip(ref.parameters(), zip(*grads)):
+        p.grad = sum(gs) / len(replicas)
+    opt.step()
+    return sum(losses) / len(replicas)
+
+
 class _ChainNet(nn.Module):
     """``block()`` once in the root unit, twice as the units of stages 2-3, then a head."""
 
@@ -597,19 +621,7 @@ def test_a_buffer_the_forward_replaces_is_kept_as_pytorch_keeps_it(settings, ran
     state = step.init(fzero.params_of(model), buffers=fzero.buffers_of(model))
     for b in batches:
         state, metrics = step(state, b)
-        for rep in replicas[1:]:
-            rep.load_state_dict(ref.state_dict())
-        losses, grads = [], []
-        for rep, half in zip(replicas, b.chunk(ranks)):
-            rep.zero_grad()
-            loss = _loss(rep(half))
-            loss.backward()
-            losses.append(loss.item())
-            grads.append([p.grad for p in rep.parameters()])
-        for p, gs in zip(ref.parameters(), zip(*grads)):
-            p.grad = sum(gs) / ranks
-        opt.step()
-        assert float(metrics["loss"]) == pytest.approx(sum(losses) / ranks, rel=1e-5)
+        assert float(metrics["loss"]) == pytest.approx(_ddp_step(replicas, opt, b), rel=1e-5)
     got = step.state_dict(state, model)
     assert [float(got[k]) for k in ("first.n", "blocks.0.n", "blocks.1.n")] == [3.0, 3.0, 3.0]
     assert_trees_close({k: v for k, v in got.items()}, dict(ref.state_dict()), rtol=1e-5, atol=1e-6)
@@ -695,22 +707,7 @@ def test_a_non_persistent_buffer_the_forward_writes_trains_as_pytorch(settings, 
     state = step.init(fzero.params_of(model))
     for b in batches:
         state, metrics = step(state, b)
-        for rep in replicas[1:]:
-            rep.load_state_dict(ref.state_dict())
-            with torch.no_grad():
-                for buf, buf0 in zip(rep.buffers(), ref.buffers()):
-                    buf.copy_(buf0)
-        losses, grads = [], []
-        for rep, half in zip(replicas, b.chunk(ranks)):
-            rep.zero_grad()
-            loss = _loss(rep(half))
-            loss.backward()
-            losses.append(loss.item())
-            grads.append([p.grad for p in rep.parameters()])
-        for p, gs in zip(ref.parameters(), zip(*grads)):
-            p.grad = sum(gs) / ranks
-        opt.step()
-        assert float(metrics["loss"]) == pytest.approx(sum(losses) / ranks, rel=1e-6)
+        assert float(metrics["loss"]) == pytest.approx(_ddp_step(replicas, opt, b, every_buffer=True), rel=1e-6)
     assert_trees_close(step.gather(state), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
     assert_trees_close(dict(model.named_buffers()), dict(ref.named_buffers()), rtol=1e-6, atol=1e-7)
 

@@ -353,10 +353,8 @@ class _Parametrized(torch.nn.Module):
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        from torch.nn.utils import parametrizations
-
         torch.manual_seed(0)
-        wrap = {"orthogonal": parametrizations.orthogonal, "weight_norm": parametrizations.weight_norm}[kind]
+        wrap = self.wrap(kind)
         self.inp = torch.nn.Linear(6, 12)
         self.blocks = torch.nn.ModuleList(wrap(torch.nn.Linear(12, 12)) for _ in range(2))
         self.out = torch.nn.Linear(12, 3)
@@ -366,6 +364,12 @@ class _Parametrized(torch.nn.Module):
         for block in self.blocks:
             h = torch.tanh(block(h)) + h
         return self.out(h)
+
+    @staticmethod
+    def wrap(kind: str):
+        from torch.nn.utils import parametrizations
+
+        return {"orthogonal": parametrizations.orthogonal, "weight_norm": parametrizations.weight_norm}[kind]
 
 
 def _parametrized_batches():
@@ -856,24 +860,14 @@ def test_remat_with_no_unit_to_recompute_is_refused_and_named_units_recompute(st
     assert_trees_equal(named.gather(state), plain.gather(want))
 
 
-class _HookNormed(torch.nn.Module):
+class _HookNormed(_Parametrized):
     """Blocks under torch's deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm``: a forward pre-hook computes
     the weight and sets it on the Linear as a plain attribute at every call (spectral_norm also steps its power
     iteration's buffers), as older audio and GAN code does."""
 
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        wrap = {"weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm}[kind]
-        self.inp = torch.nn.Linear(6, 12)
-        self.blocks = torch.nn.ModuleList(wrap(torch.nn.Linear(12, 12)) for _ in range(2))
-        self.out = torch.nn.Linear(12, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            h = torch.tanh(block(h)) + h
-        return self.out(h)
+    @staticmethod
+    def wrap(kind: str):
+        return {"weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm}[kind]
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")

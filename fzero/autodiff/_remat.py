@@ -362,7 +362,10 @@ def _held_where(t: torch.Tensor) -> str:
 def _norm_hooks(module: torch.nn.Module | None) -> list[tuple[torch.nn.Module, Any]]:
     """The (module, hook) pairs of torch's deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm`` among the modules
     of ``module`` (a unit: what fzero's remat of units gives as ``fn.module``) whose hook has set its weight on its
-    module as a plain attribute (a forward pre-hook computes it at every call)."""
+    module as a plain attribute (a forward pre-hook computes it at every call). Such a weight outlives the forward, but
+    the hook sets it anew at every call of its module, whose forward is what reads it, so the recompute makes its graph
+    as plain PyTorch's checkpoint does; ``_renorm`` sets it again with a graph after the call. Walked only when
+    something escaped."""
     if module is None:
         return []
     from torch.nn.utils.spectral_norm import SpectralNorm
@@ -372,21 +375,14 @@ def _norm_hooks(module: torch.nn.Module | None) -> list[tuple[torch.nn.Module, A
             if isinstance(h, (WeightNorm, SpectralNorm)) and isinstance(m.__dict__.get(h.name), torch.Tensor)]
 
 
-def _norm_hook_weights(module: torch.nn.Module | None) -> set[int]:
-    """The ids of the weights ``_norm_hooks`` names. Such a weight outlives the forward, but the hook sets it anew at
-    every call of its module, whose forward is what reads it, so the recompute makes its graph as plain PyTorch's
-    checkpoint does (before: refused as an escaped tensor at stages 0-2, a model PyTorch trains). Made only when
-    something escaped; ``_remat_call`` then sets each such weight again with a graph (``_renorm``)."""
-    return {id(m.__dict__[h.name]) for m, h in _norm_hooks(module)}
-
-
 def _renorm(hooked: list[tuple[torch.nn.Module, Any]]) -> None:
     """Each deprecated norm hook's weight set again on its module, computed with a graph from the module's params as
     they are bound now (``compute_weight``, spectral_norm's without another power iteration: the forward's has moved
     its vectors, so it gives the forward's value). The forward ran under no_grad, so the weight it left had no graph:
     read outside its unit after the call (``self.blocks[0].fc.weight.sum()`` in the model's forward), it trained without
-    that read's gradient (0.62 off PyTorch after 2 SGD steps, silently). At stage 3 the params outside their unit's call
-    are meta stand-ins, so such a read gives a meta tensor, which the step refuses by name, instead of no gradient."""
+    that read's gradient (0.62 off PyTorch after 2 SGD steps, silently). Only at stages 0-1 (``fn.renorm``), where the
+    module's params outside the unit's call are the step's own; at stages 2-3 they are not, and the weight stays
+    refused as an escaped tensor."""
     from torch.nn.utils.spectral_norm import SpectralNorm
 
     for m, h in hooked:
