@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fzero.layout import check_no_meta, named_tensors, walk
+from fzero.layout import check_no_meta, named_tensors
 from fzero.layout import pytrees as _tree
 from fzero.mesh import current_context, with_context
 from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
@@ -370,16 +370,7 @@ def check_buffers_current(module: nn.Module, params: Mapping[str, Any]) -> None:
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: buffer}`` of the buffers ``module.state_dict()`` holds (the module's own tensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, sub in walk(module):  # named_modules(remove_duplicate=False)'s order, without its nested generators
-        d = sub.__dict__
-        buffers = d["_buffers"]
-        if buffers:
-            skip = d["_non_persistent_buffers_set"]
-            for name, b in buffers.items():
-                if b is not None and name not in skip:
-                    out.setdefault(prefix + name, b)
-    return out
+    return dict(named_tensors(module, "_buffers", remove_duplicate=False, persistent_only=True))  # one walk, per step
 
 
 # What a state's lineage last read of a module's persistent buffer (``fzero.step._state.Reader``): its version counter,
