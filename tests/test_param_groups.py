@@ -445,3 +445,32 @@ def test_params_without_a_gradient_skip_the_step_in_their_group(stages):
     ref = unused_reference(weights_vs_biases, 2)
     assert not any("heads.unused.bias" in u for u in ref.used) and not all("side.bias" in u for u in ref.used)
     tu.assert_matches(history, ref, f"multi_transform at stage {stages}")
+
+
+def test_a_state_given_to_a_step_whose_labels_moved_a_param_is_refused_and_the_fix_trains():
+    """A notebook compiles its step again with new ``multi_transform`` labels and gives it the old state: before, it
+    trained without a word, the moved layer starting its AdamW from SGD's momentum and a second moment of zeros (5.6
+    off after one step at lr 1e-3), where ``checkpoint.load`` of the same state refuses the move. The labels of the
+    step that made the state are compared, at every stage; the same labels (a step compiled again unchanged) pass."""
+    from fzero.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([4, 8, 8, 2])
+
+    def step_with(first: str, stages: int):
+        opt = fo.multi_transform({"sgd": fo.sgd(0.1, momentum=0.9), "adamw": fo.adamw(1e-3)},
+                                 lambda p: {k: first if k.startswith("layers.0") else "adamw" for k in p})
+        return fzero.compile(lambda p, b: ((fzero.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=opt,
+                             stages=stages, mesh=fzero.local_mesh(2))
+
+    batch = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), "y": torch.zeros(8, 2)}
+    for stages in (0, 3):
+        old = step_with("sgd", stages)
+        state, _ = old(old.init(fzero.params_of(model)), batch)
+        again, _ = step_with("sgd", stages)(state, batch)  # compiled again, the same labels: trains on
+        moved = step_with("adamw", stages)
+        with pytest.raises(ValueError, match=r"^fzero\.Step\.__call__: params changed group since the step that made this "
+                                             r"state: 'layers\.0\.bias' from 'sgd' to 'adamw'; 'layers\.0\.weight' from "
+                                             r"'sgd' to 'adamw'\. .* new_step\.init\(old_step\.gather\(state\)\)"):
+            moved(again, batch)
+        moved(moved.init(old.gather(again)), batch)  # the fix

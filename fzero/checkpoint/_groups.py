@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.step import TrainState
+from fzero.step import TrainState, group_labels
 
 MOVED_FIX = (
     "Load it with the labels it was saved with. To move params to another group, start the optimizer state afresh "
@@ -40,20 +38,7 @@ def step_of(state: TrainState) -> Any:
 def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     """``[{"api", "labels": {param path: label}}]`` for each ``multi_transform`` of ``step``'s optimizer, in init
     order (see the module docstring); None when ``step`` is None (unknown)."""
-    if step is None:
-        return None
-    from fzero.layout import LayoutSegments
-    from fzero.optim import recording_groups
-    from fzero.optim import use_segments
-
-    meta = state.meta
-    metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}
-    owned = step.opt_state.owned(step.params, meta.layout, metas, meta.rank)
-    if step.precision.has_master:
-        owned = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in owned.items()}
-    with recording_groups() as seen, use_segments(LayoutSegments(meta.layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)):
-        step.optimizer.init(owned)
-    return seen
+    return group_labels(state, step)
 
 
 def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] | None, *, path: str, step: int, api: str) -> None:

@@ -32,7 +32,7 @@ from fzero.step._pool import (
     take,
 )
 from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
-from fzero.step._state import is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
+from fzero.step._state import group_labels, is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
 from fzero.step._module import check_no_grad_hooks, check_trainable_set, has_grad_hooks, trainable_changes
 from fzero.step._refusals import check_export_model
 from fzero.step._hints import PARAM_WRITE_FIX

@@ -272,11 +272,81 @@ def check_state_matches(step: Any, state: TrainState, *, api: str) -> None:
             actual, shapes = opt, True
     difference = tree_difference(actual, expected, "opt_state", shapes=shapes)
     if difference is None:
+        _check_groups(step, state, api)
         return
     was, wants = optimizer_family(actual), optimizer_family(expected)
     head = (f"the state's optimizer state is {was} but this step's optimizer is {wants}" if was != wants else
             f"the state's optimizer state does not match this step's optimizer ({wants})")
     raise ValueError(f"{api}: {head}: {difference}. {STATE_FIX}")
+
+
+def group_labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
+    """``[{"api", "labels": {param path: label}}]`` for each ``multi_transform`` of ``step``'s optimizer, in init
+    order, as that optimizer's ``init`` reports them on meta tensors of ``state``'s layout (as a step would run it);
+    None when ``step`` is None (unknown). What ``fzero.checkpoint.save`` records and ``_check_groups`` compares."""
+    if step is None:
+        return None
+    from fzero.layout import LayoutSegments
+    from fzero.optim import recording_groups, use_segments
+
+    meta = meta_of(state)
+    metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.params.items()}
+    owned = step.opt_state.owned(step.params, meta.layout, metas, meta.rank)
+    if step.precision.has_master:
+        owned = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in owned.items()}
+    with recording_groups() as seen, use_segments(LayoutSegments(meta.layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)):
+        step.optimizer.init(owned)
+    return seen
+
+
+GROUPS_FIX = ("To move params to another group, start the optimizer state afresh from the params: "
+              "new_step.init(old_step.gather(state)) (every group's state starts over); to change a group's learning "
+              "rate, keep the labels and give that group's transform a schedule that reads a value the loop sets "
+              "(optimizer=...adamw(lambda step: lr[\"head\"])).")
+
+
+def moved_params(was: list[dict[str, Any]], now: list[dict[str, Any]]) -> tuple[int, list[str]] | None:
+    """The first ``multi_transform`` (by index) whose labels moved a param between ``was`` and ``now``, and each moved
+    param as "'path' from 'old' to 'new'"; ``(-1, [])`` when the number of groupings differs; None when nothing moved."""
+    if len(was) != len(now):
+        return -1, []
+    for k, (a, b) in enumerate(zip(was, now)):
+        moved = [f"{p!r} from {a['labels'][p]!r} to {b['labels'][p]!r}" for p in sorted(set(a["labels"]) & set(b["labels"]))
+                 if a["labels"][p] != b["labels"][p]]
+        if moved:
+            return k, moved
+    return None
+
+
+def _check_groups(step: Any, state: TrainState, api: str) -> None:
+    """A state made by another step whose ``multi_transform`` put a param in another group is refused.
+
+    Why: every group's state is kept for every param, but only a param's own group updates its elements
+    (``fzero.optim._groups``), so a param that moved would start in its new group from what that group holds for it:
+    another transform's tensors (SGD's momentum read as Adam's first moment, a second moment of zeros) or zeros against
+    the step count. The structures match, so ``check_state_matches`` saw nothing: measured, a layer moved from
+    SGD-momentum to AdamW(1e-3) in a notebook (the step compiled again with new labels, the old state given to it) moved
+    by 5.6 in one step. ``fzero.checkpoint.load`` refuses the same move from a checkpoint."""
+    before = made_by(state)
+    if before is None or before is step:
+        return
+    was, now = group_labels(state, before), group_labels(state, step)
+    if not was and not now:
+        return
+    found = moved_params(was or [], now or [])
+    if found is None:
+        return
+    k, moved = found
+    if k < 0:
+        raise ValueError(f"{api}: the state was made by a step whose optimizer has {len(was or [])} multi_transform "
+                         f"parameter grouping(s), this step's has {len(now or [])}. {GROUPS_FIX}")
+    which = "" if len(now or []) == 1 else f" (multi_transform number {k + 1})"
+    shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
+    raise ValueError(
+        f"{api}: params changed group since the step that made this state{which}: {shown}. A moved param's optimizer "
+        f"state in its new group is not that transform's state for it (it was never updated there, or it belongs to "
+        f"the transform it left), so its next updates would be wrong. {GROUPS_FIX}"
+    )
 
 
 def _check_units(step: Any, state: TrainState, api: str) -> None:
