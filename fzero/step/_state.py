@@ -302,7 +302,9 @@ def group_labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
 GROUPS_FIX = ("To move params to another group, start the optimizer state afresh from the params: "
               "new_step.init(old_step.gather(state)) (every group's state starts over); to change a group's learning "
               "rate, keep the labels and give that group's transform a schedule that reads a value the loop sets "
-              "(optimizer=...adamw(lambda step: lr[\"head\"])).")
+              "(optimizer=...adamw(lambda step: lr[\"head\"])); to train params held by set_to_zero() from now on (gradual "
+              "unfreezing), keep them in their trained group and detach what they compute while frozen, as "
+              "docs/migrating.md shows for a backbone frozen for N steps.")
 
 
 def moved_params(was: list[dict[str, Any]], now: list[dict[str, Any]]) -> tuple[int, list[str]] | None:
