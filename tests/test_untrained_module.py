@@ -51,6 +51,30 @@ def test_a_module_called_directly_after_a_step_is_refused_until_the_trained_valu
     assert torch.equal(model(x), fzero.apply(model, step.state_dict(state, model), x))
 
 
+@pytest.mark.parametrize("stages, ranks", [(0, 1), (1, 2), (3, 1), (3, 2)])
+def test_a_module_whose_params_were_donated_is_refused_by_name_when_called_after_a_step(stages, ranks):
+    """``step.init(params_of(model, copy=False), donate=True)`` leaves the module's parameters meta tensors. A direct
+    call after training (an evaluation cell in a notebook) got torch's "Tensor on device meta is not on the expected
+    device cpu!" from the first layer, naming neither fzero nor the fix; now the pre-hook names the params and the fix
+    (``assign=True``: torch's load into a meta tensor is a no-op), which runs the trained model."""
+    model = _mlp()
+    step = _step(model, stages, ranks)
+    state = step.init(fzero.params_of(model, copy=False), donate=True)
+    x = torch.randn(8, 4)
+    state, _ = step(state, {"x": x})
+    with pytest.raises(RuntimeError, match=r"^fzero: Sequential was called directly after a fzero\.Step trained it, but "
+                                           r"its parameters '0\.weight', '0\.bias', '2\.weight', '2\.bias' are meta tensors.*"
+                                           r"donate=True.*model\.load_state_dict\(step\.state_dict\(state, model\), "
+                                           r"assign=True\)"):
+        model(x)
+    trained = fzero.apply(model, step.state_dict(state, model), x)  # with the state's values swapped in: not refused
+    model.load_state_dict(step.state_dict(state, model), assign=True)
+    assert torch.equal(model(x), trained)
+    state, _ = step(state, {"x": x})  # the module's values are real now: behind the state, refused as any trained module
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        model(x)
+
+
 def test_a_module_evaluated_or_never_trained_is_not_refused():
     model, other = _mlp(), _mlp(seed=1)
     step = _step(model, 0, 1)

@@ -176,6 +176,11 @@ def note_trained_buffers(modules: Any, buffers: Mapping[str, torch.Tensor]) -> N
 # with a weak reference, and failed every such load (and ``model.to()`` in that mode) of a module a step had trained.
 _untrained: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int, torch.Tensor]]]" = weakref.WeakKeyDictionary()
 _FIRST = 8  # the values of each parameter kept to tell a write through .data from none
+# The same modules' trainable parameters that were meta tensors when the step returned, by name: their values were
+# given to the state by ``step.init(..., donate=True)`` (or never existed: a model built under ``fzero.empty_params()``
+# and made by ``materialize=``). A direct call would get torch's "Tensor on device meta is not on the expected device"
+# deep in the first layer, naming neither fzero nor the fix; the pre-hook names both while they are still meta.
+_meta_trained: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 
 
 def _first_values(p: torch.Tensor) -> torch.Tensor:
@@ -232,9 +237,11 @@ def note_trained_params(modules: Any) -> None:
     for module in modules:
         with _trained_lock:
             before = _untrained.get(module) or {}
-        held = {}
+        held, meta = {}, []
         for n, p in named_tensors(module, "_parameters"):  # named_parameters(), by one walk: this runs every step
-            if p.requires_grad and not p.is_meta:
+            if p.requires_grad and p.is_meta:
+                meta.append(n)
+            elif p.requires_grad:
                 pid, version, old = id(p), p._version, before.get(n)
                 held[n] = (pid, version, old[2] if old is not None and old[0] == pid and old[1] == version else _first_values(p))
         with _trained_lock:
@@ -242,10 +249,32 @@ def note_trained_params(modules: Any) -> None:
                 _untrained[module] = held
             else:
                 _untrained.pop(module, None)
-        if held and not any(h is _refuse_untrained_call for h in module._forward_pre_hooks.values()):
+            if meta:
+                _meta_trained[module] = tuple(meta)
+            else:
+                _meta_trained.pop(module, None)
+        if (held or meta) and not any(h is _refuse_untrained_call for h in module._forward_pre_hooks.values()):
             module.register_forward_pre_hook(_refuse_untrained_call)
         if held and not any(h is _refuse_untrained_state_dict for h in module._state_dict_pre_hooks.values()):
             module.register_state_dict_pre_hook(_refuse_untrained_state_dict)
+
+
+def _still_meta(module: nn.Module) -> list[str]:
+    """The trainable parameters of ``module`` that were meta tensors when a train step returned and still are (not
+    loaded since, nor swapped for the call by ``fzero.apply`` or ``functional_call``); [] for a module no step trained."""
+    with _trained_lock:
+        names = _meta_trained.get(module)
+    if not names:
+        return []
+    out = []
+    for name in names:
+        try:
+            p = module.get_parameter(name)
+        except AttributeError:
+            continue
+        if p is not None and p.is_meta:
+            out.append(name)
+    return out
 
 
 def _still_untrained(module: nn.Module) -> bool:
@@ -283,7 +312,21 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     the trained values were loaded into holds other tensors, versions or values: each passes. The record stays (a
     call inside ``fzero.apply`` or ``functional_call`` sees the tensors swapped in, not the module's own). Under
     ``torch.compile``'s tracing it does nothing: a lock in the traced hook would break ``fullgraph=True``."""
-    if torch.compiler.is_compiling() or not _still_untrained(module):
+    if torch.compiler.is_compiling():
+        return
+    still_meta = _still_meta(module)
+    if still_meta:
+        kind = type(module).__name__
+        shown = ", ".join(repr(n) for n in still_meta[:4]) + (f" and {len(still_meta) - 4} more" if len(still_meta) > 4 else "")
+        raise RuntimeError(
+            f"fzero: {kind} was called directly after a fzero.Step trained it, but its parameters {shown} are meta "
+            f"tensors, shapes without values: step.init(..., donate=True) gave their memory to the state (or the model "
+            f"was built under fzero.empty_params()), and a step trains its state, not the module. Put the trained "
+            f"values in it first, model.load_state_dict(step.state_dict(state, model), assign=True) (assign=True: "
+            f"torch's load into a meta tensor is a no-op), then call it as before; or run it with them, "
+            f"fzero.apply(model, step.state_dict(state, model), x).{_LIGHTNING}"
+        )
+    if not _still_untrained(module):
         return
     kind = type(module).__name__
     raise RuntimeError(
