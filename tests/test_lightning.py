@@ -893,3 +893,46 @@ def test_what_the_steps_append_to_self_reaches_the_epoch_end_hooks_as_under_ligh
     assert ours.epoch_means == pytest.approx(auto.epoch_means, rel=1e-5)
     assert ours.val_means == pytest.approx(auto.val_means, rel=1e-5)
     assert ours.training_step_outputs == [] and ours.validation_step_outputs == []
+
+
+class _InterruptAt(pl.Callback):
+    """Ctrl-C after batch ``n``, as a notebook user stops a fit: Lightning shuts down gracefully and raises SystemExit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.n:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.usefixtures("one_process")
+@LIGHTNING_NOISE[0]
+@LIGHTNING_NOISE[1]
+@pytest.mark.parametrize("strategy", ["fzero_stage_2", "fzero_stage_3"])
+def test_a_fit_stopped_by_ctrl_c_then_fit_again_continues_as_under_lightnings_own_strategy(strategy):
+    """Lightning's own strategies train the module in place, so after a fit stopped by Ctrl-C (or an error) the module
+    holds the values trained so far and a second fit continues from them. Before, fzero's module kept its values from
+    setup and the second fit restarted from them, without a word: 7.7e-2 off Lightning's own strategy after 3 + 3 steps
+    of a CNN. Now the trained values go into the module when such a fit ends (on one process)."""
+    import signal
+
+    batches = cnn_batches(6)
+    out = {}
+    for name in ("auto", strategy):
+        lit = LitCNN()
+        try:
+            _trainer(name, callbacks=[_InterruptAt(2)]).fit(lit, _loader(batches))
+        except SystemExit:  # Lightning's answer to Ctrl-C, which a notebook's kernel catches
+            pass
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT from then on
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        lit(batches[0]["x"])  # the module holds trained values: a direct call is not refused
+        _trainer(name).fit(lit, _loader(batches[3:]))
+        out[name] = {k: v.detach().clone() for k, v in lit.state_dict().items()}
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    for k, want in out["auto"].items():
+        torch.testing.assert_close(out[strategy][k], want, rtol=1e-5, atol=1e-6, msg=k)

@@ -61,7 +61,8 @@ class FZeroStrategy(DDPStrategy):
 
     The LightningModule's own parameters are not trained while ``fit`` runs: its methods see the state's params only
     inside ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``. When ``fit`` ends, the trained
-    params and buffers are loaded into it, and when ``validate``/``test``/``predict(ckpt_path=...)`` ends, the
+    params and buffers are loaded into it (also when it ends in an exception or Ctrl-C, on one process, so that a second
+    ``fit`` continues from them as under Lightning's own strategies; under torchrun a warning says how), and when ``validate``/``test``/``predict(ckpt_path=...)`` ends, the
     checkpoint's (``load_trained=False``: left as they were, e.g. for a stage-3 model too large to gather;
     ``strategy.state`` and ``strategy.step`` hold the result).
 
@@ -93,6 +94,7 @@ class FZeroStrategy(DDPStrategy):
         self.shard_frozen = shard_frozen
         self._emptied = False  # the module's frozen params are the state's now (``fzero.free_frozen``)
         self._failed = False  # an exception ended the run (``on_exception``): teardown does no collective
+        self._fitting = False  # the last setup was fit's: the state trains, and the module is behind it
         self.step: fzero.Step | None = None
         self._trainable: tuple[str, ...] = ()  # the params the state trains, by name (set by setup when fitting)
         self.state: Any = None
@@ -132,6 +134,7 @@ class FZeroStrategy(DDPStrategy):
         self.model_to_device()  # no DDP wrapper and no precision conversion: the step's policy casts
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._fitting = False  # set once this setup has made the state a failure would load (not an older one)
         kwargs = dict(self.compile_kwargs, precision=precision_of(self.precision_plugin))
         if fitting:
             check_module(module, trainer)
@@ -150,6 +153,7 @@ class FZeroStrategy(DDPStrategy):
         if frozen is not None:
             fzero.free_frozen(module, self.state)
             self._emptied = True
+        self._fitting = fitting
         self.setup_precision_plugin()
 
     @property
@@ -314,6 +318,28 @@ class FZeroStrategy(DDPStrategy):
             self._restore_frozen()
             module.load_state_dict(self.step.state_dict(self.state, module))
 
+    def _trained_after_failure(self, module: Any) -> None:
+        """A fit that ended in an exception (Ctrl-C in a notebook, which Lightning turns into a graceful stop; an error
+        in a step): the values the steps trained so far go into the module, as Lightning's own strategies leave them
+        there, so that a second ``fit`` continues from them. Before, the module kept its values from setup and a second
+        fit restarted from them, without a word. On one process only: under torchrun the gather may meet another rank's
+        step (the exception may be this rank's alone), so the module is left as it was and a warning says how to load."""
+        fix = ("module.load_state_dict(trainer.strategy.step.state_dict(trainer.strategy.state, module))"
+               + (" on every rank" if self.world_size > 1 else ""))
+        if self.world_size > 1:
+            warnings.warn(f"FZeroStrategy: fit ended in an exception, and the module still holds its values from before "
+                          f"fit (the steps train trainer.strategy.state, and loading it is a collective this rank cannot "
+                          f"start alone here). A second fit would start from those; put the trained values in first: {fix}.",
+                          RuntimeWarning, stacklevel=3)
+            return
+        try:
+            self._restore_frozen()
+            module.load_state_dict(self.step.state_dict(self.state, module))
+        except Exception as e:  # a state spent by a step interrupted in its in-place update: nothing whole to load
+            warnings.warn(f"FZeroStrategy: fit ended in an exception, and the trained values could not be loaded into "
+                          f"the module ({type(e).__name__}: {e}); it holds its values from before fit, and a second fit "
+                          f"would start from those. Resume from a checkpoint.", RuntimeWarning, stacklevel=3)
+
     def _restore_frozen(self) -> None:
         """The frozen params ``shard_frozen`` took from the module, back into it (a collective under torchrun)."""
         if self._emptied:
@@ -330,6 +356,9 @@ class FZeroStrategy(DDPStrategy):
         failed, self._failed = self._failed, False
         from_checkpoint, self._from_checkpoint = self._from_checkpoint, False
         module = self.lightning_module
+        fitted, self._fitting = self._fitting, False
+        if module is not None and failed and fitted and self.load_trained:
+            self._trained_after_failure(module)
         if module is not None and self._emptied and failed and self.world_size > 1:
             # an exception may be this rank's alone: restore_frozen's gather would meet the other ranks' step
             # collectives (a gloo abort, or "ranks disagree", in place of the error); the module stays emptied
