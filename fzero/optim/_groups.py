@@ -83,6 +83,16 @@ class Groups:
                 paths = _tree.flatten_with_paths(params)[0]
                 seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
 
+    def record(self, tree: Any, names: dict[int, str]) -> None:
+        """Report each param's group as ``names[group]`` to ``recording_groups`` (``masked`` over a transform with
+        param-shaped state: its mask is a grouping too, whose change would read zeros as that state)."""
+        segments = current_segments()
+        seen = _seen.get()
+        if seen is not None and not isinstance(segments, WholeLeaves):
+            params = param_tree(tree, segments)
+            paths = _tree.flatten_with_paths(params)[0]
+            seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, self.resolver.groups(params))}})
+
     def selection(self, tree: Any) -> tuple[Any, Any]:
         segments = current_segments()
         groups = self.resolver.groups(param_tree(tree, segments))
@@ -300,7 +310,10 @@ def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransfor
 
     def init(params: Any) -> MaskedState:
         groups.check(params)
-        return MaskedState(inner.init(params))
+        state = inner.init(params)
+        if groups.api == "fzero.optim.masked" and any(isinstance(x, torch.Tensor) and x.dim() > 0 for x in optree.tree_leaves(state)):
+            groups.record(params, {0: "masked", NONE: "passed through"})  # a param let in later would start from zeros
+        return MaskedState(state)
 
     def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, MaskedState]:
         _check_state(groups.api, state, MaskedState)
@@ -400,7 +413,8 @@ _seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("fzero_param
 
 @contextlib.contextmanager
 def recording_groups() -> Iterator[list[dict[str, Any]]]:
-    """Collect, for each ``multi_transform`` whose ``init`` runs inside (under a train step's Segments), in init order,
+    """Collect, for each ``multi_transform`` (and ``masked`` over a transform with param-shaped state) whose ``init``
+    runs inside (under a train step's Segments), in init order,
     ``{"api": ..., "labels": {param path: label}}``. Why: the optimizer state of a param in a group is that group's
     transform's; a checkpoint records the labels so that a load with other labels (a layer moved from SGD to AdamW)
     is refused instead of reading one transform's state as another's (``fzero.checkpoint``)."""

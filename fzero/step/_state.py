@@ -321,7 +321,8 @@ def moved_params(was: list[dict[str, Any]], now: list[dict[str, Any]]) -> tuple[
 
 
 def _check_groups(step: Any, state: TrainState, api: str) -> None:
-    """A state made by another step whose ``multi_transform`` put a param in another group is refused.
+    """A state made by another step whose ``multi_transform`` (or ``masked`` over a stateful transform) put a param in
+    another group is refused.
 
     Why: every group's state is kept for every param, but only a param's own group updates its elements
     (``fzero.optim._groups``), so a param that moved would start in its new group from what that group holds for it:
@@ -340,9 +341,9 @@ def _check_groups(step: Any, state: TrainState, api: str) -> None:
         return
     k, moved = found
     if k < 0:
-        raise ValueError(f"{api}: the state was made by a step whose optimizer has {len(was or [])} multi_transform "
-                         f"parameter grouping(s), this step's has {len(now or [])}. {GROUPS_FIX}")
-    which = "" if len(now or []) == 1 else f" (multi_transform number {k + 1})"
+        raise ValueError(f"{api}: the state was made by a step whose optimizer has {len(was or [])} parameter grouping(s) "
+                         f"(multi_transform, or masked over a stateful transform), this step's has {len(now or [])}. {GROUPS_FIX}")
+    which = "" if len(now or []) == 1 else f" (grouping number {k + 1}, {(now or [])[k]['api']})"
     shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
     raise ValueError(
         f"{api}: params changed group since the step that made this state{which}: {shown}. A moved param's optimizer "
