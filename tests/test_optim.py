@@ -417,3 +417,46 @@ def test_an_optax_name_fzero_has_no_function_for_names_the_way(name, says):
         getattr(fo, name)
     with pytest.raises(AttributeError, match=r"has no attribute 'no_such_thing'$"):
         fo.no_such_thing
+
+
+def test_layout_segments_are_made_once_per_layout_rank_and_sharding():
+    """``LayoutSegments`` reads its per-parameter pieces from a cache by layout identity (``_segments_of``): each
+    (layout, rank, sharding) gets its own, equal to the pieces made from scratch, and a layout made later (another world
+    size, another model: a new object, which may reuse a dead one's id) never reads a dead layout's entry."""
+    import gc
+    import weakref
+
+    from fzero.layout import LayoutSegments
+    from fzero.layout._layout import _SEGMENTS, build_layout
+
+    def fresh(layout, sharded, rank):  # what LayoutSegments computed at every step before the cache
+        out = {}
+        for unit in layout.units:
+            lo, hi = unit.shard_range(rank, layout.world_size) if sharded else (0, unit.padded)
+            bounds = [(s.offset, s.offset + s.numel) for s in unit.slots] + [(unit.numel, unit.padded)]
+            out[unit.name] = ([(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in bounds],
+                              [*layout.leaf_indices(unit), -1])
+        return out
+
+    def segments(layout, sharded, rank):
+        seg = LayoutSegments(layout, sharded=sharded, rank=rank, comm=None)
+        return {k: (list(seg.pieces[k]), list(seg.params[k])) for k in seg.pieces}
+
+    params = {"a": torch.zeros(5), "b": torch.zeros(3, 2), "c": torch.zeros(7)}
+    seen = []
+    for world in (1, 2, 3):
+        layout = build_layout(params, world_size=world, unit_elements=8, api="test")
+        for sharded in (False, True):
+            for rank in range(world):
+                got = segments(layout, sharded, rank)
+                assert got == fresh(layout, sharded, rank)
+                assert segments(layout, sharded, rank) == got  # the cached entry, read again
+                seen.append(got)
+        ref = weakref.ref(layout)
+        del layout
+        gc.collect()
+        assert ref() is None  # the cache holds no layout alive, and its entries go with it
+        assert not any(hit[0]() is None for hit in _SEGMENTS.values())
+    assert seen[4] != seen[5]  # world 2, sharded: the two ranks' shards hold different pieces
+    with pytest.raises(TypeError):
+        LayoutSegments(build_layout(params, world_size=1, api="test"), sharded=False, rank=0, comm=None).pieces["x"] = ()
