@@ -325,3 +325,24 @@ def test_a_copy_of_the_module_is_not_taken_for_a_write():
     assert twin.bn.running_var._version != model.bn.running_var._version
     step2, _ = _step(twin, 0)
     step2(state, batches[1])
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("change", ["reshape", "tie"])
+def test_a_param_reshaped_or_tied_between_steps_is_refused(stages, change):
+    """At stages 2-3 the skeleton's checks of the module's params against the state (names, shapes, ties, requires_grad)
+    are skipped where the params' pattern is that of an earlier step that passed them (``fzero.zero._sharded``'s
+    ``_checked_before``): a change between steps makes them run again, and refuse it as at the first step."""
+    model = Net()
+    step, state = _step(model, stages)
+    batches = _batches()
+    for x in batches[:2]:  # the second step skips the checks
+        state, _ = step(state, x)
+    if change == "reshape":
+        model.blocks[0][0] = nn.Linear(8, 16)  # the same names, another shape
+        match = r"unit 'blocks.0' param 'blocks.0.0.(weight|bias)' has shape \(8(, 8)?,?\) in the state but \(16(, 8)?,?\) in"
+    else:
+        model.blocks[1][0].weight = model.blocks[0][0].weight  # the same names and shapes, one tensor
+        match = r"the state holds separate values for \['blocks.0.0.weight', 'blocks.1.0.weight'\], which are one tied"
+    with pytest.raises(ValueError, match=match):
+        step(state, batches[2])
