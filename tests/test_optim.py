@@ -460,3 +460,29 @@ def test_layout_segments_are_made_once_per_layout_rank_and_sharding():
     assert seen[4] != seen[5]  # world 2, sharded: the two ranks' shards hold different pieces
     with pytest.raises(TypeError):
         LayoutSegments(build_layout(params, world_size=1, api="test"), sharded=False, rank=0, comm=None).pieces["x"] = ()
+
+
+def test_split_sizes_are_made_once_per_unit_and_handed_out_as_new_lists():
+    """``split_sizes`` reads a unit's sizes from a cache by the unit's identity (a unit is frozen): each call gets a new
+    list equal to the sizes made from scratch (a caller that appends to it changes no later call's), and a unit made
+    later (another layout: a new object, which may reuse a dead one's id) never reads a dead unit's entry."""
+    import gc
+    import math
+    import weakref
+
+    from fzero.layout._layout import _SIZES, build_layout, split_sizes
+
+    for world in (1, 2, 3):
+        params = {"a": torch.zeros(5 * world), "b": torch.zeros(3, 2), "c": torch.zeros(7)}
+        layout = build_layout(params, world_size=world, unit_elements=8, api="test")
+        for unit in layout.units:
+            fresh = [math.prod(s.shape) for s in unit.slots] + ([unit.padded - unit.numel] if unit.padded > unit.numel else [])
+            first = split_sizes(unit)
+            assert first == fresh
+            first.append(-1)  # the caller's own list
+            assert split_sizes(unit) == fresh
+        ref = weakref.ref(layout.units[0])
+        del layout, unit
+        gc.collect()
+        assert ref() is None  # the cache holds no unit alive, and its entries go with it
+        assert not any(hit[0]() is None for hit in _SIZES.values())
