@@ -819,3 +819,42 @@ def test_a_dict_subclass_between_units_trains_as_pytorch_at_stage_3():
                           stages=3, mesh=fzero.local_mesh(1), remat=True)
     with pytest.raises(RuntimeError, match=r"fzero.remat: unit 'blocks.1' read a tensor that requires grad but is not one of its"):
         remat(remat.init(fzero.params_of(model)), batches[0])
+
+
+class _CheckpointedNet(nn.Module):
+    """A model that checkpoints its own blocks (``x = x + checkpoint(fn, x)``, as timm's and many models' own
+    checkpointing do): the unit's call runs inside the checkpoint, and the checkpointed function goes on after it
+    (a dropout), so the recompute in backward runs the whole unit again before it stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)])
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + checkpoint(lambda h, block=block: self.drop(block(h)), x, use_reentrant=False)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_units_call_inside_the_models_own_checkpoint_trains_as_at_stage_0(ranks):
+    """The checkpoint's recompute calls the unit again inside the backward, and the forward graph's nodes read what
+    it saved after the call. Before, the recompute freed its gathered buffer as a forward does: the backward failed
+    inside torch ("setStorage: ... out of bounds for storage of size 0") with a hint naming other causes. Now it
+    trains as at stage 0 (same rank streams, so the same dropout masks)."""
+
+    def loss_fn(model):
+        return lambda params, b: nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    expected_model, model = _CheckpointedNet(), _CheckpointedNet()
+    torch.manual_seed(7)
+    expected = _train(expected_model, loss_fn(expected_model), stages=0, ranks=ranks)
+    torch.manual_seed(7)
+    got = _train(model, loss_fn(model), stages=3, ranks=ranks)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)

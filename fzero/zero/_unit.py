@@ -591,6 +591,8 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
         unit_forward.module = inner  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hooks)
         check_unit_hooks(inner, unit.name)
         return remat(unit_forward)(shard, *args, **kwargs)
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        return _recomputed(call, shard, args, kwargs)
     call.keeps_graph = torch.is_grad_enabled()
     views = _UnitGather.apply(shard, call, True, _usage.active(unit))
     passed: list = []
@@ -608,6 +610,17 @@ def _run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: di
     if not call.params.schedule.kept(call):
         call.free()
     return _before_backward(out, call, given)
+
+
+def _recomputed(call: UnitCall, shard: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """A unit called inside a backward with grad enabled: a ``torch.utils.checkpoint(..., use_reentrant=False)`` in the
+    model around the unit's call, recomputing it (``x = checkpoint(block, x)``, timm's and many models' own
+    checkpointing). What this call saves goes to the nodes of the forward's graph, which read it after the call
+    returns; so its buffer is not freed (nor lent again by the pool): it lives as long as the saved views of it, as a
+    remat recompute's does. Before, the call freed it like a forward's, and where the checkpointed function went on
+    after the unit (a dropout), its backward read the freed params (torch's "setStorage ... out of bounds")."""
+    views = _UnitGather.apply(shard, call, False, _usage.active(call.unit))
+    return call.run(views, args, kwargs)
 
 
 def _as_passed(out: Any, passed: list, given: dict[int, tuple[torch.Tensor, int]]) -> Any:
