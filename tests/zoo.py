@@ -642,6 +642,30 @@ def spectral():
     return TokenModel(Blocks(block=lambda d: nn.Sequential(sn(nn.Linear(d, d)), nn.Tanh())))
 
 
+class CheckpointedConvs(nn.Module):
+    """Conv-BatchNorm-ReLU blocks that the model checkpoints itself, ``x = checkpoint(fn, x, use_reentrant=False)``
+    around each block's call (timm's and many models' own activation checkpointing), with a dropout after the block
+    inside the checkpointed function: the recompute in backward runs each block (a stage-3 unit) again, inside the
+    backward, BatchNorm's running statistics updated a second time as in PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+        self.blocks = nn.ModuleList([block(3, 8), block(8, 8)])
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = checkpoint(lambda h, b=b: self.drop(b(h)), x, use_reentrant=False)
+        return self.head(x.mean((2, 3)))
+
+
 ZOO: dict[str, Entry] = {
     "gpt2": Entry(_seeded(gpt2), _tokens(128, seed=1), _hf_loss, hf=True),
     "llama": Entry(_seeded(llama), _tokens(128, seed=2), _hf_loss, hf=True),
@@ -699,6 +723,9 @@ ZOO: dict[str, Entry] = {
     "inplace_input": Entry(_seeded(inplace_input), _tokens(64, seed=15), _lm_loss),
     "unused_head": Entry(_seeded(unused_head), _tokens(64, seed=13), _lm_loss, check=_unused_never_gets_grad),
     "spectral_norm": Entry(_seeded(spectral), _tokens(64, seed=14), _lm_loss, buffers=True),
+    # from a sweep of models nobody here wrote (reversible, sparse-attention, MoE, vision families and torch.nn patterns):
+    # the model's own torch.utils.checkpoint around its blocks' calls (stage 3 freed the recompute's gathered params)
+    "user_checkpoint": Entry(_seeded(CheckpointedConvs), _images, _classify, buffers=True),
 }
 
 
