@@ -80,6 +80,8 @@ import collections
 import contextlib
 import copy
 import functools
+import random
+import sys
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -283,7 +285,8 @@ class _Cloner:
         own_callable = False
         for k, v in m.__dict__.items():  # one pass; the per-entry work is what a step pays for every module
             kind = type(v)
-            if private is not None and k[:1] != "_" and (kind in _COPIED or isinstance(v, torch.Tensor)):
+            # (a random stream under a private name too: ``self._rng``, drawn from, is no less the rank's own)
+            if private is not None and (k[:1] != "_" or kind in _STREAMS) and (kind in _COPIED or isinstance(v, torch.Tensor)):
                 c = d[k] = _private(v, private)  # one rank of several in this process: its own objects, all through
                 if c is not v:
                     self.copies[id(c)] = (c, v)
@@ -443,9 +446,44 @@ def _detached(v: Any) -> Any:
 
 
 # what a rank of several in one process copies (``_private``): the built-in containers and the standard library's
-# mutable collections a forward appends to or counts in, tensors and ``torch.Generator``s; any other object is shared
+# mutable collections a forward appends to or counts in, tensors and random streams (``_STREAMS``); any other object is shared
 _PRIVATE = frozenset({dict, OrderedDict, list, set, collections.defaultdict, collections.Counter, collections.deque})
-_COPIED = _PRIVATE | {tuple, torch.Generator}  # what ``_private`` may copy, tensors aside (a tensor subclass is one)
+
+
+def _random_streams() -> dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]]:
+    """The random stream objects a forward may draw from, kept on a module (``self.gen``, ``self.rng``), by type: how to
+    read and set each one's state. A ``torch.Generator``, Python's ``random.Random``, NumPy's ``RandomState`` and
+    ``Generator`` (NumPy where installed: torch imports it then, so it is in ``sys.modules`` by now). Each torchrun
+    process holds its own copy of such an object, seeded alike; the rank threads of a ``local_mesh`` shared one and drew
+    from it in turn, in whatever order the threads ran."""
+    found: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
+        torch.Generator: (lambda g: g.get_state(), lambda g, state: g.set_state(state)),
+        random.Random: (lambda g: g.getstate(), lambda g, state: g.setstate(state)),
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        found[np.random.RandomState] = (lambda g: g.get_state(legacy=False), lambda g, state: g.set_state(state))
+        found[np.random.Generator] = (lambda g: g.bit_generator.state,
+                                      lambda g, state: setattr(g.bit_generator, "state", state))
+    return found
+
+
+_STREAMS = _random_streams()
+_COPIED = _PRIVATE | {tuple} | set(_STREAMS)  # what ``_private`` may copy, tensors aside (a tensor subclass is one)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two states of a random stream (``_STREAMS``) are one: tensors, NumPy arrays, dicts, tuples, numbers."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a NumPy array (a Mersenne Twister's key)
+        np = sys.modules["numpy"]
+        return bool(np.array_equal(a, b))
+    return a == b
 
 
 def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
@@ -483,12 +521,15 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
             c.requires_grad_()
         memo[id(v)] = (c, v, _version(v))  # v's version now: a write on v by another path (loss_fn, a private name)
         return c
-    if kind is torch.Generator:  # a generator the forward draws from (torch.randn(..., generator=self.gen)): each torchrun
-        # process has its own, seeded alike; shared by the rank threads, the ranks drew from one stream in the order the
-        # threads ran (found by the diffusers sweep: 3e-2 off DDP after 3 SGD steps on 2 ranks, varying run to run)
-        c = torch.Generator(device=v.device)
-        c.set_state(v.get_state())
-        memo[id(v)] = (c, v, v.get_state())
+    stream = _STREAMS.get(kind)
+    if stream is not None:  # a generator the forward draws from (torch.randn(..., generator=self.gen), self.rng.random()):
+        # each torchrun process has its own, seeded alike; shared by the rank threads, the ranks drew from one stream in
+        # the order the threads ran (found by the diffusers sweep for torch's: 3e-2 off DDP after 3 SGD steps on 2 ranks,
+        # varying run to run; NumPy's and Python's by a sweep of models nobody here wrote: 7e-3 after 4 AdamW steps)
+        get_state, set_state = stream
+        c = torch.Generator(device=v.device) if kind is torch.Generator else copy.deepcopy(v)
+        set_state(c, get_state(v))
+        memo[id(v)] = (c, v, get_state(v))
         return c
     if kind is tuple:
         items = tuple(_private(x, memo) for x in v)
@@ -594,9 +635,10 @@ def _keep_private(memo: dict[int, tuple[Any, Any]]) -> Callable[[Any], Any]:
                     o.set_(_detached(c))
                 else:
                     o.copy_(c)
-        elif isinstance(o, torch.Generator):
-            if not torch.equal(c.get_state(), base[0]):  # rank 0 drew from it: the user's generator goes on from there
-                o.set_state(c.get_state())
+        elif type(o) in _STREAMS:
+            get_state, set_state = _STREAMS[type(o)]
+            if not _same_state(get_state(c), base[0]):  # rank 0 drew from it: the user's generator goes on from there
+                set_state(o, get_state(c))
         elif base and _same_entries(base[0], dict(c) if isinstance(c, dict) else list(c) if type(c) is collections.deque else c):
             continue  # a container this rank left as it was copied
         elif isinstance(o, dict):

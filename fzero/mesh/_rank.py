@@ -78,9 +78,10 @@ module-level functions of ``random`` (its hidden ``Random`` instance's bound met
 ``np.random.seed``) are replaced by ones that draw from the calling rank's own ``random.Random`` and
 ``np.random.RandomState``, made and carried from run to run exactly as the torch generators are (copies of the
 global state; the global state takes rank 0's afterwards; ``Carry``); outside rank threads they call the originals.
-Not covered: a function bound before the mesh ran (``from random import random``), ``random.Random()`` and
-``np.random.default_rng()`` objects (each its own stream already, as under torchrun), and NumPy imported for the
-first time inside a rank's program.
+Not covered here: a function bound before the mesh ran (``from random import random``), ``random.Random()`` and
+``np.random.default_rng()`` objects (each its own stream already, as under torchrun, where made inside the step; one
+kept on a module is copied for each rank with the module, ``fzero.layout._modules._private``), and NumPy imported for
+the first time inside a rank's program.
 """
 
 from __future__ import annotations
