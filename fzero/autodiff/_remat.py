@@ -202,13 +202,14 @@ class _RngState:
     so the recompute draws the mask this rank's forward drew, and no other rank's draws move it.
     """
 
-    def __init__(self, tensors) -> None:
+    def __init__(self, tensors, module: torch.nn.Module | None = None) -> None:
         from fzero.mesh import rng as _rng
 
         self.cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                             for t in tensors if t.device.type == "cuda"})
         self.cpu_state = _rng.get_state()
         self.cuda_states = [_rng.cuda_get_state(d) for d in self.cuda]
+        self.host = [(get, put, get()) for get, put in _host_streams(module)]
 
     @contextlib.contextmanager
     def replay(self):
@@ -216,14 +217,48 @@ class _RngState:
 
         # As fork_rng: every generator is put back afterwards, so the recompute does not advance them.
         cuda_now = [_rng.cuda_get_state(d) for d in self.cuda]
+        host_now = [get() for get, _, _ in self.host]
         try:
             for d, state in zip(self.cuda, self.cuda_states):
                 _rng.cuda_set_state(state, d)
+            for _, put, state in self.host:
+                put(state)
             with _rng.replay(self.cpu_state):
                 yield
         finally:
             for d, state in zip(self.cuda, cuda_now):
                 _rng.cuda_set_state(state, d)
+            for (_, put, _), state in zip(self.host, host_now):
+                put(state)
+
+
+def _host_streams(module: torch.nn.Module | None) -> list[tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """(read the state, set it) of each random stream besides torch's own generators that a forward may draw from:
+    Python's ``random`` and NumPy's global ``RandomState`` (the module-level functions, which in a rank thread of a
+    ``local_mesh`` act on the rank's own, ``fzero/mesh/_rank.py``), and the stream objects ``module``'s tree holds
+    (``self.gen = torch.Generator()``, ``self.rng = np.random.default_rng()``, a ``random.Random``: a unit's, as
+    fzero's remat of units gives ``fn.module``). Replayed for the recompute as torch's are: before, the recompute drew
+    new numbers from them, so its masks were not the forward's (6.4e-3 to 7.6e-3 off PyTorch after one AdamW step at
+    every stage, silently), and each stream moved on twice per step."""
+    import random
+    import sys
+
+    from fzero.layout._modules import _STREAMS
+
+    out: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [(lambda: random.getstate(), lambda s: random.setstate(s))]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append((lambda: np.random.get_state(), lambda s: np.random.set_state(s)))
+    if module is not None:
+        seen: set[int] = set()
+        for m in module.modules():
+            for v in m.__dict__.values():
+                access = _STREAMS.get(type(v))
+                if access is not None and id(v) not in seen:
+                    seen.add(id(v))
+                    get, put = access
+                    out.append((functools.partial(get, v), functools.partial(put, v)))
+    return out
 
 
 def _parametrize_caching() -> bool:
@@ -522,7 +557,7 @@ class _RematForward(Function):
     @staticmethod
     def forward(call, *inputs):
         call.devices = [x.device for x in inputs]
-        call.rng = _RngState(inputs)
+        call.rng = _RngState(inputs, getattr(call.fn, "module", None))
         call.autocast = _autocast_state(call.devices)
         before = _object_states(call)
         versions = [x._version for x in inputs]
