@@ -826,32 +826,49 @@ class _CheckpointedNet(nn.Module):
     checkpointing do): the unit's call runs inside the checkpoint, and the checkpointed function goes on after it
     (a dropout), so the recompute in backward runs the whole unit again before it stops."""
 
-    def __init__(self) -> None:
+    def __init__(self, selective: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)])
         self.drop = nn.Dropout(0.2)
         self.head = nn.Linear(WIDTH, 1)
+        self.selective = selective
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
         for block in self.blocks:
-            x = x + checkpoint(lambda h, block=block: self.drop(block(h)), x, use_reentrant=False)
+            extra = {"context_fn": _save_matmuls} if self.selective else {}
+            x = x + checkpoint(lambda h, block=block: self.drop(block(h)), x, use_reentrant=False, **extra)
         return self.head(x)
 
 
+def _save_matmuls():
+    """torch's selective activation checkpointing: the matmuls' outputs saved, the rest recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["checkpoint", "selective"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_units_call_inside_the_models_own_checkpoint_trains_as_at_stage_0(ranks):
+def test_a_units_call_inside_the_models_own_checkpoint_trains_as_at_stage_0(ranks, selective):
     """The checkpoint's recompute calls the unit again inside the backward, and the forward graph's nodes read what
     it saved after the call. Before, the recompute freed its gathered buffer as a forward does: the backward failed
-    inside torch ("setStorage: ... out of bounds for storage of size 0") with a hint naming other causes. Now it
-    trains as at stage 0 (same rank streams, so the same dropout masks)."""
+    inside torch ("setStorage: ... out of bounds for storage of size 0") with a hint naming other causes, and on 2
+    ranks the process could segfault. Under a selective checkpoint (``context_fn``) on 2 ranks, the recompute's gather
+    (and the prefetch it starts) then ran inside the checkpoint's dispatch mode, which refused its ops as not seen in
+    the forward ("aten.empty.memory_format encountered during backward but not found in storage"): it runs outside
+    it. Now both train as at stage 0 (same rank streams, so the same dropout masks)."""
 
     def loss_fn(model):
         return lambda params, b: nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
 
-    expected_model, model = _CheckpointedNet(), _CheckpointedNet()
+    expected_model, model = _CheckpointedNet(selective), _CheckpointedNet(selective)
     torch.manual_seed(7)
     expected = _train(expected_model, loss_fn(expected_model), stages=0, ranks=ranks)
     torch.manual_seed(7)

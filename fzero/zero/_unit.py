@@ -619,7 +619,13 @@ def _recomputed(call: UnitCall, shard: torch.Tensor, args: tuple, kwargs: dict) 
     returns; so its buffer is not freed (nor lent again by the pool): it lives as long as the saved views of it, as a
     remat recompute's does. Before, the call freed it like a forward's, and where the checkpointed function went on
     after the unit (a dropout), its backward read the freed params (torch's "setStorage ... out of bounds")."""
-    views = _UnitGather.apply(shard, call, False, _usage.active(call.unit))
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # the gather (and the prefetch it starts) is fzero's, not the checkpointed function's: run outside the dispatch modes
+    # a selective checkpoint (context_fn=create_selective_checkpoint_contexts) matches the recompute's ops with, which
+    # saw no such op in the forward (the forward's gather ran before the region, prefetched)
+    with _disable_current_modes():
+        views = _UnitGather.apply(shard, call, False, _usage.active(call.unit))
     return call.run(views, args, kwargs)
 
 
