@@ -8,6 +8,7 @@ bytes during torch.func.grad of the loss 192.1 MB plain, 25.4 MB with every bloc
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -1022,3 +1023,135 @@ def test_the_recompute_replays_numpy_python_and_module_held_streams(stages, kind
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
     assert got_next == expected_next  # the recompute moved no stream on
+
+
+class _Batch(dict):
+    """A user's dict subclass that no pytree knows, carrying the hidden state from one unit to the next."""
+
+
+class _Items(list):
+    """A list subclass no pytree knows."""
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+
+
+def _carry(kind: str, h: torch.Tensor):
+    return {"dict": lambda: _Batch(h=h), "list": lambda: _Items([h]), "dataclass": lambda: _Hidden(h)}[kind]()
+
+
+def _carried(kind: str, c) -> torch.Tensor:
+    return {"dict": lambda: c["h"], "list": lambda: c[0], "dataclass": lambda: c.h}[kind]()
+
+
+class _CarryBlock(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.fc = kind, torch.nn.Linear(8, 8)
+
+    def forward(self, c):
+        h = _carried(self.kind, c)
+        return _carry(self.kind, torch.tanh(self.fc(h)) + h)
+
+
+class _Carrying(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.inp, self.out = kind, torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.blocks = torch.nn.ModuleList(_CarryBlock(kind) for _ in range(2))
+
+    def forward(self, x):
+        c = _carry(self.kind, self.inp(x))
+        for block in self.blocks:
+            c = block(c)
+        return self.out(_carried(self.kind, c))
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "dataclass"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_unit_given_a_container_no_pytree_knows_trains_under_remat_as_pytorch(stages, kind):
+    """A ``dict``/``list`` subclass no pytree knows (``class Batch(dict)``) or a dataclass, given to a unit under remat: a
+    leaf to torch's pytree, so its tensors reached the unit without being its call's inputs, and remat refused the call
+    ("read a tensor that requires grad but is not one of its arguments"), where PyTorch trains it. Walked now as stage 3
+    walks it, it trains as PyTorch."""
+    ref = _Carrying(kind)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _parametrized_batches()[:2]:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    model = _Carrying(kind)
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=True)
+    state = step.init(fzero.params_of(model))
+    for b in _parametrized_batches()[:2]:
+        state, _ = step(state, b)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["grad", "backward"])
+def test_remat_differentiates_through_a_dict_subclass_argument(mode):
+    """The same through ``fzero.remat`` itself, under ``torch.func.grad`` and plain autograd: the gradient of a tensor
+    inside a ``class Batch(dict)`` argument, bitwise as without remat; the function gets a copy with its attributes."""
+    x, w0 = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.randn(4, 4)
+
+    def f(b):
+        assert type(b) is _Batch and b.note == "kept"
+        return torch.tanh(x @ b["w"]).sum()
+
+    def loss(w, wrap):
+        b = _Batch(w=w)
+        b.note = "kept"
+        return (remat(f) if wrap else f)(b)
+
+    if mode == "grad":
+        want, got = (torch.func.grad(loss)(w0, wrap) for wrap in (False, True))
+    else:
+        want, got = (torch.autograd.grad(loss(w, wrap), w)[0] for wrap in (False, True) for w in [w0.clone().requires_grad_()])
+    assert torch.equal(got, want)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed, self.inp, self.out = checkpointed, torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)) + h
+        return self.out(h)
+
+
+@pytest.mark.parametrize(("stages", "remat_units"), [(0, True), (2, True), (3, True), (3, False)])
+def test_flop_counter_mode_around_a_step_counts_as_pytorch(stages, remat_units):
+    """``torch.utils.flop_counter.FlopCounterMode`` around a step (for MFU): under remat the step failed inside torch, "A
+    leaf node was passed to _will_engine_execute_node but we are currently running autograd.grad()" (the mode's module
+    tracker hooks each module's inputs, and the recompute's inputs were leaves of its torch.autograd.grad). It now counts
+    what PyTorch counts, with torch.utils.checkpoint's recompute under remat, and trains as PyTorch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ref = _Blocks(checkpointed=remat_units)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = _Blocks()
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=remat_units)
+    state = step.init(fzero.params_of(model))
+    for x, y in _parametrized_batches()[:2]:
+        opt.zero_grad()
+        with FlopCounterMode(display=False) as want:
+            F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        with FlopCounterMode(display=False) as got:
+            state, _ = step(state, (x, y))
+        assert got.get_total_flops() == want.get_total_flops() > 0
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -27,6 +27,7 @@ still alive after ``fn`` returned, other than its outputs, is refused (``_ESCAPE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from typing import Any, Callable
@@ -131,6 +132,13 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
             name = getattr(fn, "__qualname__", None) or type(fn).__name__
             raise TypeError(_UNIT_PARAMS.format(name=name, kind=type(x).__name__, stage=stage, fix=_UNIT_FIX[stage]))
     tensors = [leaves[i] for i in tensor_pos]
+    for i, x in enumerate(leaves):
+        if isinstance(x, (dict, list)) or dataclasses.is_dataclass(x) and not isinstance(x, type):
+            found, opened = _open(x)
+            if found:
+                leaves[i] = opened
+                tensor_pos += [i] * len(found)
+                tensors += found
     # Decided here, outside apply: inside a Function's forward under torch.func, requires_grad reads False.
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
     call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
@@ -145,6 +153,29 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
 
 
 _SLOT = object()  # where a tensor goes back into a flattened pytree of inputs or outputs
+
+
+class _Opened:
+    """A leaf of torch's pytree that holds tensors all the same: a ``dict`` or ``list`` subclass no pytree knows
+    (``class Batch(dict)``), a dataclass. Left a leaf, its tensors reached ``fn`` without being the call's inputs: a
+    unit given one was refused as having read "a tensor that requires grad but is not one of its arguments", where
+    PyTorch trains it. Walked as stage 3's unit call walks it (``fzero.layout.pytrees.tensors_and_rebuild``), its tensors
+    are inputs like the others, and each run gets a shallow copy of it (type and attributes kept) holding them."""
+
+    __slots__ = ("skeleton", "rebuild", "n")
+
+    def __init__(self, skeleton: Any, rebuild: Callable[[list[torch.Tensor]], Any], n: int) -> None:
+        # skeleton: the container with placeholders for its tensors (what _object_states describes)
+        self.skeleton, self.rebuild, self.n = skeleton, rebuild, n
+
+
+def _open(x: Any) -> tuple[list[torch.Tensor], _Opened]:
+    """The tensors inside ``x`` and how to rebuild it around others. The rebuild is made from a copy of ``x`` holding
+    meta placeholders: what the call keeps until backward must not hold ``x``'s own tensors (``offload="cpu"`` lets
+    the device ones go)."""
+    found, rebuild = _tree.tensors_and_rebuild(x)
+    skeleton = rebuild([torch.empty(0, device="meta") for _ in found]) if found else x
+    return found, _Opened(skeleton, _tree.tensors_and_rebuild(skeleton)[1], len(found))
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -177,8 +208,13 @@ class _Call:
 
     def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         leaves = list(self.leaves)
-        for pos, t in zip(self.tensor_pos, tensors):
-            leaves[pos] = t
+        k = 0
+        while k < len(tensors):
+            pos = self.tensor_pos[k]
+            x = leaves[pos]
+            n = x.n if isinstance(x, _Opened) else 1  # an opened container's tensors come in a row
+            leaves[pos] = x.rebuild(tensors[k:k + n]) if isinstance(x, _Opened) else tensors[k]
+            k += n
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         outs, rebuild = _tree.tensors_and_rebuild(self.fn(*args, **kwargs))  # dataclasses too
         if self.rebuild is None:
@@ -487,6 +523,7 @@ def _object_states(call: "_Call") -> list[tuple[str, Any, Any]]:
     """``(where, object, description)`` of each leaf of fn's arguments that is an object holding state."""
     tree = torch_pytree.tree_unflatten(call.leaves, call.spec)
     leaves, _ = torch_pytree.tree_flatten_with_path(tree)
+    leaves = [(path, x.skeleton if isinstance(x, _Opened) else x) for path, x in leaves]
     return [(_where(path), x, _describe(x, _DEPTH, set())) for path, x in leaves if x is not _SLOT and _holds_state(x)]
 
 
@@ -681,17 +718,23 @@ class _RematBackward(Function):
         # stream, ordered before the recompute that reads it.
         ins = [x.to(d, non_blocking=True) if x.device != d else x for x, d in zip(saved, call.devices)]
         leaves = [x.detach().requires_grad_() if need else x for x, need in zip(ins, wanted)]
+        # fn gets a view of each leaf, not the leaf: a hook on a module's input that asks the engine which nodes it will
+        # run (torch.autograd.graph.register_multi_grad_hook, which torch.utils.flop_counter.FlopCounterMode's module
+        # tracker puts on every module's inputs) fails on a leaf inside torch.autograd.grad ("A leaf node was passed to
+        # _will_engine_execute_node ..."), and the product below is such a call. The gradient is the view's, as the leaf's
+        # (the views are made with grad on: a Function's forward runs without)
         # The product is taken in the recompute's context and scope: a torch.utils.checkpoint inside fn calls its layers
         # again during it, and they must find what the recompute ran with (recompute_scope).
         with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), recompute_scope(), \
                 as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
-            outs = call.run(leaves)
+            given = [x.view_as(x) if need else x for x, need in zip(leaves, wanted)]
+            outs = call.run(given)
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
             wrt = [x for x, need in zip(leaves, wanted) if need]
             grads = [None] * len(wrt)
             if pairs:
                 grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-        del outs, pairs, leaves, ins  # the recomputed graph is freed here, before the caller's backward goes on
+        del outs, pairs, leaves, given, ins  # the recomputed graph is freed here, before the caller's backward goes on
         call.unused = [g is None for g in grads]
         # placeholders for unused inputs (_RematForward.backward turns them into None); a Function must not
         # hand back one of its inputs as is (a gradient may be a grad_out passed straight through)
