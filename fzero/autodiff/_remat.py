@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 
 from fzero.mesh import Function
@@ -51,6 +53,7 @@ from fzero.step import (
 __all__ = ["remat"]
 
 OFFLOADS = (None, "cpu")
+_DEPRECATED_NORMS = (WeightNorm, SpectralNorm)
 
 _CAPTURED = """fzero.remat: {name} read a tensor that requires grad but is not one of its arguments ({what}, in {op}).
 remat differentiates only with respect to the arguments of the function it wraps: the gradient of a tensor
@@ -143,13 +146,13 @@ def _remat_call(fn: Callable, offload: str | None, args: tuple, kwargs: dict) ->
     diff = tuple(t.requires_grad and _differentiable(t) for t in tensors)
     call = _Call(fn, offload, spec, [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves], tensor_pos, diff)
     outs = list(_RematForward.apply(call, *tensors))
-    if call.renorm:
-        _renorm(call.renorm)
     for i, j in call.returned_inputs.items():  # an argument returned as it is: that very tensor, as without remat
         outs[i] = tensors[j]
     for i, (source, k, geometry) in call.views.items():  # a view of an argument or of another output: made again on it
         outs[i] = (tensors[k] if source == "input" else outs[k]).as_strided(*geometry)
-    return call.rebuild(outs)
+    for (m, name), weight in zip(call.normed, outs[call.n_out:]):  # (_norm_hooks) set as the forward left it, with a graph
+        setattr(m(), name, weight)
+    return call.rebuild(outs[:call.n_out])
 
 
 _SLOT = object()  # where a tensor goes back into a flattened pytree of inputs or outputs
@@ -194,7 +197,10 @@ class _Call:
         self.rng: _RngState | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.unused: list[bool] = []
-        self.renorm: list[tuple[torch.nn.Module, Any]] = []  # deprecated norm hooks whose weight is set again (_renorm)
+        # deprecated norm hooks in fn's module (_norm_hooks), and those whose weight the forward set: returned as outputs too
+        # (weakly: the weight set on a module has a graph through this call, and a cycle would be left to Python's collector)
+        self.hooked = [(weakref.ref(m), h.name) for m, h in _norm_hooks(getattr(fn, "module", None))]
+        self.normed: list[tuple[weakref.ref, str]] = []
         self.returned_inputs: dict[int, int] = {}  # output position -> the argument (tensor position) it is, as it is
         # output position -> ("input" or "output", the position of the tensor it is a view of, (size, stride, offset))
         self.views: dict[int, tuple[str, int, tuple]] = {}
@@ -216,9 +222,11 @@ class _Call:
             leaves[pos] = x.rebuild(tensors[k:k + n]) if isinstance(x, _Opened) else tensors[k]
             k += n
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        weights = [m().__dict__.get(name) for m, name in self.hooked]
         outs, rebuild = _tree.tensors_and_rebuild(self.fn(*args, **kwargs))  # dataclasses too
         if self.rebuild is None:
             self.rebuild, self.n_out = rebuild, len(outs)
+            self.normed = [(m, name) for (m, name), w in zip(self.hooked, weights) if m().__dict__.get(name) is not w]
         elif len(outs) != self.n_out or [o.shape for o in outs] != self.shapes:
             raise RuntimeError(
                 f"fzero.remat: the recompute of {self.name} returned {len(outs)} tensors of shapes "
@@ -226,7 +234,7 @@ class _Call:
                 f"the wrapped function must be deterministic in what it returns."
             )
         self.shapes = [o.shape for o in outs]
-        return outs
+        return outs + [m().__dict__[name] for m, name in self.normed]
 
 
 class _RngState:
@@ -433,31 +441,18 @@ def _held_where(t: torch.Tensor) -> str:
 def _norm_hooks(module: torch.nn.Module | None) -> list[tuple[torch.nn.Module, Any]]:
     """The (module, hook) pairs of torch's deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm`` among the modules
     of ``module`` (a unit: what fzero's remat of units gives as ``fn.module``) whose hook has set its weight on its
-    module as a plain attribute (a forward pre-hook computes it at every call). Such a weight outlives the forward, but
-    the hook sets it anew at every call of its module, whose forward is what reads it, so the recompute makes its graph
-    as plain PyTorch's checkpoint does; ``_renorm`` sets it again with a graph after the call. Walked only when
-    something escaped."""
+    module as a plain attribute (a forward pre-hook computes it at every call).
+
+    Such a weight outlives the call, and a model may read it after the call, outside the unit (``self.blocks[0].fc.weight``
+    in its forward). Made in the forward, which runs under no_grad, it had no graph: that read trained without its
+    gradient (0.62 off PyTorch after 2 SGD steps at stages 0-1, 1.1e-2 at stage 3, silently). So each weight the forward
+    set is returned by the remat'ed call as one more output (``_Call.run``), which has a graph through the recompute as
+    the call's own outputs have, and set on its module after the call (``_remat_call``): read or not, it costs no more
+    than the tensor the hook left there (a gradient comes only where it is read)."""
     if module is None:
         return []
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    return [(m, h) for m in module.modules() for h in m._forward_pre_hooks.values()
-            if isinstance(h, (WeightNorm, SpectralNorm)) and isinstance(m.__dict__.get(h.name), torch.Tensor)]
-
-
-def _renorm(hooked: list[tuple[torch.nn.Module, Any]]) -> None:
-    """Each deprecated norm hook's weight set again on its module, computed with a graph from the module's params as
-    they are bound now (``compute_weight``, spectral_norm's without another power iteration: the forward's has moved
-    its vectors, so it gives the forward's value). The forward ran under no_grad, so the weight it left had no graph:
-    read outside its unit after the call (``self.blocks[0].fc.weight.sum()`` in the model's forward), it trained without
-    that read's gradient (0.62 off PyTorch after 2 SGD steps, silently). Only at stages 0-1 (``fn.renorm``), where the
-    module's params outside the unit's call are the step's own; at stages 2-3 they are not, and the weight stays
-    refused as an escaped tensor."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-
-    for m, h in hooked:
-        setattr(m, h.name, h.compute_weight(m, do_power_iteration=False) if isinstance(h, SpectralNorm) else h.compute_weight(m))
+    return [(m, h) for m in module.modules() if m._forward_pre_hooks for h in m._forward_pre_hooks.values()
+            if isinstance(h, _DEPRECATED_NORMS) and isinstance(m.__dict__.get(h.name), torch.Tensor)]
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -604,11 +599,6 @@ class _RematForward(Function):
         _check_inputs_unwritten(call, inputs, versions)
         _check_unchanged(call, before)
         escaped = watch.escaped(outs)
-        if escaped and getattr(call.fn, "renorm", False):  # (a deprecated norm hook's weight: set again, with a graph)
-            hooked = _norm_hooks(getattr(call.fn, "module", None))
-            weights = {id(m.__dict__[h.name]): (m, h) for m, h in hooked}
-            call.renorm = [weights[id(t)] for t in escaped if id(t) in weights]
-            escaped = [t for t in escaped if id(t) not in weights]
         if escaped:
             raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
                                                what=", ".join(f"{tuple(t.shape)} {t.dtype}{_held_where(t)}" for t in escaped[:3])))
@@ -725,6 +715,7 @@ class _RematBackward(Function):
         # (the views are made with grad on: a Function's forward runs without)
         # The product is taken in the recompute's context and scope: a torch.utils.checkpoint inside fn calls its layers
         # again during it, and they must find what the recompute ran with (recompute_scope).
+        normed = [m().__dict__[name] for m, name in call.normed]  # the recompute sets them again: put back after it
         with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), recompute_scope(), \
                 as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
             given = [x.view_as(x) if need else x for x, need in zip(leaves, wanted)]
@@ -734,6 +725,8 @@ class _RematBackward(Function):
             grads = [None] * len(wrt)
             if pairs:
                 grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+        for (m, name), weight in zip(call.normed, normed):  # (the recomputed one would keep the recomputed graph alive)
+            m().__dict__[name] = weight
         del outs, pairs, leaves, given, ins  # the recomputed graph is freed here, before the caller's backward goes on
         call.unused = [g is None for g in grads]
         # placeholders for unused inputs (_RematForward.backward turns them into None); a Function must not

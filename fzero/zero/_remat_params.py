@@ -99,9 +99,5 @@ class _RematUnit(nn.Module):
 
         unit_forward.__qualname__ = f"unit {self.__dict__['_fz_unit']!r}"
         unit_forward.module = self  # type: ignore[attr-defined]  # what fzero.remat may walk (_norm_hooks)
-        # stages 0-1: the module's params outside the unit's call are the step's own, so a deprecated norm hook's weight
-        # can be set again from them with a graph (fzero.autodiff._remat._renorm); at stages 2-3 they are stand-ins or
-        # views the gradient does not come back through, so such a weight stays refused as an escaped tensor there
-        unit_forward.renorm = True  # type: ignore[attr-defined]
         check_unit_hooks(self, self.__dict__["_fz_unit"])
         return remat(unit_forward)(params, *args, **kwargs)
