@@ -207,6 +207,8 @@ class _Call:
         self.snapshots = Snapshots()  # the step's buffers as the forward found them, for the recompute
         self.bank, self.dtype = current_buffers(), current_compute_dtype()  # what fzero.apply ran with in the forward
         self.cached = _parametrize_caching()  # under torch.nn.utils.parametrize.cached() in the forward
+        self.hits: set = set()  # the cache keys an earlier forward in that cached() had filled (_not_stepping)
+        self.cache_made: set[int] = set()  # ids of the tensors this forward put in that cache
 
     @property
     def name(self) -> str:
@@ -332,6 +334,93 @@ def _own_parametrize_cache(enabled: bool):
         yield
     finally:
         parametrize._cache, parametrize._cache_enabled = saved
+
+
+class _ForwardsCache(dict):
+    """The cache of parametrized tensors the remat forwards under one ``parametrize.cached()`` share: kept inside torch's
+    own cache (under a key torch never asks for), so it ends with that ``cached()``."""
+
+
+@contextlib.contextmanager
+def _forward_parametrize_cache(call: "_Call"):
+    """Run a remat forward under ``parametrize.cached()`` with the cache the forwards in that ``cached()`` share, noting
+    in ``call.hits`` what the earlier ones computed (``_not_stepping``).
+
+    PyTorch computes a parametrized tensor once per ``cached()``: a unit called twice (a block run twice with one set of
+    weights) reads the first call's weight, and ``spectral_norm`` runs its power iteration once. With a cache of its own
+    each remat forward computed it again: the power iteration ran once per call (6.8e-4 off PyTorch's params and 1.2e-2
+    off its vectors after 4 AdamW steps). Its own no-grad weights never reach torch's cache, whose other readers (outside
+    remat) would get no graph, as ``_own_parametrize_cache`` says."""
+    from torch.nn.utils import parametrize
+
+    if not call.cached:
+        with _own_parametrize_cache(False):
+            yield
+        return
+    cache = parametrize._cache
+    shared = cache if isinstance(cache, _ForwardsCache) else cache.setdefault(_FORWARDS, _ForwardsCache())  # type: ignore[call-overload]
+    call.hits = set(shared)
+    parametrize._cache = shared
+    try:
+        yield
+    finally:
+        parametrize._cache = cache
+        # what this forward computed, for the cached() to hand to the next forwards: no escape (_RematForward.forward)
+        call.cache_made = {id(t) for k, t in shared.items() if k not in call.hits}
+
+
+_FORWARDS = ("fzero.remat", "forwards")  # (never a (module id, name) key of torch's)
+
+
+class _Probed(Exception):
+    def __init__(self, key: Any) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _KeyProbe(dict):
+    def get(self, key, default=None):  # torch's cache is read with .get((id(module), name)) before anything is computed
+        raise _Probed(key)
+
+
+def _cache_key(module: torch.nn.Module, name: str) -> Any:
+    """The key under which ``parametrize.cached()`` keeps ``module.name`` (the id of the module the parametrization was
+    registered on, which fzero's copies of a module keep), read off the cache's lookup before anything is computed."""
+    from torch.nn.utils import parametrize
+
+    saved = parametrize._cache, parametrize._cache_enabled
+    parametrize._cache, parametrize._cache_enabled = _KeyProbe(), 1
+    try:
+        getattr(module, name)
+    except _Probed as probed:
+        return probed.key
+    finally:
+        parametrize._cache, parametrize._cache_enabled = saved
+    return None
+
+
+@contextlib.contextmanager
+def _not_stepping(call: "_Call"):
+    """The recompute of a forward that read a parametrized tensor an earlier forward had computed (``call.hits``) runs
+    that parametrization in eval mode: it computes the tensor again (with a graph, from the same values) without
+    stepping its state (``spectral_norm``'s power iteration, which that forward never ran; its vectors are replayed as
+    that forward found them, after the earlier one's iteration). Only for fzero's units (``fn.module``)."""
+    from torch.nn.utils import parametrize
+
+    module = getattr(call.fn, "module", None)
+    if not call.hits or module is None:
+        yield
+        return
+    lists = [m.parametrizations[name] for m in module.modules() if parametrize.is_parametrized(m)
+             for name in m.parametrizations if _cache_key(m, name) in call.hits]
+    modes = [(sub, sub.training) for lst in lists for sub in lst.modules()]
+    for lst in lists:
+        lst.train(False)
+    try:
+        yield
+    finally:
+        for sub, mode in modes:
+            sub.training = mode
 
 
 def _autocast_state(devices) -> list[tuple[str, bool, torch.dtype]]:
@@ -594,11 +683,12 @@ class _RematForward(Function):
         before = _object_states(call)
         versions = [x._version for x in inputs]
         watch = _NoCapturedGrad(call, inputs, call.diff)
-        with torch.no_grad(), watch, recording(call.snapshots), _own_parametrize_cache(call.cached):
+        with torch.no_grad(), watch, recording(call.snapshots), _forward_parametrize_cache(call):
             outs = call.run(list(inputs))
         _check_inputs_unwritten(call, inputs, versions)
         _check_unchanged(call, before)
-        escaped = watch.escaped(outs)
+        escaped = [t for t in watch.escaped(outs) if id(t) not in call.cache_made]
+        call.cache_made = set()
         if escaped:
             raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
                                                what=", ".join(f"{tuple(t.shape)} {t.dtype}{_held_where(t)}" for t in escaped[:3])))
@@ -717,7 +807,8 @@ class _RematBackward(Function):
         # again during it, and they must find what the recompute ran with (recompute_scope).
         normed = [m().__dict__[name] for m, name in call.normed]  # the recompute sets them again: put back after it
         with torch.enable_grad(), call.rng.replay(), _replay_autocast(call.autocast), recompute_scope(), \
-                as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached):
+                as_in_forward(call.bank, call.dtype), replaying(call.snapshots), _own_parametrize_cache(call.cached), \
+                _not_stepping(call):
             given = [x.view_as(x) if need else x for x, need in zip(leaves, wanted)]
             outs = call.run(given)
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
