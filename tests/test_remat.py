@@ -1124,19 +1124,21 @@ class _Blocks(torch.nn.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize(("stages", "remat_units"), [(0, True), (2, True), (3, True), (3, False)])
-def test_flop_counter_mode_around_a_step_counts_as_pytorch(stages, remat_units):
+@pytest.mark.parametrize(("stages", "remat_units", "autodiff"), [(0, True, "autograd"), (2, True, "autograd"), (3, True, "autograd"),
+                                                               (3, False, "autograd"), (3, True, "func")])
+def test_flop_counter_mode_around_a_step_counts_as_pytorch(stages, remat_units, autodiff):
     """``torch.utils.flop_counter.FlopCounterMode`` around a step (for MFU): under remat the step failed inside torch, "A
     leaf node was passed to _will_engine_execute_node but we are currently running autograd.grad()" (the mode's module
-    tracker hooks each module's inputs, and the recompute's inputs were leaves of its torch.autograd.grad). It now counts
-    what PyTorch counts, with torch.utils.checkpoint's recompute under remat, and trains as PyTorch."""
+    tracker hooks each module's inputs, and the recompute's inputs were leaves of its torch.autograd.grad); under
+    autodiff="func" it was refused for the tracker's forward hooks, which keep nothing. It now counts what PyTorch
+    counts, with torch.utils.checkpoint's recompute under remat, and trains as PyTorch."""
     from torch.utils.flop_counter import FlopCounterMode
 
     ref = _Blocks(checkpointed=remat_units)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     model = _Blocks()
     step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
-                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=remat_units)
+                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=remat_units, autodiff=autodiff)
     state = step.init(fzero.params_of(model))
     for x, y in _parametrized_batches()[:2]:
         opt.zero_grad()

@@ -668,10 +668,18 @@ def check_unit_hooks(module: torch.nn.Module, name: str) -> None:
         return
     from torch.nn.modules import module as _module
 
-    hooks = [*module._forward_hooks.values(), *_module._global_forward_hooks.values()]
+    hooks = [h for h in (*module._forward_hooks.values(), *_module._global_forward_hooks.values()) if not _keeps_nothing(h)]
     if hooks:
         what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
         raise RuntimeError(_HOOKED_UNDER_FUNC.format(name=name, kind=type(module).__name__, hooks=what))
+
+
+def _keeps_nothing(hook: Any) -> bool:
+    """A hook of torch's ``ModuleTracker`` (``torch.utils.flop_counter.FlopCounterMode`` puts one on every module): it
+    notes which module runs and keeps no tensor that a loss could use."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
 
 
 class _RematForward(Function):
