@@ -1206,3 +1206,27 @@ def test_a_spectral_norm_unit_called_twice_under_parametrize_cached_trains_as_py
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     for name, b in ref.named_buffers():  # the power iteration's vectors: stepped once per cached()
         torch.testing.assert_close(sd[name], b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_flop_counter_mode_around_a_local_mesh_of_several_ranks_is_refused_and_counts_per_rank():
+    """Around a step on local_mesh(2) the ranks run in threads of their own and the caller's dispatch mode is its thread's
+    alone: a FlopCounterMode counted 0 flops, silently. Refused, naming the per-rank way, with which each rank counts its
+    share as a torchrun process would (PyTorch with torch.utils.checkpoint on that rank's half of the batch)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _Blocks()
+    loss_fn = lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1])  # noqa: E731
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, remat=True, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    x, y = _parametrized_batches()[0]
+    with pytest.raises(RuntimeError, match=r"(?s)fzero.local_mesh\(2\): a TorchDispatchMode \(torch.utils.flop_counter.FlopCounterMode\)"
+                                           r".*rank_context=lambda r: modes.setdefault\(r, FlopCounterMode"):
+        with FlopCounterMode(display=False):
+            step(state, (x, y))
+    modes: dict = {}
+    mesh = dataclasses.replace(fzero.local_mesh(2), rank_context=lambda r: modes.setdefault(r, FlopCounterMode(display=False)))
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, remat=True, mesh=mesh)
+    step(step.init(fzero.params_of(model)), (x, y))
+    with FlopCounterMode(display=False) as want:
+        F.cross_entropy(_Blocks(checkpointed=True)(x[:4]), y[:4]).backward()
+    assert [modes[r].get_total_flops() for r in (0, 1)] == [want.get_total_flops()] * 2

@@ -69,6 +69,7 @@ class LocalMesh:
         if self.size == 1:  # no thread to start: one rank meets nobody
             with self._context(0):
                 return [fn(_wrapped(self.wrap, ThreadComm(0, rv, self.counter)), *args[0])]
+        _refuse_callers_dispatch_modes(self.size)
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
 
@@ -234,6 +235,25 @@ def fault_board(timeout: float) -> Any:
 
 
 Mesh = LocalMesh | DistMesh
+
+
+def _refuse_callers_dispatch_modes(n: int) -> None:
+    """Refuse a ``TorchDispatchMode`` of the caller's (``torch.utils.flop_counter.FlopCounterMode`` around a step, for
+    MFU) when the ranks run in threads of their own: dispatch modes are per thread, so no rank's op reaches it, and a
+    FlopCounterMode counted 0 flops, silently. fzero's own (``fzero.memory.LiveBytes``) say they count their thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    foreign = [m for m in _get_current_dispatch_mode_stack() if not type(m).__module__.startswith("fzero.")]
+    if foreign:
+        kind = f"{type(foreign[-1]).__module__}.{type(foreign[-1]).__qualname__}"
+        if kind == "torch.utils.flop_counter._FlopCounterMode":  # what a FlopCounterMode pushes
+            kind = "torch.utils.flop_counter.FlopCounterMode"
+        raise RuntimeError(
+            f"fzero.local_mesh({n}): a TorchDispatchMode ({kind}) is active in the calling thread, but each of the {n} "
+            f"ranks runs in a thread of its own and dispatch modes are per thread: no rank's op would reach it (a "
+            f"FlopCounterMode counts 0 flops). Enter one per rank, as each torchrun process has its own: "
+            f"mesh = dataclasses.replace(fzero.local_mesh({n}), rank_context=lambda r: modes.setdefault(r, {kind.rsplit('.', 1)[-1]}(...))), "
+            f"each then sees its rank's share; or run with mesh=None (or local_mesh(1)), in the calling thread.")
 
 
 def local_mesh(n: int, *, timeout: float = 120.0) -> LocalMesh:
