@@ -1230,3 +1230,86 @@ def test_flop_counter_mode_around_a_local_mesh_of_several_ranks_is_refused_and_c
     with FlopCounterMode(display=False) as want:
         F.cross_entropy(_Blocks(checkpointed=True)(x[:4]), y[:4]).backward()
     assert [modes[r].get_total_flops() for r in (0, 1)] == [want.get_total_flops()] * 2
+
+
+class _ReadOutside(torch.nn.Module):
+    """A parametrized Linear in the first block, whose weight the model's forward also reads outside the block, before
+    it ran or after."""
+
+    def __init__(self, kind: str, after: bool) -> None:
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        torch.manual_seed(0)
+        wrap = {"spectral_norm": parametrizations.spectral_norm, "weight_norm": parametrizations.weight_norm}[kind]
+        self.after, self.inp, self.out = after, torch.nn.Linear(6, 12), torch.nn.Linear(12, 3)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(wrap(torch.nn.Linear(12, 12)), torch.nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = self.inp(x) + (0 if self.after else 0.1 * self.blocks[0][0].weight.sum())
+        for block in self.blocks:
+            h = block(h) + h
+        return self.out(h + (0.1 * self.blocks[0][0].weight.sum() if self.after else 0))
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["read_before", "read_after"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "weight_norm"])
+def test_a_parametrized_weight_read_inside_and_outside_a_remat_unit_under_cached_trains_or_is_refused(kind, after):
+    """Under parametrize.cached() PyTorch computes the weight once and both reads share it. Read outside the units too
+    (before the block ran or after), remat computed it once outside and once in the unit: spectral_norm stepped its
+    power iteration twice (4.9e-4 / 1.8e-3 off PyTorch's params, 4e-2 / 5.3e-2 off its vectors after 4 AdamW steps at
+    stage 0, silently). A stateful parametrization read so is refused by name; a pure one (weight_norm), computed twice
+    to the same value, trains as PyTorch."""
+    from torch.nn.utils import parametrize
+
+    ref = _ReadOutside(kind, after)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in _parametrized_batches():
+        opt.zero_grad()
+        with parametrize.cached():
+            loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+    model = _ReadOutside(kind, after)
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.adamw(1e-2), stages=0, remat=True)
+    state = step.init(fzero.params_of(model))
+    if kind == "spectral_norm":
+        where = "inside a unit under remat" if after else "outside the remat'ed units"
+        with pytest.raises(RuntimeError, match=rf"(?s)fzero.remat: ParametrizedLinear.weight is a parametrized tensor with state"
+                                               rf".*parametrize.cached\(\) computed {where} earlier in this step"):
+            with parametrize.cached():
+                step(state, _parametrized_batches()[0])
+        return
+    for b in _parametrized_batches():
+        with parametrize.cached():
+            state, _ = step(state, b)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_parametrize_cached_around_several_remat_steps_computes_each_steps_weights():
+    """The cache the remat forwards share starts afresh with each micro-batch's forward: kept across steps under one
+    cached() around the loop, a later step would read weights of the params before its update (PyTorch refuses that
+    loop: its second backward runs through the first one's freed graph). Each step trains as under a cached() of its own."""
+    from torch.nn.utils import parametrize
+
+    ref = _SpectralTwice()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in _parametrized_batches():
+        opt.zero_grad()
+        with parametrize.cached():
+            loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+    model = _SpectralTwice()
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.adamw(1e-2), stages=0, remat=True)
+    state = step.init(fzero.params_of(model))
+    with parametrize.cached():
+        for b in _parametrized_batches():
+            state, _ = step(state, b)
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -336,9 +336,63 @@ def _own_parametrize_cache(enabled: bool):
         parametrize._cache, parametrize._cache_enabled = saved
 
 
+class _OuterCache(dict):
+    """torch's cache of parametrized tensors (``parametrize._cache``) in a ``cached()`` in which remat forwards ran, put in
+    its place with the same entries (the ``cached()`` drops it when it ends, as it drops its own), holding the cache
+    those forwards share (``forwards``). A read outside the units of a stateful tensor a remat forward computed (the
+    model's forward reading a unit's spectral-normed weight after the unit ran) would compute it again, stepping its
+    state twice where PyTorch reuses the unit's (1.8e-3 off PyTorch's params, 5.3e-2 off its vectors after 4 AdamW steps
+    at stage 0, silently): refused (``_CACHED_ACROSS``)."""
+
+    def __init__(self, entries: dict) -> None:
+        super().__init__(entries)
+        self.forwards = _ForwardsCache(self)
+
+    def get(self, key, default=None):
+        if key not in self and key in self.forwards and key in self.forwards.stateful:
+            raise RuntimeError(_CACHED_ACROSS.format(name=self.forwards.stateful[key], where="inside a unit under remat",
+                                                     other="outside it, after the unit ran"))
+        return super().get(key, default)
+
+
 class _ForwardsCache(dict):
-    """The cache of parametrized tensors the remat forwards under one ``parametrize.cached()`` share: kept inside torch's
-    own cache (under a key torch never asks for), so it ends with that ``cached()``."""
+    """The cache of parametrized tensors the remat forwards under one ``parametrize.cached()`` share (``_OuterCache``).
+    ``outer``: torch's cache, and ``stateful``: the keys of the parametrizations of the units run so far that hold buffers
+    (``spectral_norm``'s vectors), each with its name, for ``get``."""
+
+    def __init__(self, outer: dict) -> None:
+        super().__init__()
+        self.outer, self.stateful = outer, {}
+        self.scope: Any = None  # a weak reference to the micro-batch's buffer bank the entries were computed in
+
+    def enter(self, bank: Any) -> None:
+        """Start afresh in another micro-batch (a step's forward, with its own bank): a ``cached()`` around several
+        steps would otherwise hand a later step the weights of the params before its update, where PyTorch refuses a
+        second backward through the first one's graph."""
+        if bank is None or (self.scope is not None and self.scope() is bank):
+            return
+        self.clear()
+        self.stateful = {}
+        self.scope = weakref.ref(bank)
+
+    def get(self, key, default=None):
+        """A key torch's cache holds but this one does not was computed outside the remat'ed units in this cached() (a
+        read in the model's forward before the block): PyTorch's unit reuses it, with its graph, which remat cannot
+        differentiate through, so the unit computes it again, as the same value where the parametrization is a pure
+        function; a stateful one (spectral_norm) would step twice (4.9e-4 off PyTorch's params, 4e-2 off its vectors
+        after 4 AdamW steps, silently), so it is refused."""
+        if key not in self and key in self.stateful and isinstance(dict.get(self.outer, key), torch.Tensor):
+            raise RuntimeError(_CACHED_ACROSS.format(name=self.stateful[key], where="outside the remat'ed units",
+                                                     other="inside a unit under remat"))
+        return super().get(key, default)
+
+
+_CACHED_ACROSS = """fzero.remat: {name} is a parametrized tensor with state (spectral_norm's power-iteration vectors) that
+parametrize.cached() computed {where} earlier in this step, and it is read again {other}. PyTorch computes it once per
+cached() and reuses it, with its graph, but a unit under remat runs without one and recomputes in backward: computing it
+again would step its state twice (silently off PyTorch), so the step stops here. Fix: read it only inside its unit (or
+only outside the units), or take parametrize.cached() off the step, or build the step without remat
+(compile(..., remat=False))."""
 
 
 @contextlib.contextmanager
@@ -350,7 +404,8 @@ def _forward_parametrize_cache(call: "_Call"):
     weights) reads the first call's weight, and ``spectral_norm`` runs its power iteration once. With a cache of its own
     each remat forward computed it again: the power iteration ran once per call (6.8e-4 off PyTorch's params and 1.2e-2
     off its vectors after 4 AdamW steps). Its own no-grad weights never reach torch's cache, whose other readers (outside
-    remat) would get no graph, as ``_own_parametrize_cache`` says."""
+    remat) would get no graph, as ``_own_parametrize_cache`` says: the shared cache is held by torch's, an ``_OuterCache``
+    put in its place for the rest of the ``cached()``."""
     from torch.nn.utils import parametrize
 
     if not call.cached:
@@ -358,8 +413,12 @@ def _forward_parametrize_cache(call: "_Call"):
             yield
         return
     cache = parametrize._cache
-    shared = cache if isinstance(cache, _ForwardsCache) else cache.setdefault(_FORWARDS, _ForwardsCache())  # type: ignore[call-overload]
+    if not isinstance(cache, (_ForwardsCache, _OuterCache)):
+        cache = parametrize._cache = _OuterCache(cache)
+    shared = cache if isinstance(cache, _ForwardsCache) else cache.forwards
+    shared.enter(call.bank)
     call.hits = set(shared)
+    shared.stateful.update(_stateful_keys(getattr(call.fn, "module", None)))
     parametrize._cache = shared
     try:
         yield
@@ -367,9 +426,6 @@ def _forward_parametrize_cache(call: "_Call"):
         parametrize._cache = cache
         # what this forward computed, for the cached() to hand to the next forwards: no escape (_RematForward.forward)
         call.cache_made = {id(t) for k, t in shared.items() if k not in call.hits}
-
-
-_FORWARDS = ("fzero.remat", "forwards")  # (never a (module id, name) key of torch's)
 
 
 class _Probed(Exception):
@@ -397,6 +453,16 @@ def _cache_key(module: torch.nn.Module, name: str) -> Any:
     finally:
         parametrize._cache, parametrize._cache_enabled = saved
     return None
+
+
+def _stateful_keys(module: torch.nn.Module | None) -> dict:
+    """The cache keys (``_cache_key``) of ``module``'s parametrizations that hold buffers, each with its name."""
+    from torch.nn.utils import parametrize
+
+    if module is None:
+        return {}
+    return {_cache_key(m, name): f"{type(m).__name__}.{name}" for m in module.modules() if parametrize.is_parametrized(m)
+            for name in m.parametrizations if any(True for _ in m.parametrizations[name].buffers())}
 
 
 @contextlib.contextmanager
