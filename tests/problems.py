@@ -146,7 +146,54 @@ def dropout_problem(*, steps: int = 5, batch: int = GLOBAL_BATCH) -> Problem:
     return Problem(prob.model, loss_fn, prob.batches)
 
 
-PROBLEMS = {"dropout": dropout_problem, "mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem}
+class _RunningShift(torch.nn.Module):
+    """A block with a non-persistent buffer the forward writes in place from its batch (a running mean kept out of
+    the ``state_dict``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.register_buffer("avg", torch.zeros(d), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.avg.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return torch.tanh(self.fc(x - self.avg))
+
+
+class RankBufferNet(torch.nn.Module):
+    """Non-persistent buffers that differ by rank: ``noise``, filled from the process's RNG at init (seeded by
+    ``rank``), and each block's ``avg``, written by the forward from the rank's share of the batch."""
+
+    def __init__(self, d: int = 8, n: int = 2, *, rank: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_RunningShift(d) for _ in range(n)])
+        self.out = torch.nn.Linear(d, 2)
+        self.register_buffer("noise", torch.randn(d, generator=torch.Generator().manual_seed(100 + rank)), persistent=False)
+
+    def forward(self, x):
+        x = x + self.noise
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def rank_buffer_problem(*, steps: int = 3, batch: int = GLOBAL_BATCH, rank: int = 0) -> Problem:
+    """``RankBufferNet`` as rank ``rank`` builds it. DDP starts every replica from rank 0's buffers, non-persistent
+    ones included, so each rank must train as if it had built rank 0's."""
+    model = RankBufferNet(rank=rank)
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(batch, 8, generator=gen) + 1, "y": torch.randn(batch, 2, generator=gen)} for _ in range(steps)]
+
+    def loss_fn(params, b):
+        return torch.nn.functional.mse_loss(fzero.apply(model, params, b["x"]), b["y"])
+
+    return Problem(model, loss_fn, batches)
+
+
+PROBLEMS = {"dropout": dropout_problem, "mlp": mlp_problem, "gpt": gpt_problem, "any": any_problem,
+            "rank_buffers": rank_buffer_problem}
 
 
 class SkippyBlocks(torch.nn.Module):

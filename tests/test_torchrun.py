@@ -34,6 +34,7 @@ def _job(name: str, params: dict, where) -> tuple[int, list[str]] | None:
         "test_torchrun_offload_equals_local_mesh_without_offload": (
             ["--offload", params.get("where", ""), "--offload-dir", str(where / "offload")] if params.get("where") == "disk"
             else ["--offload", params.get("where", "")]),
+        "test_torchrun_takes_rank_0s_non_persistent_buffers_as_ddp": ["--rank-seeded"],
         "test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh": [
             "--offload", "disk", "--offload-dir", str(where / "offload"), "--offload-params", "--meta-init"],
     }.get(name)
@@ -203,3 +204,23 @@ def test_torchrun_disk_offload_of_params_with_meta_init_equals_local_mesh(job, o
         assert_trees_equal(d, l)
     assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
     assert os.listdir(offload_dir) == []
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("problem", ["rank_buffers"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_torchrun_takes_rank_0s_non_persistent_buffers_as_ddp(job, one_thread, problem, stages):
+    """Non-persistent buffers that differ by rank (one filled from the rank's RNG at init, one written by the forward
+    from the rank's batch): DDP broadcasts every ``named_buffers()`` from rank 0 at construction and before each
+    forward, and a local mesh starts each rank from the one module's and keeps rank 0's. Before: each torchrun process
+    kept its own, so rank 1 trained on its own noise (the params differed from local_mesh(2) at the first step) and
+    ended holding its own values, silently. Now each process takes rank 0's at its first forward of a call and again
+    when the call succeeds."""
+    dist, offload_dir = job
+    prob = PROBLEMS[problem]()
+    local, metrics = fzero_run(prob, stages=stages, mesh=fzero.local_mesh(2))
+    for d, l in zip(dist["history"], local):
+        assert_trees_equal(d, l)
+    assert [m["loss"] for m in dist["metrics"]] == [m["loss"] for m in metrics]
+    for rank in range(2):  # every process ends holding rank 0's, as the local mesh's one module
+        assert_trees_equal(torch.load(f"{offload_dir.parent / 'out.pt'}.buffers{rank}"), dict(prob.model.named_buffers()))

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-elements", type=int, default=0)
     parser.add_argument("--autodiff", choices=("autograd", "func"), default=None)
     parser.add_argument("--shard-frozen", action="store_true", help="freeze the matrices and shard them (init's frozen=)")
+    parser.add_argument("--rank-seeded", action="store_true",
+                        help="build the problem as this rank (its rank argument); every rank saves its module's buffers")
     return parser
 
 
@@ -59,7 +61,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     mesh = fzero.count_collectives(fzero.dist_mesh(collectives=args.collectives))
-    prob = PROBLEMS[args.problem]()
+    prob = PROBLEMS[args.problem](**({"rank": mesh.rank} if args.rank_seeded else {}))
     # under dist_mesh each process passes its own share of the global batch
     local = [{k: v.chunk(mesh.size)[mesh.rank] for k, v in b.items()} for b in prob.batches]
     prob = type(prob)(prob.model, prob.loss_fn, local)
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> None:
     history, metrics = fzero_run(prob, stages=args.stages, mesh=mesh, meta_params=args.meta_init and mesh.rank != 0,
                                  shard_frozen=args.shard_frozen, **extra)
     calls = [(c.op, c.tag, c.numel) for c in mesh.counter.calls if c.rank == mesh.rank]
+    if args.rank_seeded:
+        torch.save({k: v.clone() for k, v in prob.model.named_buffers()}, f"{args.out}.buffers{mesh.rank}")
     if mesh.rank == 0:
         gathers = [c.label for c in mesh.counter.calls if c.rank == mesh.rank and c.op == "all_gather"]
         torch.save({"history": history, "metrics": metrics, "calls": calls, "gathers": gathers, "world": mesh.size}, args.out)

@@ -16,6 +16,7 @@ has cannot travel that way, because the code that needs it is called by the user
 | ``segments`` | the optimizers (``fzero.optim``) | optax-style ``update(grads, state, params)`` has no place for them |
 | ``schedules`` | the optimizers' and the step's reads of a schedule (``fzero.optim._base.scheduled``) | optax-style ``update`` has no place for them, and the value is one step call's, shared by all its ranks |
 | ``comm``, ``api`` | the first forward's structure check (``fzero.step._batch``) | it runs inside ``fzero.apply``, called by ``loss_fn`` |
+| ``synced`` | ``fzero.apply`` under ``dist_mesh`` (``fzero.step._context.take_rank0_buffers``) | the modules whose non-persistent buffers take rank 0's values are known only when ``loss_fn`` runs them |
 | ``observers`` | the buffer events (``fzero.mesh._comm``) | ``fzero.memory``'s counters are entered by the user around a step |
 
 The rank's program makes its context once (``Step._as_rank``: the comm, the calling API, the module clones, over
@@ -121,6 +122,7 @@ class RankContext:
     stream: Any = None  # a local_mesh rank's RNG stream (CPU and CUDA generators)
     observers: tuple = ()  # buffer-event observers (``fzero.memory``'s counters)
     frozen: Any = None  # one step call's record of the frozen params its rank threads read (``fzero.step._module.FrozenWrites``)
+    synced: dict[int, Any] | None = None  # under dist_mesh of several processes: the modules (by id) whose non-persistent buffers this step call took from rank 0
 
 
 _EMPTY = RankContext()

@@ -206,6 +206,49 @@ def watching_apply() -> Iterator[list]:
         yield modules
 
 
+def take_rank0_buffers(module: nn.Module) -> None:
+    """Under ``dist_mesh`` of several processes, in a step call: rank 0's values of the non-persistent buffers of
+    ``module`` and its submodules (a running average kept out of the ``state_dict``, a table filled from the rank's own
+    RNG at init), written into this process's tensors in place before its first forward of the call, as DDP broadcasts
+    every ``named_buffers()`` at construction and before each forward (``broadcast_buffers=True``), and as each rank of
+    a ``local_mesh`` starts the call from a copy of the one module's. Each process kept its own before, so a
+    rank-dependent buffer trained each rank on its own value. Once per module and call: a module run again, or
+    inside an earlier one, keeps what this call's forwards wrote. ``sync_buffers`` gives every rank rank 0's again
+    when the call succeeds (the persistent ones travel in the state, ``broadcast_buffers``)."""
+    context = current_context()
+    synced = context.synced
+    if synced is None or id(module) in synced:
+        return
+    fresh = []
+    for m in module.modules():
+        if id(m) not in synced:
+            synced[id(m)] = m
+            fresh.append(m)
+    sync_buffers(context.comm, fresh)
+
+
+def sync_buffers(comm: Any, modules: list[nn.Module]) -> None:
+    """Rank 0's values of ``modules``' own non-persistent buffers on every rank, in place: one broadcast per dtype and
+    device (every rank walks the same modules in the same order, so issues the same ones). A buffer that views another
+    of them (``head = cache[:4]``) gets its values with its base's; meta buffers hold none."""
+    held: dict[int, torch.Tensor] = {}
+    for m in modules:
+        names = m._non_persistent_buffers_set
+        for name, b in m._buffers.items():
+            if name in names and isinstance(b, torch.Tensor) and not b.is_meta:
+                held.setdefault(id(b), b)
+    tensors = [t for t in held.values() if t._base is None or id(t._base) not in held]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad(), torch._C._DisableFuncTorch():  # plain tensors of the module, also under torch.func.grad
+        for (dtype, device), ts in groups.items():
+            flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+            flat = comm.broadcast(flat, src=0, tag="buffers", label=f"non-persistent {dtype}")
+            for t, v in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(v.view(t.shape))
+
+
 def note_applied(module: nn.Module) -> None:
     modules = current_context().applied
     if modules is not None and not any(m is module for m in modules):

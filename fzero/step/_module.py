@@ -44,7 +44,8 @@ from fzero.mesh import current_context, with_context
 from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
 from fzero.step._stale import held_tensors, note_replaced
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
-                                 module_for_thread, note_applied, per_tensor)
+                                 module_for_thread, note_applied, per_tensor,
+                                 take_rank0_buffers)
 
 
 def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,6 +72,7 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
                         f"{type(module).__name__}.")
     check_not_compiled(module, api="fzero.apply")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
+    take_rank0_buffers(module)  # under dist_mesh: its non-persistent buffers start the call as rank 0's, as DDP's
     context = current_context()
     if context.applied is not None:  # the first forward of a step's checks: before it runs the model
         check_not_fsdp(module, api="fzero.Step")

@@ -35,7 +35,7 @@ from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
 from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.step._batch import LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
 from fzero.step._hints import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL
-from fzero.step._context import compute_dtype, recording_usage, step_buffers
+from fzero.step._context import compute_dtype, recording_usage, step_buffers, sync_buffers
 from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
 from fzero.step._module import Buffers, FrozenWrites, Trained, broadcast_buffers, note_trained_buffers, note_trained_params
@@ -167,6 +167,7 @@ class Step:
         ``_as_rank``), in this thread, once every rank has returned. ``schedules``: the values the optimizer's
         schedules take in this step, one call each for every rank and every place that reads them
         (``fzero.optim._base.ScheduleValues``)."""
+        synced = None
         if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
             # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
             # none writes an object another reads, as each torchrun process has its own; rank 0's are kept
@@ -182,8 +183,11 @@ class Step:
             api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
             comm = self.mesh.comm(api=api) if isinstance(self.mesh, DistMesh) else ThreadComm(0, Rendezvous(1, 1.0), None)
             writes = [Writes()]
-            results = [self._as_rank(comm, program, state, batch, writes=writes[0], schedules=schedules)]
+            synced = {} if isinstance(self.mesh, DistMesh) and comm.size > 1 else None  # (take_rank0_buffers)
+            results = [self._as_rank(comm, program, state, batch, writes=writes[0], schedules=schedules, synced=synced)]
         writes[0].keep()
+        if synced:  # every process ends the call holding rank 0's non-persistent buffers, as a local mesh's module does
+            sync_buffers(comm, list(synced.values()))
         return results
 
     def _check_rows(self, batch: Any) -> None:
@@ -202,11 +206,13 @@ class Step:
         check_rows(batch, where=where, expected=expected, setting=setting, short=short)
 
     def _as_rank(self, comm, program: Callable, *args: Any, writes: Writes, schedules: ScheduleValues | None = None,
-                 frozen: FrozenWrites | None = None) -> Any:
+                 frozen: FrozenWrites | None = None, synced: dict[int, nn.Module] | None = None) -> Any:
         """``program`` as this rank, in its context. ``writes``: where the rank's copies of the user's modules note what
         its forward wrote on them (``fzero.layout.Writes``), for the caller to keep once the call has succeeded: in
         this process's calling thread, after every rank of a local mesh has returned (its rank 0's writes; a torchrun
-        process keeps its own), so that no rank reads the user's modules while they are written."""
+        process keeps its own), so that no rank reads the user's modules while they are written. ``synced``: under
+        ``dist_mesh`` of several processes, where ``fzero.apply`` notes the modules whose non-persistent buffers it took
+        from rank 0 (``take_rank0_buffers``)."""
         api = "fzero.Step.evaluate" if program is eval_program else "fzero.Step.__call__"
         if isinstance(self.mesh, LocalMesh) and comm.size > 1:
             # The states of a local mesh come from one init, unless assembled by hand (or loaded): check
@@ -220,7 +226,7 @@ class Step:
         clones: dict[int, tuple[nn.Module | None, nn.Module]] = {}  # (the module, or None for a root's submodule, its copy)
         trained = Trained() if program is rank_program else None  # the user's modules this step moves behind its state
         with with_context(comm=comm if isinstance(self.mesh, DistMesh) else None, api=api, clones=clones, writes=writes,
-                          schedules=schedules, trained=trained, frozen=frozen):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
+                          schedules=schedules, trained=trained, frozen=frozen, synced=synced):  # (schedules: what fzero.optim.scheduled reads, one value per schedule)
             out = program(self._in_context, comm, *args)
         # what the forward wrote in the modules' public attributes is the user's (fzero.layout, "What a forward writes on
         # its module"); every rank notes it (and so drops it from its copies: Writes.note), the caller keeps rank 0's
