@@ -748,6 +748,64 @@ def test_a_unit_param_written_in_place_outside_its_unit_is_refused_by_name(stage
         step(state, torch.randn(4, WIDTH))
 
 
+class _DataWrite(nn.Module):
+    """A forward that writes a param through ``.data`` (``how``: "scale", ``w.data.mul_(0.9)``; "assign",
+    ``w.data = w.data * 0.9``), of a unit's param inside its call ("unit"), outside it ("outside"), or of the root
+    unit's ("root")."""
+
+    def __init__(self, how: str, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.where = how, where
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 2)
+        if where == "unit":
+            self.blocks[0].register_forward_pre_hook(lambda m, args: self._write(m[0].weight))
+
+    def _write(self, w):
+        if self.how == "scale":
+            w.data.mul_(0.9)
+        else:
+            w.data = w.data * 0.9
+
+    def forward(self, x):
+        if self.where != "unit":
+            self._write(self.head.weight if self.where == "root" else self.blocks[1][0].weight)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("how, where, stages", [
+    ("scale", "unit", 3), ("scale", "root", 3), ("assign", "unit", 3), ("assign", "outside", 3), ("assign", "outside", 2),
+    ("assign", "unit", 0)])
+def test_a_param_the_forward_writes_through_data_trains_as_pytorch_or_is_refused_by_name(how, where, stages):
+    """A write through ``.data`` goes around the version counters fzero watches. Before: at stage 3 ``w.data.mul_(0.9)``
+    landed in the unit's gathered buffer (or the root's), dropped after the call; ``w.data = ...`` replaced the tensor
+    the forward was handed (at every stage), or set a stand-in outside the unit's call (stages 2-3): lost each time,
+    9.5e-2 off PyTorch after 3 SGD steps, silently. Now each is refused by name; where the write lands in the train
+    state (``.data.mul_`` at stages 0-2) it trains as PyTorch."""
+    model = _DataWrite(how, where)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    what = r"of unit '.*' wrote its params" if how == "scale" else r"replaced the trainable param(eter)? '[^']*weight'.*"
+    with pytest.raises(RuntimeError, match=rf"the forward {what} \(shape .*\) through \.data(.|\n)*Compute with the changed value"):
+        step(state, torch.randn(4, WIDTH))
+    model, reference = _DataWrite("scale", "unit"), _DataWrite("scale", "unit")  # kept where it lands in the state
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=2, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    for k in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(k))
+        state, _ = step(state, x)
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+    assert_trees_equal(step.gather(state), {k: v.detach() for k, v in reference.named_parameters()})
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.parametrize("stages", [2, 3])

@@ -35,7 +35,7 @@ from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precisi
 from fzero.step._state import group_labels, is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
 from fzero.step._module import check_no_grad_hooks, check_trainable_set, has_grad_hooks, trainable_changes
 from fzero.step._refusals import check_export_model
-from fzero.step._hints import PARAM_WRITE_FIX
+from fzero.step._hints import DATA_WRITE, PARAM_WRITE_FIX
 from fzero.step._batch import batch_rows, per_row_items, record_list, rows_listed
 from fzero.step._step import Step
 from fzero.step._train_step import as_step, check_details, train_step

@@ -124,9 +124,11 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
     bank = current_buffers() if owned else None
     # the root's call covers the whole tree (a unit is a subtree the root's forward runs): one walk per forward
     unset = _unset_buffers(module) if not prefix and current_buffers() is not None and not current_context().replay else ()
+    data = _data_ptrs(tensors)  # a trainable param's .data replaced by the forward (p.data = x) is refused after it
     if scope is None or not torch.is_grad_enabled():  # no graph, no recompute: restore at once
         with bound(module, tensors, binding):
             out = run(*args, **kwargs)
+            refuse_replaced_data(data, prefix=prefix, where="is a view of the state's params for the step")
             _refuse_created(module, unset, prefix)
             if bank is not None:
                 bank.adopt_replaced(module, tensors, owned, prefix=prefix)
@@ -138,10 +140,36 @@ def call_module(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, 
         return out
     scope.enter_context(bound(module, tensors, binding))
     out = run(*args, **kwargs)
+    refuse_replaced_data(data, prefix=prefix, where="is a view of the state's params for the step")
     _refuse_created(module, unset, prefix)
     if bank is not None:
         bank.adopt_replaced(module, tensors, owned, prefix=prefix)
     return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a ``torch.func`` wrapper holds, or ``t``."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _data_ptrs(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, where its memory starts) of each trainable tensor among those a module is handed for a call."""
+    return [(name, t, _plain(t).data_ptr()) for name, t in tensors.items()
+            if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_meta]
+
+
+def refuse_replaced_data(data: list[tuple[str, torch.Tensor, int]], *, prefix: str, where: str) -> None:
+    """Refuse a forward that replaced a trainable param's ``.data`` (``self.weight.data = w * 0.9``): the tensor it
+    was handed (``data``, from ``_data_ptrs``) now holds other memory, so the write would reach neither the state nor
+    the optimizer. Before: lost at every stage, silently (9.5e-2 off PyTorch after 3 SGD steps)."""
+    from fzero.step._hints import DATA_WRITE
+
+    for name, t, ptr in data:
+        if _plain(t).data_ptr() != ptr:
+            raise RuntimeError(DATA_WRITE.format(how=f"replaced the trainable param {prefix + name!r}", shape=tuple(t.shape),
+                                                 where=where))
 
 
 def _unset_buffers(module: nn.Module) -> list[tuple[str, nn.Module, str]]:

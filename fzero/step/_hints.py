@@ -60,6 +60,19 @@ PARAM_WRITE_FIX = (
     "between steps), or on one rank at stage 0 or 1 with fp32 params and no offload, where it lands in the train state "
     "itself."
 )
+# a forward that wrote a trainable param through ``.data``: the step's refusals (``fzero.step._context.call_module``,
+# stage 3's ``fzero.zero._unit``), which name the param or unit and how
+DATA_WRITE = (
+    "fzero.apply: the forward {how} (shape {shape}) through .data, which goes around autograd and fzero's watch of the "
+    "params: fzero trains the train state's tensor, and what the forward was handed as that param {where}, so the "
+    "write would be used by this forward alone and never reach the state or the optimizer, silently, where PyTorch's "
+    "param keeps it. Compute with the changed value instead (w = self.weight.clamp(-c, c), read where the weight is "
+    "used), or write the param itself in place under torch.no_grad() (p.clamp_(-c, c)), which fzero keeps on one rank "
+    "at stage 0 or 1 with fp32 params and no offload and refuses by name elsewhere; for a change between steps (WGAN's "
+    "weight clipping, a re-init), see docs/migrating.md, \"The module after step.init\"."
+)
+
+
 PARAM_WRITTEN_AT_STAGE_2_3 = (
     "  The view written is most likely a param: at stages 2-3 a unit's params are views that fzero's Functions make "
     "for the unit's call, and the forward wrote one in place (nn.Embedding(max_norm=...) renormalizes the rows it looks "

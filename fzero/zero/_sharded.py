@@ -34,7 +34,7 @@ from fzero.step import (usage as _usage, Pool, buffers_for_run, call_module, cas
                         check_no_grad_hooks, current_buffers, has_grad_hooks, current_compute_dtype, current_writes)
 from fzero.mesh import AllGather, ReplicatedShardGrad, current_context
 from fzero.zero._stand_in import _sharded_frozen, _StandIn
-from fzero.zero._unit import _WRITTEN_IN_UNIT, _unwrapped, run_unit
+from fzero.zero._unit import _WRITTEN_IN_UNIT, _changed_share, _data_written, _unwrapped, run_unit
 from fzero.zero._jit import compiled
 
 
@@ -151,6 +151,13 @@ class UnitParams(Mapping):
             # refuses it first) would be dropped with the buffer, as a unit's is (UnitCall.run)
             if any(t._version != v for t, v in getattr(self, "_root_versions", [])):
                 raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=ROOT, cls=""))
+            root_unit = next((u for u in self.layout.units if u.name == ROOT), None)
+            for full, sent in getattr(self, "_root_sent", []):  # a write through .data, as a unit's (UnitCall.run)
+                changed = _changed_share(full, sent, self.comm.rank)
+                if full.device.type != "cpu":
+                    self.schedule.data_checks.append((root_unit, changed))
+                elif bool(changed):
+                    raise RuntimeError(_data_written(root_unit))
             if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds
                 seen: set[int] = set()
                 for module, skel in self._skeletons.values():
@@ -161,6 +168,7 @@ class UnitParams(Mapping):
             roots: list[torch.Tensor] = getattr(self, "_roots", [])
             self._roots: list[torch.Tensor] = []
             self._root_versions: list[tuple[torch.Tensor, int]] = []
+            self._root_sent: list[tuple[torch.Tensor, torch.Tensor]] = []
             self._root_frozen = None
             if self.pool is not None:
                 for root in roots:
@@ -260,6 +268,9 @@ class ShardedParams(UnitParams):
         self._roots = [*getattr(self, "_roots", []), root]  # one per grad mode the step's forwards ran in (``views``)
         plain = _unwrapped(root)
         self._root_versions = [*getattr(self, "_root_versions", []), (plain, plain._version)]
+        # what this rank sent, to find a write through .data at release (UnitCall._refuse_data_writes)
+        sent = _unwrapped(cast if cast is not None else shard).detach()
+        self._root_sent = [*getattr(self, "_root_sent", []), (plain, sent)]
         return root
 
     def run_unit(self, inner, unit, args, kwargs):

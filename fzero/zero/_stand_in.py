@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fzero.layout import named_tensors, ROOT, Layout
-from fzero.step import PARAM_WRITE_FIX
+from fzero.step import DATA_WRITE, PARAM_WRITE_FIX
 
 
 # What a stand-in may be asked outside its unit's call (its shape, dtype, ``requires_grad``: properties, read by
@@ -65,6 +65,14 @@ def _guard(func: Any, args: Any = (), kwargs: Any = None) -> Any:
             with torch._C.DisableTorchFunctionSubclass():
                 out = first if dtype is None else first.to(dtype=dtype)
             return out if out is first else _guarded(out, stand_in)
+    if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data" and args \
+            and isinstance(args[0], _GUARDED):
+        # ``self.blocks[0].fc.weight.data = w`` outside that unit's call: set on the meta stand-in, so the unit's call
+        # ran on the gathered values and the write was lost (9.5e-2 off PyTorch after 3 SGD steps), silently
+        at = args[0].__dict__.get("_fz_where")
+        raise RuntimeError(DATA_WRITE.format(
+            how=f"replaced the trainable parameter {at[1] if at else '?'!r} of unit {at[0] if at else '?'!r}",
+            shape=tuple(args[0].shape), where="is, outside that unit's call, a stand-in with no values (stages 2-3)"))
     if getter is None and args and isinstance(args[0], _GUARDED) and _writes_in_place(name):
         # an in-place write of a stand-in alone (``self.blocks[1].fc.weight.mul_(0.9)`` under no_grad in the model's
         # forward, outside that unit's call) would run on meta and do nothing, where PyTorch keeps it (it was lost silently)

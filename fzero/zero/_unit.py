@@ -27,7 +27,7 @@ from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
                           split_sizes, walk)
 from fzero.mesh import current_context, events as _events, Function, GatherBucket, Pending, profiled
-from fzero.step import (PARAM_WRITE_FIX, current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
+from fzero.step import (DATA_WRITE, PARAM_WRITE_FIX, current_buffers, current_scope, live_buffers, Pool, alloc_memory, can_move, forget, free_memory, give, move_into,
                          take, usage as _usage)
 from fzero.zero._unit_hooks import _after_backward, _refill_on_escape, _refill_on_escape_pre, write_back
 
@@ -74,10 +74,12 @@ class UnitCall:
         probe = views[0] if views else next(iter(self.frozen.values()), None)
         probe = _unwrapped(probe) if probe is not None else None
         version = probe._version if probe is not None else 0
+        ptrs = [_unwrapped(v).data_ptr() for v in views]  # a param's .data replaced by the forward shows here
         try:
             out = self.params.runner(self.inner, self.unit, forward_only=self.forward_only)(*args, **kwargs)
             if probe is not None and probe._version != version:
                 raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=self.unit.name, cls=f" ({type(self.inner).__name__})"))
+            self._refuse_data_writes(views, ptrs)
             bank = current_buffers()
             if bank is not None and self.params.buffers and not current_context().replay:  # a buffer the forward replaced
                 bank.adopt_replaced(self.inner, self.tensors, self.params.buffers, prefix=self.unit.name + ".")
@@ -89,6 +91,29 @@ class UnitCall:
             if not keep:  # the frozen views too: they hold the whole buffer (a remat call's is never freed into the pool)
                 self.tensors = {}
                 self.frozen = {}
+
+    def _refuse_data_writes(self, views: tuple[torch.Tensor, ...], ptrs: list[int]) -> None:
+        """Refuse a forward that wrote the unit's params through ``.data``, which no version counter sees: a param whose
+        ``.data`` it replaced (``self.weight.data = w``: the view now holds other memory), or this rank's share of the
+        gathered buffer no longer holding, bit for bit, what the rank sent to the gather (``self.weight.data.mul_(0.9)``,
+        a WGAN critic's ``p.data.clamp_(-c, c)`` in its forward). The buffer is dropped after the call and refilled
+        for the backward from the shards, so the write was lost (9.5e-2 off PyTorch after 3 SGD steps), silently. Every
+        rank runs the forward on the whole unit, so a write anywhere in it shows in some rank's share. On a GPU the
+        comparison is waited for once, at the end of the step (``Schedule.finish``); a remat call (whose buffer is not
+        ``full``) and disk offload of params (whose shards are given back once gathered) are not compared."""
+        for s, v, ptr in zip(self.unit.slots, views, ptrs):
+            if _unwrapped(v).data_ptr() != ptr:
+                raise RuntimeError(DATA_WRITE.format(how=f"replaced the trainable param {s.path!r}", shape=s.shape,
+                                                     where=_DATA_WHERE))
+        schedule, full = self.schedule, self.full
+        if full is None or not views or schedule.release is not None:
+            return
+        changed = _changed_share(full.narrow(0, 0, self.unit.padded), schedule.input_of(self.unit.name), schedule.comm.rank)
+        if full.device.type == "cpu":
+            if bool(changed):
+                raise RuntimeError(_data_written(self.unit))
+        else:
+            schedule.data_checks.append((self.unit, changed))
 
     def _watch_hooks(self, views: tuple[torch.Tensor, ...]) -> list:
         """For a call that keeps its graph, under plain autograd: a forward hook (and a forward pre-hook) put first on
@@ -259,6 +284,7 @@ class Schedule:
         self.waiting: dict[str, list[UnitCall]] = {}  # calls whose buffer is freed until their backward, by unit
         self.calls: list[UnitCall] = []  # every call that keeps its graph this step: each is let go at finish
         self.pending: dict[int, tuple[str, Any, UnitCall | None]] = {}
+        self.data_checks: list[tuple[Unit, torch.Tensor]] = []  # on a GPU: whether a forward wrote a unit through .data
         # one rank: a gather is a copy (or a cast) of the shard, with nothing to overlap; prefetched, it would only
         # hold a second unit beside the one that runs
         self.following = prefetch and bool(order) and comm.size > 1
@@ -499,6 +525,9 @@ class Schedule:
 
     def finish(self) -> tuple[str, ...]:
         """Complete what is still in flight and free every buffer; the order this step took."""
+        checks, self.data_checks = self.data_checks, []
+        if checks and bool(torch.stack([c for _, c in checks]).any()):  # (UnitCall._refuse_data_writes), one wait
+            raise RuntimeError(_data_written(next(u for u, c in checks if bool(c))))
         self._drain([])
         for c in self.calls:  # those whose backward never came, or came without reaching their params
             c.done()
@@ -558,6 +587,25 @@ _WRITTEN_IN_UNIT = (
     "step) and dropped after it, so the write would never reach the train state (before: lost silently under autodiff='func', 3.35 off PyTorch "
     "after one step). " + PARAM_WRITE_FIX
 )
+
+
+_DATA_WHERE = "is a view of the unit's buffer, gathered for its call and dropped after it (stage 3)"
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _changed_share(full: torch.Tensor, sent: torch.Tensor, rank: int) -> torch.Tensor:
+    """Whether this rank's share of the gathered ``full`` differs, bit for bit (a NaN is equal to itself), from
+    ``sent``, what the rank sent to the gather: a 0-d bool tensor on ``full``'s device, not waited for."""
+    n = sent.numel()
+    share = full.narrow(0, rank * n, n)
+    sent = sent.to(share.device, share.dtype, non_blocking=True)
+    ints = _INTS[share.element_size()]
+    return torch.ne(share.view(ints), sent.view(ints)).any()
+
+
+def _data_written(unit: Unit) -> str:
+    return DATA_WRITE.format(how=f"of unit {unit.name!r} wrote its params", shape=f"{unit.numel} elements in all",
+                             where=_DATA_WHERE)
 
 
 def run_unit(inner: nn.Module, unit: Unit, params: Any, args: tuple, kwargs: dict) -> Any:
