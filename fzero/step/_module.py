@@ -176,7 +176,7 @@ def note_trained_buffers(modules: Any, buffers: Mapping[str, torch.Tensor]) -> N
 # ``torch.__future__.set_swap_module_params_on_conversion(True)``) leaves id and version as they were but changes the
 # values. No reference to a parameter is held, not even a weak one: ``torch.utils.swap_tensors`` refuses a tensor
 # with a weak reference, and failed every such load (and ``model.to()`` in that mode) of a module a step had trained.
-_untrained: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int, torch.Tensor]]]" = weakref.WeakKeyDictionary()
+_untrained: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int, torch.Tensor, int]]]" = weakref.WeakKeyDictionary()
 _FIRST = 8  # the values of each parameter kept to tell a write through .data from none
 # The same modules' trainable parameters that were meta tensors when the step returned, by name: their values were
 # given to the state by ``step.init(..., donate=True)`` (or never existed: a model built under ``fzero.empty_params()``
@@ -201,11 +201,12 @@ class Trained:
     ``fzero.step._batch.LossFnInContext``), so a teacher run with its own params (``fzero.apply(teacher, {**tparams,
     **tbuffers}, x)``) is not taken for trained."""
 
-    __slots__ = ("buffers", "params", "given", "_leaves")
+    __slots__ = ("buffers", "params", "given", "_leaves", "watches")
 
     def __init__(self) -> None:
         self.buffers: list[nn.Module] = []
         self.params: list[nn.Module] = []
+        self.watches: list[Any] = []  # the modules' trainable params against their record (``watch_module_writes``)
         self.given: Any = None  # what loss_fn was given (stages 0-1), set per call
         self._leaves: frozenset[int] | None = None
 
@@ -218,11 +219,22 @@ class Trained:
             self.buffers.append(module)
 
     def ran(self, module: nn.Module, params: Any, *, units: bool) -> None:
-        """``fzero.apply`` ran ``module`` with ``params`` (unit params: ``units``)."""
+        """``fzero.apply`` ran ``module`` with ``params`` (unit params: ``units``); the first time in the call, its
+        trainable params are held against what the step before left them as (``watch_module_writes``)."""
         if any(m is module for m in self.params):
             return
         if units or params is self.given or (isinstance(params, Mapping) and any(id(v) in self.leaves for v in params.values())):
             self.params.append(module)
+            watch = watch_module_writes(module, params)
+            if watch is not None:
+                self.watches.append(watch)
+
+    def check_writes(self) -> None:
+        """Before the update: refuse a module whose trainable params were written since the step before
+        (``watch_module_writes``), unless they now hold the state's values."""
+        watches, self.watches = self.watches, []
+        for watch in watches:
+            watch.check()
 
     @property
     def leaves(self) -> frozenset[int]:
@@ -230,6 +242,128 @@ class Trained:
         if self._leaves is None:
             self._leaves = frozenset(id(t) for t in _tree.tree_leaves(self.given)) if self.given is not None else frozenset()
         return self._leaves
+
+
+class _ModuleWrites:
+    """One module's trainable params at a step's first forward of it, against the record the step before left
+    (``_untrained``): the tensors whose id, version or memory moved (found on the host), and whether each other one's
+    first values moved (a write through ``.data``, ``p.data.clamp_(-c, c)``), a tensor on the params' device that
+    ``check`` reads once, before the update, so the step makes the host wait for the device once at most."""
+
+    def __init__(self, module: nn.Module, params: Any, now: dict[str, torch.Tensor], moved: list[str],
+                 names: list[str], firsts: torch.Tensor | None) -> None:
+        self.module, self.params, self.now, self.moved, self.names, self.firsts = module, params, now, moved, names, firsts
+
+    def check(self) -> None:
+        written = list(self.moved)
+        if self.firsts is not None:
+            flags, at = self.firsts.tolist(), 0
+            for n in self.names:
+                k = min(_FIRST, self.now[n].numel())
+                if any(flags[at:at + k]):
+                    written.append(n)
+                at += k
+        if not written:
+            return
+        differ = [n for n in written if not _holds_state_values(self.now[n], n, self.params)]
+        if differ:
+            raise ValueError(_module_written_message(self.module, differ, self.now))
+        with _trained_lock:  # the state's values, written into the module (a load through .data): the record takes them
+            held = _untrained.get(self.module)
+            if held is not None:
+                for n in written:
+                    p = self.now[n]
+                    if n in held:
+                        held[n] = (id(p), p._version, _first_values(p), p.data_ptr())
+
+
+def watch_module_writes(module: nn.Module, params: Any) -> "_ModuleWrites | None":
+    """A trainable param of ``module`` written on the module since the step before trained it (WGAN's weight clipping
+    ``p.data.clamp_(-c, c)`` after a step, an EMA through ``.data``, ``torch.nn.init`` on a submodule, ``p.data = t``): a
+    step trains its state and never reads the module's trainable params, so the write was lost, silently (3e-1 off
+    PyTorch after 3 SGD steps). Found by the record the step before left (``_untrained``: id, version, memory and
+    first values; a write through ``.data`` that leaves a param's first values as they were is not seen), and refused
+    before the update unless the module now holds the state's values (``model.load_state_dict(step.state_dict(state,
+    model))`` between steps, to evaluate it). None where the module has no record or nothing to compare."""
+    with _trained_lock:
+        held = _untrained.get(module)
+    if not held:
+        return None
+    now = dict(named_tensors(module, "_parameters"))
+    moved, names, firsts, olds = [], [], [], []
+    for name, (pid, version, first, ptr) in held.items():
+        p = now.get(name)
+        if p is None or p.is_meta or not p.requires_grad:  # gone, emptied (donate=True) or frozen: not a value
+            continue
+        if id(p) != pid or p._version != version or p.data_ptr() != ptr:
+            moved.append(name)
+            continue
+        values = p.detach().reshape(-1)[:_FIRST]
+        if values.shape != first.shape or values.dtype != first.dtype or values.device != first.device:
+            moved.append(name)
+            continue
+        names.append(name)
+        firsts.append(values)
+        olds.append(first)
+    flags = None
+    if firsts:  # one comparison for all: each param's first values, element by element (read in ``check``)
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            if len({t.device for t in firsts}) == 1:
+                flags = torch.ne(torch.cat(firsts), torch.cat(olds))
+            else:
+                flags = torch.cat([torch.ne(a, b).cpu() for a, b in zip(firsts, olds)])
+    if not moved and flags is None:
+        return None
+    return _ModuleWrites(module, params, now, moved, names, flags)
+
+
+def _holds_state_values(p: torch.Tensor, name: str, params: Any) -> bool:
+    """Whether the module's param ``p`` holds, in the state's dtype, what this rank's state holds of param ``name``:
+    the whole param at stages 0-2, this rank's shard of it at stage 3 (each rank checks its own, and one that finds
+    otherwise refuses for all)."""
+    from fzero.step._context import _plain
+
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        if getattr(type(params), "run_module", None) is None:  # stages 0-1: a dict holding the state's tensors
+            t = params.get(name) if isinstance(params, Mapping) else None
+            if not isinstance(t, torch.Tensor):
+                return False
+            t = _plain(t).detach()
+            return t.shape == p.shape and torch.equal(t, p.detach().to(t.device, t.dtype))
+        slot = unit = None
+        for u in params.layout.units:
+            slot = next((s for s in u.slots if s.path == name), None)
+            if slot is not None:
+                unit = u
+                break
+        if slot is None or unit is None:
+            return False
+        wholes = getattr(params, "wholes", None)
+        if wholes is not None:  # stage 2: the whole flat of the unit
+            src, lo = _plain(wholes[unit.name]).detach(), 0
+        else:  # stage 3: what this rank sends to the unit's gather, its share of the flat
+            src = params.schedule.input_of(unit.name)
+            lo = unit.shard_range(params.comm.rank, params.comm.size)[0]
+        a, b = max(lo, slot.offset), min(lo + src.numel(), slot.offset + slot.numel)
+        if a >= b:
+            return True
+        mine = p.detach().reshape(-1)[a - slot.offset:b - slot.offset].to(src.device, src.dtype)
+        return torch.equal(src.reshape(-1)[a - lo:b - lo], mine)
+
+
+def _module_written_message(module: nn.Module, names: list[str], now: dict[str, torch.Tensor]) -> str:
+    few = ", ".join(f"{n!r} {tuple(now[n].shape)}" for n in names[:4]) + (" ..." if len(names) > 4 else "")
+    return (
+        f"fzero.Step: the trainable param(s) {few} of {type(module).__name__} were written on the module since the step "
+        f"before (p.data.clamp_(...) or another write through .data, torch.nn.init, an in-place write under "
+        f"torch.no_grad(), p.data = t), and they do not hold the state's values. A step trains its state and never "
+        f"reads the module's trainable params, so the write would be ignored, silently (PyTorch's optimizer steps the "
+        f"written values). Change the state instead: an element-wise edit of every param (WGAN's weight clipping) can be "
+        f"made on the state's params in place, for t in state.params.values(): t.clamp_(-c, c) (fp32 params without "
+        f"master weights or offload; on a local mesh, for each s in state.states); for another change, write the "
+        f"trained values into the module first (model.load_state_dict(step.state_dict(state, model))), change it, "
+        f"then state = step.init(fzero.params_of(model)) (the optimizer's moments start again). Loading the state's "
+        f"own values into the module to evaluate it is not a change.")
 
 
 def note_trained_params(modules: Any) -> None:
@@ -245,7 +379,8 @@ def note_trained_params(modules: Any) -> None:
                 meta.append(n)
             elif p.requires_grad:
                 pid, version, old = id(p), p._version, before.get(n)
-                held[n] = (pid, version, old[2] if old is not None and old[0] == pid and old[1] == version else _first_values(p))
+                held[n] = (pid, version, old[2] if old is not None and old[0] == pid and old[1] == version else _first_values(p),
+                           p.data_ptr())
         with _trained_lock:
             if held:
                 _untrained[module] = held
@@ -287,7 +422,7 @@ def _still_untrained(module: nn.Module) -> bool:
     if not held:
         return False
     now = {}
-    for name, (pid, version, _) in held.items():
+    for name, (pid, version, *_) in held.items():
         try:
             p = module.get_parameter(name)
         except AttributeError:

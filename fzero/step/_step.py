@@ -32,7 +32,7 @@ from torch import nn
 
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
-from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, DistMesh, LocalMesh, Mesh, program_fields
+from fzero.mesh import Rendezvous, ThreadComm, AGREE_FIX, with_context, current_context, DistMesh, LocalMesh, Mesh, program_fields
 from fzero.step._batch import LossFnInContext, check_rows, gradient, keep_rank0_generators, split_batch, split_loss, split_micro
 from fzero.step._hints import PARAM_WRITE_FIX, UNIT_OUTSIDE_ITS_CALL
 from fzero.step._context import compute_dtype, recording_usage, step_buffers, sync_buffers
@@ -540,6 +540,9 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
             acc = grads if acc is None or view.accumulates else [a.add_(g) for a, g in zip(acc, grads)]
             del grads
             losses.append(loss)
+    trained = current_context().trained
+    if trained is not None:  # a module's trainable params written since the step before (_module.watch_module_writes)
+        trained.check_writes()
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
