@@ -147,8 +147,8 @@ def _load(model, trained, how):
 def test_trained_values_written_through_data_or_swapped_in_lift_it(how):
     """Loads that keep each parameter's tensor and version counter: refused after them, as the untrained model (a
     write through ``.data``), or the load itself failed, torch's "Cannot swap t1 because it has weakref associated
-    with it" (the record held a weak reference to each parameter). Not seen: a step after a write through ``.data``
-    (the record keeps the values from the step before, as a step copies none), where a call then passes."""
+    with it" (the record held a weak reference to each parameter). A step after a write through ``.data`` of the
+    state's values takes them into the record (``watch_module_writes``), so a call after it is refused again."""
     model = _mlp()
     with torch.no_grad():  # a model whose own init writes again (as Hugging Face's _init_weights): versions of 2
         for p in model.parameters():
@@ -164,6 +164,9 @@ def test_trained_values_written_through_data_or_swapped_in_lift_it(how):
     model.float()
     _load(model, trained, how)
     assert torch.equal(model(x), fzero.apply(model, trained, x))
+    state, _ = step(state, {"x": x})  # the state's own values: not a change; the module is behind it again
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        model(x)
 
 
 SAVE_MESSAGE = (r"Sequential\.state_dict\(\) was called{where} after a fzero\.Step trained it.*untrained model.*"
