@@ -246,8 +246,8 @@ class Trained:
 
 class _ModuleWrites:
     """One module's trainable params at a step's first forward of it, against the record the step before left
-    (``_untrained``): the tensors whose id, version or memory moved (found on the host), and whether each other one's
-    first values moved (a write through ``.data``, ``p.data.clamp_(-c, c)``), a tensor on the params' device that
+    (``_untrained``): those of another size (found on the host), and whether each other one's first values moved (a
+    write through ``.data``, ``p.data.clamp_(-c, c)``, ``torch.nn.init``), a tensor on the params' device that
     ``check`` reads once, before the update, so the step makes the host wait for the device once at most."""
 
     def __init__(self, module: nn.Module, params: Any, now: dict[str, torch.Tensor], moved: list[str],
@@ -281,8 +281,9 @@ def watch_module_writes(module: nn.Module, params: Any) -> "_ModuleWrites | None
     """A trainable param of ``module`` written on the module since the step before trained it (WGAN's weight clipping
     ``p.data.clamp_(-c, c)`` after a step, an EMA through ``.data``, ``torch.nn.init`` on a submodule, ``p.data = t``): a
     step trains its state and never reads the module's trainable params, so the write was lost, silently (3e-1 off
-    PyTorch after 3 SGD steps). Found by the record the step before left (``_untrained``: id, version, memory and
-    first values; a write through ``.data`` that leaves a param's first values as they were is not seen), and refused
+    PyTorch after 3 SGD steps). Found by the record the step before left (``_untrained``), by each param's first
+    values (a new tensor of the same values writes nothing; a write that leaves the first values as they were is not
+    seen), and refused
     before the update unless the module now holds the state's values (``model.load_state_dict(step.state_dict(state,
     model))`` between steps, to evaluate it). None where the module has no record or nothing to compare."""
     with _trained_lock:
@@ -291,17 +292,18 @@ def watch_module_writes(module: nn.Module, params: Any) -> "_ModuleWrites | None
         return None
     now = dict(named_tensors(module, "_parameters"))
     moved, names, firsts, olds = [], [], [], []
-    for name, (pid, version, first, ptr) in held.items():
+    for name, (_, _, first, _) in held.items():
         p = now.get(name)
         if p is None or p.is_meta or not p.requires_grad:  # gone, emptied (donate=True) or frozen: not a value
             continue
-        if id(p) != pid or p._version != version or p.data_ptr() != ptr:
-            moved.append(name)
-            continue
+        # by value alone: a new tensor of the same values (model.double().float(), a load with assign=True of the
+        # module's own) writes nothing, and a write through .data moves neither the tensor nor its version
         values = p.detach().reshape(-1)[:_FIRST]
-        if values.shape != first.shape or values.dtype != first.dtype or values.device != first.device:
+        if values.shape != first.shape:
             moved.append(name)
             continue
+        if values.dtype != first.dtype or values.device != first.device:
+            values = values.to(first.device, first.dtype)
         names.append(name)
         firsts.append(values)
         olds.append(first)

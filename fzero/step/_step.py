@@ -167,7 +167,7 @@ class Step:
         ``_as_rank``), in this thread, once every rank has returned. ``schedules``: the values the optimizer's
         schedules take in this step, one call each for every rank and every place that reads them
         (``fzero.optim._base.ScheduleValues``)."""
-        synced = None
+        synced: dict[int, nn.Module] | None = None
         if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
             # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
             # none writes an object another reads, as each torchrun process has its own; rank 0's are kept

@@ -151,11 +151,11 @@ class UnitParams(Mapping):
             # refuses it first) would be dropped with the buffer, as a unit's is (UnitCall.run)
             if any(t._version != v for t, v in getattr(self, "_root_versions", [])):
                 raise RuntimeError(_WRITTEN_IN_UNIT.format(unit=ROOT, cls=""))
-            root_unit = next((u for u in self.layout.units if u.name == ROOT), None)
             for full, sent in getattr(self, "_root_sent", []):  # a write through .data, as a unit's (UnitCall.run)
+                root_unit = next(u for u in self.layout.units if u.name == ROOT)
                 changed = _changed_share(full, sent, self.comm.rank)
                 if full.device.type != "cpu":
-                    self.schedule.data_checks.append((root_unit, changed))
+                    getattr(self, "schedule").data_checks.append((root_unit, changed))  # (stage 3's alone have roots)
                 elif bool(changed):
                     raise RuntimeError(_data_written(root_unit))
             if self.writes is not None:  # carried to the next micro-batch's skeleton, and kept when the step succeeds

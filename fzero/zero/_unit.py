@@ -526,8 +526,9 @@ class Schedule:
     def finish(self) -> tuple[str, ...]:
         """Complete what is still in flight and free every buffer; the order this step took."""
         checks, self.data_checks = self.data_checks, []
+        written = None
         if checks and bool(torch.stack([c for _, c in checks]).any()):  # (UnitCall._refuse_data_writes), one wait
-            raise RuntimeError(_data_written(next(u for u, c in checks if bool(c))))
+            written = next(u for u, c in checks if bool(c))
         self._drain([])
         for c in self.calls:  # those whose backward never came, or came without reaching their params
             c.done()
@@ -537,6 +538,8 @@ class Schedule:
                 c.hooks = None
         self.calls.clear()
         self.waiting.clear()
+        if written is not None:  # refused once every buffer is given back, before the update
+            raise RuntimeError(_data_written(written))
         return tuple(self.seen)
 
 
