@@ -776,10 +776,10 @@ class _DataWrite(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("how, where, stages", [
-    ("scale", "unit", 3), ("scale", "root", 3), ("assign", "unit", 3), ("assign", "outside", 3), ("assign", "outside", 2),
-    ("assign", "unit", 0)])
-def test_a_param_the_forward_writes_through_data_trains_as_pytorch_or_is_refused_by_name(how, where, stages):
+@pytest.mark.parametrize("how, where, stages, remat", [
+    ("scale", "unit", 3, False), ("scale", "unit", 3, True), ("scale", "root", 3, False), ("assign", "unit", 3, False),
+    ("assign", "outside", 3, False), ("assign", "outside", 2, False), ("assign", "unit", 0, False)])
+def test_a_param_the_forward_writes_through_data_trains_as_pytorch_or_is_refused_by_name(how, where, stages, remat):
     """A write through ``.data`` goes around the version counters fzero watches. Before: at stage 3 ``w.data.mul_(0.9)``
     landed in the unit's gathered buffer (or the root's), dropped after the call; ``w.data = ...`` replaced the tensor
     the forward was handed (at every stage), or set a stand-in outside the unit's call (stages 2-3): lost each time,
@@ -787,7 +787,7 @@ def test_a_param_the_forward_writes_through_data_trains_as_pytorch_or_is_refused
     state (``.data.mul_`` at stages 0-2) it trains as PyTorch."""
     model = _DataWrite(how, where)
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1),
-                         stages=stages, mesh=fzero.local_mesh(1))
+                         stages=stages, mesh=fzero.local_mesh(1), remat=remat)
     state = step.init(fzero.params_of(model))
     what = r"of unit '.*' wrote its params" if how == "scale" else r"replaced the trainable param(eter)? '[^']*weight'.*"
     with pytest.raises(RuntimeError, match=rf"the forward {what} \(shape .*\) through \.data(.|\n)*Compute with the changed value"):

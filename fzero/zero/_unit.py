@@ -45,6 +45,7 @@ class UnitCall:
     def __init__(self, inner: nn.Module, unit: Unit, params: Any) -> None:
         self.inner, self.unit, self.params = inner, unit, params
         self.full: torch.Tensor | None = None
+        self.remat_full: torch.Tensor | None = None  # a remat call's gathered buffer, until its forward is checked
         # the call keeps its graph (grad enabled, no remat): its buffer waits, freed, for its backward. Decided
         # before the gather Function runs: inside a Function's forward grad mode is always off.
         self.keeps_graph = False
@@ -99,13 +100,15 @@ class UnitCall:
         a WGAN critic's ``p.data.clamp_(-c, c)`` in its forward). The buffer is dropped after the call and refilled
         for the backward from the shards, so the write was lost (9.5e-2 off PyTorch after 3 SGD steps), silently. Every
         rank runs the forward on the whole unit, so a write anywhere in it shows in some rank's share. On a GPU the
-        comparison is waited for once, at the end of the step (``Schedule.finish``); a remat call (whose buffer is not
-        ``full``) and disk offload of params (whose shards are given back once gathered) are not compared."""
+        comparison is waited for once, at the end of the step (``Schedule.finish``); disk offload of params (whose
+        shards are given back once gathered) is not compared."""
         for s, v, ptr in zip(self.unit.slots, views, ptrs):
             if _unwrapped(v).data_ptr() != ptr:
                 raise RuntimeError(DATA_WRITE.format(how=f"replaced the trainable param {s.path!r}", shape=s.shape,
                                                      where=_DATA_WHERE))
         schedule, full = self.schedule, self.full
+        if full is None:  # a remat call's: checked in its forward (and again in the recompute), then let go
+            full, self.remat_full = self.remat_full, None
         if full is None or not views or schedule.release is not None:
             return
         changed = _changed_share(full.narrow(0, 0, self.unit.padded), schedule.input_of(self.unit.name), schedule.comm.rank)
@@ -817,6 +820,7 @@ class _UnitGather(Function):
             call.full = full
         else:  # a remat call's buffer is not freed into the pool: it goes with the views its recompute saved
             forget(call.schedule.pool, full)
+            call.remat_full = full  # for the forward's check of a write through .data, dropped after it (run)
         groups = call.schedule.groups.get(call.unit.name)
         if groups is not None:  # ``frozen=``: the unit's frozen params, views of the buffer's tail (no gradient)
             prefix = len(call.unit.name) + 1
