@@ -189,12 +189,13 @@ def _first_values(p: torch.Tensor) -> torch.Tensor:
     """The first ``_FIRST`` values of ``p``, copied (a few bytes beside each parameter, taken again only where its
     tensor or version moved since the step before, or a step found them written: a step costs no copy)."""
     with torch.no_grad():
-        return _first_view(p).clone()
+        return _first_view(p.detach()).clone()
 
 
 def _first_view(p: torch.Tensor) -> torch.Tensor:
     """The first ``_FIRST`` values of ``p`` (in memory order where it is contiguous, in one op: read every step for
-    every trainable param, ``watch_module_writes``, at half the cost of a flatten and a slice), a view. Under no_grad."""
+    every trainable param, ``watch_module_writes``, at half the cost of a flatten and a slice), a view. Given detached:
+    a remat'ed function's watch refuses an op on a tensor that requires grad and is none of its arguments."""
     return p.as_strided((min(_FIRST, p.numel()),), (1,)) if p.is_contiguous() else p.reshape(-1)[:_FIRST]
 
 
@@ -305,7 +306,7 @@ def watch_module_writes(module: nn.Module, params: Any) -> "_ModuleWrites | None
                 continue
             # by value alone: a new tensor of the same values (model.double().float(), a load with assign=True of the
             # module's own) writes nothing, and a write through .data moves neither the tensor nor its version
-            values = _first_view(p)
+            values = _first_view(p.detach())
             if values.shape != first.shape:
                 moved.append(name)
                 continue
@@ -442,7 +443,7 @@ def _still_untrained(module: nn.Module) -> bool:
     for name, p in now.items():  # the same tensors, unwritten in place: a write through .data changed only the values
         first = held[name][2]
         with torch.no_grad():
-            values = _first_view(p)
+            values = _first_view(p.detach())
         if values.shape != first.shape or not torch.equal(values, first.to(device=values.device, dtype=values.dtype)):
             return False
     return True
