@@ -371,8 +371,9 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> tuple[nn.Module, B
         layout = params.layout
         # the checks below that read only the params' names, ties, requires_grad and shapes (and the layout) passed for
         # these at an earlier step: not run again (``_checked_before``); the structure's checks and the skins, every step
-        key, tied_names = _checked_before(layout, api, every)
-        checked = tied_names is not None
+        key, known_ties = _checked_before(layout, api, every)
+        checked = known_ties is not None
+        tied_names: dict[str, list[str]] = known_ties if known_ties is not None else {}
         if not checked:
             # first: a requires_grad changed since init would otherwise be blamed on the params' names or on ties below,
             # and a param made trainable since would run as the meta stand-in above, whose memory torch's CPU kernels read
@@ -441,13 +442,18 @@ def _build_skeleton(module: nn.Module, params: UnitParams) -> tuple[nn.Module, B
                         and not isinstance(owner, (_UnitSkin, _EncoderSkin))):  # torch's forward, not a subclass's own
                     owner.__class__ = _skinned(_EncoderSkin, type(owner))  # type: ignore[arg-type]
     if not checked:  # every check passed: kept for the next steps (a change of any of the key's parts makes a new key)
-        _CHECKED[id(layout)] = (weakref.ref(layout, lambda _, i=id(layout): _CHECKED.pop(i, None)), key, tied_names)
+        _CHECKED[id(layout)] = (weakref.ref(layout, functools.partial(_forget_checked, id(layout))), key, tied_names)
     return skel, binding
 
 
 # id(layout) -> (a weak reference to it, the key of the last params that passed the skeleton's checks against it, their
 # ties by first name): see ``_checked_before``. An entry goes with its layout; its id is checked against the live one.
 _CHECKED: dict[int, tuple[Any, Any, dict[str, list[str]]]] = {}
+
+
+def _forget_checked(ident: int, _: Any) -> None:
+    """A layout in ``_CHECKED`` is gone: its entry with it."""
+    _CHECKED.pop(ident, None)
 
 
 def _checked_before(layout: Layout, api: str, every: list[tuple[str, torch.Tensor]]) -> tuple[Any, dict[str, list[str]] | None]:
