@@ -209,3 +209,37 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
     comm.agree(fields, api="fzero.Step.__call__ (the first step's fzero.apply)", fix=(
         "Every rank must run the same model: build it from the same code and config on every rank, and keep "
         "rank-dependent choices out of it."))
+
+
+def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], layout: Any, *,
+                              rank: int, size: int, sharded: bool) -> None:
+    """Stages 0-2 with fp32 masters (``precision="bf16"``/``"fp16"``, or an offload that keeps them): each unit's
+    params (``params``: the state's flats, the tensors the forward's params view) still hold their masters' values,
+    rounded, where this rank owns them. A write through ``.data`` in the forward (``self.weight.data.clamp_(-c, c)``, a
+    max-norm constraint) goes around autograd's version counters, so nothing else sees it; the update starts from the
+    masters and writes the params again from them, so the write was lost, silently (9.5e-2 off PyTorch after 3 SGD
+    steps in bf16), where PyTorch's param keeps it. Read once per masters (``fzero.step._step``): a whole read of the
+    params and masters, as much as one update's."""
+    from fzero.step._hints import DATA_WRITE
+
+    written = []
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        for unit in layout.units:
+            flat, master = params.get(unit.name), masters.get(unit.name)
+            if flat is None or master is None:
+                continue
+            lo = unit.shard_range(rank, size)[0] if sharded else 0
+            master = master.reshape(-1)
+            mine = flat.detach().reshape(-1)[lo:lo + master.numel()]
+            if mine.numel() != master.numel() or torch.equal(mine, master.to(mine.device, mine.dtype)):
+                continue
+            for s in unit.slots:
+                a, b = max(lo, s.offset), min(lo + mine.numel(), s.offset + s.numel)
+                if a < b and not torch.equal(mine[a - lo:b - lo], master[a - lo:b - lo].to(mine.device, mine.dtype)):
+                    written.append(s)
+    if written:
+        names = [s.path for s in written]
+        raise RuntimeError(DATA_WRITE.format(
+            how=f"wrote the trainable param(s) {names[:4]}{' ...' if len(names) > 4 else ''}",
+            shape=tuple(written[0].shape),
+            where="is a low-precision copy of its fp32 master, from which the update writes it again"))

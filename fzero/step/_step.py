@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable
 
 import optree
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fzero._rules import STAGE_NAMES
 from fzero.layout import pytrees as _tree, DEFAULT_UNIT_ELEMENTS, Writes
@@ -40,7 +42,7 @@ from fzero.step._init import init_state
 from fzero.optim import ScheduleValues
 from fzero.step._module import Buffers, FrozenWrites, Trained, broadcast_buffers, note_trained_buffers, note_trained_params
 from fzero.step._params import module_device, replace_params
-from fzero.step._refusals import check_export_model
+from fzero.step._refusals import check_export_model, check_params_hold_masters
 from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, ParamsReplicated
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
@@ -543,6 +545,8 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     trained = current_context().trained
     if trained is not None:  # a module's trainable params written since the step before (_module.watch_module_writes)
         trained.check_writes()
+    if not step.params.sharded and step.opt_state.has_masters(state.opt_state):  # stages 0-2 with fp32 masters
+        _check_params_hold_masters(step, comm, state)
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
     loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()  # (a bf16 mean rounds)
@@ -553,6 +557,26 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
         for t in state.params.values():
             release(t)
     return new_state, metrics
+
+
+# The states whose params were compared with their masters once (``_check_params_hold_masters``), by their first flat,
+# held weakly: a write through ``.data`` is the forward's code, so a state's first step shows it.
+_MASTERS_CHECKED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_MASTERS_LOCK = threading.Lock()  # the ranks of a local mesh are threads, each with its own state
+
+
+def _check_params_hold_masters(step: Any, comm: Any, state: TrainState) -> None:
+    """At the first step of a state's masters, before the update: refuse a forward that wrote its params through
+    ``.data`` where the masters would overwrite the write (``fzero.step._refusals.check_params_hold_masters``)."""
+    key = next(iter(state.params.values()), None)  # updated in place from step to step, as the masters are
+    with _MASTERS_LOCK:
+        if key is None or key in _MASTERS_CHECKED:
+            return
+    layout = meta_of(state).layout
+    masters = step.opt_state.masters(state.opt_state, layout)  # (under DiskOffload, read from its files)
+    check_params_hold_masters(state.params, masters, layout, rank=comm.rank, size=comm.size, sharded=step.opt_state.sharded)
+    with _MASTERS_LOCK:
+        _MASTERS_CHECKED[key] = True
 
 
 def _refuse_lost_writes(step: Any, comm: Any, state: TrainState, view: Any) -> Callable[[list[int]], list[str]]:
