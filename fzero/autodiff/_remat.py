@@ -289,7 +289,7 @@ def _host_streams(module: torch.nn.Module | None) -> list[tuple[Callable[[], Any
     import random
     import sys
 
-    from fzero.layout._modules import _STREAMS
+    from fzero.layout import RANDOM_STREAMS
 
     out: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [(lambda: random.getstate(), lambda s: random.setstate(s))]
     np = sys.modules.get("numpy")
@@ -299,7 +299,7 @@ def _host_streams(module: torch.nn.Module | None) -> list[tuple[Callable[[], Any
         seen: set[int] = set()
         for m in module.modules():
             for v in m.__dict__.values():
-                access = _STREAMS.get(type(v))
+                access = RANDOM_STREAMS.get(type(v))
                 if access is not None and id(v) not in seen:
                     seen.add(id(v))
                     get, put = access

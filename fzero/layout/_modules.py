@@ -469,6 +469,7 @@ def _random_streams() -> dict[type, tuple[Callable[[Any], Any], Callable[[Any, A
 
 
 _STREAMS = _random_streams()
+RANDOM_STREAMS = _STREAMS  # (what other packages read: remat replays the streams a unit's modules hold)
 _COPIED = _PRIVATE | {tuple} | set(_STREAMS)  # what ``_private`` may copy, tensors aside (a tensor subclass is one)
 
 
