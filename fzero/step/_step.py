@@ -140,6 +140,7 @@ class Step:
         or raised torch's error on an inference tensor."""
         self._check_state(state)
         self._check_rows(batch)
+        _refuse_stale_parametrize_cache()
         hold = claimed(state, refuse=lambda: self._check_state(state)) if self.donate else contextlib.nullcontext()
         with hold, torch.inference_mode(False), torch.enable_grad():
             return self._call(state, batch)
@@ -557,6 +558,23 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
         for t in state.params.values():
             release(t)
     return new_state, metrics
+
+
+def _refuse_stale_parametrize_cache() -> None:
+    """A step inside ``torch.nn.utils.parametrize.cached()`` whose cache already holds tensors (computed by an earlier
+    step in the same ``cached()``, or by a forward of the module outside the step): the step's forward would read them
+    in place of what its params give, a weight of the params before the last update (2.9e-2 off PyTorch after a few
+    steps, silently), where PyTorch's loop refuses a second backward through the first graph."""
+    from torch.nn.utils import parametrize
+
+    if parametrize._cache_enabled and len(parametrize._cache):
+        raise RuntimeError(
+            f"fzero.Step: called inside torch.nn.utils.parametrize.cached(), whose cache already holds "
+            f"{len(parametrize._cache)} parametrized tensor(s) computed before this step (by an earlier step in the same "
+            f"cached(), or by a forward of the module outside the step). The step would read them in place of the values "
+            f"its params give: the weights of the params before the last update, silently (PyTorch's own loop refuses "
+            f"the second backward through the first step's graph). Enter cached() once per step: for batch in batches: "
+            f"with parametrize.cached(): state, metrics = step(state, batch).")
 
 
 # The states whose params were compared with their masters once (``_check_params_hold_masters``), by their first flat,
