@@ -546,7 +546,8 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     trained = current_context().trained
     if trained is not None:  # a module's trainable params written since the step before (_module.watch_module_writes)
         trained.check_writes()
-    if not step.params.sharded and step.opt_state.has_masters(state.opt_state):  # stages 0-2 with fp32 masters
+    # stages 0-2 with fp32 masters (not in DiskOffload's files: reading them whole would hold them in RAM)
+    if not step.params.sharded and step.opt_state.offload.where != "disk" and step.opt_state.has_masters(state.opt_state):
         _check_params_hold_masters(step, comm, state)
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
@@ -591,7 +592,7 @@ def _check_params_hold_masters(step: Any, comm: Any, state: TrainState) -> None:
         if key is None or key in _MASTERS_CHECKED:
             return
     layout = meta_of(state).layout
-    masters = step.opt_state.masters(state.opt_state, layout)  # (under DiskOffload, read from its files)
+    masters = step.opt_state.masters(state.opt_state, layout)
     check_params_hold_masters(state.params, masters, layout, rank=comm.rank, size=comm.size, sharded=step.opt_state.sharded)
     with _MASTERS_LOCK:
         _MASTERS_CHECKED[key] = True

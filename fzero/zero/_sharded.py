@@ -269,8 +269,9 @@ class ShardedParams(UnitParams):
         plain = _unwrapped(root)
         self._root_versions = [*getattr(self, "_root_versions", []), (plain, plain._version)]
         # what this rank sent, to find a write through .data at release (UnitCall._refuse_data_writes)
-        sent = _unwrapped(cast if cast is not None else shard).detach()
-        self._root_sent = [*getattr(self, "_root_sent", []), (plain, sent)]
+        if self.schedule.check_data:
+            sent = _unwrapped(cast if cast is not None else shard).detach()
+            self._root_sent = [*getattr(self, "_root_sent", []), (plain, sent)]
         return root
 
     def run_unit(self, inner, unit, args, kwargs):

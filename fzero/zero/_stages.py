@@ -30,7 +30,7 @@ from fzero.mesh import DistMesh, LocalMesh, Mesh, Pending, bucketed_reduce_scatt
 from fzero.step import GradsAllReduce, GradsPart, OptStateReplicated, ParamsPart, Pool, Step, UnitSettings, View, as_step, forget
 from fzero.zero._remat_params import RematParams
 from fzero.zero._sharded import ReplicatedParams, ShardedParams
-from fzero.zero._unit import Schedule
+from fzero.zero._unit import Schedule, check_data_writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,7 +478,7 @@ class ParamsSharded:
         schedule = Schedule(comm, layout, flats, state.meta.gather_order, settings.prefetch, release=release, device=state.meta.device,
                             pool=pool, bucket_elements=settings.bucket_elements,
                             cast=functools.partial(casts.cast, comm=comm) if casts is not None else None, frozen=state.frozen,
-                            frozen_seen=state.meta.frozen_seen)
+                            frozen_seen=state.meta.frozen_seen, check_data=check_data_writes(flats))
         return _GatheredView(
             [flats[n] for n in names],
             lambda xs, sink: ShardedParams(dict(zip(names, xs)), layout, comm, schedule, remat=settings.remat, reduce_dtype=reduce_dtype,

@@ -18,10 +18,12 @@ value (a hook's capture, a unit of frozen params alone), the unit is refilled or
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fzero.autodiff import check_unit_hooks, remat
 from fzero.layout import (Binding, bound, frozen_key, frozen_regions, frozen_views, Layout, ROOT, Unit, pytrees as _tree,
@@ -109,7 +111,8 @@ class UnitCall:
         schedule, full = self.schedule, self.full
         if full is None:  # a remat call's: checked in its forward (and again in the recompute), then let go
             full, self.remat_full = self.remat_full, None
-        if full is None or not views or schedule.release is not None or schedule.shards[self.unit.name].device != full.device:
+        if (full is None or not views or not schedule.check_data or schedule.release is not None
+                or schedule.shards[self.unit.name].device != full.device):
             return  # (params offloaded: the comparison would copy each shard up a second time)
         changed = _changed_share(full.narrow(0, 0, self.unit.padded), schedule.input_of(self.unit.name), schedule.comm.rank)
         if full.device.type == "cpu":
@@ -264,7 +267,7 @@ class Schedule:
     def __init__(self, comm: Any, layout: Layout, shards: dict[str, torch.Tensor], order: tuple[str, ...], prefetch: bool,
                  release: Callable[[torch.Tensor], None] | None = None, device: torch.device = torch.device("cpu"),
                  pool: Pool | None = None, bucket_elements: int = 0, cast: Callable[[str], torch.Tensor | None] | None = None,
-                 frozen: dict[str, torch.Tensor] | None = None, frozen_seen: dict | None = None) -> None:
+                 frozen: dict[str, torch.Tensor] | None = None, frozen_seen: dict | None = None, check_data: bool = False) -> None:
         self.comm = comm
         # ``step.init(..., frozen=...)``: this rank's shards of the frozen params (the state's ``frozen``), and their
         # groups by unit name (one per dtype): gathered into the tail of their unit's buffer (``fzero.layout.frozen_regions``)
@@ -288,6 +291,7 @@ class Schedule:
         self.calls: list[UnitCall] = []  # every call that keeps its graph this step: each is let go at finish
         self.pending: dict[int, tuple[str, Any, UnitCall | None]] = {}
         self.data_checks: list[tuple[Unit, torch.Tensor]] = []  # on a GPU: whether a forward wrote a unit through .data
+        self.check_data = check_data  # whether to look for such writes (``check_data_writes``: a state's first step)
         # one rank: a gather is a copy (or a cast) of the shard, with nothing to overlap; prefetched, it would only
         # hold a second unit beside the one that runs
         self.following = prefetch and bool(order) and comm.size > 1
@@ -597,6 +601,27 @@ _WRITTEN_IN_UNIT = (
 
 _DATA_WHERE = "is a view of the unit's buffer, gathered for its call and dropped after it (stage 3)"
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# The states whose forward was compared for writes through ``.data`` (``UnitCall._refuse_data_writes``), by their first
+# shard, held weakly: a state's first step only. Such a write is the forward's code, so the first step shows it; at every
+# step the comparison would read each unit's share twice more and hold a cast of it (with fp32 masters) beside the
+# activations, memory the estimate does not count (``tests/test_estimate.py``).
+_DATA_CHECKED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_DATA_LOCK = threading.Lock()  # the ranks of a local mesh are threads, each with its own state
+
+
+def check_data_writes(shards: dict[str, torch.Tensor]) -> bool:
+    """Whether this step's forward is to be compared for writes through ``.data``: the first of the state whose shards
+    these are (and marked so)."""
+    key = next(iter(shards.values()), None)
+    if key is None:
+        return False
+    with _DATA_LOCK:
+        if key in _DATA_CHECKED:
+            return False
+        _DATA_CHECKED[key] = True
+    return True
 
 
 def _changed_share(full: torch.Tensor, sent: torch.Tensor, rank: int) -> torch.Tensor:
