@@ -407,3 +407,49 @@ def test_a_param_reshaped_or_tied_between_steps_is_refused(stages, change):
         match = r"the state holds separate values for \['blocks.0.0.weight', 'blocks.1.0.weight'\], which are one tied"
     with pytest.raises(ValueError, match=match):
         step(state, batches[2])
+
+
+class _Lookup(nn.Module):
+    """An embedding whose row 0 holds a NaN and is never looked up (memory ``torch.empty`` left, a reserved row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(6, 8)
+        with torch.no_grad():
+            self.emb.weight[0, 2] = float("nan")
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, i):
+        h = self.emb(i)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages, ranks, precision", [(0, 1, None), (3, 2, None), (1, 2, "bf16")])
+def test_a_param_holding_a_nan_is_not_taken_for_written(stages, ranks, precision):
+    """The checks of a write on the module between steps, and of a forward's write through ``.data`` against the fp32
+    masters, compared values with ``torch.ne``/``torch.equal``, for which a NaN differs from itself: a NaN in a row no
+    batch looks up refused the second step (the first, under bf16) as a write nothing made, where PyTorch trains. Now it
+    trains as PyTorch, the state's values loaded into the module between steps or not."""
+    model, reference = _Lookup(), _Lookup()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = fzero.compile(lambda p, i: fzero.apply(model, p, i), optimizer=fzero.optim.adamw(1e-2), stages=stages,
+                         mesh=fzero.local_mesh(ranks), **({"precision": precision} if precision else {}))
+    state = step.init(fzero.params_of(model))
+    gen = torch.Generator().manual_seed(0)
+    for k in range(3):
+        i = torch.randint(1, 6, (4, 3), generator=gen)
+        state, _ = step(state, i)
+        if k == 1:  # the state's values (with the NaN) into the module: not a write either
+            model.load_state_dict(step.state_dict(state, model))
+        opt.zero_grad()
+        reference(i).backward()
+        opt.step()
+    got = step.gather(state)
+    assert got["emb.weight"][0, 2].isnan() and not got["emb.weight"][1:].isnan().any()
+    if precision is None:
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, equal_nan=True)

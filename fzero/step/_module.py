@@ -41,7 +41,7 @@ from torch import nn
 from fzero.layout import check_no_meta, named_tensors
 from fzero.layout import pytrees as _tree
 from fzero.mesh import current_context, with_context
-from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
+from fzero.step._refusals import _shared_buffer_message, check_not_fsdp, same_values, value_changes
 from fzero.step._stale import held_tensors, note_replaced
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor,
@@ -319,9 +319,9 @@ def watch_module_writes(module: nn.Module, params: Any) -> "_ModuleWrites | None
     if firsts:  # one comparison for all: each param's first values, element by element (read in ``check``)
         with torch.no_grad(), torch._C._DisableFuncTorch():
             if len({t.device for t in firsts}) == 1:
-                flags = torch.ne(torch.cat(firsts), torch.cat(olds))
+                flags = value_changes(torch.cat(firsts), torch.cat(olds))
             else:
-                flags = torch.cat([torch.ne(a, b).cpu() for a, b in zip(firsts, olds)])
+                flags = torch.cat([value_changes(a, b).cpu() for a, b in zip(firsts, olds)])
     if not moved and flags is None:
         return None
     return _ModuleWrites(module, params, now, moved, names, flags)
@@ -339,7 +339,7 @@ def _holds_state_values(p: torch.Tensor, name: str, params: Any) -> bool:
             if not isinstance(t, torch.Tensor):
                 return False
             t = _plain(t).detach()
-            return t.shape == p.shape and torch.equal(t, p.detach().to(t.device, t.dtype))
+            return t.shape == p.shape and same_values(t, p.detach().to(t.device, t.dtype))
         slot = unit = None
         for u in params.layout.units:
             slot = next((s for s in u.slots if s.path == name), None)
@@ -358,7 +358,7 @@ def _holds_state_values(p: torch.Tensor, name: str, params: Any) -> bool:
         if a >= b:
             return True
         mine = p.detach().reshape(-1)[a - slot.offset:b - slot.offset].to(src.device, src.dtype)
-        return torch.equal(src.reshape(-1)[a - lo:b - lo], mine)
+        return same_values(src.reshape(-1)[a - lo:b - lo], mine)
 
 
 def _module_written_message(module: nn.Module, names: list[str], now: dict[str, torch.Tensor]) -> str:
@@ -444,7 +444,7 @@ def _still_untrained(module: nn.Module) -> bool:
         first = held[name][2]
         with torch.no_grad():
             values = _first_view(p.detach())
-        if values.shape != first.shape or not torch.equal(values, first.to(device=values.device, dtype=values.dtype)):
+        if values.shape != first.shape or not same_values(values, first.to(device=values.device, dtype=values.dtype)):
             return False
     return True
 

@@ -211,6 +211,18 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
         "rank-dependent choices out of it."))
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one shape, dtype and device) hold the same values, a NaN equal to a NaN: ``torch.equal``
+    calls a param holding a NaN (a row never looked up, memory ``torch.empty`` left) unequal to itself, so a check by it
+    refused a module nothing wrote."""
+    return a.shape == b.shape and bool(torch.eq(a, b).logical_or_(torch.isnan(a) & torch.isnan(b)).all())
+
+
+def value_changes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element by element, where ``a`` and ``b`` hold other values, a NaN equal to a NaN (``same_values``)."""
+    return torch.ne(a, b).logical_and_(~(torch.isnan(a) & torch.isnan(b)))
+
+
 def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], layout: Any, *,
                               rank: int, size: int, sharded: bool) -> None:
     """Stages 0-2 with fp32 masters (``precision="bf16"``/``"fp16"``, or an offload that keeps them): each unit's
@@ -231,11 +243,11 @@ def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mappi
             lo = unit.shard_range(rank, size)[0] if sharded else 0
             master = master.reshape(-1)
             mine = flat.detach().reshape(-1)[lo:lo + master.numel()]
-            if mine.numel() != master.numel() or torch.equal(mine, master.to(mine.device, mine.dtype)):
+            if mine.numel() != master.numel() or same_values(mine, master.to(mine.device, mine.dtype)):
                 continue
             for s in unit.slots:
                 a, b = max(lo, s.offset), min(lo + mine.numel(), s.offset + s.numel)
-                if a < b and not torch.equal(mine[a - lo:b - lo], master[a - lo:b - lo].to(mine.device, mine.dtype)):
+                if a < b and not same_values(mine[a - lo:b - lo], master[a - lo:b - lo].to(mine.device, mine.dtype)):
                     written.append(s)
     if written:
         names = [s.path for s in written]
