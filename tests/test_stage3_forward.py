@@ -827,6 +827,30 @@ def test_a_data_write_under_fp32_masters_is_refused_by_name(stages, offload, ran
         state, _ = step(state, torch.randn(4, WIDTH))
 
 
+@pytest.mark.parametrize("first", ["failed", "refused"])
+def test_a_stage3_data_write_is_refused_after_a_first_step_that_did_not_complete(first):
+    """Stage 3 compares a forward's ``.data`` writes at a state's first step only, and marked the state compared when
+    that step began: a first step that failed before the forward (a bad batch a loop skips) or was refused for the write
+    itself (a loop that catches and goes on) left the later steps unchecked, and the write lost (a weight clipped to
+    0.9x in every forward trained as if never written), silently. The state is marked once a step's forward passes."""
+    model = _DataWrite("scale", "unit")
+    calls = []
+
+    def loss_fn(p, x):
+        calls.append(None)
+        if first == "failed" and len(calls) == 1:
+            raise ValueError("a bad batch")
+        return fzero.apply(model, p, x).square().mean()
+
+    step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    x = torch.randn(4, WIDTH)
+    with pytest.raises(Exception, match="a bad batch" if first == "failed" else r"wrote its params"):
+        step(state, x)
+    with pytest.raises(RuntimeError, match=r"the forward of unit 'blocks.0' wrote its params \(shape .*\) through \.data"):
+        step(state, x)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.parametrize("stages", [2, 3])

@@ -547,6 +547,8 @@ class Schedule:
         self.waiting.clear()
         if written is not None:  # refused once every buffer is given back, before the update
             raise RuntimeError(_data_written(written))
+        if self.check_data:  # every forward of the step ran and none wrote: the state's later steps are not compared
+            data_writes_checked(self.shards)
         return tuple(self.seen)
 
 
@@ -612,16 +614,22 @@ _DATA_LOCK = threading.Lock()  # the ranks of a local mesh are threads, each wit
 
 
 def check_data_writes(shards: dict[str, torch.Tensor]) -> bool:
-    """Whether this step's forward is to be compared for writes through ``.data``: the first of the state whose shards
-    these are (and marked so)."""
+    """Whether this step's forward is to be compared for writes through ``.data``: the state whose shards these are has
+    not had a step whose forward passed the comparison (``data_writes_checked``). A step that failed, or was refused,
+    leaves the state unmarked: marked at its start, a loop that skips a failing batch went on with the write lost."""
     key = next(iter(shards.values()), None)
     if key is None:
         return False
     with _DATA_LOCK:
-        if key in _DATA_CHECKED:
-            return False
-        _DATA_CHECKED[key] = True
-    return True
+        return key not in _DATA_CHECKED
+
+
+def data_writes_checked(shards: dict[str, torch.Tensor]) -> None:
+    """A step's forwards of the state whose shards these are passed the comparison (``Schedule.finish``)."""
+    key = next(iter(shards.values()), None)
+    if key is not None:
+        with _DATA_LOCK:
+            _DATA_CHECKED[key] = True
 
 
 def _changed_share(full: torch.Tensor, sent: torch.Tensor, rank: int) -> torch.Tensor:
