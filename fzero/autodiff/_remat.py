@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -298,13 +298,29 @@ def _host_streams(module: torch.nn.Module | None) -> list[tuple[Callable[[], Any
     if module is not None:
         seen: set[int] = set()
         for m in module.modules():
-            for v in m.__dict__.values():
-                access = RANDOM_STREAMS.get(type(v))
-                if access is not None and id(v) not in seen:
-                    seen.add(id(v))
-                    get, put = access
-                    out.append((functools.partial(get, v), functools.partial(put, v)))
+            for v in _held_streams(m.__dict__.values(), seen):
+                get, put = RANDOM_STREAMS[type(v)]
+                out.append((functools.partial(get, v), functools.partial(put, v)))
     return out
+
+
+def _held_streams(values: Any, seen: set[int]) -> Iterator[Any]:
+    """The random streams among ``values`` (a module's ``__dict__`` values), and in the built-in lists, tuples, sets and
+    dicts among them, at any depth (``self.gens = [torch.Generator()]`` is held as well as ``self.gen = ...``: before, a
+    stream in a container was not replayed, so the recompute drew another mask than the forward, 3.8e-2 off PyTorch after
+    two AdamW steps, silently). ``seen``: the ids met so far, each stream yielded once, each container walked once."""
+    from fzero.layout import RANDOM_STREAMS
+
+    for v in values:
+        if id(v) in seen:
+            continue
+        kind = type(v)
+        if kind in RANDOM_STREAMS:
+            seen.add(id(v))
+            yield v
+        elif kind in (list, tuple, set, frozenset) or kind is dict:
+            seen.add(id(v))
+            yield from _held_streams(v.values() if kind is dict else v, seen)
 
 
 def _parametrize_caching() -> bool:
