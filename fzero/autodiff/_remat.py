@@ -322,6 +322,12 @@ def _held_streams(values: Any, seen: set[int]) -> Iterator[Any]:
         elif kind in (list, tuple, set, frozenset) or kind is dict:
             seen.add(id(v))
             yield from _held_streams(v.values() if kind is dict else v, seen)
+        elif kind is _Opened:  # an argument's dict or list subclass or dataclass: its copy holds the same streams
+            seen.add(id(v))
+            x = v.skeleton
+            inner = (x.values() if isinstance(x, dict) else x if isinstance(x, list)
+                     else [getattr(x, f.name, None) for f in dataclasses.fields(x)])
+            yield from _held_streams(inner, seen)
 
 
 def _parametrize_caching() -> bool:
