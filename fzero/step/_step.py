@@ -140,9 +140,8 @@ class Step:
         or raised torch's error on an inference tensor."""
         self._check_state(state)
         self._check_rows(batch)
-        _refuse_stale_parametrize_cache()
         hold = claimed(state, refuse=lambda: self._check_state(state)) if self.donate else contextlib.nullcontext()
-        with hold, torch.inference_mode(False), torch.enable_grad():
+        with hold, torch.inference_mode(False), torch.enable_grad(), _own_parametrize_cache():
             return self._call(state, batch)
 
     def _call(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
@@ -276,16 +275,17 @@ class Step:
         Under ``dist_mesh`` it is a collective: every rank calls it, each with its own batch.
         """
         self._check_state(state, api="fzero.Step.evaluate")
-        if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
-            generators: list = []
-            results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate",
-                                                                      generators=generators))
-            keep_rank0_generators(generators)
-            metrics = results[0]
-            if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
-                metrics["aux_per_rank"] = [r.get("aux") for r in results]
-        else:
-            metrics = self._on_ranks(eval_program, state, batch)[0]
+        with _own_parametrize_cache():
+            if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
+                generators: list = []
+                results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate",
+                                                                          generators=generators))
+                keep_rank0_generators(generators)
+                metrics = results[0]
+                if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
+                    metrics["aux_per_rank"] = [r.get("aux") for r in results]
+            else:
+                metrics = self._on_ranks(eval_program, state, batch)[0]
         return metrics
 
     # -- gather ------------------------------------------------------------------------------------
@@ -561,21 +561,26 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     return new_state, metrics
 
 
-def _refuse_stale_parametrize_cache() -> None:
-    """A step inside ``torch.nn.utils.parametrize.cached()`` whose cache already holds tensors (computed by an earlier
-    step in the same ``cached()``, or by a forward of the module outside the step): the step's forward would read them
-    in place of what its params give, a weight of the params before the last update (2.9e-2 off PyTorch after a few
-    steps, silently), where PyTorch's loop refuses a second backward through the first graph."""
+@contextlib.contextmanager
+def _own_parametrize_cache():
+    """Inside ``torch.nn.utils.parametrize.cached()``, a step (or an evaluation) runs with a cache of its own, empty at
+    its start, and the caller's is put back after it: as if the caller had entered ``cached()`` around this one call.
+    Before, one ``cached()`` around several steps handed the second step the weights the first computed from the params
+    before its update (2.9e-2 off PyTorch after a few AdamW steps at stages 0 and 3, silently; PyTorch's own loop
+    refuses the second backward through the first graph), and entries of modules the step never runs (a frozen
+    teacher's weight, cached for the iteration) are none of the step's. Outside ``cached()`` nothing is cached and
+    nothing changes."""
     from torch.nn.utils import parametrize
 
-    if parametrize._cache_enabled and len(parametrize._cache):
-        raise RuntimeError(
-            f"fzero.Step: called inside torch.nn.utils.parametrize.cached(), whose cache already holds "
-            f"{len(parametrize._cache)} parametrized tensor(s) computed before this step (by an earlier step in the same "
-            f"cached(), or by a forward of the module outside the step). The step would read them in place of the values "
-            f"its params give: the weights of the params before the last update, silently (PyTorch's own loop refuses "
-            f"the second backward through the first step's graph). Enter cached() once per step: for batch in batches: "
-            f"with parametrize.cached(): state, metrics = step(state, batch).")
+    if not parametrize._cache_enabled:
+        yield
+        return
+    saved = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = saved
 
 
 # The states whose params were compared with their masters once (``_check_params_hold_masters``), by their first flat,
