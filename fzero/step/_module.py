@@ -41,7 +41,7 @@ from torch import nn
 from fzero.layout import check_no_meta, named_tensors
 from fzero.layout import pytrees as _tree
 from fzero.mesh import current_context, with_context
-from fzero.step._refusals import _shared_buffer_message, check_not_fsdp, same_values, value_changes
+from fzero.step._refusals import _shared_buffer_message, check_not_fsdp
 from fzero.step._stale import held_tensors, note_replaced
 from fzero.step._context import (buffers_for_run, call_module, cast_floating, current_buffers, current_compute_dtype,
                                  module_for_thread, note_applied, per_tensor,
@@ -249,6 +249,19 @@ class Trained:
         if self._leaves is None:
             self._leaves = frozenset(id(t) for t in _tree.tree_leaves(self.given)) if self.given is not None else frozenset()
         return self._leaves
+
+
+# (kept here, not with the refusals made once: the between-steps watch runs them at every step, tests/test_structure.py)
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one shape, dtype and device) hold the same values, a NaN equal to a NaN: ``torch.equal``
+    calls a param holding a NaN (a row never looked up, memory ``torch.empty`` left) unequal to itself, so a check by it
+    refused a module nothing wrote."""
+    return a.shape == b.shape and bool(torch.eq(a, b).logical_or_(torch.isnan(a) & torch.isnan(b)).all())
+
+
+def value_changes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element by element, where ``a`` and ``b`` hold other values, a NaN equal to a NaN (``same_values``)."""
+    return torch.ne(a, b).logical_and_(~(torch.isnan(a) & torch.isnan(b)))
 
 
 class _ModuleWrites:

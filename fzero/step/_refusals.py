@@ -211,18 +211,6 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
         "rank-dependent choices out of it."))
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (one shape, dtype and device) hold the same values, a NaN equal to a NaN: ``torch.equal``
-    calls a param holding a NaN (a row never looked up, memory ``torch.empty`` left) unequal to itself, so a check by it
-    refused a module nothing wrote."""
-    return a.shape == b.shape and bool(torch.eq(a, b).logical_or_(torch.isnan(a) & torch.isnan(b)).all())
-
-
-def value_changes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Element by element, where ``a`` and ``b`` hold other values, a NaN equal to a NaN (``same_values``)."""
-    return torch.ne(a, b).logical_and_(~(torch.isnan(a) & torch.isnan(b)))
-
-
 def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], layout: Any, *,
                               rank: int, size: int, sharded: bool) -> None:
     """Stages 0-2 with fp32 masters (``precision="bf16"``/``"fp16"``, or an offload that keeps them): each unit's
@@ -233,6 +221,7 @@ def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mappi
     steps in bf16), where PyTorch's param keeps it. Read once per masters (``fzero.step._step``): a whole read of the
     params and masters, as much as one update's."""
     from fzero.step._hints import DATA_WRITE
+    from fzero.step._module import same_values
 
     written = []
     with torch.no_grad(), torch._C._DisableFuncTorch():
