@@ -374,6 +374,28 @@ class _Parametrized(torch.nn.Module):
         return {"orthogonal": parametrizations.orthogonal, "weight_norm": parametrizations.weight_norm}[kind]
 
 
+def _trained_under_cached(ref: torch.nn.Module, batches) -> torch.nn.Module:
+    """PyTorch's reference: ``ref`` trained by AdamW(1e-2) on ``batches``, each forward under a ``parametrize.cached()``
+    of its own."""
+    from torch.nn.utils import parametrize
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in batches:
+        opt.zero_grad()
+        with parametrize.cached():
+            loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+    return ref
+
+
+def _assert_trained_as(step, state, ref: torch.nn.Module) -> None:
+    """The state's params equal the reference module's, name by name."""
+    got = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _parametrized_batches():
     gen = torch.Generator().manual_seed(0)
     return [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(4)]
@@ -388,14 +410,7 @@ def test_parametrize_cached_trains_under_remat_as_pytorch(kind, where):
     own, on as in its forward."""
     from torch.nn.utils import parametrize
 
-    ref = _Parametrized(kind)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in _parametrized_batches():
-        opt.zero_grad()
-        with parametrize.cached():
-            loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
+    ref = _trained_under_cached(_Parametrized(kind), _parametrized_batches())
     model = _Parametrized(kind)
 
     def loss_fn(params, b):
@@ -412,9 +427,7 @@ def test_parametrize_cached_trains_under_remat_as_pytorch(kind, where):
                 state, _ = step(state, b)
         else:
             state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 @pytest.mark.parametrize("stages", [0, 3])
@@ -892,9 +905,7 @@ def test_the_deprecated_hook_norms_train_under_remat_as_pytorch(stages, kind):
     state = step.init(fzero.params_of(model))
     for b in _parametrized_batches():
         state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
     sd = step.state_dict(state, model)
     for name, b in ref.named_buffers():  # spectral_norm's power-iteration vectors, stepped once per forward
         torch.testing.assert_close(sd[name], b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -942,9 +953,7 @@ def test_a_deprecated_norm_weight_read_outside_its_unit_under_remat_trains_as_py
     state = step.init(fzero.params_of(model))
     for b in _parametrized_batches()[:2]:
         state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 def _stream_kinds() -> dict:
@@ -1086,9 +1095,7 @@ def test_a_unit_given_a_container_no_pytree_knows_trains_under_remat_as_pytorch(
     state = step.init(fzero.params_of(model))
     for b in _parametrized_batches()[:2]:
         state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 @pytest.mark.parametrize("mode", ["grad", "backward"])
@@ -1151,9 +1158,7 @@ def test_flop_counter_mode_around_a_step_counts_as_pytorch(stages, remat_units, 
         with FlopCounterMode(display=False) as got:
             state, _ = step(state, (x, y))
         assert got.get_total_flops() == want.get_total_flops() > 0
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 class _SpectralTwice(torch.nn.Module):
@@ -1185,14 +1190,7 @@ def test_a_spectral_norm_unit_called_twice_under_parametrize_cached_trains_as_py
     call's weight computes it again without stepping: params and vectors as PyTorch."""
     from torch.nn.utils import parametrize
 
-    ref = _SpectralTwice()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in _parametrized_batches():
-        opt.zero_grad()
-        with parametrize.cached():
-            loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
+    ref = _trained_under_cached(_SpectralTwice(), _parametrized_batches())
     model = _SpectralTwice()
 
     def loss_fn(params, b):
@@ -1265,14 +1263,7 @@ def test_a_parametrized_weight_read_inside_and_outside_a_remat_unit_under_cached
     to the same value, trains as PyTorch."""
     from torch.nn.utils import parametrize
 
-    ref = _ReadOutside(kind, after)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in _parametrized_batches():
-        opt.zero_grad()
-        with parametrize.cached():
-            loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
+    ref = _trained_under_cached(_ReadOutside(kind, after), _parametrized_batches())
     model = _ReadOutside(kind, after)
     step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
                          optimizer=fzero.optim.adamw(1e-2), stages=0, remat=True)
@@ -1287,9 +1278,7 @@ def test_a_parametrized_weight_read_inside_and_outside_a_remat_unit_under_cached
     for b in _parametrized_batches():
         with parametrize.cached():
             state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 def test_parametrize_cached_around_several_remat_steps_computes_each_steps_weights():
@@ -1298,14 +1287,7 @@ def test_parametrize_cached_around_several_remat_steps_computes_each_steps_weigh
     loop: its second backward runs through the first one's freed graph). Each step trains as under a cached() of its own."""
     from torch.nn.utils import parametrize
 
-    ref = _SpectralTwice()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in _parametrized_batches():
-        opt.zero_grad()
-        with parametrize.cached():
-            loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
+    ref = _trained_under_cached(_SpectralTwice(), _parametrized_batches())
     model = _SpectralTwice()
     step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
                          optimizer=fzero.optim.adamw(1e-2), stages=0, remat=True)
@@ -1313,9 +1295,7 @@ def test_parametrize_cached_around_several_remat_steps_computes_each_steps_weigh
     with parametrize.cached():
         for b in _parametrized_batches():
             state, _ = step(state, b)
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 @pytest.mark.parametrize("stages", [0, 3])
@@ -1328,14 +1308,7 @@ def test_steps_inside_one_parametrize_cached_each_compute_their_own_weights(stag
     from torch.nn.utils import parametrize, parametrizations
 
     batches = _parametrized_batches()
-    ref = _SpectralTwice()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in batches:
-        opt.zero_grad()
-        with parametrize.cached():
-            loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
+    ref = _trained_under_cached(_SpectralTwice(), batches)
     teacher = parametrizations.weight_norm(torch.nn.Linear(6, 6)).requires_grad_(False)
     model = _SpectralTwice()
     step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
@@ -1348,9 +1321,7 @@ def test_steps_inside_one_parametrize_cached_each_compute_their_own_weights(stag
             held = dict(parametrize._cache)
             state, _ = step(state, (x, y))
             assert parametrize._cache == held  # the caller's cache, as it was
-    got = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_trained_as(step, state, ref)
 
 
 class _ArgMaskedBlock(torch.nn.Module):
