@@ -389,6 +389,11 @@ def _module_written_message(module: nn.Module, names: list[str], now: dict[str, 
         f"own values into the module to evaluate it is not a change.")
 
 
+def _few_names(names: list[str]) -> str:
+    """The first four of ``names``, quoted, and how many more: what an error shows of a list of params or buffers."""
+    return ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def note_trained_params(modules: Any) -> None:
     """After a train step: ``modules`` (the user's modules its ``loss_fn`` ran through ``fzero.apply``) hold trainable
     parameters the state has moved on from. Each gets ``_refuse_untrained_call`` as a forward pre-hook once (its
@@ -478,7 +483,7 @@ def _refuse_untrained_call(module: nn.Module, args: Any) -> None:
     still_meta = _still_meta(module)
     if still_meta:
         kind = type(module).__name__
-        shown = ", ".join(repr(n) for n in still_meta[:4]) + (f" and {len(still_meta) - 4} more" if len(still_meta) > 4 else "")
+        shown = _few_names(still_meta)
         raise RuntimeError(
             f"fzero: {kind} was called directly after a fzero.Step trained it, but its parameters {shown} are meta "
             f"tensors, shapes without values: step.init(..., donate=True) gave their memory to the state (or the model "
@@ -559,7 +564,7 @@ def check_buffers_current(module: nn.Module, params: Mapping[str, Any]) -> None:
         if value.shape != b.shape or not torch.equal(value.detach().to(b.device, b.dtype), b.detach()):
             stale.append(name)
     if stale:
-        shown = ", ".join(repr(n) for n in stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+        shown = _few_names(stale)
         raise ValueError(
             f"fzero.apply: outside a step {type(module).__name__} runs with its own buffers, and {shown} hold other "
             f"values than the train state's: a step carries persistent buffers in the state (state.buffers, e.g. the "
