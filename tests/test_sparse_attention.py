@@ -178,6 +178,7 @@ def test_a_frozen_layouts_blocks_are_made_and_checked_once_per_length_and_a_bad_
     torch.testing.assert_close(dense, F.scaled_dot_product_attention(q, q, q))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch 2.11's inductor import
 def test_a_frozen_layout_compiles_without_dynamo_s_lru_cache_warning():
     """Under ``torch.compile`` (a unit under ``jit=True``) the blocks are made as they are traced, not looked up in
     their cache: Dynamo does not call an ``lru_cache``, and warned "Dynamo detected a call to a
