@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--one-process", action="store_true", help="local_mesh(1), meta model, streaming init; no torchrun")
     ap.add_argument("--device", default="cpu", help="--one-process: where the params live (cpu, cuda); RSS is the host's")
     ap.add_argument("--phases", action="store_true", help="--one-process: host RSS at each phase of a step")
+    ap.add_argument("--stack-above", type=float, default=None,
+                    help="--phases: B/param above the base over which the sampler notes the step's Python stack")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.one_process:
@@ -163,7 +166,7 @@ def one_process(args: argparse.Namespace) -> dict:
     print(f"init: {init_s:.1f} s, {init_rss / psi:.2f} B/param resident (peak {init_peak / psi:.2f})", file=sys.stderr, flush=True)
     rows: list[dict] = []
     if args.phases:
-        watch_phases(rows, base, psi)
+        watch_phases(rows, base, psi, args.stack_above)
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g).to(args.device)
         if args.phases:  # each step's rows peak since that step began (the first step's one-time buffers apart)
@@ -186,6 +189,9 @@ def one_process(args: argparse.Namespace) -> dict:
                 print(f"  {row['phase']:<40} rss {row['rss']:6.2f}  peak {row['peak']:6.2f}  "
                       f"sampled since the row before {row['sampled']:6.2f}  anon {row['anon']:6.2f}  "
                       f"shmem {row['shmem']:6.2f} B/param", file=sys.stderr, flush=True)
+                if row.get("stack_at_sampled"):  # a reading above --stack-above: where the step was
+                    print("    at its highest, the step was in: " + " <- ".join(reversed(row["stack_at_sampled"])),
+                          file=sys.stderr, flush=True)
             phases.append(list(rows))
             rows.clear()
     out = {"params": psi, "device": args.device, "offload": args.offload, "precision": args.precision, "remat": args.remat,
@@ -213,7 +219,18 @@ def rss_kinds(psi: int) -> dict[str, float]:
     return got
 
 
-def watch_phases(rows: list[dict], base: int, psi: int) -> None:
+def where(thread_id: int) -> list[str]:
+    """The innermost lines of a thread's Python stack, as text. The frame is let go before this returns: a frame
+    kept alive keeps its locals (the step's tensors) alive, which would change the memory measured."""
+    frame = sys._current_frames().get(thread_id)
+    try:
+        return [] if frame is None else [f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}"
+                                         for f in traceback.extract_stack(frame)[-8:]]
+    finally:
+        del frame
+
+
+def watch_phases(rows: list[dict], base: int, psi: int, stack_above: float | None = None) -> None:
     """Wrap the functions that run where offload's host memory changes, so that each appends to ``rows`` the host's
     resident memory (current, and the peak since the step began) in B/param above ``base``. Benchmark-only: the
     wrappers replace module attributes of this process, and change no number of the step."""
@@ -226,11 +243,22 @@ def watch_phases(rows: list[dict], base: int, psi: int) -> None:
     # VmHWM moves only when the kernel updates it (at an unmap, say), so a peak freed otherwise (glibc's trim uses
     # madvise) can show in a later phase than its own: a sampler thread reads VmRSS every millisecond instead, and
     # each row's "sampled" is the highest it saw since the row before (torch's ops release the GIL, so it runs)
-    sampled = {"max": 0}
+    # With ``stack_above`` (B/param) the sampler also keeps where the main thread was (its Python stack) at the
+    # highest reading above that since the row before: a host peak inside a torch op shows as the line that called
+    # it. Only above it: reading another thread's stack holds its frames (and their tensors) for a moment, which
+    # fzero's own checks can see (remat's check that a unit's forward left no tensor alive failed on a GPU so), so
+    # the bar is set where only the transient being looked for reaches.
+    sampled: dict[str, Any] = {"max": 0, "stack": []}
+    main_id = threading.get_ident()
+    bar = None if stack_above is None else base + stack_above * psi
 
     def sample() -> None:
         while True:
-            sampled["max"] = max(sampled["max"], vm_rss())
+            now = vm_rss()
+            if now > sampled["max"]:
+                sampled["max"] = now
+                if bar is not None and now > bar:
+                    sampled["stack"] = where(main_id)
             time.sleep(0.001)
 
     threading.Thread(target=sample, name="rss-sampler", daemon=True).start()
@@ -239,9 +267,9 @@ def watch_phases(rows: list[dict], base: int, psi: int) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         now = vm_rss()
-        high, sampled["max"] = max(sampled["max"], now), now
+        high, sampled["max"], stack, sampled["stack"] = max(sampled["max"], now), now, sampled["stack"], []
         rows.append({"phase": phase, "rss": (now - base) / psi, "peak": (vm_hwm() - base) / psi,
-                     "sampled": (high - base) / psi, **rss_kinds(psi)})
+                     "sampled": (high - base) / psi, **rss_kinds(psi), "stack_at_sampled": stack})
 
     def wrap(owner: Any, name: str, before: str | None, after: str | None) -> None:
         fn = getattr(owner, name)
