@@ -350,6 +350,66 @@ def test_a_tensor_that_outlives_the_forward_besides_its_outputs_is_refused():
     assert w.grad is not None and x.grad is not None
 
 
+def test_what_only_a_frame_or_another_thread_held_for_a_moment_is_no_escape(monkeypatch):
+    """A finished call's frame keeps its locals while something holds the frame: a sampling profiler's thread reading
+    the main thread's stack (``sys._current_frames``), or a traceback kept on an exception. No loss can read a tensor
+    held that way, but it was refused as an escape, at random (on a GPU, under ``benchmarks/offload_rss.py``'s sampler).
+    Held by frames alone it is let be; held through a container by a thread that lets go within the waits, too. A
+    tensor kept in a list is still refused after the waits. Each case against the same function without remat."""
+    import sys
+    import threading
+
+    import fzero.autodiff._remat as remat_mod
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    frames = []
+
+    def inner(w, x):
+        h = torch.tanh(x @ w)
+        frames.append(sys._getframe())  # the frame outlives the call, and with it ``h``
+        return h * 2
+
+    def framed(w, x):
+        return inner(w, x).sum(-1)
+
+    got = torch.autograd.grad(remat(framed)(w, x).sum(), (w, x))
+    assert frames and frames[0].f_locals["h"].shape == (2, 4)  # still held when the check ran
+    frames.clear()
+    torch.testing.assert_close(got, torch.autograd.grad(framed(w, x).sum(), (w, x)), rtol=0, atol=0)
+
+    release, holders, waits = threading.Event(), [], []
+
+    def held_by_a_thread(w, x):
+        h = torch.tanh(x @ w)
+        holders.append(threading.Thread(target=lambda held: release.wait(10), args=((h,),), daemon=True))  # (h,): a container
+        holders[-1].start()
+        return h.sum(-1)
+
+    def let_go(seconds):  # the wait: the thread lets go of what it held
+        waits.append(seconds)
+        release.set()
+        for t in holders:
+            t.join(10)
+
+    monkeypatch.setattr(remat_mod, "time", type("Clock", (), {"sleep": staticmethod(let_go)}))
+
+    got = torch.autograd.grad(remat(held_by_a_thread)(w, x).sum(), (w, x))
+    assert waits == [remat_mod._SETTLE[0]]  # found once, gone after the first wait
+    torch.testing.assert_close(got, torch.autograd.grad(held_by_a_thread(w, x).sum(), (w, x)), rtol=0, atol=0)
+
+    kept, waits[:] = [], []
+
+    def stores(w, x):
+        h = torch.tanh(x @ w)
+        kept.append(h)
+        return h.sum(-1)
+
+    with pytest.raises(RuntimeError, match=r"outlive its forward"):
+        remat(stores)(w, x)
+    assert waits == list(remat_mod._SETTLE)
+
+
 class _Parametrized(torch.nn.Module):
     """Two parametrized blocks (the units), each called once per forward."""
 

@@ -29,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
+import time
+import types
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -601,6 +604,45 @@ class _NoCapturedGrad(TorchFunctionMode):
         return out
 
 
+# Waits (seconds) before an escape found is believed: a frame another thread read for a moment (a sampling profiler's
+# sys._current_frames) keeps what the forward's finished calls held until that thread lets go of it
+_SETTLE = (0.001, 0.004, 0.016)
+
+
+def _escaped(watch: "_NoCapturedGrad", outs: list[torch.Tensor], cache_made: set[int]) -> list[torch.Tensor]:
+    """``watch.escaped(outs)`` less the parametrize cache's own tensors (``cache_made``) and what only frames hold.
+
+    A tensor held by nothing but frame objects left no way for a loss to read it: a finished call's frame keeps its
+    locals while something holds the frame (a traceback stored on an exception; a sampling profiler thread reading the
+    main thread's stack, as Sentry's and other continuous profilers do). That was refused as an escape, at random,
+    with a cause that was not the user's. What such a thread holds through a container (a call's argument tuple) is
+    gone once it lets go: so an escape is looked for again after short waits before it is refused. The waits are
+    paid only where something was found; a step that keeps nothing pays nothing.
+    """
+    found = _escaped_now(watch, outs, cache_made)
+    for wait in _SETTLE:
+        if not found:
+            return found
+        del found[:]  # not kept alive by this list while the other thread lets go
+        time.sleep(wait)
+        found = _escaped_now(watch, outs, cache_made)
+    return found
+
+
+def _escaped_now(watch: "_NoCapturedGrad", outs: list[torch.Tensor], cache_made: set[int]) -> list[torch.Tensor]:
+    seen = watch.escaped(outs)
+    found: list[torch.Tensor] = []
+    for t in seen:
+        if id(t) in cache_made:
+            continue
+        holders = [r for r in gc.get_referrers(t) if r is not seen and r is not found]
+        if holders and all(isinstance(r, types.FrameType) for r in holders):
+            continue  # only frames hold it: no loss can read it
+        found.append(t)
+    del seen[:]
+    return found
+
+
 def _held_where(t: torch.Tensor) -> str:
     """Where an escaped tensor is held, when a module attribute holds it (for the error only): " held as
     ClassName.attr" (a Hugging Face recurrent state kept on the module, RecurrentGemma's rg_lru.recurrent_states)."""
@@ -784,7 +826,7 @@ class _RematForward(Function):
             outs = call.run(list(inputs))
         _check_inputs_unwritten(call, inputs, versions)
         _check_unchanged(call, before)
-        escaped = [t for t in watch.escaped(outs) if id(t) not in call.cache_made]
+        escaped = _escaped(watch, outs, call.cache_made)
         call.cache_made = set()
         if escaped:
             raise RuntimeError(_ESCAPED.format(name=call.name, n=len(escaped),
