@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
@@ -105,6 +106,30 @@ def test_gpu_profile_runs_on_cpu_and_writes_its_tables(tmp_path):
     assert tables.count("== tiny ") == 3
     assert "| tiny | plain |" in tables and "| 1.00x |" in tables and "| tiny | fzero-s3 |" in tables  # the ratio table
     assert "fzero-s3" in (tmp_path / "cprofile.txt").read_text()
+
+
+def test_gpu_profiles_busy_time_counts_device_work_not_ranges():
+    """A ``record_function`` range shows on the device too, from its first kernel to its last, gaps included: counted as
+    busy it made fzero (a range per unit call) look busier than plain PyTorch on the same kernels."""
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_profile
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 0, 10), ev("copy", 40, 50), ev("fzero.unit:blocks.0", 0, 50, annotation=True),
+              ev("fzero.unit:blocks.1", 60, 90), ev("Optimizer.step#AdamW.step", 60, 90), ev("aten::mm", 0, 99, device=cpu)]
+    work = gpu_profile.device_work(events)
+    assert [e.name for e in work] == ["gemm", "copy"]
+    assert gpu_profile.busy_us(work) == 20.0  # not 80: the ranges' gaps
 
 
 def test_host_overhead_measures_each_system(one_thread):
