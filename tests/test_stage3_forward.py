@@ -827,6 +827,27 @@ def test_a_data_write_under_fp32_masters_is_refused_by_name(stages, offload, ran
         state, _ = step(state, torch.randn(4, WIDTH))
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_stage3_data_write_is_refused_with_the_params_offloaded_to_the_host(device):
+    """``offload_params=True`` keeps stage 3's param shards on the host, while a GPU's gathers land on the device: the
+    comparison of a forward's ``.data`` write with what the rank sent was skipped there, so the write was lost,
+    silently (on the CPU host and device are one memory, and it ran). The shard is copied up once more for it, at the
+    state's first step; a forward without the write trains on."""
+    model = _DataWrite("scale", "unit").to(device)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         mesh=fzero.local_mesh(1), offload=fzero.CPUOffload(params=True))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(RuntimeError, match=r"the forward of unit 'blocks.0' wrote its params \(shape .*\) through \.data"):
+        step(state, torch.randn(4, WIDTH, device=device))
+    clean = _DataWrite("none", "none").to(device)
+    step = fzero.compile(lambda p, x: fzero.apply(clean, p, x).square().mean(), optimizer=fzero.optim.sgd(0.1), stages=3,
+                         mesh=fzero.local_mesh(1), offload=fzero.CPUOffload(params=True))
+    state = step.init(fzero.params_of(clean))
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4, WIDTH, device=device))
+
+
 @pytest.mark.parametrize("first", ["failed", "refused"])
 def test_a_stage3_data_write_is_refused_after_a_first_step_that_did_not_complete(first):
     """Stage 3 compares a forward's ``.data`` writes at a state's first step only, and marked the state compared when

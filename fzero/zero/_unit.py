@@ -103,7 +103,8 @@ class UnitCall:
         for the backward from the shards, so the write was lost (9.5e-2 off PyTorch after 3 SGD steps), silently. Every
         rank runs the forward on the whole unit, so a write anywhere in it shows in some rank's share. On a GPU the
         comparison is waited for once, at the end of the step (``Schedule.finish``). Params offloaded to the host
-        (``offload_params=True``) are not compared: each shard would be copied up a second time."""
+        (``offload_params=True``) are compared too, each shard copied up a second time for it: once, at the state's
+        first step (before: not compared, and the write was lost there, silently)."""
         for s, v, ptr in zip(self.unit.slots, views, ptrs):
             if _unwrapped(v).data_ptr() != ptr:
                 raise RuntimeError(DATA_WRITE.format(how=f"replaced the trainable param {s.path!r}", shape=s.shape,
@@ -111,9 +112,8 @@ class UnitCall:
         schedule, full = self.schedule, self.full
         if full is None:  # a remat call's: checked in its forward (and again in the recompute), then let go
             full, self.remat_full = self.remat_full, None
-        if (full is None or not views or not schedule.check_data or schedule.release is not None
-                or schedule.shards[self.unit.name].device != full.device):
-            return  # (params offloaded: the comparison would copy each shard up a second time)
+        if full is None or not views or not schedule.check_data or schedule.release is not None:
+            return
         changed = _changed_share(full.narrow(0, 0, self.unit.padded), schedule.input_of(self.unit.name), schedule.comm.rank)
         if full.device.type == "cpu":
             if bool(changed):
