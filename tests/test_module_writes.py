@@ -609,6 +609,192 @@ def test_a_numpy_or_python_random_stream_the_module_holds_is_each_ranks_own_on_a
     assert list(draw(model._rng, 4)) == list(draw(streams[0], 4))  # rank 0's stream, as torchrun's rank 0 holds it
 
 
+class _DrawsPerKeptRow(nn.Module):
+    """One draw from a stream the module holds (``self._rng``) per row whose first feature is positive: how many values
+    a rank draws depends on its rows, as a module drawing one number per non-padding token does."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
+        make, self.draw = _streams()[kind]
+        self._rng = make()
+
+    def forward(self, x):
+        scale = [1.0 + float(self.draw(self._rng, 1)[0]) if float(row[0]) > 0 else 1.0 for row in x]
+        return self.blocks[1](self.blocks[0](x) * torch.tensor(scale, dtype=x.dtype)[:, None])
+
+
+def _uneven_rows(steps: int) -> torch.Tensor:
+    """``steps`` global batches of 4 rows whose halves (the two ranks' shares) keep other numbers of rows (2 and 0,
+    then 0 and 1, ...): the ranks draw other amounts at every step, and their streams are never at one count of
+    draws after a step (2-0, 2-1, 4-1, 4-2, 5-4)."""
+    x = torch.randn(steps, 4, WIDTH, generator=torch.Generator().manual_seed(1)).abs()
+    signs = [[1, 1, -1, -1], [-1, -1, 1, -1], [1, 1, -1, -1], [-1, -1, 1, -1], [1, -1, 1, 1]]
+    x[..., 0] *= torch.tensor([signs[s % len(signs)] for s in range(steps)], dtype=x.dtype)
+    return x
+
+
+def _two_processes(kind: str, x: torch.Tensor, between=None) -> tuple[list[list[float]], list[dict], list]:
+    """What two torchrun processes give, each with its own replica of the module, its stream advanced by its own draws
+    only (DDP: the gradient averaged): the loss and the params after each step, and each process's stream at the end.
+    ``between(step, streams)``: run between steps (a draw each process makes from its own stream)."""
+    ref = _DrawsPerKeptRow(kind)
+    streams = [_streams()[kind][0]() for _ in range(2)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses, params = [], []
+    for i, b in enumerate(x):
+        opt.zero_grad()
+        loss = 0.0
+        for r, rows in enumerate(b.chunk(2)):
+            ref._rng = streams[r]
+            l = ref(rows).pow(2).mean()
+            (l / 2).backward()
+            loss += l.item() / 2
+        opt.step()
+        losses.append(loss)
+        params.append({k: p.detach().clone() for k, p in ref.named_parameters()})
+        if between is not None:
+            between(i, streams)
+    return losses, params, streams
+
+
+def _on_local_mesh(kind: str, x: torch.Tensor, *, stages: int, mesh=None, model=None, between=None):
+    """The same steps on local_mesh(2): the loss and gathered params after each step, and the module."""
+    model = _DrawsPerKeptRow(kind) if model is None else model
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(2) if mesh is None else mesh)
+    state = step.init(fzero.params_of(model))
+    losses, params = [], []
+    for i, b in enumerate(x):
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+        params.append(step.gather(state))
+        if between is not None:
+            between(i, model)
+    return losses, params, model
+
+
+@pytest.mark.parametrize("stages,kind", [(0, k) for k in ("numpy_generator", "numpy_randomstate", "python_random",
+                                                          "torch_private")] + [(3, "numpy_generator")])
+def test_a_stream_the_module_holds_goes_on_from_each_ranks_own_state_when_the_ranks_draw_other_amounts(stages, kind):
+    """A stream the module holds (a NumPy ``Generator``/``RandomState``, a Python ``random.Random``, a private
+    ``torch.Generator``) drawn from a number of times that depends on the rank's rows (one draw per kept row, as per
+    non-padding token): each rank of local_mesh(2) drew from its own copy for the step, but every step started both
+    copies from rank 0's state (the one written back on the module), where each torchrun process goes on from where its
+    own stream left off: rank 1 drew rank 0's numbers from step 2 on, 2.6e-3 to 8.6e-3 off torchrun in the params
+    after 4 SGD steps (losses up to 3.5e-2 off from step 2), silently. Each rank's copy now goes on from its own end state, and the module still holds rank 0's."""
+    x = _uneven_rows(4)
+    ref_losses, ref_params, streams = _two_processes(kind, x)
+    losses, params, model = _on_local_mesh(kind, x, stages=stages)
+    for i in range(len(x)):
+        assert losses[i] == pytest.approx(ref_losses[i], rel=1e-6, abs=1e-7), f"step {i + 1}"
+        for name, p in ref_params[i].items():
+            torch.testing.assert_close(params[i][name], p, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {i + 1}, {name}: {m}")
+    draw = _streams()[kind][1]
+    assert list(draw(model._rng, 4)) == list(draw(streams[0], 4))  # rank 0's stream, as torchrun's rank 0 holds it
+
+
+def _assert_params(got: dict, want: dict, what: str) -> None:
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}, {name}: {m}")
+
+
+def test_each_ranks_held_stream_goes_on_through_a_checkpoint_load_and_restarts_from_a_reseed(tmp_path):
+    """What the carried per-rank states of a module-held stream do around a checkpoint and a reseed. A checkpoint saves
+    no module attribute but its tensors (nor does a torchrun job's: each process's module keeps its own stream), so a
+    load leaves every rank's stream where it was and the ranks go on from their own states (the load must not reset
+    them to rank 0's). A reseed of the module's stream between steps (``model._rng.seed(7)`` in every process) starts
+    every rank from it: a carried state is never used once the object no longer holds what the last step left in it."""
+    x = _uneven_rows(5)
+    ref = _DrawsPerKeptRow("numpy_randomstate")
+    streams = [_streams()["numpy_randomstate"][0]() for _ in range(2)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    saved = None
+    for i, b in enumerate(x):  # two processes: save after step 2, step 3, load, step 4; reseed; step 5
+        if i == 3:
+            ref.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        if i == 4:
+            for g in streams:
+                g.seed(7)
+        opt.zero_grad()
+        for r, rows in enumerate(b.chunk(2)):
+            ref._rng = streams[r]
+            (ref(rows).pow(2).mean() / 2).backward()
+        opt.step()
+        if i == 1:
+            saved = copy.deepcopy((ref.state_dict(), opt.state_dict()))
+        if i == 3:
+            want_after_load = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    model = _DrawsPerKeptRow("numpy_randomstate")
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=0, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    for i, b in enumerate(x):
+        if i == 3:
+            state = fzero.checkpoint.load(tmp_path / "ck", like=step)
+        if i == 4:
+            model._rng.seed(7)  # in place: the object is the one the last step left, its state is not
+        state, _ = step(state, b)
+        if i == 1:
+            fzero.checkpoint.save(tmp_path / "ck", state)
+        if i == 3:
+            _assert_params(step.gather(state), want_after_load, "the step after the load")
+    _assert_params(step.gather(state), {k: p.detach() for k, p in ref.named_parameters()}, "the step after the reseed")
+    assert list(model._rng.rand(4)) == list(streams[0].rand(4))
+
+
+def test_two_steps_over_one_model_and_mesh_draw_from_each_ranks_one_stream_and_another_mesh_restarts_it():
+    """Two step objects over the same model share its held stream: on one mesh (the processes of one job, each with one
+    module object that both steps draw from) each rank goes on from where either step left its stream, as torchrun's
+    processes do. Steps on two meshes do not share the per-rank states (each mesh holds its own, as it holds the global
+    generators'): after the other mesh's step moved the stream, a step starts every rank from the module's state (rank
+    0's), never from the states its mesh carried from before, which would be stale."""
+    x = _uneven_rows(4)
+    model = _DrawsPerKeptRow("numpy_generator")
+    mesh = fzero.local_mesh(2)
+
+    def compiled(m):
+        step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                             stages=0, mesh=m)
+        return step, step.init(fzero.params_of(model))
+
+    (a, sa), (b, sb) = compiled(mesh), compiled(mesh)
+    refs = [_DrawsPerKeptRow("numpy_generator") for _ in range(2)]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
+    streams = [_streams()["numpy_generator"][0]() for _ in range(2)]
+
+    def reference(which: int, batch: torch.Tensor) -> None:
+        opts[which].zero_grad()
+        for r, rows in enumerate(batch.chunk(2)):
+            refs[which]._rng = streams[r]
+            (refs[which](rows).pow(2).mean() / 2).backward()
+        opts[which].step()
+
+    for i, batch in enumerate(x):  # a, b, a, b on one mesh: one stream per rank, as in each torchrun process
+        if i % 2 == 0:
+            sa, _ = a(sa, batch)
+        else:
+            sb, _ = b(sb, batch)
+        reference(i % 2, batch)
+    for step, state, ref, what in ((a, sa, refs[0], "step a"), (b, sb, refs[1], "step b")):
+        _assert_params(step.gather(state), {k: p.detach() for k, p in ref.named_parameters()}, what)
+
+    c, sc = compiled(fzero.local_mesh(2))  # another mesh: it moves the stream from rank 0's state (its ranks start there)
+    streams[1] = copy.deepcopy(streams[0])
+    sc, _ = c(sc, x[0])
+    with torch.no_grad():  # (its draws alone matter here: c's params are not compared)
+        for r, rows in enumerate(x[0].chunk(2)):
+            refs[1]._rng = streams[r]
+            refs[1](rows)
+    sa, _ = a(sa, x[1])  # the stream moved since a's mesh left it: both ranks start from rank 0's, not a's stale ones
+    streams[1] = copy.deepcopy(streams[0])
+    reference(0, x[1])
+    _assert_params(a.gather(sa), {k: p.detach() for k, p in refs[0].named_parameters()}, "step a after another mesh's")
+    assert list(model._rng.random(4)) == list(streams[0].random(4))
+
+
 class _AuxOnSelf(nn.Module):
     """An auxiliary loss kept on the module by its forward (as MoE layers keep theirs), for loss_fn to add."""
 

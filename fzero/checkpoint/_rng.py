@@ -155,8 +155,12 @@ def _set_cuda(cuda: torch.Tensor | None) -> None:
 def _fill_carry(carry: Any, np: Any, *, cpu: list | None, python: list | None, numpy: list | None) -> None:
     """A local mesh's per-rank streams from saved rows (torch's states; Python's and NumPy's encoded), each family
     that has rows; the global generators must hold the restored state (rank 0's) already. No stream of the mesh's
-    last run goes on: a family without rows starts every rank from the global state."""
+    last run goes on: a family without rows starts every rank from the global state. The random streams the modules
+    hold (``carry.held``) stay: a checkpoint saves no module attribute but its tensors, and a load leaves those
+    objects, as it leaves each torchrun process's own, where they are (so each rank goes on from its own state)."""
+    held = carry.held
     carry.__init__()
+    carry.held = held
     if cpu is not None:
         carry.cpu, carry.left, carry.cuda = [r.clone() for r in cpu], torch.get_rng_state(), [{} for _ in cpu]
     if python is not None:

@@ -340,7 +340,7 @@ class Writes:
 
     __slots__ = ("changed", "copies", "private", "origins")
 
-    def __init__(self, *, private: bool = False) -> None:
+    def __init__(self, *, private: bool = False, start: Callable[[Any], Any] | None = None) -> None:
         self.changed: dict[int, tuple[nn.Module, dict[str, Any]]] = {}  # id(user's module) -> (it, {name: value})
         self.copies: dict[int, tuple[Any, Any]] = {}  # id(a copy's public container) -> (it, the module's it copies)
         # id(a module of a copy's tree) -> id(the user's module it copies), for the copies made with this record: a
@@ -348,7 +348,9 @@ class Writes:
         self.origins: dict[int, int] = {}
         # ``private``: this rank is one of several in this process (a local mesh's), which must not write the user's
         # objects while the others read them: id(a mutable object the modules hold) -> (this rank's copy, the object)
-        self.private: dict[int, tuple[Any, Any]] | None = {} if private else None
+        # ``start``: where this rank's copy of a random stream the modules hold starts (``HeldStreams.start``: its own
+        # end state of the last step call, as a torchrun process's goes on); None: the object's own state
+        self.private: dict[int, tuple[Any, Any]] | None = _Memo(start) if private else None
 
     def note(self, original: nn.Module, copy: nn.Module, *, seen: set[int] | None = None) -> None:
         """Record what ``copy`` (``clone_structure(original, writes=self)``) holds in public attributes that
@@ -428,7 +430,7 @@ class Writes:
                 else:
                     d[k] = _detached(v)
         self.changed, self.copies, self.origins = {}, {}, {}
-        self.private = None if self.private is None else {}
+        self.private = None if self.private is None else _Memo(getattr(self.private, "start", None))
 
 
 def _entries_mapped(v: Any, fn: Callable[[Any], Any]) -> Any:
@@ -487,6 +489,61 @@ def _same_state(a: Any, b: Any) -> bool:
     return a == b
 
 
+class _Memo(dict):
+    """``Writes.private``: id(an object the modules hold) -> (this rank's copy, the object, what the copy started as),
+    and ``start``, where this rank's copy of a random stream starts (``HeldStreams.start``; None: the object's state)."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: Callable[[Any], Any] | None = None) -> None:
+        super().__init__()
+        self.start = start
+
+
+class HeldStreams:
+    """Where each rank's copy of a random stream the modules hold (``_STREAMS``: ``self._rng``, ``self.gen``, one in a
+    container) ended in the last step call of a local mesh of several ranks, so that the next call goes on from it.
+
+    Each rank copies such a stream for the call (``_private``) and rank 0's state is written back on the user's object.
+    A torchrun process goes on from its own stream's state at its next step; had every rank's copy started again from
+    the object (rank 0's state), ranks that draw other amounts in a step (a draw per non-padding token, per example of
+    a variable-length batch) would diverge from torchrun: rank 1 drew rank 0's numbers from the second step on (2.6e-3
+    to 8.6e-3 off torchrun in the params after 4 SGD steps, silently). So rank r starts from its own end state of the
+    last call, as long as the object still holds what that call left in it (rank 0's: nothing drew from it or set it
+    in between, as ``fzero.mesh``'s ``Carry`` asks of the global generators); where it does not (reseeded, drawn from
+    between steps, or another mesh's step ran on it), every rank starts from the object's state, as every torchrun
+    process would after the same reseed. Held by the mesh (``Carry.held``), as the global generators' states are: the
+    steps that share a mesh stand for the processes of one job, whose one module object each of them draws from."""
+
+    def __init__(self) -> None:
+        # id(the user's stream) -> (it, its state when the last call ended, each rank's copy's end state). The object
+        # is held so that its id names it alone (NumPy's streams take no weak reference); a few KiB each
+        self.ends: dict[int, tuple[Any, Any, list[Any]]] = {}
+
+    def start(self, v: Any, *, rank: int, n: int) -> Any:
+        """The state rank ``rank`` of ``n`` starts its copy of the stream ``v`` in (see the class docstring)."""
+        now = _STREAMS[type(v)][0](v)
+        last = self.ends.get(id(v))
+        if last is not None and last[0] is v and len(last[2]) == n and _same_state(now, last[1]):
+            return last[2][rank]
+        return now
+
+    def keep(self, writes: "list[Writes]") -> None:
+        """``writes[0].keep()`` (rank 0's writes, its streams' states among them, into the user's objects), after
+        noting where each rank's copy of each stream ended; a rank that copied no stream the others did keeps the
+        state it would have started from (its stream did not move)."""
+        memos = [w.private or {} for w in writes]
+        streams = {i: e[1] for memo in memos for i, e in memo.items() if type(e[1]) in _STREAMS}
+        ends = {}
+        for i, v in streams.items():
+            get_state = _STREAMS[type(v)][0]
+            ends[i] = [get_state(memo[i][0]) if i in memo else self.start(v, rank=r, n=len(memos))
+                       for r, memo in enumerate(memos)]
+        writes[0].keep()
+        for i, v in streams.items():
+            self.ends[i] = (v, _STREAMS[type(v)][0](v), ends[i])
+
+
 def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     """This rank's own copy of ``v`` (see ``Writes``: one of several ranks in this process): a container of
     ``_PRIVATE``'s types copied with its entries' copies, a tensor cloned (a parameter is the step's to place),
@@ -529,8 +586,10 @@ def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
         # varying run to run; NumPy's and Python's by a sweep of models nobody here wrote: 7e-3 after 4 AdamW steps)
         get_state, set_state = stream
         c = torch.Generator(device=v.device) if kind is torch.Generator else copy.deepcopy(v)
-        set_state(c, get_state(v))
-        memo[id(v)] = (c, v, get_state(v))
+        start = getattr(memo, "start", None)  # this rank's own state from the last step call (HeldStreams)
+        state = get_state(v) if start is None else start(v)
+        set_state(c, state)
+        memo[id(v)] = (c, v, state)
         return c
     if kind is tuple:
         items = tuple(_private(x, memo) for x in v)

@@ -81,7 +81,8 @@ module-level functions of ``random`` (its hidden ``Random`` instance's bound met
 global state; the global state takes rank 0's afterwards; ``Carry``); outside rank threads they call the originals.
 Not covered here: a function bound before the mesh ran (``from random import random``), ``random.Random()`` and
 ``np.random.default_rng()`` objects (each its own stream already, as under torchrun, where made inside the step; one
-kept on a module is copied for each rank with the module, ``fzero.layout._modules._private``), and NumPy imported for
+kept on a module is copied for each rank with the module, ``fzero.layout._modules._private``, and each rank's copy goes
+on from its own state at the next run, ``Carry.held``), and NumPy imported for
 the first time inside a rank's program.
 """
 
@@ -97,6 +98,8 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fzero.layout import HeldStreams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +271,8 @@ class Carry:
         self.py_left: Any = None  # what the last run left in Python's global ``random`` (rank 0's)
         self.np: list[Any] = []  # per rank, its NumPy global ``RandomState`` state
         self.np_left: Any = None
+        # per rank, the random streams the modules hold (``self._rng``), copied for each rank by the step
+        self.held = HeldStreams()
 
     def resumes(self, n: int, start: torch.Tensor) -> bool:
         return len(self.cpu) == n and self.left is not None and torch.equal(self.left, start)

@@ -170,10 +170,15 @@ class Step:
         schedules take in this step, one call each for every rank and every place that reads them
         (``fzero.optim._base.ScheduleValues``)."""
         synced: dict[int, nn.Module] | None = None
+        held = None  # the random streams the modules hold: where each rank's copy ended (fzero.layout.HeldStreams)
         if isinstance(state, RankStates) and isinstance(self.mesh, LocalMesh):
             # several ranks in this process: each writes its own copies of what the modules hold (Writes), so that
-            # none writes an object another reads, as each torchrun process has its own; rank 0's are kept
-            writes = [Writes(private=len(state.states) > 1) for _ in state.states]
+            # none writes an object another reads, as each torchrun process has its own; rank 0's are kept, and each
+            # rank's copy of a random stream goes on from its own state at the next call (HeldStreams)
+            n = len(state.states)
+            held = self.mesh.carry.held if n > 1 else None
+            writes = [Writes(private=n > 1, start=None if held is None else functools.partial(held.start, rank=r, n=n))
+                      for r in range(n)]
             # and none writes a frozen param they all share: refused once every rank has returned (FrozenWrites)
             frozen = FrozenWrites() if len(state.states) > 1 else None
             results = self.mesh.run(lambda comm, s, b: self._as_rank(comm, program, s, b, writes=writes[comm.rank],
@@ -187,7 +192,10 @@ class Step:
             writes = [Writes()]
             synced = {} if isinstance(self.mesh, DistMesh) and comm.size > 1 else None  # (take_rank0_buffers)
             results = [self._as_rank(comm, program, state, batch, writes=writes[0], schedules=schedules, synced=synced)]
-        writes[0].keep()
+        if held is not None:
+            held.keep(writes)
+        else:
+            writes[0].keep()
         if synced:  # every process ends the call holding rank 0's non-persistent buffers, as a local mesh's module does
             sync_buffers(comm, list(synced.values()))
         return results
