@@ -427,6 +427,52 @@ def test_a_generator_in_the_batch_is_each_ranks_own_on_a_local_mesh_of_two_ranks
     assert torch.equal(gen.get_state(), gens[0].get_state())
 
 
+def test_a_generator_in_the_batch_goes_on_from_each_ranks_own_state_when_the_ranks_draw_other_amounts():
+    """A ``torch.Generator`` in the batch drawn from once per kept row (a number that depends on the rank's rows, as
+    one draw per non-padding token): each rank of local_mesh(2) drew from its own copy, but every step (and
+    ``evaluate``) started both copies from the caller's generator, which holds rank 0's state, where each torchrun
+    process goes on from its own: rank 1 drew rank 0's numbers from the second step on. Each rank's copy now goes on
+    from its own end state, as a stream a module holds does; the caller's generator still ends in rank 0's state."""
+    x = torch.randn(4, 4, 4, generator=torch.Generator().manual_seed(1)).abs()
+    signs = [[1, 1, -1, -1], [-1, -1, 1, -1], [1, 1, -1, -1], [-1, -1, 1, -1]]  # kept rows per rank: 2-0, 0-1, ...
+    x[..., 0] *= torch.tensor(signs, dtype=x.dtype)
+
+    def noisy(model, rows, gen):
+        scale = [1.0 + torch.rand((), generator=gen).item() if float(r[0]) > 0 else 1.0 for r in rows]
+        return model(rows * torch.tensor(scale)[:, None]).pow(2).mean()
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    ref, gens = build(), [torch.Generator().manual_seed(5) for _ in range(2)]  # two processes, a generator each
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for i, b in enumerate(x):
+        if i == 2:  # an evaluate between steps draws too
+            with torch.no_grad():
+                for r, rows in enumerate(x[1].chunk(2)):
+                    noisy(ref, rows, gens[r])
+        opt.zero_grad()
+        for r, rows in enumerate(b.chunk(2)):
+            (noisy(ref, rows, gens[r]) / 2).backward()
+        opt.step()
+        want.append({k: p.detach().clone() for k, p in ref.named_parameters()})
+
+    model = build()
+    step = fzero.compile(lambda p, b: noisy(lambda h: fzero.apply(model, p, h), b["x"], b["gen"]),
+                         optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    state, gen = step.init(fzero.params_of(model)), torch.Generator().manual_seed(5)
+    for i, b in enumerate(x):
+        if i == 2:
+            step.evaluate(state, {"x": x[1], "gen": gen})
+        state, _ = step(state, {"x": b, "gen": gen})
+        full = step.gather(state)
+        for name, p in want[i].items():
+            torch.testing.assert_close(full[name], p, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {i + 1}, {name}: {m}")
+    assert torch.equal(gen.get_state(), gens[0].get_state())  # rank 0's, as a torchrun job's rank 0 holds it
+
+
 @dataclasses.dataclass
 class _NoisyBatch:
     x: torch.Tensor

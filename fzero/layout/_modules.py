@@ -541,7 +541,12 @@ class HeldStreams:
                        for r, memo in enumerate(memos)]
         writes[0].keep()
         for i, v in streams.items():
-            self.ends[i] = (v, _STREAMS[type(v)][0](v), ends[i])
+            self.record(v, ends[i])
+
+    def record(self, v: Any, ends: list[Any]) -> None:
+        """Each rank's copy of the stream ``v`` ended in ``ends`` (rank order), and ``v`` holds rank 0's state now. A
+        ``torch.Generator`` in the batch is copied per rank too (``fzero.step._batch.split_batch``), and noted here."""
+        self.ends[id(v)] = (v, _STREAMS[type(v)][0](v), ends)
 
 
 def _private(v: Any, memo: dict[int, tuple[Any, Any]]) -> Any:

@@ -51,7 +51,8 @@ _NOT_PER_ROW = ("a tensor that is not per row (a per-class weight, a lookup tabl
 
 
 def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_accum: int = 1,
-                generators: list[tuple[torch.Generator, list[torch.Generator]]] | None = None) -> list[Any]:
+                generators: list[tuple[torch.Generator, list[torch.Generator]]] | None = None,
+                held: Any = None) -> list[Any]:
     """Split the global ``batch`` into n equal per-rank batches on its rows (see the module's docstring). Each rank
     gets tensors of its own (copies): the ranks of a local mesh run at once, and views of one tensor share its version
     counter, so one rank's in-place write (labels masked with ``y[y == 0] = -100``) would break another's backward, or
@@ -60,12 +61,15 @@ def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_ac
     caller's is in: shared, the rank threads drew from one stream in the order they ran (other numbers at every run),
     where each torchrun process draws from its own generator, seeded alike. ``generators``: where each such
     generator is noted beside its per-rank copies, for the caller to give it rank 0's state once the step has
-    succeeded (``keep_rank0_generators``), as a module's own generator is kept. ``api``: whose batch it is, for
+    succeeded (``keep_rank0_generators``), as a module's own generator is kept; ``held``: the mesh's
+    ``fzero.layout.HeldStreams``, from which rank r's copy starts in the state rank r's copy ended the last step in,
+    where the caller's generator still holds what that step left (a torchrun process's goes on from its own, so
+    ranks that draw other amounts go on apart). ``api``: whose batch it is, for
     the errors (a step's, or ``evaluate``'s); ``grad_accum``: the micro-batches each rank's share is split into next,
     so that rows that do not divide by ``n * grad_accum`` are named as the global batch the caller passed, not as a
     rank's share the caller never saw."""
     if n > 1:
-        batch = _own_generators(batch, n, [] if generators is None else generators)
+        batch = _own_generators(batch, n, [] if generators is None else generators, held)
     parts = n * grad_accum
     accum = f", and each rank's share into grad_accum={grad_accum} micro-batches" if grad_accum > 1 else ""
     return _split_rows(batch, n, api, f"under local_mesh({n}) the global batch is split on dim 0 across {n} ranks", lambda path, size: (
@@ -83,7 +87,7 @@ class _PerRank:
         self.items = items
 
 
-def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[torch.Generator]]]) -> Any:
+def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[torch.Generator]]], held: Any = None) -> Any:
     """``batch`` with each ``torch.Generator`` leaf (inside dataclasses and mappings too) replaced by n copies of it,
     one per rank (``_PerRank``), each noted beside the original in ``noted``. A generator the batch names twice
     (``{"gen": g, "aug": {"gen": g}}``) is one stream, as on a torchrun process: each rank gets one copy for both."""
@@ -93,15 +97,15 @@ def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[
                 if original is x:
                     return _PerRank(copies)
             copies = []
-            for _ in range(n):
+            for r in range(n):
                 g = torch.Generator(device=x.device)
-                g.set_state(x.get_state())
+                g.set_state(x.get_state() if held is None else held.start(x, rank=r, n=n))
                 copies.append(g)
             noted.append((x, copies))
             return _PerRank(copies)
         children = _children(x)
         if children is not None:
-            owned = {name: _own_generators(child, n, noted) for name, child in children.items()}
+            owned = {name: _own_generators(child, n, noted, held) for name, child in children.items()}
             if all(owned[name] is child for name, child in children.items()):
                 return x  # no generator inside: the container as given (its __post_init__ not run again)
             return _rebuilt(x, owned)
@@ -112,11 +116,14 @@ def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[
     return _tree.tree_map(own, batch)
 
 
-def keep_rank0_generators(generators: list[tuple[torch.Generator, list[torch.Generator]]]) -> None:
+def keep_rank0_generators(generators: list[tuple[torch.Generator, list[torch.Generator]]], held: Any = None) -> None:
     """Give each ``torch.Generator`` of the caller's batch the state its rank-0 copy ended the step in (what a torchrun
-    job's rank 0 holds after it), once the step has succeeded (``split_batch``)."""
+    job's rank 0 holds after it), once the step has succeeded (``split_batch``); ``held`` (the mesh's
+    ``fzero.layout.HeldStreams``) notes where every rank's copy ended, for the next step's copies to go on from."""
     for original, copies in generators:
         original.set_state(copies[0].get_state())
+        if held is not None:
+            held.record(original, [g.get_state() for g in copies])
 
 
 def split_micro(batch: Any, k: int) -> list[Any]:

@@ -149,9 +149,10 @@ class Step:
             state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
             generators: list = []  # a torch.Generator in the batch: each rank draws from its own copy
-            batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum, generators=generators)
+            batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum, generators=generators,
+                                  held=self.mesh.carry.held)
             results = self._on_ranks(rank_program, state, batches, schedules=ScheduleValues())
-            keep_rank0_generators(generators)
+            keep_rank0_generators(generators, self.mesh.carry.held)
             new_state: Any = RankStates(tuple(r[0] for r in results))
             metrics = results[0][1]
         elif isinstance(state, TrainState):
@@ -287,8 +288,8 @@ class Step:
             if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):
                 generators: list = []
                 results = self._on_ranks(eval_program, state, split_batch(batch, self.mesh.size, api="fzero.Step.evaluate",
-                                                                          generators=generators))
-                keep_rank0_generators(generators)
+                                                                          generators=generators, held=self.mesh.carry.held))
+                keep_rank0_generators(generators, self.mesh.carry.held)
                 metrics = results[0]
                 if "aux" in metrics:  # rank 0's is of its share of the rows only: every rank's, for all of them
                     metrics["aux_per_rank"] = [r.get("aux") for r in results]
