@@ -71,6 +71,8 @@ def apply(module: nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"fzero.apply: expected an nn.Module (or a bound method of one) as the first argument, got "
                         f"{type(module).__name__}.")
     check_not_compiled(module, api="fzero.apply")
+    if not torch.is_grad_enabled():  # step.evaluate, which no first step's check_module_features sees
+        check_no_compiled_submodules(module, api="fzero.apply")
     note_applied(module)  # for the first step's checks of the loss and of the ranks' structure
     take_rank0_buffers(module)  # under dist_mesh: its non-persistent buffers start the call as rank 0's, as DDP's
     context = current_context()
@@ -936,6 +938,25 @@ def compiled_wrapper(module: nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` ran on ``module``: ``nn.Module.compile`` keeps ``torch.compile`` of the module's
+    own ``_call_impl`` in ``_compiled_call_impl``, which ``__call__`` runs instead. That call is bound to the module it
+    was made on, so a step's copy of the module (``fzero.step._context``) would run the original with its own tensors."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_in_place_error(api: str, path: str, module: nn.Module) -> TypeError:
+    """The refusal of a module ``module.compile()`` ran on, at ``path`` of ``module`` ("" for ``module`` itself)."""
+    where = "model" if not path else f"model.get_submodule({path!r})"
+    what = "the module" if not path else f"the submodule {path!r} of {type(module).__name__}"
+    return TypeError(
+        f"{api}: {what} was compiled in place ({where}.compile(), nn.Module.compile): its compiled call is bound to "
+        f"that module and runs it with the module's own tensors, not the step's params. Undo it ({where}."
+        f"_compiled_call_impl = None, or build the model without calling .compile() on it); to compile, give "
+        f"fzero.compile(..., jit=True) at stages 2-3, which compiles each unit's forward."
+    )
+
+
 def check_not_compiled(module: nn.Module, *, api: str) -> None:
     """Refuse a ``torch.compile`` wrapper given as the model. Its parameters are named ``_orig_mod.*`` and its
     ``forward`` is the compiled call of the module it wraps, bound to that module: the step's copy of the model
@@ -948,6 +969,8 @@ def check_not_compiled(module: nn.Module, *, api: str) -> None:
             f"compiled forward runs the wrapped module with that module's own tensors, so a step's params would not "
             f"reach it. {COMPILE_FIX}"
         )
+    if compiled_in_place(module):
+        raise compiled_in_place_error(api, "", module)
 
 
 def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
@@ -1042,6 +1065,26 @@ def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:
             )
 
 
+def check_no_compiled_submodules(module: nn.Module, *, api: str) -> None:
+    """Refuse a submodule that ``torch.compile`` wrapped or ``.compile()`` compiled in place: its compiled call runs the
+    original submodule with its own tensors (see ``check_not_compiled``), so a step would train (and
+    ``step.evaluate`` would report) a model the params never reach."""
+    for path, m in module.named_modules():
+        if path and compiled_in_place(m):
+            raise compiled_in_place_error(api, path, module)
+        if path and compiled_wrapper(m):
+            parent, _, name = path.rpartition(".")
+            raise TypeError(
+                f"{api}: the submodule {path!r} of {type(module).__name__} is a torch.compile wrapper "
+                f"(OptimizedModule of {type(getattr(m, '_orig_mod', None)).__name__}): its compiled forward runs the "
+                f"module it wraps with that module's own tensors, not the step's params. Put the wrapped module "
+                f"back in its place (model.get_submodule({parent!r}).register_module({name!r}, "
+                f"model.get_submodule({path!r})._orig_mod)) and make the state from fzero.params_of(model) again; "
+                f"to compile, give fzero.compile(..., jit=True) at stages 2-3, which "
+                f"compiles each unit's forward."
+            )
+
+
 def check_module_features(modules: list[nn.Module]) -> None:
     """At the first forward with a graph, before its backward: refuse what ``fzero.apply`` ran but a step cannot
     train. A ``torch.compile`` wrapper inside the model runs the original submodule's own tensors (see
@@ -1050,18 +1093,8 @@ def check_module_features(modules: list[nn.Module]) -> None:
     fzero or in autograd ("copy_() between dense and sparse Tensors", "reshape is not implemented for sparse
     tensors") with no name of the module or the fix."""
     for module in modules:
+        check_no_compiled_submodules(module, api="fzero.Step")
         for path, m in module.named_modules():
-            if path and compiled_wrapper(m):
-                parent, _, name = path.rpartition(".")
-                raise TypeError(
-                    f"fzero.Step: the submodule {path!r} of {type(module).__name__} is a torch.compile wrapper "
-                    f"(OptimizedModule of {type(getattr(m, '_orig_mod', None)).__name__}): its compiled forward runs the "
-                    f"module it wraps with that module's own tensors, not the step's params. Put the wrapped module "
-                    f"back in its place (model.get_submodule({parent!r}).register_module({name!r}, "
-                    f"model.get_submodule({path!r})._orig_mod)) and make the state from fzero.params_of(model) again; "
-                    f"to compile, give fzero.compile(..., jit=True) at stages 2-3, which "
-                    f"compiles each unit's forward."
-                )
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
                 raise ValueError(
                     f"fzero.Step: the {type(m).__name__} {path or '<root>'!r} of {type(module).__name__} has sparse=True, "
