@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import math
+import types
 import warnings
 
 import pytest
@@ -807,6 +808,38 @@ def test_a_module_compiled_in_place_is_named_not_blamed_on_its_own_params(stages
     model.layers[0] = torch.compile(model.layers[0], backend="eager")  # torch.compile's wrapper: the same
     with pytest.raises(TypeError, match=r"fzero.apply: the submodule 'layers.0' of MLP is a torch.compile wrapper"):
         step.evaluate(state, _batch())
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_forward_set_on_the_module_that_calls_it_is_named_with_the_fix(stages):
+    # a forward kept on the module itself (Accelerate's prepare() with mixed_precision, which unwrap_model() leaves as
+    # a method bound to the model; a patch) is shared by the step's copy of the module and runs the original with its
+    # own tensors. Before: every stage refused the loss as "depends on the module's own parameters ... e.g. an L2
+    # term", naming no cause
+    model = _model()
+    forward = model.forward
+    model.forward = lambda x: forward(x) * 1.0  # a patch closing over the bound method
+    with pytest.raises(TypeError, match=r"fzero.params_of: the module has a forward of its own, an instance attribute "
+                                        r"that calls that module.*del model.forward"):
+        fzero.params_of(model)
+    del model.forward  # the fix given
+
+    block = model.layers[0]
+    block.forward = types.MethodType(type(block).forward, block)  # what Accelerate's unwrap_model() leaves
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1))
+    with pytest.raises(TypeError, match=r"fzero.Step: the submodule 'layers.0' of MLP has a forward of its own.*"
+                                        r"del model.get_submodule\('layers.0'\).forward"):
+        step(step.init(fzero.params_of(model)), _batch())
+    del block.forward
+    state, _ = step(step.init(fzero.params_of(model)), _batch())
+    block.forward = types.MethodType(type(block).forward, block)  # set after training: step.evaluate names it too
+    with pytest.raises(TypeError, match=r"fzero.apply: the submodule 'layers.0' of MLP has a forward of its own"):
+        step.evaluate(state, _batch())
+    model = _model()  # a frozen module's own forward reads the values the step would: it runs
+    block = model.layers[0].requires_grad_(False)
+    block.forward = types.MethodType(type(block).forward, block)
+    step = fzero.compile(_loss_of(model), optimizer=O.sgd(0.1), stages=stages, mesh=fzero.local_mesh(1))
+    step(step.init(fzero.params_of(model)), _batch())
 
 
 def _sync_bn_net():

@@ -957,6 +957,50 @@ def compiled_in_place_error(api: str, path: str, module: nn.Module) -> TypeError
     )
 
 
+def calls_itself(fn: Any, module: nn.Module, *, depth: int = 4) -> bool:
+    """Whether ``fn``, a callable kept on ``module`` itself (``module.forward = ...``), calls ``module``: a method bound to
+    it, a wrapper of one (``__wrapped__``), or a function whose closure holds it or such a method, a few levels deep.
+    A step's copy of the module shares that callable, which then runs the original module with its own tensors."""
+    stack = [(fn, 0)]
+    while stack:
+        f, d = stack.pop()
+        if f is module:
+            return True
+        if isinstance(f, types.MethodType):
+            if f.__self__ is module:
+                return True
+            f = f.__func__
+        if d >= depth:
+            continue
+        inner = [getattr(f, "__wrapped__", None)] if not isinstance(f, nn.Module) else []
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        stack.extend((x, d + 1) for x in inner if x is not None and callable(x))
+    return False
+
+
+def trains_under(module: nn.Module) -> bool:
+    """Whether ``module`` or a module under it has a trainable param: the step's values, which a call bound to the
+    original module would not read (frozen params it reads are the same values)."""
+    return any(p.requires_grad for p in module.parameters())
+
+
+def own_forward_error(api: str, path: str, module: nn.Module) -> TypeError:
+    """The refusal of a ``forward`` set on the module at ``path`` of ``module`` ("" for itself) that calls that module."""
+    where = "model" if not path else f"model.get_submodule({path!r})"
+    what = "the module" if not path else f"the submodule {path!r} of {type(module).__name__}"
+    return TypeError(
+        f"{api}: {what} has a forward of its own, an instance attribute that calls that module ({where}.forward = ...: "
+        f"Accelerate's prepare() with mixed_precision sets one, and unwrap_model() leaves one; so does a patch of "
+        f"forward): a step runs a copy of the module holding the step's params, and this forward would run the "
+        f"original with its own tensors. Remove it (del {where}.forward, which restores the class's forward; fzero's "
+        f"precision= replaces Accelerate's mixed_precision), or put the change in the class (a subclass's forward)."
+    )
+
+
 def check_not_compiled(module: nn.Module, *, api: str) -> None:
     """Refuse a ``torch.compile`` wrapper given as the model. Its parameters are named ``_orig_mod.*`` and its
     ``forward`` is the compiled call of the module it wraps, bound to that module: the step's copy of the model
@@ -971,6 +1015,9 @@ def check_not_compiled(module: nn.Module, *, api: str) -> None:
         )
     if compiled_in_place(module):
         raise compiled_in_place_error(api, "", module)
+    own = module.__dict__.get("forward")
+    if own is not None and calls_itself(own, module) and trains_under(module):
+        raise own_forward_error(api, "", module)
 
 
 def check_no_sync_batchnorm(module: nn.Module, *, api: str) -> None:
@@ -1066,12 +1113,15 @@ def check_no_parametrize_cache(module: nn.Module, *, api: str) -> None:
 
 
 def check_no_compiled_submodules(module: nn.Module, *, api: str) -> None:
-    """Refuse a submodule that ``torch.compile`` wrapped or ``.compile()`` compiled in place: its compiled call runs the
-    original submodule with its own tensors (see ``check_not_compiled``), so a step would train (and
+    """Refuse a submodule that ``torch.compile`` wrapped or ``.compile()`` compiled in place, or whose own ``forward``
+    attribute calls it (``calls_itself``): its call runs the original submodule with its own tensors (see ``check_not_compiled``), so a step would train (and
     ``step.evaluate`` would report) a model the params never reach."""
     for path, m in module.named_modules():
         if path and compiled_in_place(m):
             raise compiled_in_place_error(api, path, module)
+        own = m.__dict__.get("forward") if path else None
+        if own is not None and calls_itself(own, m) and trains_under(m):
+            raise own_forward_error(api, path, module)
         if path and compiled_wrapper(m):
             parent, _, name = path.rpartition(".")
             raise TypeError(
