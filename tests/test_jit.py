@@ -310,14 +310,24 @@ def test_units_past_torch_compiles_recompile_limit_are_refused_not_run_eagerly()
     assert torch._dynamo.config.recompile_limit == 8  # and torch's own limit, back after the test
 
 
+class _TwoAttributeBlocks(torch.nn.Module):
+    """Blocks as plain attributes, no ModuleList (a forward set on the instance, closing over the module, would run the
+    module's own tensors: refused by fzero.params_of)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block1, self.block2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.block2(torch.tanh(self.block1(x)))
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_jit_on_a_model_with_no_unit_is_refused_not_run_eagerly(stages):
     """Blocks kept as plain attributes: no default unit, every param in the root unit, which jit does not compile. Before:
     jit=True ran everything eagerly without a word (no frame compiled). Refused at step.init with the fix (units=)."""
     torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.block1, model.block2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
-    model.forward = lambda x: model.block2(torch.tanh(model.block1(x)))
+    model = _TwoAttributeBlocks()
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x).pow(2).mean(), stages=stages, jit=True)
     with pytest.raises(ValueError, match=r"fzero\.Step\.init: jit=True compiles each unit's forward, but every param is in "
                                          r"the root unit .* so nothing would be compiled\. Name the blocks as units: "
