@@ -359,7 +359,7 @@ def test_what_only_a_frame_or_another_thread_held_for_a_moment_is_no_escape(monk
     import sys
     import threading
 
-    import fzero.autodiff._remat as remat_mod
+    import fzero.autodiff._refusals as remat_mod
 
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(2, 4, requires_grad=True)
