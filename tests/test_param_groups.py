@@ -505,3 +505,156 @@ def test_a_masked_adam_whose_mask_let_a_param_in_since_the_state_was_made_is_ref
     decay = step_with(fo.adamw(1e-2, weight_decay=0.1, mask=fo.decay_mask))
     state, _ = decay(decay.init(fzero.params_of(model)), batch)
     step_with(fo.adamw(1e-2, weight_decay=0.1, mask=lambda p: {k: True for k in p}))(state, batch)  # decay widened: trains
+
+
+# -- a labels / mask function whose answer changes between steps ---------------------------------------------------------
+
+
+def torch_run_moving(groups_at, *, move_at=2):
+    """torch.optim.AdamW whose param groups are ``groups_at(before)`` (``[(names, lr, weight_decay)]``) up to step
+    ``move_at`` and ``groups_at(False)`` from there on, the params moved between ``param_groups`` entries as a loop
+    does (``state[p]`` kept)."""
+    model, loss_fn, batches = problem()
+    params = {k: v.clone().requires_grad_() for k, v in fzero.params_of(model).items()}
+    opt = torch.optim.AdamW([{"params": [params[n] for n in names], "lr": lr, "weight_decay": wd}
+                             for names, lr, wd in groups_at(True)], fused=True)
+    history = []
+    for i, b in enumerate(batches):
+        if i == move_at:
+            for group, (names, lr, wd) in zip(opt.param_groups, groups_at(False)):
+                group["params"] = [params[n] for n in names]
+        opt.zero_grad(set_to_none=True)
+        loss_fn(params, b).backward()
+        opt.step()
+        history.append({k: v.detach().clone() for k, v in params.items()})
+    return history
+
+
+def moving_run(opt, before, stages, *, move_at=2):
+    """fzero's params after each step, ``before["on"]`` (read by the rule function) turned False before ``move_at``."""
+    model, loss_fn, batches = problem()
+    step = fzero.compile(loss_fn, optimizer=opt, stages=stages, mesh=fzero.local_mesh(2),
+                         **({"unit_elements": 1024} if stages < 2 else {}))
+    state, history = step.init(fzero.params_of(model)), []
+    for i, b in enumerate(batches):
+        before["on"] = before["on"] and i != move_at
+        state, _ = step(state, b)
+        history.append(step.gather(state))
+    return history
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_a_labels_function_that_moves_a_layer_to_another_lr_group_is_followed_as_torch_moves_its_param_group(stages):
+    """optax calls a labels function at every update; a notebook's layer-wise lr groups (``group_of`` edited between
+    calls) or a schedule of groups may answer otherwise later. Before, fzero kept its first answer for good, silently:
+    the head moved from the slow group to the fast one trained on at the slow lr (4.1e-3 off torch.optim after 4
+    AdamW steps here). Between groups of one transform type (their Adam state is shared), the move is followed, as
+    torch.optim keeps ``state[p]`` when a param changes ``param_groups``."""
+    before = {"on": True}
+    mask = fo.decay_mask(fzero.params_of(problem()[0]))
+
+    def group(name: str, on: bool) -> str:
+        return "slow" if name.startswith("head.") and on or not mask[name] else "fast"
+
+    opt = fo.multi_transform({"fast": fo.adamw(FAST_LR, weight_decay=WD), "slow": fo.adamw(LR, weight_decay=WD)},
+                             lambda p: {k: group(k, before["on"]) for k in p})
+
+    def groups_at(on):
+        names = list(mask)
+        return [([n for n in names if group(n, on) == "fast"], FAST_LR, WD), ([n for n in names if group(n, on) == "slow"], LR, WD)]
+
+    assert_every_step_close(moving_run(opt, before, stages), torch_run_moving(groups_at))
+
+
+def test_a_labels_function_that_moves_a_param_where_its_state_cannot_follow_is_refused_before_the_step():
+    """Gradual unfreezing by labels (``set_to_zero()`` to AdamW) or a layer moved from SGD-momentum to AdamW: the
+    param's state in its new group is not that transform's (moments of zeros against the group's step count; SGD's
+    momentum read as Adam's first moment). Before, the first labels were kept for good and the layer stayed frozen
+    without a word (2e-2 off ``torch.optim.AdamW.add_param_group`` after 2 steps). Refused by name before the step
+    writes anything: the state trains on once the function answers as before, and the fix (a new optimizer, its state
+    started from the params) trains."""
+    from fzero.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([4, 8, 8, 2])
+    batch = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), "y": torch.zeros(8, 2)}
+    group_of = {"layers.0.weight": "frozen", "layers.0.bias": "frozen"}
+
+    def step_with(transforms, stages):
+        opt = fo.multi_transform(transforms, lambda p: {k: group_of.get(k, "train") for k in p})
+        return fzero.compile(lambda p, b: ((fzero.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=opt,
+                             stages=stages, mesh=fzero.local_mesh(2))
+
+    for stages, frozen in ((0, fo.set_to_zero()), (3, fo.sgd(0.1, momentum=0.9))):
+        group_of.update({"layers.0.weight": "frozen", "layers.0.bias": "frozen"})
+        step = step_with({"frozen": frozen, "train": fo.adamw(1e-3)}, stages)
+        state, _ = step(step.init(fzero.params_of(model)), batch)
+        group_of.update({"layers.0.weight": "train", "layers.0.bias": "train"})
+        with pytest.raises(ValueError, match=r"^fzero\.optim\.multi_transform: the labels function now puts params in other "
+                                             r"groups than it did for this optimizer's state: 'layers\.0\.bias' from 'frozen' "
+                                             r"to 'train'; 'layers\.0\.weight' from 'frozen' to 'train'\. .*The params were "
+                                             r"not updated\. .*new_step\.init\(step\.gather\(state\)\)"):
+            step(state, batch)
+        trained = step.gather(state)  # the state is whole
+        new = step_with({"frozen": frozen, "train": fo.adamw(1e-3)}, stages)  # the fix: a new optimizer, a new state
+        new(new.init(trained), batch)
+        group_of.update({"layers.0.weight": "frozen", "layers.0.bias": "frozen"})
+        step(state, batch)  # the function answers as before: the old state trains on
+
+
+def test_a_mask_function_that_changes_is_followed_where_no_state_depends_on_it_and_refused_where_it_does():
+    """``adamw(mask=fn)``'s decay mask and ``masked(add_decayed_weights(wd), fn)`` hold no state: a mask that decays
+    the head from step 2 on is followed, as torch.optim's loop moving the head to its decayed group (before: kept
+    undecayed, 5.0e-5 off after 4 steps). ``masked`` over Adam keeps moments for every param: a param let in later
+    would start from zeros against the count, so that is refused; one let out passes its update through (optax's
+    ``masked``), and is followed."""
+    before = {"on": True}
+    mask = fo.decay_mask(fzero.params_of(problem()[0]))
+
+    def decayed(name: str) -> bool:
+        return mask[name] and not (name.startswith("head.") and before["on"])
+
+    def groups_at(on):
+        def decays(n):
+            return mask[n] and not (n.startswith("head.") and on)
+        return [([n for n in mask if decays(n)], LR, WD), ([n for n in mask if not decays(n)], LR, 0.0)]
+
+    expected = torch_run_moving(groups_at)
+    assert_every_step_close(moving_run(fo.adamw(LR, weight_decay=WD, mask=lambda p: {k: decayed(k) for k in p}), before, 1),
+                            expected)
+    before["on"] = True
+    chained = fo.chain(fo.scale_by_adam(), fo.masked(fo.add_decayed_weights(WD), lambda p: {k: decayed(k) for k in p}),
+                       fo.scale_by_learning_rate(LR))
+    assert_every_step_close(moving_run(chained, before, 3), expected)
+
+    before["on"] = True
+    adam = fo.chain(fo.masked(fo.chain(fo.scale_by_adam(), fo.scale_by_learning_rate(LR)),
+                              lambda p: {k: not k.startswith("head.") or not before["on"] for k in p}),
+                    fo.masked(fo.set_to_zero(), lambda p: {k: k.startswith("head.") and before["on"] for k in p}))
+    with pytest.raises(ValueError, match=r"^fzero\.optim\.masked: the mask function now puts params in other groups than "
+                                         r"it did for this optimizer's state: 'head\.bias' from 'passed through' to 'masked'"):
+        moving_run(adam, before, 2)
+    inside = {"on": True}
+    out = fo.masked(fo.chain(fo.scale_by_adam(), fo.scale_by_learning_rate(LR)), lambda p: {k: inside["on"] for k in p})
+    moving_run(out, inside, 0)  # every param let out at step 2: followed
+
+
+def test_a_labels_function_is_called_with_the_same_stand_ins_at_every_stage():
+    """Under a train step the function is called on meta tensors of each param's shape (not the module's params,
+    whose ``requires_grad`` or device a function might read), the same at stages 0-3: one answer at every stage."""
+    from fzero.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([4, 8, 8, 2])
+    batch = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), "y": torch.zeros(8, 2)}
+    seen = {}
+    for stages in (0, 1, 2, 3):
+        def labels(p, stages=stages):
+            seen.setdefault(stages, set()).add(tuple((k, v.device.type, v.dtype, tuple(v.shape), v.requires_grad) for k, v in p.items()))
+            return {k: "a" if v.ndim > 1 else "b" for k, v in p.items()}
+
+        step = fzero.compile(lambda p, b: ((fzero.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), stages=stages,
+                             optimizer=fo.multi_transform({"a": fo.adamw(1e-3), "b": fo.adamw(1e-2)}, labels), mesh=fzero.local_mesh(2))
+        step(step.init(fzero.params_of(model)), batch)
+    assert all(views == seen[0] for views in seen.values()) and len(seen[0]) == 1
+    assert {device for k, device, *_ in next(iter(seen[0]))} == {"meta"}

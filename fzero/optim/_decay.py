@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fzero.layout import pytrees as _tree
+from fzero.optim._select import of_structure
 
 # A module name that holds a normalisation layer: LayerNorm/RMSNorm/BatchNorm/GroupNorm by any common spelling.
 _NORM = re.compile(r"norm|^ln(_.*|\d*)$|^bn\d*$", re.IGNORECASE)
@@ -38,6 +39,7 @@ def no_decay_reason(path: str, shape: Sequence[int]) -> str | None:
     return None
 
 
+@of_structure
 def decay_mask(params: Any) -> Any:
     """A common rule for weight decay (close to nanoGPT's ``configure_optimizers`` and the Hugging Face Trainer's, equal
     to neither: see below): a pytree like ``params``, True where the parameter is decayed.
@@ -93,4 +95,4 @@ def no_decay_names(names: Sequence[str]) -> Callable[[Any], Any]:
         return spec.unflatten([not any(n in p for n in names) for p in paths])
 
     mask.__qualname__ = f"no_decay_names({list(names)!r})"
-    return mask
+    return of_structure(mask)

@@ -10,10 +10,14 @@ opt = fzero.optim.adamw(3e-4, weight_decay=0.1, mask=fzero.optim.decay_mask)   #
 
 ``mask``/``labels`` are written against the user's params pytree: a pytree of its structure (or a prefix of it)
 with bool/str leaves, or a function of the params pytree returning one. The function is called on the params
-(meta tensors of each parameter's shape under a train step: decide from paths, shapes and dtypes, never values)
-once per params structure. Under a train step the optimizer sees flat unit buffers or this rank's shards of
-them; ``fzero.optim._select`` turns the rule into element ranges of those leaves, once per layout and rank, and
-each group's transform runs on 1-D views of its ranges (a leaf wholly in one group is passed as itself), with
+(meta tensors of each parameter's shape under a train step, the same at every stage: decide from paths, shapes
+and dtypes, never values) at every step, as optax calls it at every update: a function that reads outside state
+(a dict of groups a notebook edits) may regroup params between steps. A move is followed where the param's state
+stays its own (between groups of one transform type, whose state is shared, as torch.optim keeps ``state[p]`` when
+a param changes ``param_groups``; into a group that keeps nothing per param) and refused by name, before the step
+writes anything, elsewhere (``movable``). Under a train step the optimizer sees flat unit buffers or this rank's
+shards of them; ``fzero.optim._select`` turns the rule into element ranges of those leaves, once per layout and
+rank, and each group's transform runs on 1-D views of its ranges (a leaf wholly in one group is passed as itself), with
 a ``Segments`` that keeps per-parameter step counts, skipped parameters and layer-wise norms right.
 
 State. Each group's transform is initialised on the *whole* tree, so its param-shaped state (Adam's moments)
@@ -66,22 +70,80 @@ class Groups:
 
     def __init__(self, api: str, what: str, rule: Any, to_group: Callable[[str, Any], int], n_groups: int, *,
                  names: tuple[str, ...] | None = None) -> None:
-        self.api, self.n, self.names = api, n_groups, names  # names: multi_transform's labels, in group order
+        self.api, self.what, self.n, self.names = api, what, n_groups, names  # names: multi_transform's labels, in group order
         self.resolver = Resolver(api, what, rule, to_group)
         self.selections = Selections()
+        # (from, to) group pairs a param may move along when a rule function answers otherwise (``movable``), learnt from
+        # the groups' states at init; None: every move is followed (a rule no state depends on: adamw's decay mask)
+        self.moves: frozenset[tuple[int, int]] | None = None
+
+    def describe(self, group: int) -> str:
+        """A group's name in errors: its label (``multi_transform``), or what ``masked`` does there."""
+        if self.names is not None:
+            return self.names[group]
+        return "passed through" if group == NONE else "masked"
+
+    def learn_moves(self, states: Sequence[Any], tree: Any) -> None:
+        """Which moves between groups keep each param's optimizer state its own (``movable``), from the states ``init``
+        made for the groups on ``tree``."""
+        leaves, spec = optree.tree_flatten(tree)
+        shapes = [t.shape for t in leaves]
+        ids = [*range(self.n), NONE]
+        self.moves = frozenset((a, b) for a in ids for b in ids if a != b and movable(a, b, states, spec, shapes))
+
+    def accept(self, params: Any) -> Callable[[tuple[int, ...], tuple[int, ...]], str | None]:
+        """What the resolver does when the rule function's groups change: None (follow) when every moved param moves
+        along ``self.moves``, else the error naming the others."""
+
+        def decide(was: tuple[int, ...], now: tuple[int, ...]) -> str | None:
+            moves = self.moves
+            if moves is None and self.names is None and self.api != "fzero.optim.masked":
+                return None  # a decay mask: no state depends on it
+            refused = [(i, a, b) for i, (a, b) in enumerate(zip(was, now)) if a != b and (moves is None or (a, b) not in moves)]
+            return self._moved_error(params, refused) if refused else None
+
+        return decide
+
+    def _moved_error(self, params: Any, refused: list[tuple[int, int, int]]) -> str:
+        paths = _tree.flatten_with_paths(params)[0]
+        moved = [f"{paths[i]!r} from {self.describe(a)!r} to {self.describe(b)!r}" for i, a, b in refused]
+        shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
+        what = self.what
+        return (
+            f"{self.api}: the {what} function now puts params in other groups than it did for this optimizer's state: "
+            f"{shown}. fzero calls it at every step, as optax calls it at every update, and follows a move where the "
+            f"param's optimizer state stays its own (between groups of the same transform type, whose state is shared, "
+            f"as torch.optim keeps a param's state when it changes param_groups; or into a group that keeps no state "
+            f"per param); not these: the param's state in its new group is not that transform's state for it (it was "
+            f"never updated there, or it belongs to the transform it left), so its next updates would be wrong. The "
+            f"params were not updated. To regroup, build the optimizer again with the new {what}, compile a step with it "
+            f"and start its state from the params: new_step.init(step.gather(state)) (every group's state starts "
+            f"over); to train params held by set_to_zero() from some step on (gradual unfreezing), keep them in their "
+            f"trained group and detach what they compute while frozen (docs/migrating.md, \"A backbone frozen for N "
+            f"steps\"). Or put the {what} function back as it was."
+        )
 
     def check(self, tree: Any) -> None:
         """Resolve the rule now where the user's params pytree is known for sure (under a train step's Segments), so
         a wrong mask fails at ``step.init``. Under ``WholeLeaves`` ``init`` may see a stand-in tree (the memory
-        estimator's), and the rule is checked at the first update instead."""
+        estimator's), and the rule is checked at the first update instead. Called after ``learn_moves``."""
         segments = current_segments()
         if not isinstance(segments, WholeLeaves):
             params = param_tree(tree, segments)
-            groups = self.resolver.groups(params)
             seen = _seen.get()
+            # recording (a checkpoint, a state given to another step): the groups the state was made with
+            groups = self.resolver.groups(params, in_use=seen is not None, accept=self.accept(params))
+            found = _found.get()
+            if found is not None and not any(g is self for g in found):
+                found.append(self)
             if seen is not None and self.names is not None:
                 paths = _tree.flatten_with_paths(params)[0]
                 seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
+
+    def probe(self, params: Any) -> None:
+        """Call the rule function on ``params`` (the step's stand-in tree) and follow or refuse a change now: a train
+        step does this before it runs (``grouping_rules``), so that a refused move leaves the state as it was."""
+        self.resolver.groups(params, accept=self.accept(params))
 
     def record(self, tree: Any, names: dict[int, str]) -> None:
         """Report each param's group as ``names[group]`` to ``recording_groups`` (``masked`` over a transform with
@@ -91,11 +153,13 @@ class Groups:
         if seen is not None and not isinstance(segments, WholeLeaves):
             params = param_tree(tree, segments)
             paths = _tree.flatten_with_paths(params)[0]
-            seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, self.resolver.groups(params))}})
+            groups = self.resolver.groups(params, in_use=True)
+            seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, groups)}})
 
     def selection(self, tree: Any) -> tuple[Any, Any]:
         segments = current_segments()
-        groups = self.resolver.groups(param_tree(tree, segments))
+        params = param_tree(tree, segments)
+        groups = self.resolver.groups(params, accept=self.accept(params))
         return self.selections.get(tree, groups, self.n, segments), segments
 
     def update(self, transforms: Sequence[GradientTransformation], updates: Any, states: Sequence[Any], params: Any) -> tuple[Any, list]:
@@ -240,6 +304,59 @@ def _rebuild(old: Any, new: Any, spec: Any, shapes: Sequence[torch.Size], api: s
     return new
 
 
+# -- which moves between groups a rule function may make -------------------------------------------------------------
+
+
+def _per_param(state: Any) -> bool:
+    """``state`` holds something per param (moments, momentum, per-param step counts): a tensor that is not a scalar."""
+    return any(isinstance(x, torch.Tensor) and x.dim() > 0 for x in optree.tree_leaves(state))
+
+
+class _Part(NamedTuple):
+    """A param-shaped part of a group's state, by the identity of its tensors (groups sharing it hold the same ones)."""
+
+    ids: tuple[int, ...]
+
+
+def movable(a: int, b: int, states: Sequence[Any], spec: Any, shapes: Sequence[torch.Size]) -> bool:
+    """A param can move from group ``a`` to group ``b`` (``NONE``: no group) and keep its optimizer state its own.
+
+    Into a group that keeps nothing per param (``set_to_zero``, plain ``sgd``, ``masked``'s pass-through): the
+    group's update reads no state of the param's. Between groups whose states are alike, the same structure (the
+    same transform types), the same tensors for their param-shaped parts (``share_states`` gave them one ``mu`` and
+    one ``nu``: the param's elements hold what its old group wrote) and equal scalars (step counts; every group
+    counts every step): its new group reads the state the param's own updates made, as torch.optim keeps
+    ``state[p]`` when a param changes ``param_groups`` (a layer moved to another learning rate). Anything else (SGD's
+    momentum read as Adam's first moment; moments of zeros against the group's step count after ``set_to_zero``)
+    is not the new transform's state for the param."""
+    if b == NONE or not _per_param(states[b]):
+        return True
+    if a == NONE:
+        return False
+
+    def marked(state: Any) -> tuple[list, Any]:
+        return optree.tree_flatten(_map_param_shaped(state, spec, shapes, lambda leaves: _Part(tuple(map(id, leaves)))),
+                                   is_leaf=lambda x: isinstance(x, _Part))
+
+    (xs, x_spec), (ys, y_spec) = marked(states[a]), marked(states[b])
+    return x_spec == y_spec and all(_same_leaf(x, y) for x, y in zip(xs, ys))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    if isinstance(x, _Part) or isinstance(y, _Part):
+        return isinstance(x, _Part) and isinstance(y, _Part) and x.ids == y.ids
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        return x.is_meta or y.is_meta or torch.equal(x, y.to(x.device))
+    try:
+        return bool(x == y)
+    except Exception:  # a value without a truth value
+        return False
+
+
 # -- sharing param-shaped state between groups --------------------------------------------------------------------------
 
 
@@ -281,7 +398,9 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
     ``mask``: a pytree of bools with the structure of the params (or a prefix of it: a leaf then holds for its
     whole subtree), True where ``inner`` applies; or a function of the params pytree returning one, decided from
-    paths, shapes and dtypes (under a train step it is called on meta tensors of each parameter's shape, once).
+    paths, shapes and dtypes (under a train step it is called on meta tensors of each parameter's shape, at every
+    step: a mask that changes is followed where ``inner`` keeps no state per param, and refused where a param let
+    in would start from its zeros).
     Works at every ZeRO stage, with offload and with checkpoints: see ``fzero.optim._groups``.
 
     State: ``MaskedState(inner)``, ``inner``'s state over the whole tree. Typical use, in a chain::
@@ -309,9 +428,11 @@ def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransfor
     """``masked`` with its rule already made (``adamw(mask=...)`` shares it with its fused step)."""
 
     def init(params: Any) -> MaskedState:
-        groups.check(params)
         state = inner.init(params)
-        if groups.api == "fzero.optim.masked" and any(isinstance(x, torch.Tensor) and x.dim() > 0 for x in optree.tree_leaves(state)):
+        if groups.api == "fzero.optim.masked":  # (adamw's decay mask: no state depends on it)
+            groups.learn_moves([state], params)
+        groups.check(params)
+        if groups.api == "fzero.optim.masked" and _per_param(state):
             groups.record(params, {0: "masked", NONE: "passed through"})  # a param let in later would start from zeros
         return MaskedState(state)
 
@@ -350,7 +471,8 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
 
     ``labels``: a pytree of str with the structure of the params (or a prefix of it), each a key of
     ``transforms``; or a function of the params pytree returning one (called on meta tensors of each parameter's
-    shape under a train step: decide from paths, shapes and dtypes). Every param needs a label that names a
+    shape under a train step: decide from paths, shapes and dtypes; called at every step, and a param it moves
+    between groups is followed or refused, see the module docstring). Every param needs a label that names a
     transform; a transform that no param is labelled with is allowed (its state is kept, and never used).
     Works at every ZeRO stage, with offload and with checkpoints: see ``fzero.optim._groups``. To freeze a
     group use ``fzero.optim.set_to_zero()``; to leave its gradient as the update, ``fzero.optim.identity()``.
@@ -382,9 +504,10 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
     rate = rates[0] if all(r is not None and (r is rates[0] or r == rates[0]) for r in rates) else GroupRates(dict(zip(names, rates)))
 
     def init(params: Any) -> MultiTransformState:
-        groups.check(params)
         leaves, spec = optree.tree_flatten(params)
         states = share_states([t.init(params) for t in inners], spec, [t.shape for t in leaves])
+        groups.learn_moves(states, params)
+        groups.check(params)
         return MultiTransformState(dict(zip(names, states)))
 
     def states_of(state: Any) -> list:
@@ -424,6 +547,32 @@ def recording_groups() -> Iterator[list[dict[str, Any]]]:
         yield seen
     finally:
         _seen.reset(token)
+
+
+# -- the rule functions a train step calls before it runs -----------------------------------------------------------
+
+_found: contextvars.ContextVar[list | None] = contextvars.ContextVar("fzero_param_groupings", default=None)
+
+
+@contextlib.contextmanager
+def finding_groupings() -> Iterator[list[Any]]:
+    """Collect each parameter grouping (``masked``, ``multi_transform``, ``adamw(mask=...)``) whose ``init`` runs inside
+    under a train step's Segments. Why: a step calls their rule functions before it runs (``probe_groupings``), so
+    that a grouping that moved a param where its state cannot follow is refused before the update writes the state
+    in place, and the state is left as it was."""
+    found: list[Any] = []
+    token = _found.set(found)
+    try:
+        yield found
+    finally:
+        _found.reset(token)
+
+
+def probe_groupings(groupings: Sequence[Any], params: Any) -> None:
+    """Call each grouping's rule function on ``params`` (the step's stand-in pytree of meta tensors) and follow or
+    refuse a change (``Groups.probe``); groupings whose rule is not a function (or is fzero's own) cost nothing."""
+    for g in groupings:
+        g.probe(params)
 
 
 # -- checks ------------------------------------------------------------------------------------------------------------

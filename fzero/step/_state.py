@@ -299,6 +299,44 @@ def group_labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     return seen
 
 
+_GROUPINGS: dict[tuple[int, int], tuple[Any, Any, list, Any]] = {}  # (id(init), id(layout)) -> (init, layout, groupings, tree)
+
+
+def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
+    """Call the rule functions of ``step``'s parameter groupings (``multi_transform``'s labels, ``masked``'s mask,
+    ``adamw(mask=...)``) on the params' stand-in tree before the step runs, and follow or refuse what they now answer
+    (``fzero.optim._groups.Groups.probe``).
+
+    Why: optax calls a labels function at every update, so one that reads outside state (a notebook's dict of
+    groups, a flag for gradual unfreezing) may regroup params between steps; fzero called it once and kept that
+    answer for good, silently (a layer moved from a group at lr 1e-4 to one at 1e-2 trained on at 1e-4: 2.0e-2 off
+    torch.optim after 2 more AdamW steps). Here, before the state is given to the update that writes it in place,
+    so that a refused move leaves the state whole. The groupings are found once per optimizer and layout (an ``init`` on meta
+    tensors); a step then costs the rule functions' calls (a dict of 148 labels: about 25 us)."""
+    first = state.states[0] if isinstance(state, RankStates) else state
+    meta = getattr(first, "meta", None)
+    if meta is None:
+        return
+    init, layout = step.optimizer.init, meta.layout
+    hit = _GROUPINGS.get((id(init), id(layout)))
+    if hit is None or hit[0] is not init or hit[1] is not layout:
+        from fzero.layout import LayoutSegments
+        from fzero.optim import finding_groupings, use_segments
+
+        metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in first.params.items()}
+        owned = step.opt_state.owned(step.params, layout, metas, meta.rank)
+        segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)
+        with finding_groupings() as found, use_segments(segments):
+            init(owned)
+        if len(_GROUPINGS) >= 16:  # a few steps and layouts live at a time
+            _GROUPINGS.clear()
+        hit = _GROUPINGS[(id(init), id(layout))] = (init, layout, found, segments.param_tree())
+    if hit[2]:  # (a step without parameter groups runs no function of fzero.optim's here)
+        from fzero.optim import probe_groupings as probe
+
+        probe(hit[2], hit[3])
+
+
 GROUPS_FIX = ("To move params to another group, start the optimizer state afresh from the params: "
               "new_step.init(old_step.gather(state)) (every group's state starts over); to change a group's learning "
               "rate, keep the labels and give that group's transform a schedule that reads a value the loop sets "

@@ -47,7 +47,7 @@ from fzero.step._parts import GradsAllReduce, OnDevice, OptStateReplicated, Para
 from fzero.step._protocols import GradsPart, OptStatePart, ParamsPart, UnitSettings
 from fzero.step._pool import Pool
 from fzero.step._state import (RankStates, TrainState, check_state_matches, claimed, is_busy, is_donated, is_verified, mark_donated,
-                               mark_verified, meta_of, share_marks, whole_frozen)
+                               mark_verified, probe_groupings, meta_of, share_marks, whole_frozen)
 from fzero.step._update import MasterState, Precision, finish, loss_seed
 
 
@@ -140,6 +140,7 @@ class Step:
         or raised torch's error on an inference tensor."""
         self._check_state(state)
         self._check_rows(batch)
+        probe_groupings(self, state)  # a labels/mask function's new answer: followed, or refused before the state is spent
         hold = claimed(state, refuse=lambda: self._check_state(state)) if self.donate else contextlib.nullcontext()
         with hold, torch.inference_mode(False), torch.enable_grad(), _own_parametrize_cache():
             return self._call(state, batch)
