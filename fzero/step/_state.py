@@ -299,7 +299,8 @@ def group_labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     return seen
 
 
-_GROUPINGS: dict[tuple[int, int], tuple[Any, Any, list, Any]] = {}  # (id(init), id(layout)) -> (init, layout, groupings, tree)
+# (id(optimizer), id(layout)) -> (optimizer, layout, its groupings, the stand-in params tree): ``probe_groupings``
+_GROUPINGS: dict[tuple[int, int], tuple[Any, Any, list, Any]] = {}
 
 
 def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
@@ -317,9 +318,9 @@ def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
     meta = getattr(first, "meta", None)
     if meta is None:
         return
-    init, layout = step.optimizer.init, meta.layout
-    hit = _GROUPINGS.get((id(init), id(layout)))
-    if hit is None or hit[0] is not init or hit[1] is not layout:
+    optimizer, layout = step.optimizer, meta.layout
+    hit = _GROUPINGS.get((id(optimizer), id(layout)))
+    if hit is None or hit[0] is not optimizer or hit[1] is not layout:
         from fzero.layout import LayoutSegments
         from fzero.optim import finding_groupings, use_segments
 
@@ -327,10 +328,10 @@ def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
         owned = step.opt_state.owned(step.params, layout, metas, meta.rank)
         segments = LayoutSegments(layout, sharded=step.opt_state.sharded, rank=meta.rank, comm=None)
         with finding_groupings() as found, use_segments(segments):
-            init(owned)
+            optimizer.init(owned)
         if len(_GROUPINGS) >= 16:  # a few steps and layouts live at a time
             _GROUPINGS.clear()
-        hit = _GROUPINGS[(id(init), id(layout))] = (init, layout, found, segments.param_tree())
+        hit = _GROUPINGS[(id(optimizer), id(layout))] = (optimizer, layout, found, segments.param_tree())
     if hit[2]:  # (a step without parameter groups runs no function of fzero.optim's here)
         from fzero.optim import probe_groupings as probe
 
