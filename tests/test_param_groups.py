@@ -530,11 +530,11 @@ def torch_run_moving(groups_at, *, move_at=2):
     return history
 
 
-def moving_run(opt, before, stages, *, move_at=2):
+def moving_run(opt, before, stages, *, move_at=2, **settings):
     """fzero's params after each step, ``before["on"]`` (read by the rule function) turned False before ``move_at``."""
     model, loss_fn, batches = problem()
     step = fzero.compile(loss_fn, optimizer=opt, stages=stages, mesh=fzero.local_mesh(2),
-                         **({"unit_elements": 1024} if stages < 2 else {}))
+                         **({"unit_elements": 1024} if stages < 2 else {}), **settings)
     state, history = step.init(fzero.params_of(model)), []
     for i, b in enumerate(batches):
         before["on"] = before["on"] and i != move_at
@@ -543,13 +543,15 @@ def moving_run(opt, before, stages, *, move_at=2):
     return history
 
 
-@pytest.mark.parametrize("stages", [0, 3])
-def test_a_labels_function_that_moves_a_layer_to_another_lr_group_is_followed_as_torch_moves_its_param_group(stages):
+@pytest.mark.parametrize("stages, donate", [(0, True), (3, False)])
+def test_a_labels_function_that_moves_a_layer_to_another_lr_group_is_followed_as_torch_moves_its_param_group(stages, donate):
     """optax calls a labels function at every update; a notebook's layer-wise lr groups (``group_of`` edited between
     calls) or a schedule of groups may answer otherwise later. Before, fzero kept its first answer for good, silently:
     the head moved from the slow group to the fast one trained on at the slow lr (4.1e-3 off torch.optim after 4
     AdamW steps here). Between groups of one transform type (their Adam state is shared), the move is followed, as
-    torch.optim keeps ``state[p]`` when a param changes ``param_groups``."""
+    torch.optim keeps ``state[p]`` when a param changes ``param_groups``; also with ``donate=False``, whose copy of
+    the state keeps the groups' one Adam state one (copied leaf by leaf, each group had its own, and the move was
+    refused)."""
     before = {"on": True}
     mask = fo.decay_mask(fzero.params_of(problem()[0]))
 
@@ -563,7 +565,7 @@ def test_a_labels_function_that_moves_a_layer_to_another_lr_group_is_followed_as
         names = list(mask)
         return [([n for n in names if group(n, on) == "fast"], FAST_LR, WD), ([n for n in names if group(n, on) == "slow"], LR, WD)]
 
-    assert_every_step_close(moving_run(opt, before, stages), torch_run_moving(groups_at))
+    assert_every_step_close(moving_run(opt, before, stages, donate=donate), torch_run_moving(groups_at))
 
 
 def test_a_labels_function_that_moves_a_param_where_its_state_cannot_follow_is_refused_before_the_step():
@@ -658,3 +660,18 @@ def test_a_labels_function_is_called_with_the_same_stand_ins_at_every_stage():
         step(step.init(fzero.params_of(model)), batch)
     assert all(views == seen[0] for views in seen.values()) and len(seen[0]) == 1
     assert {device for k, device, *_ in next(iter(seen[0]))} == {"meta"}
+
+
+def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(tmp_path):
+    """Disk offload keeps each group's tensors in files of their own: the group a param moves to never updated its
+    elements there, so the move is refused, before the step (the state trains on once the function answers as before)."""
+    model, loss_fn, batches = problem()
+    group_of = {}
+    opt = fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, lambda p: {k: group_of.get(k, "slow") for k in p})
+    step = fzero.compile(loss_fn, optimizer=opt, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_dir=str(tmp_path))
+    state, _ = step(step.init(fzero.params_of(model)), batches[0])
+    group_of["head.weight"] = "fast"
+    with pytest.raises(ValueError, match=r"'head\.weight' from 'slow' to 'fast'\. .*The params were not updated"):
+        step(state, batches[1])
+    del group_of["head.weight"]
+    step(state, batches[1])

@@ -76,6 +76,7 @@ class Groups:
         # (from, to) group pairs a param may move along when a rule function answers otherwise (``movable``), learnt from
         # the groups' states at init; None: every move is followed (a rule no state depends on: adamw's decay mask)
         self.moves: frozenset[tuple[int, int]] | None = None
+        self.stateless: frozenset[int] = frozenset()  # groups that keep nothing per param (NONE among them)
 
     def describe(self, group: int) -> str:
         """A group's name in errors: its label (``multi_transform``), or what ``masked`` does there."""
@@ -90,16 +91,30 @@ class Groups:
         shapes = [t.shape for t in leaves]
         ids = [*range(self.n), NONE]
         self.moves = frozenset((a, b) for a in ids for b in ids if a != b and movable(a, b, states, spec, shapes))
+        self.stateless = frozenset(b for b in ids if b == NONE or not _per_param(states[b]))
 
-    def accept(self, params: Any) -> Callable[[tuple[int, ...], tuple[int, ...]], str | None]:
-        """What the resolver does when the rule function's groups change: None (follow) when every moved param moves
-        along ``self.moves``, else the error naming the others."""
+    def accept(self, params: Any, states: Sequence[Any] | None = None, tree: Any = None, *,
+               shared: bool = True) -> Callable[[tuple[int, ...], tuple[int, ...]], str | None]:
+        """What the resolver does when the rule function's groups change: None (follow) when every moved param can
+        move (``movable``), else the error naming the others. Judged on ``states`` (the groups' states given to this
+        update, shaped like ``tree``) where given: only they say whether two groups still share a param's state (a
+        copy of the state made leaf by leaf would not); else on ``self.moves`` (what ``init`` made), which a train
+        step checks before it runs, and, when ``shared`` is False (a state kept in files, each group's tensors in
+        their own), on ``self.stateless`` alone."""
 
         def decide(was: tuple[int, ...], now: tuple[int, ...]) -> str | None:
-            moves = self.moves
-            if moves is None and self.names is None and self.api != "fzero.optim.masked":
+            if self.moves is None and self.names is None and self.api != "fzero.optim.masked":
                 return None  # a decay mask: no state depends on it
-            refused = [(i, a, b) for i, (a, b) in enumerate(zip(was, now)) if a != b and (moves is None or (a, b) not in moves)]
+            if states is not None:
+                leaves, spec = optree.tree_flatten(tree)
+                shapes = [t.shape for t in leaves]
+                pairs = {(a, b) for a, b in zip(was, now) if a != b}
+                moves = {(a, b) for a, b in pairs if movable(a, b, states, spec, shapes)}
+            elif shared:
+                moves = self.moves or frozenset()
+            else:
+                moves = {(a, b) for a, b in self.moves or () if b in self.stateless}
+            refused = [(i, a, b) for i, (a, b) in enumerate(zip(was, now)) if a != b and (a, b) not in moves]
             return self._moved_error(params, refused) if refused else None
 
         return decide
@@ -123,7 +138,7 @@ class Groups:
             f"steps\"). Or put the {what} function back as it was."
         )
 
-    def check(self, tree: Any) -> None:
+    def check(self, tree: Any, states: Sequence[Any]) -> None:
         """Resolve the rule now where the user's params pytree is known for sure (under a train step's Segments), so
         a wrong mask fails at ``step.init``. Under ``WholeLeaves`` ``init`` may see a stand-in tree (the memory
         estimator's), and the rule is checked at the first update instead. Called after ``learn_moves``."""
@@ -132,7 +147,7 @@ class Groups:
             params = param_tree(tree, segments)
             seen = _seen.get()
             # recording (a checkpoint, a state given to another step): the groups the state was made with
-            groups = self.resolver.groups(params, in_use=seen is not None, accept=self.accept(params))
+            groups = self.resolver.groups(params, in_use=seen is not None, accept=self.accept(params, states, tree))
             found = _found.get()
             if found is not None and not any(g is self for g in found):
                 found.append(self)
@@ -140,10 +155,11 @@ class Groups:
                 paths = _tree.flatten_with_paths(params)[0]
                 seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
 
-    def probe(self, params: Any) -> None:
+    def probe(self, params: Any, *, shared: bool = True) -> None:
         """Call the rule function on ``params`` (the step's stand-in tree) and follow or refuse a change now: a train
-        step does this before it runs (``grouping_rules``), so that a refused move leaves the state as it was."""
-        self.resolver.groups(params, accept=self.accept(params))
+        step does this before it runs (``fzero.step._state.probe_groupings``), so that a move that no state could follow
+        is refused while the state is whole; the update then judges a move on the state it is given."""
+        self.resolver.groups(params, store=False, accept=self.accept(params, shared=shared))
 
     def record(self, tree: Any, names: dict[int, str]) -> None:
         """Report each param's group as ``names[group]`` to ``recording_groups`` (``masked`` over a transform with
@@ -156,15 +172,15 @@ class Groups:
             groups = self.resolver.groups(params, in_use=True)
             seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, groups)}})
 
-    def selection(self, tree: Any) -> tuple[Any, Any]:
+    def selection(self, tree: Any, states: Sequence[Any]) -> tuple[Any, Any]:
         segments = current_segments()
         params = param_tree(tree, segments)
-        groups = self.resolver.groups(params, accept=self.accept(params))
+        groups = self.resolver.groups(params, accept=self.accept(params, states, tree))
         return self.selections.get(tree, groups, self.n, segments), segments
 
     def update(self, transforms: Sequence[GradientTransformation], updates: Any, states: Sequence[Any], params: Any) -> tuple[Any, list]:
         """Pure: the new updates (each group's on its elements, the incoming ones elsewhere) and the new states."""
-        sel, segments = self.selection(updates)
+        sel, segments = self.selection(updates, states)
         u_leaves, spec = optree.tree_flatten(updates)
         p_leaves = optree.tree_leaves(params) if params is not None else None
         shapes = [t.shape for t in u_leaves]
@@ -187,7 +203,7 @@ class Groups:
 
     def fused(self, transforms: Sequence[GradientTransformation], grads: Any, states: Sequence[Any], params: Any) -> list:
         """In place: each group's step written through views of the params (and of the param-shaped state)."""
-        sel, segments = self.selection(params)
+        sel, segments = self.selection(params, states)
         p_leaves, spec = optree.tree_flatten(params)
         g_leaves = optree.tree_leaves(grads)
         shapes = [t.shape for t in p_leaves]
@@ -431,7 +447,7 @@ def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransfor
         state = inner.init(params)
         if groups.api == "fzero.optim.masked":  # (adamw's decay mask: no state depends on it)
             groups.learn_moves([state], params)
-        groups.check(params)
+        groups.check(params, [state])
         if groups.api == "fzero.optim.masked" and _per_param(state):
             groups.record(params, {0: "masked", NONE: "passed through"})  # a param let in later would start from zeros
         return MaskedState(state)
@@ -507,7 +523,7 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) 
         leaves, spec = optree.tree_flatten(params)
         states = share_states([t.init(params) for t in inners], spec, [t.shape for t in leaves])
         groups.learn_moves(states, params)
-        groups.check(params)
+        groups.check(params, states)
         return MultiTransformState(dict(zip(names, states)))
 
     def states_of(state: Any) -> list:
@@ -568,11 +584,12 @@ def finding_groupings() -> Iterator[list[Any]]:
         _found.reset(token)
 
 
-def probe_groupings(groupings: Sequence[Any], params: Any) -> None:
-    """Call each grouping's rule function on ``params`` (the step's stand-in pytree of meta tensors) and follow or
-    refuse a change (``Groups.probe``); groupings whose rule is not a function (or is fzero's own) cost nothing."""
+def probe_groupings(groupings: Sequence[Any], params: Any, *, shared: bool = True) -> None:
+    """Call each grouping's rule function on ``params`` (the step's stand-in pytree of meta tensors) and refuse a
+    change that the state could not follow (``Groups.probe``; ``shared``: the state keeps the tensors its groups
+    share, as it does in memory); groupings whose rule is not a function (or is fzero's own) cost nothing."""
     for g in groupings:
-        g.probe(params)
+        g.probe(params, shared=shared)
 
 
 # -- checks ------------------------------------------------------------------------------------------------------------

@@ -127,11 +127,12 @@ class Resolver:
         self._numbers: dict[Any, int] = {}  # a structure (treespec, leaf shapes and dtypes) -> a small number
         self._by_structure: dict[int, tuple[Any, tuple[int, ...]]] = {}  # number -> (answer's snapshot or None, groups)
 
-    def groups(self, params: Any, *, in_use: bool = False,
+    def groups(self, params: Any, *, in_use: bool = False, store: bool = True,
                accept: Callable[[tuple[int, ...], tuple[int, ...]], str | None] | None = None) -> tuple[int, ...]:
         """The group of each parameter of ``params``. ``in_use``: the groups this rule has been giving for the
         structure, without calling a function again (what a state was made with: ``recording_groups``). ``accept``:
-        see the class docstring; None follows every change (a decay mask: no state depends on it)."""
+        see the class docstring; None follows every change (a decay mask: no state depends on it). ``store=False``:
+        a change is judged but not kept (a train step's check before it runs; its update judges it on the state)."""
         key = self._key(params)
         found = self._by_structure.get(key)
         if found is not None and (in_use or not callable(self.rule) or getattr(self.rule, OF_STRUCTURE, False)):
@@ -145,8 +146,9 @@ class Resolver:
             error = accept(found[1], groups)
             if error is not None:
                 raise ValueError(error)
-        with self._lock:
-            self._by_structure[key] = (snapshot, groups)
+        if store or found is None:
+            with self._lock:
+                self._by_structure[key] = (snapshot, groups)
         return groups
 
     def _key(self, params: Any) -> int:

@@ -335,7 +335,8 @@ def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
     if hit[2]:  # (a step without parameter groups runs no function of fzero.optim's here)
         from fzero.optim import probe_groupings as probe
 
-        probe(hit[2], hit[3])
+        # a state in files (offload='disk') holds each group's tensors in their own, shared or not in memory
+        probe(hit[2], hit[3], shared=getattr(step.opt_state.offload, "where", None) != "disk")
 
 
 GROUPS_FIX = ("To move params to another group, start the optimizer state afresh from the params: "

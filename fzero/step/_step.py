@@ -147,7 +147,7 @@ class Step:
 
     def _call(self, state: TrainState | RankStates, batch: Any) -> tuple[TrainState | RankStates, dict[str, Any]]:
         if not self.donate:
-            state = _tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+            state = _copied(state)
         if isinstance(self.mesh, LocalMesh) and isinstance(state, RankStates):  # (_check_state: a local mesh's state)
             generators: list = []  # a torch.Generator in the batch: each rank draws from its own copy
             batches = split_batch(batch, self.mesh.size, grad_accum=self.grad_accum, generators=generators,
@@ -490,6 +490,24 @@ class Step:
             if not is_verified(s, self):
                 check_state_matches(self, s, api=api)
                 mark_verified(s, self)
+
+
+def _copied(state: Any) -> Any:
+    """``state`` with every tensor cloned, one clone per tensor: a tensor held twice (``multi_transform``'s groups share
+    one Adam state, ``fzero.optim._groups.share_states``) is held twice by the copy too. Why: cloned leaf by leaf, each
+    group got a moments tensor of its own, K copies where the step holds one, and a param its labels function then
+    moved between two such groups (followed as torch.optim keeps ``state[p]``) would read the copy its new group
+    never updated; the groups' update refuses that move, but only once the step has run this far."""
+    clones: dict[int, torch.Tensor] = {}
+
+    def clone(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in clones:
+            clones[id(t)] = t.clone()
+        return clones[id(t)]
+
+    return _tree.tree_map(clone, state)
 
 
 _REINIT_HINT = "Make the state with this step's init(params); to move a state between steps: new_step.init(old_step.gather(old_state))."
