@@ -156,9 +156,10 @@ class Groups:
                 seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
 
     def probe(self, params: Any, *, shared: bool = True) -> None:
-        """Call the rule function on ``params`` (the step's stand-in tree) and follow or refuse a change now: a train
-        step does this before it runs (``fzero.step._state.probe_groupings``), so that a move that no state could follow
-        is refused while the state is whole; the update then judges a move on the state it is given."""
+        """Call the rule function on ``params`` (the step's stand-in tree) and refuse now a change that the state could
+        not follow (nothing is kept: the update judges a move on the state it is given and follows it there). A train
+        step does this before it runs (``fzero.step._state.probe_groupings``), so that the refusal leaves the state
+        whole."""
         self.resolver.groups(params, store=False, accept=self.accept(params, shared=shared))
 
     def record(self, tree: Any, names: dict[int, str]) -> None:
