@@ -745,12 +745,12 @@ def test_each_ranks_held_stream_goes_on_through_a_checkpoint_load_and_restarts_f
     assert list(model._rng.rand(4)) == list(streams[0].rand(4))
 
 
-def test_two_steps_over_one_model_and_mesh_draw_from_each_ranks_one_stream_and_another_mesh_restarts_it():
-    """Two step objects over the same model share its held stream: on one mesh (the processes of one job, each with one
-    module object that both steps draw from) each rank goes on from where either step left its stream, as torchrun's
-    processes do. Steps on two meshes do not share the per-rank states (each mesh holds its own, as it holds the global
-    generators'): after the other mesh's step moved the stream, a step starts every rank from the module's state (rank
-    0's), never from the states its mesh carried from before, which would be stale."""
+def test_two_steps_over_one_model_draw_from_each_ranks_one_stream_on_one_mesh_or_two_and_a_one_rank_step_restarts_it():
+    """Two step objects over the same model share its held stream: on one mesh, or on two meshes of the same size (the
+    same processes of one job, each with one module object that every step draws from), each rank goes on from where
+    any step left its stream, as torchrun's processes do. After a step on one rank (no mesh) drew from the stream, a
+    step starts every rank from the module's state (rank 0's), never from the states carried from before, which are
+    stale."""
     x = _uneven_rows(4)
     model = _DrawsPerKeptRow("numpy_generator")
     mesh = fzero.local_mesh(2)
@@ -781,18 +781,90 @@ def test_two_steps_over_one_model_and_mesh_draw_from_each_ranks_one_stream_and_a
     for step, state, ref, what in ((a, sa, refs[0], "step a"), (b, sb, refs[1], "step b")):
         _assert_params(step.gather(state), {k: p.detach() for k, p in ref.named_parameters()}, what)
 
-    c, sc = compiled(fzero.local_mesh(2))  # another mesh: it moves the stream from rank 0's state (its ranks start there)
-    streams[1] = copy.deepcopy(streams[0])
+    c, sc = compiled(fzero.local_mesh(2))  # another mesh of 2 ranks: the same two processes, each going on
     sc, _ = c(sc, x[0])
     with torch.no_grad():  # (its draws alone matter here: c's params are not compared)
         for r, rows in enumerate(x[0].chunk(2)):
             refs[1]._rng = streams[r]
             refs[1](rows)
-    sa, _ = a(sa, x[1])  # the stream moved since a's mesh left it: both ranks start from rank 0's, not a's stale ones
-    streams[1] = copy.deepcopy(streams[0])
+    sa, _ = a(sa, x[1])
     reference(0, x[1])
     _assert_params(a.gather(sa), {k: p.detach() for k, p in refs[0].named_parameters()}, "step a after another mesh's")
+
+    d, sd = compiled(None)  # one rank: it draws from the module's stream itself, from rank 0's state
+    sd, _ = d(sd, x[2])
+    with torch.no_grad():
+        refs[1]._rng = streams[0]
+        refs[1](x[2])
+    sa, _ = a(sa, x[3])  # the stream moved since the ranks left it: both start from rank 0's, not stale ones
+    streams[1] = copy.deepcopy(streams[0])
+    reference(0, x[3])
+    _assert_params(a.gather(sa), {k: p.detach() for k, p in refs[0].named_parameters()}, "step a after one rank's")
     assert list(model._rng.random(4)) == list(streams[0].random(4))
+
+
+@pytest.mark.parametrize("draws", ["module_held", "global_generator"])
+def test_two_steps_each_on_its_own_local_mesh_alternated_equal_them_on_one_shared_mesh(draws):
+    """Two step objects, each given its own ``fzero.local_mesh(2)`` (a GAN's generator and discriminator steps, two
+    ``fzero.compile`` calls in a notebook), alternated, with ranks that draw other amounts (a module-held stream, or a
+    data-dependent ``torch.rand(k)`` from torch's global generator in ``loss_fn``). Both meshes stand for the same two
+    processes, so each rank's streams go on through both steps, as on one shared mesh (which equals torchrun, the test
+    above): each mesh carried its own per-rank states, stale once the other mesh's step ran, so every rank restarted
+    from rank 0's state at each alternation (2.0e-2 and 7.7e-2 off in the params after 4 steps, silently). A run after
+    them that reseeds gives the first run's numbers again: nothing carried leaks past a ``torch.manual_seed``."""
+    x = _uneven_rows(4)
+
+    def run(shared: bool) -> list[dict]:
+        torch.manual_seed(0)
+        model = _DrawsPerKeptRow("numpy_generator") if draws == "module_held" else nn.Linear(WIDTH, WIDTH)
+
+        def loss_fn(p, b):
+            out = fzero.apply(model, p, b)
+            if draws == "global_generator":  # one value per kept row, from the rank's own stream
+                out = out * (1 + torch.rand(int((b[:, 0] > 0).sum())).sum())
+            return out.pow(2).mean()
+
+        mesh = fzero.local_mesh(2)
+        steps = [fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0,
+                               mesh=mesh if shared else fzero.local_mesh(2)) for _ in range(2)]
+        states = [s.init(fzero.params_of(model)) for s in steps]
+        for i, b in enumerate(x):
+            states[i % 2], _ = steps[i % 2](states[i % 2], b)
+        return [s.gather(st) for s, st in zip(steps, states)]
+
+    one = run(shared=True)
+    for what, got in (("two meshes", run(shared=False)), ("one mesh again, reseeded", run(shared=True))):
+        for j in range(2):
+            for name, p in one[j].items():
+                assert torch.equal(got[j][name], p), (what, j, name, (got[j][name] - p).abs().max().item())
+
+
+def test_a_local_mesh_evaluate_inside_another_local_meshs_loss_fn_starts_its_ranks_from_the_enclosing_ranks_stream():
+    """A local mesh run inside a rank's program (an ``evaluate`` that ``loss_fn`` calls) stands for ranks inside that
+    rank's process: its ranks start from the enclosing rank's stream, never from the states the process carries for
+    the enclosing mesh's size (given those, the inner run in rank 0's thread gave its rank 1 the enclosing rank 1's
+    numbers once the outer ranks had drawn other amounts)."""
+    x = _uneven_rows(2)
+    torch.manual_seed(0)
+    inner_model, outer_model = nn.Linear(WIDTH, 1), nn.Linear(WIDTH, WIDTH)
+    inner = fzero.compile(lambda p, b: (fzero.apply(inner_model, p, b).pow(2).mean(), torch.rand(1)),
+                          optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    inner_state = inner.init(fzero.params_of(inner_model))
+    drawn: list = []
+    nested = [False]  # the second step's loss_fn runs the inner evaluate, before its own draws
+
+    def loss_fn(p, b):
+        if nested[0]:
+            drawn.append([float(u) for u in inner.evaluate(inner_state, torch.zeros(2, WIDTH))["aux_per_rank"]])
+        out = fzero.apply(outer_model, p, b)
+        return (out * (1 + torch.rand(int((b[:, 0] > 0).sum())).sum())).pow(2).mean()
+
+    outer = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=0, mesh=fzero.local_mesh(2))
+    state, _ = outer(outer.init(fzero.params_of(outer_model)), x[0])  # the ranks draw 2 and 0 values
+    nested[0] = True
+    outer(state, x[1])
+    assert len(drawn) == 2 and all(a == b for a, b in drawn), drawn  # each inner call: both ranks from one stream
+    assert drawn[0] != drawn[1]  # (the enclosing ranks' streams, apart after the first step)
 
 
 class _AuxOnSelf(nn.Module):

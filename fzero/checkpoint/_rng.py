@@ -20,10 +20,12 @@ A checkpoint without a key (saved before it existed, or where there was nothing 
 it is, except a local mesh's per-rank streams: those are reset, so the ranks start from the restored global state
 (rank 0's), as every rank of a job restarted from a checkpoint without them would.
 
-Why the per-rank streams live on the mesh: a rank thread is made again for every step call, and the mesh the step
-runs on keeps where each rank's streams ended (``LocalMesh.carry``). ``save`` reads it through the step that made the
-state (``Marks.made_by``), ``load`` writes it through the ``like=`` step (or the step that made ``like``): the step
-the run resumes with. No new argument is needed: the state names its step already.
+Where the per-rank streams live: a rank thread is made again for every step call, so the process keeps where each
+rank's streams ended, one record per mesh size (``LocalMesh.carry``, ``fzero.mesh._rank.carry_of``): every
+``local_mesh(n)`` of the process stands for the same n processes, whose generators a checkpoint saves whichever of
+the steps ran last. ``save`` reads it through the step that made the state (``Marks.made_by``: its mesh's size),
+``load`` writes it through the ``like=`` step (or the step that made ``like``): the step the run resumes with. No new
+argument is needed: the state names its step already.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def np_decode(t: torch.Tensor, np: Any) -> tuple:
 
 
 def _local_carry(step: Any) -> Any:
-    """The per-rank stream carry of ``step``'s mesh where it is a local mesh of several ranks, else None."""
+    """The per-rank stream carry of ``step``'s mesh (every local mesh of its size) where it is a local mesh of several
+    ranks, else None."""
     from fzero.mesh import LocalMesh
 
     mesh = getattr(step, "mesh", None)

@@ -511,9 +511,11 @@ class HeldStreams:
     to 8.6e-3 off torchrun in the params after 4 SGD steps, silently). So rank r starts from its own end state of the
     last call, as long as the object still holds what that call left in it (rank 0's: nothing drew from it or set it
     in between, as ``fzero.mesh``'s ``Carry`` asks of the global generators); where it does not (reseeded, drawn from
-    between steps, or another mesh's step ran on it), every rank starts from the object's state, as every torchrun
-    process would after the same reseed. Held by the mesh (``Carry.held``), as the global generators' states are: the
-    steps that share a mesh stand for the processes of one job, whose one module object each of them draws from."""
+    between steps, or a step on a mesh of another size or on no mesh drew from it), every rank starts from the
+    object's state, as every torchrun process would after the same reseed. Held beside the global generators' states (``Carry.held``), one for every
+    local mesh of a size in the process: the steps on any ``local_mesh(n)`` of the process stand for the same n
+    processes, whose one module object each of them draws from. It holds each stream object it has seen (a few KiB
+    each; NumPy's take no weak reference) for as long as the process lives."""
 
     def __init__(self) -> None:
         # id(the user's stream) -> (it, its state when the last call ended, each rank's copy's end state). The object

@@ -3,7 +3,8 @@
 - ``local_mesh(n)``: n ranks simulated in this process, one thread per rank. For
   notebooks and unit tests: deterministic, no subprocesses. ``step(state, batch)`` takes the *global*
   batch and splits dim 0 across ranks. The ranks are isolated as processes are: each has its own RNG
-  stream, a copy of the process's generator at the start of the call (``fzero.mesh._rank``), and every
+  streams, which go on from one call to the next as a process's do, on every ``local_mesh`` of that size in the
+  process (two ``local_mesh(2)`` stand for the same two processes; ``fzero.mesh._rank``), and every
   collective is matched across ranks (``fzero.mesh._thread_comm``), so a simulated mesh equals n ``torchrun``
   processes running the same seeded program, bit for bit, or says where the ranks went apart.
 - ``dist_mesh()``: this process is one rank of a ``torch.distributed`` job started by ``torchrun``
@@ -27,7 +28,7 @@ import torch
 
 from fzero.mesh._comm import Counter, MeshTimeout, RanksDisagree
 from fzero.mesh._thread_comm import Rendezvous, ThreadComm
-from fzero.mesh._rank import Carry, own_stream, rank_streams
+from fzero.mesh._rank import Carry, carry_of, own_stream, rank_streams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -40,15 +41,20 @@ class LocalMesh:
     # Entered around each rank's program in its own thread: per-rank profilers and memory counters.
     rank_context: Callable[[int], ContextManager[Any]] | None = dataclasses.field(default=None, compare=False)
     wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
-    # each rank's RNG stream from one run to the next, as a torchrun rank's generator goes on (fzero.mesh._rank.Carry)
-    carry: Carry = dataclasses.field(default_factory=Carry, compare=False, repr=False)
+
+    @property
+    def carry(self) -> Carry:
+        """Each rank's RNG streams from one run to the next, as a torchrun rank's generators go on: one for every local
+        mesh of this size in the process, not this mesh's own (``fzero.mesh._rank.Carry`` says why)."""
+        return carry_of(self.size)
 
     def run(self, fn: Callable[..., Any], args: Sequence[tuple]) -> list[Any]:
         """Run ``fn(comm, *args[r])`` for every rank r in its own thread; results in rank order.
 
         Each rank thread draws random numbers from its own stream, which starts as a copy of the global
-        CPU generator, or where that rank's stream ended in the last run when nothing has drawn from the global
-        generator since (``fzero.mesh._rank.Carry``); afterwards the global generator holds rank 0's final state,
+        CPU generator, or where that rank's stream ended in the last run of a mesh of this size (this one or another:
+        they stand for the same processes) when nothing has drawn from the global generator since
+        (``fzero.mesh._rank.Carry``); afterwards the global generator holds rank 0's final state,
         as if this process were rank 0 of a torchrun job (``fzero.mesh._rank``). A single rank runs in the caller's thread on the
         global generator itself, as plain PyTorch does.
 
@@ -188,8 +194,6 @@ class DistMesh:
     timeout: float = 300.0  # seconds a rank waits at a collective for the others (see dist_mesh)
     collectives: str = "auto"  # how gloo collectives run: see dist_mesh
     wrap: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)  # see wrap_comm
-    # each rank's RNG stream from one run to the next, as a torchrun rank's generator goes on (fzero.mesh._rank.Carry)
-    carry: Carry = dataclasses.field(default_factory=Carry, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:

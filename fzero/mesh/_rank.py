@@ -249,7 +249,8 @@ class _Stream:
 
 
 class Carry:
-    """Where each rank's streams ended in a mesh's last run, and what the global generators were left holding.
+    """Where each rank's streams ended in the last run of a local mesh of n ranks, and what the global generators were
+    left holding. One per mesh size for the whole process (``carry_of(n)``), not one per mesh object: see below.
 
     A torchrun rank goes on from its own generator's state at its next step; a local mesh's rank thread is made
     again for every run. So the next run starts rank r from its own end state, as long as the global generators
@@ -260,7 +261,24 @@ class Carry:
     ranks that draw different amounts in a step (a mixture of experts dropping overflow tokens before a dropout,
     data-dependent sampling, a smaller last batch split unevenly) ended the step in different states, and a
     restart from rank 0's gave rank 1 rank 0's stream (found against torchrun: 1.7e-3 apart from step 1 on a
-    Switch Transformers model)."""
+    Switch Transformers model).
+
+    Why per size and not per mesh: two ``local_mesh(n)`` in one process stand for the same n processes, whose
+    generators (and module objects) the steps on either mesh share, as the steps of one torchrun job share each
+    process's (a GAN's generator and discriminator steps, two ``fzero.compile`` calls in a notebook, each given its
+    own ``fzero.local_mesh(2)``). Kept on each mesh object, the carry of one mesh was stale once a step on the other
+    had run, so every rank restarted from rank 0's state at each alternation: 7.7e-2 off torchrun (a data-dependent
+    ``torch.rand`` in ``loss_fn``) and 2.0e-2 (a stream the module holds) in the params after 4 alternating steps,
+    silently. The validity rule above is unchanged and does not depend on which mesh ran last: a reseed between
+    runs (another test's ``torch.manual_seed`` in the same process) restarts every rank from the seed. The one case the
+    rule cannot see: where rank 0 drew nothing since the ranks last started alike while another rank drew, the global
+    generator still holds that start state, and a reseed that lands on it again (the same seed and the same draws
+    before the next run: a test or a notebook cell run again) is taken for no reseed, so the other ranks go on.
+
+    A run of n ranks reads the carry when it starts and writes it when its ranks have all returned (``rank_streams``,
+    under ``_CARRY_LOCK``); a step call runs its ranks to the end before it returns, so two runs of one program never
+    overlap. Runs that do (steps called from two threads of the caller at once, which share the global generators
+    too) each read and write a whole snapshot: the last to end is what the next run may go on from."""
 
     def __init__(self) -> None:
         self.cpu: list[torch.Tensor] = []  # per rank, its CPU generator's state at the end of the last run
@@ -288,6 +306,27 @@ class Carry:
         last run left."""
         return {i: t for i, t in self.cuda[rank].items()
                 if i in self.left_cuda and torch.equal(torch.cuda.default_generators[i].get_state(), self.left_cuda[i])}
+
+
+_CARRIES: dict[int, Carry] = {}  # mesh size -> the carry of every local mesh of that size in this process
+_CARRY_LOCK = threading.Lock()  # the registry, and a run's read and write of its carry's states
+
+
+def carry_of(n: int) -> Carry:
+    """The carry of every ``local_mesh(n)`` of this process (``Carry``: why one per size, not one per mesh).
+
+    Called in a rank thread (a mesh's step or ``evaluate`` that another mesh's ``loss_fn`` calls), a new, empty one: the
+    inner mesh stands for ranks inside that rank's process, which holds none of the process's carried states, and
+    the rank threads of the enclosing mesh run it at once. Given the process's, an inner run in rank 0's thread went
+    on from the enclosing ranks' states (its rank 1 drew the enclosing rank 1's numbers); each inner run now starts its
+    ranks from the enclosing rank's stream, as a first run does."""
+    if current_context().stream is not None:
+        return Carry()
+    with _CARRY_LOCK:
+        carry = _CARRIES.get(n)
+        if carry is None:
+            carry = _CARRIES[n] = Carry()
+        return carry
 
 
 def _global_generator(device: torch.device) -> torch.Generator:
@@ -507,31 +546,32 @@ def _per_rank_host_streams() -> Iterator[None]:
 @contextlib.contextmanager
 def rank_streams(n: int, carry: Carry | None = None) -> Iterator[list[_Stream]]:
     """n streams, each a copy of the global CPU generator's state (and of a CUDA device's, when a rank first
-    draws there), or, with ``carry`` from the mesh's last run and nothing drawn from the global generators since,
-    each rank's own state where that run ended (``Carry``); on exit the global generators take rank 0's final states
-    (the main thread continues as rank 0 would). Entered in the main thread."""
+    draws there), or, with ``carry`` (``carry_of(n)``) and nothing drawn from the global generators since the last run
+    of n ranks in this process, each rank's own state where that run ended (``Carry``); on exit the global generators
+    take rank 0's final states (the main thread continues as rank 0 would). Entered in the main thread."""
     start = torch.get_rng_state()
-    resume = carry is not None and carry.resumes(n, start)
     host = n > 1  # one rank draws from Python's and NumPy's global streams themselves, as one process
     py_start = random.getstate() if host else None
-    py_resume = host and carry is not None and carry.py_resumes(n, py_start)
     np = _numpy() if host else None
     np_start = None if np is None else np.random.get_state()
-    np_resume = np_start is not None and carry is not None and carry.np_resumes(n, np_start)
     cuda_starts: dict[int, torch.Tensor] = {}
     streams = []
-    for r in range(n):
-        g = torch.Generator()
-        g.set_state(carry.cpu[r] if resume else start)
-        py = None
-        if host:
-            py = random.Random()
-            py.setstate(carry.py[r] if py_resume else py_start)
-        own_np = None
-        if np_start is not None:
-            own_np = np.random.RandomState()
-            own_np.set_state(carry.np[r] if np_resume else np_start)
-        streams.append(_Stream(g, cuda_starts, carry.cuda_resume(r) if resume else None, py=py, np=own_np))
+    with _CARRY_LOCK if carry is not None else contextlib.nullcontext():  # (Carry: a whole snapshot read)
+        resume = carry is not None and carry.resumes(n, start)
+        py_resume = host and carry is not None and carry.py_resumes(n, py_start)
+        np_resume = np_start is not None and carry is not None and carry.np_resumes(n, np_start)
+        for r in range(n):
+            g = torch.Generator()
+            g.set_state(carry.cpu[r] if resume else start)
+            py = None
+            if host:
+                py = random.Random()
+                py.setstate(carry.py[r] if py_resume else py_start)
+            own_np = None
+            if np_start is not None:
+                own_np = np.random.RandomState()
+                own_np.set_state(carry.np[r] if np_resume else np_start)
+            streams.append(_Stream(g, cuda_starts, carry.cuda_resume(r) if resume else None, py=py, np=own_np))
     try:
         with _rank_aware_state_functions(), _per_rank_host_streams() if host else contextlib.nullcontext():
             yield streams
@@ -544,15 +584,16 @@ def rank_streams(n: int, carry: Carry | None = None) -> Iterator[list[_Stream]]:
         if np_start is not None:
             np.random.set_state(streams[0].np.get_state())
         if carry is not None:
-            carry.cpu = [st.cpu.get_state() for st in streams]
-            carry.cuda = [{**(carry.cuda[r] if resume else {}), **{i: g.get_state() for i, g in st.cuda.items()}}
-                          for r, st in enumerate(streams)]
-            carry.left = torch.get_rng_state()
-            carry.left_cuda = {i: torch.cuda.default_generators[i].get_state() for i in streams[0].cuda}
-            carry.py = [st.py.getstate() for st in streams] if host else []
-            carry.py_left = random.getstate() if host else None
-            carry.np = [st.np.get_state() for st in streams] if np_start is not None else []
-            carry.np_left = np.random.get_state() if np_start is not None else None
+            with _CARRY_LOCK:  # a whole snapshot written (Carry)
+                carry.cpu = [st.cpu.get_state() for st in streams]
+                carry.cuda = [{**(carry.cuda[r] if resume else {}), **{i: g.get_state() for i, g in st.cuda.items()}}
+                              for r, st in enumerate(streams)]
+                carry.left = torch.get_rng_state()
+                carry.left_cuda = {i: torch.cuda.default_generators[i].get_state() for i in streams[0].cuda}
+                carry.py = [st.py.getstate() for st in streams] if host else []
+                carry.py_left = random.getstate() if host else None
+                carry.np = [st.np.get_state() for st in streams] if np_start is not None else []
+                carry.np_left = np.random.get_state() if np_start is not None else None
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def split_batch(batch: Any, n: int, *, api: str = "fzero.Step.__call__", grad_ac
     where each torchrun process draws from its own generator, seeded alike. ``generators``: where each such
     generator is noted beside its per-rank copies, for the caller to give it rank 0's state once the step has
     succeeded (``keep_rank0_generators``), as a module's own generator is kept; ``held``: the mesh's
-    ``fzero.layout.HeldStreams``, from which rank r's copy starts in the state rank r's copy ended the last step in,
+    ``fzero.layout.HeldStreams`` (every local mesh of its size shares it), from which rank r's copy starts in the state rank r's copy ended the last step in,
     where the caller's generator still holds what that step left (a torchrun process's goes on from its own, so
     ranks that draw other amounts go on apart). ``api``: whose batch it is, for
     the errors (a step's, or ``evaluate``'s); ``grad_accum``: the micro-batches each rank's share is split into next,
@@ -119,7 +119,7 @@ def _own_generators(batch: Any, n: int, noted: list[tuple[torch.Generator, list[
 def keep_rank0_generators(generators: list[tuple[torch.Generator, list[torch.Generator]]], held: Any = None) -> None:
     """Give each ``torch.Generator`` of the caller's batch the state its rank-0 copy ended the step in (what a torchrun
     job's rank 0 holds after it), once the step has succeeded (``split_batch``); ``held`` (the mesh's
-    ``fzero.layout.HeldStreams``) notes where every rank's copy ended, for the next step's copies to go on from."""
+    ``fzero.layout.HeldStreams``, shared by every local mesh of its size) notes where every rank's copy ended, for the next step's copies to go on from."""
     for original, copies in generators:
         original.set_state(copies[0].get_state())
         if held is not None:
