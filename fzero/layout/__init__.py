@@ -3,6 +3,7 @@
 # What other packages use of this one (they import it from here, never from a private module):
 from fzero.layout._empty import empty_params, META_BUFFER_FIX
 from fzero.layout._modules import Binding, bound, check_no_meta, clone_structure, freed, named_tensors, walk, Writes, HeldStreams, RANDOM_STREAMS
+from fzero.layout._modules import compiled_in_place, compiled_wrapper, has_grad_hooks, same_values, value_changes
 from fzero.layout._layout import (
     build_frozen,
     build_layout,

@@ -925,3 +925,38 @@ def check_no_meta(module: nn.Module, names: Iterable[str], *, state_buffers: boo
                     f"materializes it), or give the module a real value for it (e.g. load_state_dict(..., assign=True)) "
                     f"before training."
                 )
+
+# -- predicates on a module and its tensors that a step reads at every call (fzero.step) ----------------------------
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one shape, dtype and device) hold the same values, a NaN equal to a NaN: ``torch.equal``
+    calls a param holding a NaN (a row never looked up, memory ``torch.empty`` left) unequal to itself, so a check by it
+    refused a module nothing wrote."""
+    return a.shape == b.shape and bool(torch.eq(a, b).logical_or_(torch.isnan(a) & torch.isnan(b)).all())
+
+
+def value_changes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element by element, where ``a`` and ``b`` hold other values, a NaN equal to a NaN (``same_values``)."""
+    return torch.ne(a, b).logical_and_(~(torch.isnan(a) & torch.isnan(b)))
+
+
+def has_grad_hooks(p: torch.Tensor) -> bool:
+    """Whether trainable ``p`` carries a gradient hook (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``).
+    Two attribute reads (the hooks first: ``requires_grad`` is the slower read), ~20 us a step over GPT-2's 148 params:
+    meant for the per-step walks over a module's params (``check_no_grad_hooks``)."""
+    return bool(p._backward_hooks or p._post_accumulate_grad_hooks) and p.requires_grad
+
+
+def compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``). Read without importing
+    ``torch._dynamo`` (seconds of import): no such wrapper exists before dynamo is imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` ran on ``module``: ``nn.Module.compile`` keeps ``torch.compile`` of the module's
+    own ``_call_impl`` in ``_compiled_call_impl``, which ``__call__`` runs instead. That call is bound to the module it
+    was made on, so a step's copy of the module (``fzero.step._context``) would run the original with its own tensors."""
+    return getattr(module, "_compiled_call_impl", None) is not None

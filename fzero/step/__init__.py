@@ -33,7 +33,8 @@ from fzero.step._pool import (
 )
 from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
 from fzero.step._state import group_labels, is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
-from fzero.step._module import check_no_grad_hooks, check_trainable_set, has_grad_hooks, trainable_changes
+from fzero.layout import has_grad_hooks
+from fzero.step._module_refusals import check_no_grad_hooks, check_trainable_set, trainable_changes
 from fzero.step._refusals import check_export_model
 from fzero.step._hints import DATA_WRITE, PARAM_WRITE_FIX
 from fzero.step._batch import batch_rows, per_row_items, record_list, rows_listed

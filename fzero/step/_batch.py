@@ -36,7 +36,8 @@ import torch
 
 from fzero.mesh import current_context, with_context
 from fzero.layout import pytrees as _tree
-from fzero.step._module import Buffers, check_module_features, lift_for
+from fzero.step._module import Buffers, lift_for
+from fzero.step._module_refusals import check_module_features
 from fzero.step._refusals import agree_structure, check_no_trained_buffers, check_own_params
 from fzero.step._hints import (_BACKWARD_IN_LOSS_FN, _FREED, _FREED_HOW, _FUNC_REFUSALS, _META, _SECOND_BACKWARD, UNIT_FREED,
                                UNIT_OUTSIDE_ITS_CALL, _func_refusal, _traceback_files, loss_fn_failure)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fzero.layout import freed, named_tensors
+from fzero.layout import freed, named_tensors, same_values
 
 
 def check_not_freed(named: Any, *, api: str, what: str) -> None:
@@ -221,7 +221,6 @@ def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mappi
     steps in bf16), where PyTorch's param keeps it. Read once per masters (``fzero.step._step``): a whole read of the
     params and masters, as much as one update's."""
     from fzero.step._hints import DATA_WRITE
-    from fzero.step._module import same_values
 
     written = []
     with torch.no_grad(), torch._C._DisableFuncTorch():
