@@ -609,16 +609,9 @@ def test_a_numpy_or_python_random_stream_the_module_holds_is_each_ranks_own_on_a
     assert list(draw(model._rng, 4)) == list(draw(streams[0], 4))  # rank 0's stream, as torchrun's rank 0 holds it
 
 
-class _DrawsPerKeptRow(nn.Module):
+class _DrawsPerKeptRow(_MasksFromItsStream):
     """One draw from a stream the module holds (``self._rng``) per row whose first feature is positive: how many values
     a rank draws depends on its rows, as a module drawing one number per non-padding token does."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
-        make, self.draw = _streams()[kind]
-        self._rng = make()
 
     def forward(self, x):
         scale = [1.0 + float(self.draw(self._rng, 1)[0]) if float(row[0]) > 0 else 1.0 for row in x]

@@ -161,10 +161,16 @@ def check_trainable_set(named: list[tuple[str, torch.Tensor]], state_names: Any,
 # -- modules whose call would run their own tensors, not the step's -----------------------------------------------
 
 
+def _named(path: str, module: nn.Module) -> tuple[str, str]:
+    """(how to reach the module at ``path`` of ``module`` in code, what to call it in a message); "" is ``module``."""
+    if not path:
+        return "model", "the module"
+    return f"model.get_submodule({path!r})", f"the submodule {path!r} of {type(module).__name__}"
+
+
 def compiled_in_place_error(api: str, path: str, module: nn.Module) -> TypeError:
     """The refusal of a module ``module.compile()`` ran on, at ``path`` of ``module`` ("" for ``module`` itself)."""
-    where = "model" if not path else f"model.get_submodule({path!r})"
-    what = "the module" if not path else f"the submodule {path!r} of {type(module).__name__}"
+    where, what = _named(path, module)
     return TypeError(
         f"{api}: {what} was compiled in place ({where}.compile(), nn.Module.compile): its compiled call is bound to "
         f"that module and runs it with the module's own tensors, not the step's params. Undo it ({where}."
@@ -206,8 +212,7 @@ def trains_under(module: nn.Module) -> bool:
 
 def own_forward_error(api: str, path: str, module: nn.Module) -> TypeError:
     """The refusal of a ``forward`` set on the module at ``path`` of ``module`` ("" for itself) that calls that module."""
-    where = "model" if not path else f"model.get_submodule({path!r})"
-    what = "the module" if not path else f"the submodule {path!r} of {type(module).__name__}"
+    where, what = _named(path, module)
     return TypeError(
         f"{api}: {what} has a forward of its own, an instance attribute that calls that module ({where}.forward = ...: "
         f"Accelerate's prepare() with mixed_precision sets one, and unwrap_model() leaves one; so does a patch of "
