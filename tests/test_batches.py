@@ -9,6 +9,7 @@ backward (intermittently) or, for a 0-d leaf, changed what the other read.
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -352,6 +353,33 @@ def test_batched_tensors_of_two_row_counts_are_refused_not_split_as_records(rank
                          mesh=fzero.local_mesh(ranks), grad_accum=accum)
     with pytest.raises(ValueError, match=r"row counts differ: .* has 8"):
         step(step.init(fzero.params_of(model)), batch)
+
+
+def test_a_ragged_embedding_bag_batch_is_refused_with_the_padded_layout_as_the_fix():
+    """``nn.EmbeddingBag``'s flat 1-D input with offsets (torch's documented layout) has no rows to split: refused
+    for its row counts, which named no layout that trains. The error names the padded 2-D input with
+    ``per_sample_weights``, which trains at every stage (a model sweep's case)."""
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.head = torch.nn.EmbeddingBag(20, 8, mode="sum"), torch.nn.Linear(8, 2)
+
+        def forward(self, ids, w, offsets=None):
+            return self.head(self.bag(ids, offsets, per_sample_weights=w))
+
+    torch.manual_seed(0)
+    model = Bag()
+    step = fzero.compile(lambda p, b: torch.nn.functional.mse_loss(fzero.apply(model, p, *b["x"]), b["y"]), stages=0,
+                         mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    flat = {"x": (torch.randint(0, 20, (12,)), torch.rand(12), torch.tensor([0, 3, 6, 9])), "y": torch.randn(4, 2)}
+    with pytest.raises(ValueError, match=r"row counts differ(.|\n)*ragged batch, flat values with offsets(.|\n)*"
+                                         r"nn.EmbeddingBag takes 2-D input with per_sample_weights"):
+        step(state, flat)
+    padded = {"x": (flat["x"][0].view(4, 3), flat["x"][1].view(4, 3)), "y": flat["y"]}
+    state, metrics = step(state, padded)
+    assert math.isfinite(metrics["loss"])
 
 
 @pytest.mark.parametrize("ranks, accum", [(2, 1), (1, 2)])

@@ -270,7 +270,10 @@ def _split_rows(batch: Any, k: int, api: str, why: str, message: Callable[[str, 
             f"{api}: {why}, so every tensor leaf of dim >= 1 must hold the batch's rows on dim 0, but their "
             f"row counts differ{lists}: {rows_listed(rows)}. Pass leaves of one row count; {_NOT_PER_ROW}. A tensor "
             f"with the batch on dim 1 (nn.LSTM's and nn.Transformer's default (seq, batch, ...) layout) belongs in the "
-            f"batch as (batch, seq, ...), transposed inside loss_fn: on dim 0 it would be split along its time steps."
+            f"batch as (batch, seq, ...), transposed inside loss_fn: on dim 0 it would be split along its time steps. A "
+            f"ragged batch, flat values with offsets (nn.EmbeddingBag's 1-D input with offsets, sequences of several "
+            f"lengths concatenated), has no rows to split: pass it padded, (batch, max_len), with a mask or weights of 0 "
+            f"on the padding (nn.EmbeddingBag takes 2-D input with per_sample_weights), or as a list of one tensor per row."
         )
     if not records:
         message = _with_list_hint(batch, message)
