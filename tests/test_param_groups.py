@@ -568,6 +568,54 @@ def test_a_labels_function_that_moves_a_layer_to_another_lr_group_is_followed_as
     assert_every_step_close(moving_run(opt, before, stages, donate=donate), torch_run_moving(groups_at))
 
 
+def recompiled_run(opt_at, stages, how, tmp_path, *, move_at=2):
+    """fzero's params after each step: ``opt_at(True)`` up to step ``move_at``, then a step compiled again with
+    ``opt_at(False)`` given the state (``how="state"``) or loading a checkpoint saved by the first (``"checkpoint"``)."""
+    model, loss_fn, batches = problem()
+
+    def compiled(on):
+        return fzero.compile(loss_fn, optimizer=opt_at(on), stages=stages, mesh=fzero.local_mesh(2),
+                             **({"unit_elements": 1024} if stages < 2 else {}))
+
+    step = compiled(True)
+    state, history = step.init(fzero.params_of(model)), []
+    for i, b in enumerate(batches):
+        if i == move_at:
+            new = compiled(False)
+            if how == "checkpoint":
+                fzero.checkpoint.save(str(tmp_path / "ckpt"), state)
+                state = fzero.checkpoint.load(str(tmp_path / "ckpt"), like=new)
+            step = new
+        state, _ = step(state, b)
+        history.append(step.gather(state))
+    return history
+
+
+@pytest.mark.parametrize("stages, how", [(0, "state"), (3, "state"), (0, "checkpoint"), (3, "checkpoint")])
+def test_a_step_compiled_again_or_a_checkpoint_loaded_with_labels_that_move_a_layer_to_another_lr_group_follows_it_as_torch(
+        stages, how, tmp_path):
+    """The move a labels function makes between steps (the head from the slow AdamW group to the fast one) made by
+    compiling the step again with the new labels and giving it the state, or by loading a checkpoint into that step:
+    before, refused ("params changed group") although the groups share one Adam state and the move is exact, where the
+    labels function's move is followed. Judged by the same rule (``Groups.refused``): followed, as torch.optim keeps
+    ``state[p]`` when a param changes ``param_groups``; a move the state cannot follow is still refused
+    (``test_a_state_given_to_a_step_whose_labels_moved_a_param_is_refused_and_the_fix_trains``)."""
+    mask = fo.decay_mask(fzero.params_of(problem()[0]))
+
+    def group(name: str, on: bool) -> str:
+        return "slow" if name.startswith("head.") and on or not mask[name] else "fast"
+
+    def opt_at(on):
+        return fo.multi_transform({"fast": fo.adamw(FAST_LR, weight_decay=WD), "slow": fo.adamw(LR, weight_decay=WD)},
+                                  {k: group(k, on) for k in mask})
+
+    def groups_at(on):
+        names = list(mask)
+        return [([n for n in names if group(n, on) == "fast"], FAST_LR, WD), ([n for n in names if group(n, on) == "slow"], LR, WD)]
+
+    assert_every_step_close(recompiled_run(opt_at, stages, how, tmp_path), torch_run_moving(groups_at))
+
+
 def test_a_labels_function_that_moves_a_param_where_its_state_cannot_follow_is_refused_before_the_step():
     """Gradual unfreezing by labels (``set_to_zero()`` to AdamW) or a layer moved from SGD-momentum to AdamW: the
     param's state in its new group is not that transform's (moments of zeros against the group's step count; SGD's
@@ -664,7 +712,9 @@ def test_a_labels_function_is_called_with_the_same_stand_ins_at_every_stage():
 
 def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(tmp_path):
     """Disk offload keeps each group's tensors in files of their own: the group a param moves to never updated its
-    elements there, so the move is refused, before the step (the state trains on once the function answers as before)."""
+    elements there, so the move is refused, before the step (the state trains on once the function answers as before);
+    and so is the same move made by a step compiled again with the new labels, or by loading a checkpoint of that
+    state (its groups' entries diverged in their files), where a state in memory follows it."""
     model, loss_fn, batches = problem()
     group_of = {}
     opt = fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, lambda p: {k: group_of.get(k, "slow") for k in p})
@@ -674,4 +724,16 @@ def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(
     with pytest.raises(ValueError, match=r"'head\.weight' from 'slow' to 'fast'\. .*The params were not updated"):
         step(state, batches[1])
     del group_of["head.weight"]
-    step(state, batches[1])
+    state, _ = step(state, batches[1])
+    # the same move by a step compiled again with the new labels, or by a checkpoint of the disk state: refused alike
+    moved = fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+    (tmp_path / "again").mkdir()
+    again = fzero.compile(loss_fn, optimizer=moved, stages=3, mesh=fzero.local_mesh(2), offload="disk", offload_dir=str(tmp_path / "again"))
+    with pytest.raises(ValueError, match=r"^fzero\.Step\.__call__: params changed group since the step that made this state: "
+                                         r"'head\.weight' from 'slow' to 'fast'\. "):
+        again(state, batches[2])
+    path = fzero.checkpoint.save(tmp_path / "ck", state)
+    in_memory = fzero.compile(loss_fn, optimizer=moved, stages=3, mesh=fzero.local_mesh(2))
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"params changed group since the checkpoint .* was saved: "
+                                                               r"'head\.weight' from 'slow' to 'fast'\. "):
+        fzero.checkpoint.load(path, like=in_memory)

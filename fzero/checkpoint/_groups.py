@@ -6,7 +6,9 @@ load (a layer moved from SGD-momentum to AdamW) would start in its new group wit
 holds for it: zeros against a step count of thousands, or another transform's tensors where the groups share
 one (SGD's momentum read as Adam's first moment). Measured at commit 759f906: the moved layer's first AdamW update
 was about 14x the learning rate, without a word. So ``save`` records the labels in ``fzero.json`` and ``load``
-refuses labels that differ, naming each moved param and both labels.
+refuses labels that differ where a moved param's state cannot follow (the judgement a labels function's move between
+steps gets, ``fzero.optim.refused_labels``), naming each such param and both labels; a layer moved between two
+``adamw`` groups of other learning rates loads and keeps its one Adam state, as torch.optim keeps ``state[p]``.
 
 The labels are those of the step the state came from (``Step.init`` and every step call remember which step made
 a state): its optimizer's ``init`` runs on meta tensors of the state's layout, as a step would, and each
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.step import TrainState, group_labels
+from fzero.step import TrainState, group_labels, moved_params, shares_group_state
 
 MOVED_FIX = (
     "Load it with the labels it was saved with. To move params to another group, start the optimizer state afresh "
@@ -41,8 +43,20 @@ def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     return group_labels(state, step)
 
 
-def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] | None, *, path: str, step: int, api: str) -> None:
-    """Raise a ``CheckpointError`` naming the params whose group differs between the checkpoint and the step."""
+def groups_share_state(step: Any) -> bool | None:
+    """What ``fzero.json`` records as ``groups_share_state``: whether the saved state's parameter groups shared their
+    tensors (a state in memory; False under ``offload='disk'``, each group's tensors in their own files, which
+    diverge as each group writes its own elements); None when no step is known for the state."""
+    return None if step is None else shares_group_state(step)
+
+
+def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] | None, *, path: str, step: int, api: str,
+                 shared: bool = False) -> None:
+    """Raise a ``CheckpointError`` naming the params whose group differs between the checkpoint and the step where
+    their optimizer state cannot follow the move (``fzero.step.moved_params``, as a labels function's move between
+    steps is judged: a layer moved between two ``adamw`` groups keeps its one Adam state and loads). ``shared``: the
+    checkpoint was saved from a state whose groups shared their tensors and the step keeps them shared (in memory, not
+    ``offload='disk'``): only then does a moved param's entry in its new group hold what its own updates made."""
     if saved is None or mine is None:
         return  # saved without labels, or the step is not known: nothing to compare
     if not any(e["api"] == "fzero.optim.masked" for e in saved):  # saved before masked's masks were recorded
@@ -52,17 +66,17 @@ def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] 
             f"{api}: the checkpoint {path} (step {step}) was saved with {len(saved)} multi_transform parameter grouping(s) "
             f"in its optimizer, this step's optimizer has {len(mine)}. {MOVED_FIX}"
         )
-    for k, (was, now) in enumerate(zip(saved, mine)):
-        moved = [f"{p!r} from {was['labels'][p]!r} to {now['labels'][p]!r}" for p in sorted(set(was["labels"]) & set(now["labels"]))
-                 if was["labels"][p] != now["labels"][p]]
-        if moved:
-            which = "" if len(saved) == 1 else f" (the {_nth(k)} multi_transform)"
-            shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
-            raise CheckpointError(
-                f"{api}: params changed group since the checkpoint {path} (step {step}) was saved{which}: {shown}. A "
-                f"moved param's optimizer state in its new group is not that transform's state for it (it was never "
-                f"updated there, or it belongs to the transform it left), so its next updates would be wrong. {MOVED_FIX}"
-            )
+    found = moved_params(saved, mine, shared=shared)  # the one judgement of a move (a labels function's, a re-compile's)
+    if found is None:
+        return
+    k, moved = found
+    which = "" if len(saved) == 1 else f" (the {_nth(k)} multi_transform)"
+    shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
+    raise CheckpointError(
+        f"{api}: params changed group since the checkpoint {path} (step {step}) was saved{which}: {shown}. A "
+        f"moved param's optimizer state in its new group is not that transform's state for it (it was never "
+        f"updated there, or it belongs to the transform it left), so its next updates would be wrong. {MOVED_FIX}"
+    )
 
 
 def _nth(k: int) -> str:

@@ -13,6 +13,7 @@ from fzero.checkpoint._collective import Ranks
 from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
 from fzero.checkpoint._groups import check_labels, labels, step_of
+from fzero.step import shares_group_state
 from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers, without_optimizer
 from fzero.layout import pytrees as _tree
 from fzero.optim import ScaleByScheduleState
@@ -79,7 +80,8 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
         info = {**info, "opt": []}
     check_fits(found, info, states[0], ents[0], api=api)
     if optimizer:
-        check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api)
+        check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api,
+                     shared=bool(info.get("groups_share_state")) and made_by is not None and shares_group_state(made_by))
     process, processes = which_process(distributed)
     todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
     set_rngs = None

@@ -18,7 +18,8 @@ from fzero.checkpoint._files import (
     FORMAT, INFO, VERSION, check_destination, fsync_dir, hold_directory, is_complete, lock_partial, prune, publish,
     refuse_to_clobber, step_dir, sweep_partials, unlock, write_synced,
 )
-from fzero.checkpoint._groups import labels, step_of
+from fzero.checkpoint._groups import groups_share_state, labels, step_of
+from fzero.optim import for_file
 from fzero.checkpoint._oserrors import check_space
 from fzero.checkpoint._state import describe, entries, held, pieces, size_lower_bound, which_process
 from fzero.checkpoint._verify import MARKER, crc32_file, marker_bytes
@@ -87,7 +88,8 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     ents = [entries(s, api=api) for s in states]
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
             "saved_ns": time.time_ns(),  # keep=K and latest() go by the order of saving (a rollback saves lower steps)
-            **describe(states[0], ents[0]), "param_groups": labels(states[0], step_of(states[0])), "extra": extra_json}
+            **describe(states[0], ents[0]), "param_groups": for_file(labels(states[0], step_of(states[0]))),
+            "groups_share_state": groups_share_state(step_of(states[0])), "extra": extra_json}
     if frozen is not None:
         info["frozen"] = _frozen.describe(frozen)
         info["ties"] = _frozen.ties(model, [p["name"] for p in info["params"]] + list(frozen))

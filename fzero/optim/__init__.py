@@ -112,7 +112,7 @@ __all__ = [
 ]
 
 # What other packages use of this one (they import it from here, never from a private module):
-from fzero.optim._groups import finding_groupings, probe_groupings, recording_groups  # fzero.step, fzero.checkpoint
+from fzero.optim._groups import finding_groupings, for_file, probe_groupings, recording_groups, refused_labels  # fzero.step, fzero.checkpoint
 from fzero.optim._base import use_segments
 from fzero.optim._base import ScheduleValues, scheduled  # fzero.step: one value per schedule a step (RankContext.schedules)
 

@@ -103,21 +103,36 @@ class Groups:
         their own), on ``self.stateless`` alone."""
 
         def decide(was: tuple[int, ...], now: tuple[int, ...]) -> str | None:
-            if self.moves is None and self.names is None and self.api != "fzero.optim.masked":
-                return None  # a decay mask: no state depends on it
-            if states is not None:
-                leaves, spec = optree.tree_flatten(tree)
-                shapes = [t.shape for t in leaves]
-                pairs = {(a, b) for a, b in zip(was, now) if a != b}
-                moves = {(a, b) for a, b in pairs if movable(a, b, states, spec, shapes)}
-            elif shared:
-                moves = self.moves or frozenset()
-            else:
-                moves = {(a, b) for a, b in self.moves or () if b in self.stateless}
-            refused = [(i, a, b) for i, (a, b) in enumerate(zip(was, now)) if a != b and (a, b) not in moves]
+            refused = self.refused(was, now, states, tree, shared=shared)
             return self._moved_error(params, refused) if refused else None
 
         return decide
+
+    def refused(self, was: Sequence[int], now: Sequence[int], states: Sequence[Any] | None = None, tree: Any = None, *,
+                shared: bool = True) -> list[tuple[int, int, int]]:
+        """``(param index, from group, to group)`` of each param that moved from ``was`` to ``now`` where its optimizer
+        state cannot follow (``movable``): the one judgement of a move, whether a rule function answered otherwise
+        between steps (``accept``) or a state was given to a step, or loaded from a checkpoint, whose rule put a param
+        in another group than the step that made the state (``refused_labels``). ``states``, ``tree`` and ``shared``:
+        see ``accept``."""
+        if self.moves is None and self.names is None and self.api != "fzero.optim.masked":
+            return []  # a decay mask: no state depends on it
+        if states is not None:
+            leaves, spec = optree.tree_flatten(tree)
+            shapes = [t.shape for t in leaves]
+            pairs = {(a, b) for a, b in zip(was, now) if a != b}
+            moves = {(a, b) for a, b in pairs if movable(a, b, states, spec, shapes)}
+        elif shared:
+            moves = set(self.moves or ())
+        else:
+            moves = {(a, b) for a, b in self.moves or () if b in self.stateless}
+        return [(i, a, b) for i, (a, b) in enumerate(zip(was, now)) if a != b and (a, b) not in moves]
+
+    def group_of(self, label: str) -> int:
+        """The group a label recorded by ``recording_groups`` names (``describe``'s inverse)."""
+        if self.names is not None:
+            return self.names.index(label)
+        return NONE if label == "passed through" else 0
 
     def _moved_error(self, params: Any, refused: list[tuple[int, int, int]]) -> str:
         paths = _tree.flatten_with_paths(params)[0]
@@ -153,7 +168,7 @@ class Groups:
                 found.append(self)
             if seen is not None and self.names is not None:
                 paths = _tree.flatten_with_paths(params)[0]
-                seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}})
+                seen.append({"api": self.api, "labels": {p: self.names[g] for p, g in zip(paths, groups)}, "grouping": self})
 
     def probe(self, params: Any, *, shared: bool = True) -> None:
         """Call the rule function on ``params`` (the step's stand-in tree) and refuse now a change that the state could
@@ -171,7 +186,7 @@ class Groups:
             params = param_tree(tree, segments)
             paths = _tree.flatten_with_paths(params)[0]
             groups = self.resolver.groups(params, in_use=True)
-            seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, groups)}})
+            seen.append({"api": self.api, "labels": {p: names[g] for p, g in zip(paths, groups)}, "grouping": self})
 
     def selection(self, tree: Any, states: Sequence[Any]) -> tuple[Any, Any]:
         segments = current_segments()
@@ -555,7 +570,8 @@ _seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("fzero_param
 def recording_groups() -> Iterator[list[dict[str, Any]]]:
     """Collect, for each ``multi_transform`` (and ``masked`` over a transform with param-shaped state) whose ``init``
     runs inside (under a train step's Segments), in init order,
-    ``{"api": ..., "labels": {param path: label}}``. Why: the optimizer state of a param in a group is that group's
+    ``{"api": ..., "labels": {param path: label}, "grouping": its Groups}`` (the grouping judges a move:
+    ``refused_labels``; ``for_file`` leaves it out). Why: the optimizer state of a param in a group is that group's
     transform's; a checkpoint records the labels so that a load with other labels (a layer moved from SGD to AdamW)
     is refused instead of reading one transform's state as another's (``fzero.checkpoint``)."""
     seen: list[dict[str, Any]] = []
@@ -564,6 +580,29 @@ def recording_groups() -> Iterator[list[dict[str, Any]]]:
         yield seen
     finally:
         _seen.reset(token)
+
+
+def refused_labels(was: dict[str, str], now: dict[str, str], grouping: Any, *, shared: bool = True) -> tuple[list[str], list[str]]:
+    """The params whose label differs between ``was`` (the labels a state was made with: by the step that made it, or
+    in a checkpoint) and ``now`` (``grouping``'s, this step's), each as "'path' from 'old' to 'new'": those whose
+    optimizer state cannot follow the move, and all that moved. Judged by ``Groups.refused``, as a rule function that
+    answers otherwise between steps is: a layer moved between two ``adamw`` groups keeps its one Adam state (torch.optim
+    keeps ``state[p]`` when a param changes ``param_groups``), SGD's momentum is not AdamW's state. ``shared``: the
+    state keeps the tensors its groups share (False: a state in files, each group's tensors in their own)."""
+    paths = sorted(set(was) & set(now))
+    moved = [p for p in paths if was[p] != now[p]]
+    if not moved:
+        return [], []
+    a = [grouping.group_of(was[p]) for p in moved]
+    b = [grouping.group_of(now[p]) for p in moved]
+    refused = {moved[i] for i, _, _ in grouping.refused(a, b, shared=shared)}
+    say = [f"{p!r} from {was[p]!r} to {now[p]!r}" for p in moved]
+    return [x for p, x in zip(moved, say) if p in refused], say
+
+
+def for_file(seen: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """``recording_groups``'s entries without the groupings themselves (what a checkpoint writes to its JSON)."""
+    return None if seen is None else [{k: v for k, v in e.items() if k != "grouping"} for e in seen]
 
 
 # -- the rule functions a train step calls before it runs -----------------------------------------------------------

@@ -336,7 +336,7 @@ def probe_groupings(step: Any, state: TrainState | RankStates) -> None:
         from fzero.optim import probe_groupings as probe
 
         # a state in files (offload='disk') holds each group's tensors in their own, shared or not in memory
-        probe(hit[2], hit[3], shared=getattr(step.opt_state.offload, "where", None) != "disk")
+        probe(hit[2], hit[3], shared=shares_group_state(step))
 
 
 GROUPS_FIX = ("To move params to another group, start the optimizer state afresh from the params: "
@@ -347,22 +347,40 @@ GROUPS_FIX = ("To move params to another group, start the optimizer state afresh
               "docs/migrating.md shows for a backbone frozen for N steps.")
 
 
-def moved_params(was: list[dict[str, Any]], now: list[dict[str, Any]]) -> tuple[int, list[str]] | None:
-    """The first ``multi_transform`` (by index) whose labels moved a param between ``was`` and ``now``, and each moved
-    param as "'path' from 'old' to 'new'"; ``(-1, [])`` when the number of groupings differs; None when nothing moved."""
+def moved_params(was: list[dict[str, Any]], now: list[dict[str, Any]], *, shared: bool = True) -> tuple[int, list[str]] | None:
+    """The first grouping (by index) whose labels moved a param between ``was`` and ``now`` where its optimizer state
+    cannot follow, and each such param as "'path' from 'old' to 'new'"; ``(-1, [])`` when the number of groupings
+    differs; None when every move (if any) can be followed. A move is judged as a labels function's move between
+    steps is (``fzero.optim.refused_labels``: a layer moved between two ``adamw`` groups keeps its one Adam state, as
+    torch.optim keeps ``state[p]``); ``now``'s entries carry their grouping (``recording_groups``), and one without it
+    (a grouping not known) refuses every move. ``shared``: see ``probe_groupings``."""
+    from fzero.optim import refused_labels
+
     if len(was) != len(now):
         return -1, []
     for k, (a, b) in enumerate(zip(was, now)):
-        moved = [f"{p!r} from {a['labels'][p]!r} to {b['labels'][p]!r}" for p in sorted(set(a["labels"]) & set(b["labels"]))
-                 if a["labels"][p] != b["labels"][p]]
-        if moved:
-            return k, moved
+        grouping = b.get("grouping")
+        if grouping is not None:
+            refused, _ = refused_labels(a["labels"], b["labels"], grouping, shared=shared)
+        else:
+            refused = [f"{p!r} from {a['labels'][p]!r} to {b['labels'][p]!r}" for p in sorted(set(a["labels"]) & set(b["labels"]))
+                       if a["labels"][p] != b["labels"][p]]
+        if refused:
+            return k, refused
     return None
+
+
+def shares_group_state(step: Any) -> bool:
+    """Whether ``step``'s optimizer state keeps the tensors its groups share (False: ``offload='disk'``, each group's
+    tensors in their own files), as ``probe_groupings`` judges a move."""
+    return getattr(step.opt_state.offload, "where", None) != "disk"
 
 
 def _check_groups(step: Any, state: TrainState, api: str) -> None:
     """A state made by another step whose ``multi_transform`` (or ``masked`` over a stateful transform) put a param in
-    another group is refused.
+    another group is refused where the param's optimizer state cannot follow the move, and followed where it can (a
+    layer moved between two ``adamw`` groups of other learning rates: one Adam state), as a labels function that
+    answers otherwise between steps is (``moved_params``).
 
     Why: every group's state is kept for every param, but only a param's own group updates its elements
     (``fzero.optim._groups``), so a param that moved would start in its new group from what that group holds for it:
@@ -376,7 +394,7 @@ def _check_groups(step: Any, state: TrainState, api: str) -> None:
     was, now = group_labels(state, before), group_labels(state, step)
     if not was and not now:
         return
-    found = moved_params(was or [], now or [])
+    found = moved_params(was or [], now or [], shared=shares_group_state(step) and shares_group_state(before))
     if found is None:
         return
     k, moved = found
