@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fzero.checkpoint._dcp import CheckpointError
-from fzero.step import TrainState, group_labels, moved_params, shares_group_state
+from fzero.step import TrainState, group_labels, keeps_groups_shared, moved_params
 
 MOVED_FIX = (
     "Load it with the labels it was saved with. To move params to another group, start the optimizer state afresh "
@@ -43,11 +43,12 @@ def labels(state: TrainState, step: Any) -> list[dict[str, Any]] | None:
     return group_labels(state, step)
 
 
-def groups_share_state(step: Any) -> bool | None:
+def groups_share_state(state: TrainState, step: Any) -> bool | None:
     """What ``fzero.json`` records as ``groups_share_state``: whether the saved state's parameter groups shared their
-    tensors (a state in memory; False under ``offload='disk'``, each group's tensors in their own files, which
-    diverge as each group writes its own elements); None when no step is known for the state."""
-    return None if step is None else shares_group_state(step)
+    tensors wherever ``step``'s optimizer shares them (a state in memory, not copied leaf by leaf; False under
+    ``offload='disk'``, each group's tensors in their own files, which diverge as each group writes its own
+    elements); None when no step is known for the state."""
+    return None if step is None else keeps_groups_shared(state, step)
 
 
 def check_labels(saved: list[dict[str, Any]] | None, mine: list[dict[str, Any]] | None, *, path: str, step: int, api: str,

@@ -89,7 +89,7 @@ def save(path: str | os.PathLike, state: TrainState | RankStates, *, extra: Any 
     info = {"format": FORMAT, "version": VERSION, "step": step, "processes": processes, "torch": torch.__version__,
             "saved_ns": time.time_ns(),  # keep=K and latest() go by the order of saving (a rollback saves lower steps)
             **describe(states[0], ents[0]), "param_groups": for_file(labels(states[0], step_of(states[0]))),
-            "groups_share_state": groups_share_state(step_of(states[0])), "extra": extra_json}
+            "groups_share_state": groups_share_state(states[0], step_of(states[0])), "extra": extra_json}
     if frozen is not None:
         info["frozen"] = _frozen.describe(frozen)
         info["ties"] = _frozen.ties(model, [p["name"] for p in info["params"]] + list(frozen))

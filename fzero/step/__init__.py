@@ -32,7 +32,7 @@ from fzero.step._pool import (
     take,
 )
 from fzero.step._update import DynamicLossScale, MAX_LOSS_SCALE, policy, Precision, StaticLossScale
-from fzero.step._state import group_labels, moved_params, shares_group_state, is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
+from fzero.step._state import group_labels, keeps_groups_shared, moved_params, shares_group_state, is_busy, is_donated, made_by, RankStates, TrainState, whole_frozen
 from fzero.layout import has_grad_hooks
 from fzero.step._module_refusals import check_no_grad_hooks, check_trainable_set, trainable_changes
 from fzero.step._refusals import check_export_model
