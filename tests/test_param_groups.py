@@ -750,6 +750,37 @@ def test_a_labels_function_is_called_with_the_same_stand_ins_at_every_stage():
     assert {device for k, device, *_ in next(iter(seen[0]))} == {"meta"}
 
 
+def test_a_disk_checkpoint_of_groups_kept_apart_is_refused_by_a_step_whose_groups_share_their_state(tmp_path):
+    """Under ``offload='disk'`` each ``multi_transform`` group keeps its optimizer state in files of its own, each
+    holding that group's values for its own params only; in memory two ``adamw`` groups share one Adam state. Loaded
+    from the one into the other, each group's entries were written over the shared tensor in turn, so params resumed
+    with the other group's moments: 4.2e-3 off the run that never stopped, after one step, silently. Refused, naming
+    both ways that load it; the disk step resumes it exactly, and a checkpoint of the in-memory state loads into it."""
+    model, loss_fn, batches = problem()
+    opt = lambda: fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},  # noqa: E731
+                                     lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+    (tmp_path / "run").mkdir()
+    disk = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
+                         offload_dir=str(tmp_path / "run"))
+    memory = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2))
+    on_disk, in_memory = disk.init(fzero.params_of(model)), memory.init(fzero.params_of(model))
+    for b in batches[:2]:
+        on_disk, _ = disk(on_disk, b)
+        in_memory, _ = memory(in_memory, b)
+    saved = fzero.checkpoint.save(tmp_path / "disk_ck", on_disk)
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"keeps each parameter group's optimizer state apart.*"
+                                                               r"Load it into a step with offload='disk'"):
+        fzero.checkpoint.load(saved, like=memory)
+    (tmp_path / "again").mkdir()
+    again = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
+                          offload_dir=str(tmp_path / "again"))
+    resumed, _ = again(fzero.checkpoint.load(saved, like=again), batches[2])
+    in_memory, _ = memory(in_memory, batches[2])
+    from_memory = fzero.checkpoint.load(fzero.checkpoint.save(tmp_path / "mem_ck", in_memory), like=disk)
+    assert_trees_close(again.gather(resumed), memory.gather(in_memory), rtol=0, atol=1e-6)
+    assert_trees_equal(disk.gather(from_memory), memory.gather(in_memory))
+
+
 def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(tmp_path):
     """Disk offload keeps each group's tensors in files of their own: the group a param moves to never updated its
     elements there, so the move is refused, before the step (the state trains on once the function answers as before);

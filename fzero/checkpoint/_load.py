@@ -82,6 +82,7 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if optimizer:
         check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api,
                      shared=bool(info.get("groups_share_state")) and made_by is not None and shares_group_state(made_by))
+        _check_groups_kept_apart(info, ents[0], found, api)
     process, processes = which_process(distributed)
     todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
     set_rngs = None
@@ -100,6 +101,37 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if not optimizer:
         target = _schedules_at_step(target)
     return _with_gather_order(target, info)
+
+
+def _check_groups_kept_apart(info: dict[str, Any], e: Any, found: str, api: str) -> None:
+    """Refuse a checkpoint whose parameter groups kept their optimizer state apart (``groups_share_state`` False: saved
+    under ``offload='disk'``, each group's tensors in files of their own, or from a state copied leaf by leaf) loaded
+    into a state where two of its per-parameter entries are one tensor (``multi_transform`` of two ``adamw`` groups in
+    memory share one Adam state; ``e``: the state's entries). Each group's entries hold that group's values for its own
+    params only, and each was written over the one shared tensor in turn, so the params resumed with another group's
+    moments: 4.2e-3 off the run that never stopped, after one step, silently. Unknown (None: saved before the flag, or
+    without a step) loads as before."""
+    if info.get("groups_share_state") is not False or not info.get("param_groups"):
+        return
+    seen: set[int] = set()
+    for key, source in e.per_param.items():
+        tensors = getattr(source, "tensors", None)  # in memory (a _Memory); under disk offload each key has its files
+        if not key.startswith("opt/") or tensors is None:
+            continue
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+        if ptrs & seen:
+            break
+        seen |= ptrs
+    else:
+        return
+    raise CheckpointError(
+        f"{api}: the checkpoint {found} (step {info['step']}) keeps each parameter group's optimizer state apart (it "
+        f"was saved under offload='disk', each group's tensors in files of their own, or from a state copied leaf by "
+        f"leaf), but this step's multi_transform groups share one optimizer state in memory: loading would write each "
+        f"group's entries over the others', and params would resume with another group's moments. Load it into a "
+        f"step with offload='disk', as it was saved; or load the params alone (optimizer=False), whose moments then "
+        f"start afresh."
+    )
 
 
 def _schedules_at_step(state: Any) -> Any:
