@@ -523,6 +523,19 @@ class _DrawsFromItsGenerator(nn.Module):
         return self.blocks[1](self.blocks[0](x))
 
 
+def _assert_two_ranks_train_as(model: nn.Module, ref: nn.Module, x: torch.Tensor, stages: int) -> None:
+    """``model`` trained by fzero's SGD(0.1) on ``local_mesh(2)`` over the batches ``x`` (loss: the output's mean
+    square) holds ``ref``'s params, name by name (``ref``: DDP's arithmetic, done by the caller)."""
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    for b in x:
+        state, _ = step(state, b)
+    full = step.gather(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("stages", [0, 3])
 def test_a_generator_the_module_holds_is_each_ranks_own_on_a_local_mesh_of_two_ranks(stages):
     """Found by the diffusers sweep: the rank threads of a local_mesh(2) shared the module's generator, so the ranks drew
@@ -540,14 +553,7 @@ def test_a_generator_the_module_holds_is_each_ranks_own_on_a_local_mesh_of_two_r
             (ref(rows).pow(2).mean() / 2).backward()
         opt.step()
     model = _DrawsFromItsGenerator()
-    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
-                         stages=stages, mesh=fzero.local_mesh(2))
-    state = step.init(fzero.params_of(model))
-    for b in x:
-        state, _ = step(state, b)
-    full = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+    _assert_two_ranks_train_as(model, ref, x, stages)
     assert torch.equal(model.gen.get_state(), gens[0].get_state())  # rank 0's generator, as torchrun's rank 0 holds it
 
 
@@ -597,14 +603,7 @@ def test_a_numpy_or_python_random_stream_the_module_holds_is_each_ranks_own_on_a
             (ref(rows).pow(2).mean() / 2).backward()
         opt.step()
     model = _MasksFromItsStream(kind)
-    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.sgd(0.1),
-                         stages=stages, mesh=fzero.local_mesh(2))
-    state = step.init(fzero.params_of(model))
-    for b in x:
-        state, _ = step(state, b)
-    full = step.gather(state)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+    _assert_two_ranks_train_as(model, ref, x, stages)
     draw = _streams()[kind][1]
     assert list(draw(model._rng, 4)) == list(draw(streams[0], 4))  # rank 0's stream, as torchrun's rank 0 holds it
 

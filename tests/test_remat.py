@@ -456,6 +456,22 @@ def _assert_trained_as(step, state, ref: torch.nn.Module) -> None:
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _assert_remat_trains_as_sgd(ref: torch.nn.Module, model: torch.nn.Module, **settings) -> None:
+    """``ref`` trained by PyTorch's SGD(0.1) on two of ``_parametrized_batches``, ``model`` (built alike) by fzero with
+    ``remat=True`` and ``settings``: their params compared (``_assert_trained_as``)."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _parametrized_batches()[:2]:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
+                         optimizer=fzero.optim.sgd(0.1), remat=True, **settings)
+    state = step.init(fzero.params_of(model))
+    for b in _parametrized_batches()[:2]:
+        state, _ = step(state, b)
+    _assert_trained_as(step, state, ref)
+
+
 def _parametrized_batches():
     gen = torch.Generator().manual_seed(0)
     return [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(4)]
@@ -1000,20 +1016,8 @@ def test_a_deprecated_norm_weight_read_outside_its_unit_under_remat_trains_as_py
     read trained without its gradient (0.62 off PyTorch after 2 SGD steps at stages 0-1; at stage 3 1.1e-2 with
     weight_norm, 2.6e-3 with spectral_norm, silently; at stage 2 refused). The call now returns each weight its forward
     set as one more output, with a graph through the recompute, and sets it on its module: as PyTorch at every stage."""
-    ref = _NormInside(kind)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in _parametrized_batches()[:2]:
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
-    model = _NormInside(kind)
-    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
-                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=True, autodiff=autodiff,
-                         mesh=None if ranks is None else fzero.local_mesh(ranks))
-    state = step.init(fzero.params_of(model))
-    for b in _parametrized_batches()[:2]:
-        state, _ = step(state, b)
-    _assert_trained_as(step, state, ref)
+    _assert_remat_trains_as_sgd(_NormInside(kind), _NormInside(kind), stages=stages, autodiff=autodiff,
+                                mesh=None if ranks is None else fzero.local_mesh(ranks))
 
 
 def _stream_kinds() -> dict:
@@ -1143,19 +1147,7 @@ def test_a_unit_given_a_container_no_pytree_knows_trains_under_remat_as_pytorch(
     leaf to torch's pytree, so its tensors reached the unit without being its call's inputs, and remat refused the call
     ("read a tensor that requires grad but is not one of its arguments"), where PyTorch trains it. Walked now as stage 3
     walks it, it trains as PyTorch."""
-    ref = _Carrying(kind)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in _parametrized_batches()[:2]:
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
-    model = _Carrying(kind)
-    step = fzero.compile(lambda params, b: F.cross_entropy(fzero.apply(model, params, b[0]), b[1]),
-                         optimizer=fzero.optim.sgd(0.1), stages=stages, remat=True)
-    state = step.init(fzero.params_of(model))
-    for b in _parametrized_batches()[:2]:
-        state, _ = step(state, b)
-    _assert_trained_as(step, state, ref)
+    _assert_remat_trains_as_sgd(_Carrying(kind), _Carrying(kind), stages=stages)
 
 
 @pytest.mark.parametrize("mode", ["grad", "backward"])
