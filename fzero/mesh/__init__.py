@@ -16,7 +16,7 @@ from fzero.mesh._mesh import (
     program_fields,
     wrap_comm,
 )
-from fzero.mesh._rank import current_context, RankContext, with_context
+from fzero.mesh._rank import backward_context, current_context, RankContext, with_context
 from fzero.mesh._waiting import failure_elsewhere
 from fzero.mesh import _rank as rng  # the per-rank RNG streams, as a namespace
 from fzero.mesh import _hooks as hooks

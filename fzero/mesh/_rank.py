@@ -25,7 +25,9 @@ the RNG stream and observers its mesh thread was given) and narrows it for a par
 update's segments, a remat recompute's snapshots. Each ``with_context`` block gives back the
 fields it changed when it ends, so nothing outlives the block that set it. On a ``local_mesh`` a rank is a thread
 standing in for a process, so the current context is the calling thread's: one slot per thread, holding a frozen
-``RankContext``; nothing else in fzero is kept per thread.
+``RankContext``; nothing else in fzero is kept per thread. A thread that runs part of a step's backward without a
+context of its own (autograd's device thread, on a GPU) finds the step's by the backward's graph task
+(``backward_context``).
 
 ## One RNG stream per simulated rank
 
@@ -130,23 +132,87 @@ class RankContext:
 
 _EMPTY = RankContext()
 _local = threading.local()  # .context: this thread's RankContext
+_TASKS: dict[int, RankContext] = {}  # autograd graph task id -> the context of the step whose backward it is
 
 
 def current_context() -> RankContext:
-    """This thread's context (outside any rank program: the empty one)."""
-    return getattr(_local, "context", _EMPTY)
+    """This thread's context; in a thread that has none, the context of the step whose backward that thread is
+    running a part of (``backward_context``); else (outside any rank program) the empty one."""
+    context = getattr(_local, "context", None)
+    if context is not None:
+        return context
+    if _TASKS:
+        return _TASKS.get(torch._C._current_graph_task_id(), _EMPTY)
+    return _EMPTY
 
 
 @contextlib.contextmanager
 def with_context(**fields: Any) -> Iterator[RankContext]:
     """This thread's context with ``fields`` changed, for the length of the block; on exit the fields it set get
-    their outer values back (only those: what a block entered inside it set and left open stays)."""
+    their outer values back (only those: what a block entered inside it set and left open stays). In a thread
+    that had no context of its own (autograd's device thread, running a step's backward) it has none again after:
+    that thread serves every backward of the process in turn."""
+    own = getattr(_local, "context", None)
+    borrowed = own is None and torch._C._current_graph_task_id() != -1  # in a backward, in a thread without one
     outer = current_context()
     _local.context = inner = _replaced(outer, fields)
     try:
         yield inner
     finally:
-        _local.context = _replaced(current_context(), {k: getattr(outer, k) for k in fields})
+        if borrowed:
+            del _local.context
+        else:
+            _local.context = _replaced(current_context(), {k: getattr(outer, k) for k in fields})
+
+
+@contextlib.contextmanager
+def backward_context() -> Iterator[Any]:
+    """Gives a function to pass a step's loss through before its backward, so that the backward finds the
+    step's context in every thread it runs in, for the length of the block.
+
+    Why: autograd runs the backward of CUDA (and other accelerator) operations in its own device thread, one
+    per device for the whole process, not in the thread that called it. Python that runs there and reads the
+    context found none: a ``fzero.remat`` or ``torch.utils.checkpoint`` recompute of a stage-3 unit noted no
+    gradient for the unit's params, so on a GPU they skipped every update, silently (measured on an H200:
+    the optimizer put back the whole model's masters and moments every step). A thread-local set there would
+    be wrong too: the ranks of a ``local_mesh`` on one GPU share that thread, their backwards interleaved.
+    So the context is found by the backward's graph task, which torch keeps per backward call in every thread
+    that runs part of it: the loss's node, the first that backward runs, notes its task's id with the
+    context; the id is forgotten when the block ends. The context lent so has no RNG stream: the rank's stream
+    is drawn from through a dispatch mode of the rank's thread (``own_stream``), which that thread lacks, so a
+    recompute there replays its draws through torch's global generators as before (set to the forward's state,
+    put back after), not into a stream its draws would miss. A nested backward (a reentrant checkpoint's) is a task
+    of its own, not noted: the fzero code it reaches took its record at the forward (``_RecordedSplit``)."""
+    tasks: list[int] = []
+
+    def bind(loss: torch.Tensor) -> torch.Tensor:  # the context as the loss is made: the one backward runs in
+        return _NoteTask.apply(loss, current_context(), tasks) if loss.requires_grad else loss
+
+    try:
+        yield bind
+    finally:
+        for task in tasks:
+            _TASKS.pop(task, None)
+
+
+class _NoteTask(torch.autograd.Function):
+    """The identity on a step's loss; its backward notes the running graph task's context (``backward_context``)."""
+
+    @staticmethod
+    def forward(loss: torch.Tensor, context: RankContext, tasks: list[int]) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.context, ctx.tasks = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            _TASKS[task] = _replaced(ctx.context, {"generator": None, "stream": None})
+            ctx.tasks.append(task)
+        return grad, None, None
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(RankContext))

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 
-from fzero.mesh import current_context, with_context
+from fzero.mesh import backward_context, current_context, with_context
 from fzero.layout import pytrees as _tree
 from fzero.step._module import Buffers, lift_for
 from fzero.step._module_refusals import check_module_features
@@ -485,8 +485,14 @@ def gradient(loss_fn: Callable, as_params: Callable, inputs: list[torch.Tensor],
         leaves, box["spec"] = optree.tree_flatten(aux)
         box["leaves"] = leaves
         scaled = loss if scale == 1.0 else loss.float() * scale  # fp16: the loss scale, in fp32
-        return scaled, (loss, [x for x in leaves if isinstance(x, torch.Tensor)], bank.result())
+        return box["bind"](scaled), (loss, [x for x in leaves if isinstance(x, torch.Tensor)], bank.result())
 
+    with backward_context() as box["bind"]:  # its backward finds this rank's context in autograd's device thread
+        return _gradient(objective, box, inputs, autodiff, into, on_written, loss_fn)
+
+
+def _gradient(objective: Callable, box: dict, inputs: list[torch.Tensor], autodiff: str, into: Callable | None,
+              on_written: Callable | None, loss_fn: Callable):
     if autodiff == "func":
         versions = [x._version for x in inputs] if on_written is not None else []
         try:
