@@ -140,3 +140,24 @@ def test_host_overhead_measures_each_system(one_thread):
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
     med = host_overhead.main(["--layers", "2", "--rounds", "2"])
     assert set(med) == {"plain", "fzero-s0", "fzero-s3"} and all(v > 0 for v in med.values())
+
+
+def test_stage3_host_phases_times_each_phase(one_thread):
+    """benchmarks/stage3_host_phases.py: every phase's timer reaches the function it names (a renamed or moved one would
+    leave its row at zero), the phases partition the step, and fzero's functions are unwrapped afterwards."""
+    import fzero.zero._sharded as sharded
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import stage3_host_phases
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    before = sharded._build_skeleton
+    out = stage3_host_phases.main(["--layers", "2", "--rounds", "2", "--warmup", "1"])
+    assert sharded._build_skeleton is before
+    assert set(out["totals"]) == {"plain", "fzero-s3"} and all(v > 0 for v in out["totals"].values())
+    ph = out["phases"]
+    for row in ("step", "gradient", "  skeleton", "  units", "    module", "  backward", "release", "finish"):
+        assert ph[row] > 0, row
+    for row in ("entry", "    fzero's", "  other", "rest"):  # what is left of a phase once its parts are taken out
+        assert ph[row] >= 0, row
