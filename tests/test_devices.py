@@ -405,3 +405,34 @@ def test_host_tensors_are_reduced_over_a_group_of_nccl_alone(check):
     from launch import torchrun
 
     torchrun([os.path.join(os.path.dirname(__file__), "nccl_worker.py"), "--check", check], nproc=1, timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a step on the CPU has no device to wait for)")
+def test_stage3_step_waits_for_the_device_once_for_its_metrics():
+    """``finish`` reads the step's metrics back with one wait for the device (``reduced.cpu()``). The flags of which
+    params were used, sent up beside them, went by a blocking copy of host (pageable) memory: a second wait per step,
+    the host held until the whole backward had run (seen on an H200, ``torch.cuda.set_sync_debug_mode``: two waits at
+    fzero/step/_update.py a step). Counted here the same way, by the waits whose Python line is in that file. No CPU
+    twin: a step on the CPU has no device to wait for."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    step = fzero.compile(lambda p, b: fzero.apply(model, p, b).pow(2).mean(), optimizer=fzero.optim.adamw(1e-3),
+                         stages=3, mesh=fzero.local_mesh(1))
+    state = step.init(fzero.params_of(model))
+    state, _ = step(state, x)  # a state's first step checks what later ones do not (and may wait for it)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            state, metrics = step(state, x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)
+             and w.filename.replace("\\", "/").endswith("fzero/step/_update.py")]
+    assert len(waits) == 1, waits
+    assert metrics["loss"] > 0 and metrics["grad_norm"] > 0

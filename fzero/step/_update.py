@@ -441,7 +441,12 @@ def finish(step: Any, comm: Any, state: Any, grads: list[Any], loss: torch.Tenso
     own = flags
     if n > 1 and not bool(flags.any()):  # this rank used nothing: say so in the same all-reduce (see EMPTY_FLAG)
         flags = torch.full_like(flags, -EMPTY_FLAG)
-    reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float().to(sumsq.device), sumsq]), flags.to(sumsq.device)]), tag="metrics")
+    # sent up without a wait (non_blocking): a blocking copy of the host's flags (pageable memory) made the host wait
+    # for the whole backward there, a second wait per step beside the metrics' read below. The copy call stages a
+    # pageable source before it returns, and the read below waits for the rest
+    dev = sumsq.device
+    reduced = comm.all_reduce(torch.cat([torch.stack([loss.detach().float().to(dev, non_blocking=True), sumsq]),
+                                         flags.to(dev, non_blocking=True)]), tag="metrics")
     reduced = reduced.cpu()  # the host decides on overflow and reads the metrics: one wait for the device per step
     step_no = int(state.step) + 1
     _check_every_rank_used(comm, reduced[2:], own, step_no)
