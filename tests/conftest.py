@@ -46,3 +46,25 @@ def pytest_collection_modifyitems(config, items):
     keep = [item for item in items if item.nodeid not in done]
     config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
     items[:] = keep
+
+
+def pytest_configure(config):
+    """``FZERO_DEVICE_THREAD_TWIN=1``: every step's backward runs, after its loss's node, in a thread without fzero's
+    context, as autograd's device thread runs a CUDA backward on a GPU (``tests/test_device_thread.py`` says why). A
+    run of the whole suite so, on the CPU, looks for what only a GPU would show of that kind; not a CI setting."""
+    import os
+
+    if not os.environ.get("FZERO_DEVICE_THREAD_TWIN"):
+        return
+    from fzero.mesh import _rank
+
+    backward = _rank._NoteTask.backward
+
+    def without_the_threads_context(ctx, grad):
+        out = backward(ctx, grad)
+        saved = _rank._local.__dict__.pop("context", None)
+        if saved is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(_rank._local, "context", saved))
+        return out
+
+    _rank._NoteTask.backward = staticmethod(without_the_threads_context)

@@ -25,13 +25,13 @@ def _backward_without_the_threads_context(loss: torch.Tensor) -> torch.Tensor:
     runs in autograd's device thread."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        saved = _rank._local.context
-        del _rank._local.context
+        saved = _rank._local.__dict__.pop("context", None)  # (None: taken already, FZERO_DEVICE_THREAD_TWIN)
 
         def give_back() -> None:
             _rank._local.context = saved
 
-        torch.autograd.Variable._execution_engine.queue_callback(give_back)
+        if saved is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(give_back)
         return grad
 
     loss.register_hook(hook)
