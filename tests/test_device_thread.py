@@ -6,10 +6,15 @@ stage-3 unit found no context, so it noted no gradient for the unit's params: th
 (found on an H200: the optimizer put back the whole model's masters and moments every step, a 12 B/param host
 transient). On the CPU the backward runs in the calling thread, so the CPU twin makes that thread look like the
 device thread for the length of the backward: the loss's hook takes the thread's context away, and the end of the
-backward gives it back.
+backward gives it back. The thread's dispatch modes stay, as in the device thread, which runs each node under the
+thread-local state the backward began with (``at::ThreadLocalState``). Only one rank's backward runs there on a GPU
+(``local_mesh(1)``, ``dist_mesh``): a rank thread of ``local_mesh(n)`` runs its own; the twins of several ranks keep
+the lent context consistent with what the borrowing thread runs under.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -144,3 +149,108 @@ def test_the_device_threads_context_is_the_steps_only_while_its_backward_runs():
     y.register_hook(other)
     y.backward()
     assert seen == [("in the step's backward", True), ("in another backward", True)]
+
+
+def _dropped_blocks() -> torch.nn.Module:
+    import zoo
+
+    return zoo.TokenModel(zoo.Blocks(block=lambda d: torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU(),
+                                                                         torch.nn.Dropout(0.2))))
+
+
+def _recomputes_with_dropout():
+    """Two zoo-style entries whose backward draws dropout masks again: the model's own torch.utils.checkpoint around
+    each block (``user_checkpoint``, dropout inside the checkpointed function), and fzero's remat of units with
+    dropout inside them."""
+    import zoo
+
+    remat = zoo.Entry(zoo._seeded(_dropped_blocks), zoo._tokens(64, seed=30), zoo._lm_loss, settings={"remat": True})
+    return {"checkpoint": zoo.ZOO["user_checkpoint"], "remat": remat}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("recompute,stages", [("checkpoint", 0), ("checkpoint", 3), ("remat", 3)])
+def test_a_ranks_recompute_in_a_thread_without_its_context_draws_the_forwards_masks(recompute, stages):
+    """A rank of ``local_mesh(2)`` whose backward runs in a thread without its context: autograd runs every node
+    there under the thread-local state the backward began with (``at::ThreadLocalState``, dispatch modes among it),
+    so the rank's ``own_stream`` mode is active there and draws from the rank's stream. The context that thread
+    borrows must name the same stream: lent without it, the recompute set torch's global generator to the forward's
+    state (``fzero.mesh.rng.replay``; ``torch.utils.checkpoint`` through ``torch.set_rng_state``) and then drew from
+    the rank's stream as it stood, another dropout mask (2.0e-3 off DDP after one AdamW step, silently). On a GPU a rank
+    thread of ``local_mesh(n)`` runs its whole backward itself (``set_multithreading_enabled(False)``,
+    ``test_a_rank_thread_runs_its_whole_backward_itself``), so this is the borrowed context kept consistent with
+    what the borrowing thread runs under, not a path a GPU takes today."""
+    import dataclasses
+
+    import zoo
+
+    entry = _recomputes_with_dropout()[recompute]
+    simulated = dataclasses.replace(
+        entry, loss=lambda call, b: _backward_without_the_threads_context(entry.loss(call, b)))
+    zoo.check(simulated, zoo.reference_run(entry, 2), zoo.fzero_run(simulated, stages=stages, ranks=2))
+
+
+def test_a_rank_thread_runs_its_whole_backward_itself():
+    """The premise of lending the context by graph task only where one rank runs: a rank thread of ``local_mesh(n)``
+    keeps autograd from handing its backward to the device thread (``fzero/mesh/_mesh.py``), where a rank's collective
+    would block the other ranks' backwards; a single rank (and ``dist_mesh``) leaves it on, as plain PyTorch does."""
+    seen = {}
+    model = _Net()
+
+    def loss_fn(params, batch):
+        seen[threading.current_thread().name] = torch.autograd.is_multithreading_enabled()
+        return F.cross_entropy(fzero.apply(model, params, batch[0]), batch[1])
+
+    caller = threading.current_thread().name
+    for ranks, expected in ((2, {"fzero-rank0": False, "fzero-rank1": False}), (1, {caller: True})):
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(ranks))
+        step(step.init(fzero.params_of(model)), _batches("cpu")[0])
+        assert seen == expected, ranks
+        seen.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_backward_runs_where_the_cpu_twins_say():
+    """What the CPU twins stand for, on CUDA: plain autograd runs a CUDA backward in another thread, under the calling
+    thread's dispatch modes; a single rank's backward runs there too (the thread borrows the step's context), and a
+    rank of ``local_mesh(2)`` runs its own in its own thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    got = {}
+
+    def note(grad):
+        got["thread"] = threading.get_ident()
+        got["modes"] = [type(m) for m in _get_current_dispatch_mode_stack()]
+        return grad
+
+    x = torch.ones(4, device="cuda", requires_grad=True)
+    with Passing():
+        y = (x * 2).sum()
+        y.register_hook(note)
+        y.backward()
+    assert got["thread"] != threading.get_ident() and Passing in got["modes"], got
+
+    model = _Net().cuda()
+    for ranks in (1, 2):
+        threads = {}
+
+        def loss_fn(params, batch):
+            loss = F.cross_entropy(fzero.apply(model, params, batch[0]), batch[1])
+            mine = threading.get_ident()
+
+            def hook(grad):
+                threads[mine] = (threading.get_ident(), _rank.current_context().usage is not None)
+                return grad
+
+            loss.register_hook(hook)
+            return loss
+
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.sgd(0.1), stages=3, mesh=fzero.local_mesh(ranks))
+        step(step.init(fzero.params_of(model)), _batches("cuda")[0])
+        assert len(threads) == ranks and all(found for _, found in threads.values()), threads
+        assert all((ran != mine) == (ranks == 1) for mine, (ran, _) in threads.items()), (ranks, threads)

@@ -170,19 +170,24 @@ def backward_context() -> Iterator[Any]:
     """Gives a function to pass a step's loss through before its backward, so that the backward finds the
     step's context in every thread it runs in, for the length of the block.
 
-    Why: autograd runs the backward of CUDA (and other accelerator) operations in its own device thread, one
-    per device for the whole process, not in the thread that called it. Python that runs there and reads the
-    context found none: a ``fzero.remat`` or ``torch.utils.checkpoint`` recompute of a stage-3 unit noted no
-    gradient for the unit's params, so on a GPU they skipped every update, silently (measured on an H200:
-    the optimizer put back the whole model's masters and moments every step). A thread-local set there would
-    be wrong too: the ranks of a ``local_mesh`` on one GPU share that thread, their backwards interleaved.
-    So the context is found by the backward's graph task, which torch keeps per backward call in every thread
-    that runs part of it: the loss's node, the first that backward runs, notes its task's id with the
-    context; the id is forgotten when the block ends. The context lent so has no RNG stream: the rank's stream
-    is drawn from through a dispatch mode of the rank's thread (``own_stream``), which that thread lacks, so a
-    recompute there replays its draws through torch's global generators as before (set to the forward's state,
-    put back after), not into a stream its draws would miss. A nested backward (a reentrant checkpoint's) is a task
-    of its own, not noted: the fzero code it reaches took its record at the forward (``_RecordedSplit``)."""
+    Why: autograd runs the backward of CUDA (and other accelerator) operations in its own device thread, one per
+    device for the whole process, not in the thread that called it. Python that runs there and reads the context
+    found none: a ``fzero.remat`` or ``torch.utils.checkpoint`` recompute of a stage-3 unit noted no gradient for
+    the unit's params, so on a GPU they skipped every update, silently (measured on an H200: the optimizer put back
+    the whole model's masters and moments every step). A thread-local set there would be wrong too: that thread
+    serves every backward of the process in turn. So the context is found by the backward's graph task, which torch
+    keeps per backward call in every thread that runs part of it: the loss's node, the first that backward runs,
+    notes its task's id with the context; the id is forgotten when the block ends. The context is lent whole, its
+    RNG stream too: autograd runs each node in that thread under the thread-local state the backward began with
+    (``at::ThreadLocalState``, which carries the dispatch-mode stack), so the rank's ``own_stream`` mode is active
+    there and draws from the rank's stream; a recompute's replay (``replay``, and ``torch.utils.checkpoint`` through
+    ``torch.set_rng_state``) must set that stream. Lent without it, the replay set torch's global generator, which
+    no draw there reads, and the recompute drew another dropout mask than the forward's (2.0e-3 off DDP after one
+    AdamW step, 7.1e-3 after four, silently, in the CPU twin of a rank's backward run outside its thread). Where a
+    GPU takes this path today (one rank: ``local_mesh(1)``, ``dist_mesh``) the context has no stream, and a rank
+    thread of ``local_mesh(n)`` runs its whole backward itself (``fzero/mesh/_mesh.py``); the stream is lent so that
+    no thread's draws and replays part. A nested backward (a reentrant checkpoint's) is a task of its own, not
+    noted: the fzero code it reaches took its record at the forward (``_RecordedSplit``)."""
     tasks: list[int] = []
 
     def bind(loss: torch.Tensor) -> torch.Tensor:  # the context as the loss is made: the one backward runs in
@@ -210,7 +215,7 @@ class _NoteTask(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         task = torch._C._current_graph_task_id()
         if task != -1:
-            _TASKS[task] = _replaced(ctx.context, {"generator": None, "stream": None})
+            _TASKS[task] = ctx.context
             ctx.tasks.append(task)
         return grad, None, None
 
