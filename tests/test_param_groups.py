@@ -781,6 +781,58 @@ def test_a_disk_checkpoint_of_groups_kept_apart_is_refused_by_a_step_whose_group
     assert_trees_equal(disk.gather(from_memory), memory.gather(in_memory))
 
 
+def _without_groups_share_state(path) -> None:
+    """The checkpoint at ``path`` as an fzero that did not record ``groups_share_state`` wrote it: the key removed
+    from its ``fzero.json``, the marker's checksums written again."""
+    import json
+    import os
+
+    from fzero.checkpoint._verify import crc32_file, marker_bytes
+
+    info = json.loads((path / "fzero.json").read_text())
+    del info["groups_share_state"]
+    (path / "fzero.json").write_text(json.dumps(info))
+    (path / "COMPLETE").write_bytes(marker_bytes(str(path), {f: crc32_file(str(path / f)) for f in os.listdir(path) if f != "COMPLETE"}))
+
+
+def test_a_disk_checkpoint_saved_before_groups_share_state_is_judged_by_the_values_it_holds(tmp_path):
+    """A checkpoint saved before ``fzero.json`` recorded ``groups_share_state`` (made here by saving one and removing
+    the key from its ``fzero.json``) does not say whether its ``multi_transform`` groups shared their Adam state. One
+    saved under ``offload='disk'`` (each group's moments in files of their own, each holding its own params' values)
+    loaded into an in-memory step whose two ``adamw`` groups share one tensor: each group's entries were read over
+    the one tensor, so params resumed with the other group's moments, 4.2e-3 off the run that never stopped after one
+    step, silently. Judged by what it holds: the groups' entries differ, so it is refused, naming the entries and
+    params; the disk step resumes it exactly, and an old checkpoint of the in-memory state (its entries alike) loads
+    into the in-memory step exactly, unrefused."""
+    model, loss_fn, batches = problem()
+    opt = lambda: fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},  # noqa: E731
+                                     lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+    (tmp_path / "run").mkdir()
+    disk = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
+                         offload_dir=str(tmp_path / "run"))
+    memory = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2))
+    on_disk, in_memory = disk.init(fzero.params_of(model)), memory.init(fzero.params_of(model))
+    for b in batches[:2]:
+        on_disk, _ = disk(on_disk, b)
+        in_memory, _ = memory(in_memory, b)
+    from_disk, from_memory = (fzero.checkpoint.save(tmp_path / name, s) for name, s in (("disk", on_disk), ("mem", in_memory)))
+    _without_groups_share_state(tmp_path / "disk")
+    _without_groups_share_state(tmp_path / "mem")
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"keeps each parameter group's optimizer state apart: its "
+                                                               r"entries 'opt/inner\.fast\.0\.mu' and 'opt/inner\.slow\.0\.mu' "
+                                                               r"hold different values for 'h\.0\.fc\.bias'.*"
+                                                               r"Load it into a step with offload='disk'"):
+        fzero.checkpoint.load(from_disk, like=memory)
+    expected = memory.gather(memory(in_memory, batches[2])[0])
+    resumed = fzero.checkpoint.load(from_memory, like=memory)
+    assert_trees_equal(memory.gather(memory(resumed, batches[2])[0]), expected)
+    (tmp_path / "again").mkdir()
+    again = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
+                          offload_dir=str(tmp_path / "again"))
+    resumed = fzero.checkpoint.load(from_disk, like=again)
+    assert_trees_close(again.gather(again(resumed, batches[2])[0]), expected, rtol=0, atol=1e-6)
+
+
 def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(tmp_path):
     """Disk offload keeps each group's tensors in files of their own: the group a param moves to never updated its
     elements there, so the move is refused, before the step (the state trains on once the function answers as before);

@@ -14,7 +14,8 @@ from fzero.checkpoint._dcp import CheckpointError
 from fzero.checkpoint._files import open_checkpoint
 from fzero.checkpoint._groups import check_labels, labels, step_of
 from fzero.step import shares_group_state
-from fzero.checkpoint._state import check_fits, dests, entries, held, which_process, with_saved_buffers, without_optimizer
+from fzero.checkpoint._state import (check_fits, dests, entries, held, read_shared_aside, shared_that_differ, which_process,
+                                    with_saved_buffers, without_optimizer)
 from fzero.layout import pytrees as _tree
 from fzero.optim import ScaleByScheduleState
 from fzero.checkpoint._verify import MARKER, crc32_file
@@ -72,8 +73,9 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if sharded and frozen:  # the state holds the frozen params sharded: the checkpoint's values go there too
         target = _frozen.into_state(target, frozen, model)
     states, distributed = held(target, api)
+    ranks = Ranks(api, distributed)
     if distributed:
-        agree_on_checkpoint(Ranks(api, True), found, info, manifest, api=api)
+        agree_on_checkpoint(ranks, found, info, manifest, api=api)
     ents = [entries(s, api=api) for s in states]
     if not optimizer:
         ents = [without_optimizer(e) for e in ents]
@@ -83,8 +85,10 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
         check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api,
                      shared=bool(info.get("groups_share_state")) and made_by is not None and shares_group_state(made_by))
         _check_groups_kept_apart(info, ents[0], found, api)
+    unknown = optimizer and bool(info.get("param_groups")) and info.get("groups_share_state") is None
+    read = [read_shared_aside(e) if unknown else (e, {}) for e in ents]  # every rank alike: one step, one optimizer
     process, processes = which_process(distributed)
-    todo = [d for s, e in zip(states, ents) for d in dests(s, e, info)]
+    todo = [d for s, (e, _) in zip(states, read) for d in dests(s, e, info)]
     set_rngs = None
     if restore_rng and processes == info["processes"]:
         rng_dests, set_rngs = _rng.restore(metadata, process, made_by)
@@ -96,6 +100,9 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
             todo += across[0]
             set_rngs = across[1]
     _dcp.load(found, metadata, todo, check=manifest.check)
+    if any(aside for _, aside in read):
+        _check_shared_read_alike(ranks, [d for s, e, (r, aside) in zip(states, ents, read)
+                                         for d in shared_that_differ(s, e, r, aside)], info, found, api)
     if set_rngs is not None:
         set_rngs()
     if not optimizer:
@@ -110,7 +117,7 @@ def _check_groups_kept_apart(info: dict[str, Any], e: Any, found: str, api: str)
     memory share one Adam state; ``e``: the state's entries). Each group's entries hold that group's values for its own
     params only, and each was written over the one shared tensor in turn, so the params resumed with another group's
     moments: 4.2e-3 off the run that never stopped, after one step, silently. Unknown (None: saved before the flag, or
-    without a step) loads as before."""
+    without a step) is judged by the values it holds, after the read (``_check_shared_read_alike``)."""
     if info.get("groups_share_state") is not False or not info.get("param_groups"):
         return
     seen: set[int] = set()
@@ -131,6 +138,31 @@ def _check_groups_kept_apart(info: dict[str, Any], e: Any, found: str, api: str)
         f"group's entries over the others', and params would resume with another group's moments. Load it into a "
         f"step with offload='disk', as it was saved; or load the params alone (optimizer=False), whose moments then "
         f"start afresh."
+    )
+
+
+def _check_shared_read_alike(ranks: Ranks, differ: list[tuple[str, str, str]], info: dict[str, Any], found: str,
+                             api: str) -> None:
+    """Refuse, on every rank, a checkpoint that does not record whether its groups shared their optimizer state
+    (saved before ``groups_share_state`` existed) whose entries for two groups hold different values for a param,
+    where this step's groups share one tensor (``differ``: this process's ``shared_that_differ``). Such a checkpoint
+    kept the groups apart (saved under ``offload='disk'``: each group's files hold its own params' moments only), and
+    one tensor holds one entry's values: params resumed with the other group's moments, 4.2e-3 off the run that never
+    stopped after one step, silently. Where every shared entry was read alike (a checkpoint of a state in memory),
+    the state is what it saved and loads."""
+    every = [d for rank in ranks.gather(differ, f"{api}: compare the groups' optimizer state read") for d in rank]
+    if not every:
+        return
+    names = sorted({p for p, _, _ in every})
+    _, first, later = every[0]
+    raise CheckpointError(
+        f"{api}: the checkpoint {found} (step {info['step']}) keeps each parameter group's optimizer state apart: its "
+        f"entries {first!r} and {later!r} hold different values for {', '.join(map(repr, names[:5]))}"
+        f"{f' and {len(names) - 5} more' if len(names) > 5 else ''} (it was saved under offload='disk', each group's "
+        f"tensors in files of their own, or from a state copied leaf by leaf, by an fzero that did not record it), but "
+        f"this step's multi_transform groups share one optimizer state in memory: one tensor would hold one group's "
+        f"entries, and params would resume with another group's moments. Load it into a step with offload='disk'; or "
+        f"load the params alone (optimizer=False), whose moments then start afresh."
     )
 
 

@@ -247,6 +247,53 @@ def _few(items: list[str], n: int = 5) -> str:
     return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+# -- entries that are one tensor: each read aside, then compared ----------------------------------------------
+
+
+def read_shared_aside(e: Entries) -> tuple[Entries, dict[str, str]]:
+    """``e`` with every optimizer entry whose tensors are those of an earlier entry (``multi_transform``'s two
+    ``adamw`` groups in memory share one Adam state) given a copy of its own to be read into, and ``{that entry: the
+    earlier one}``. Why: a checkpoint that does not say whether its groups shared their state (saved before
+    ``groups_share_state`` was recorded) is judged by what it holds: read into one tensor, the second entry's values
+    silently replaced the first's; read aside, the two can be compared (``shared_that_differ``) before the state is
+    used. The copies start as the shared tensor, so elements no entry reads (padding) compare equal."""
+    owner: dict[tuple[int, int, torch.dtype], str] = {}
+    per_param, aside = dict(e.per_param), {}
+    for key, source in e.per_param.items():
+        tensors = getattr(source, "tensors", None)  # in memory; disk offload's files are each their own
+        if not key.startswith("opt/") or tensors is None:
+            continue
+        ids = [(t.data_ptr(), t.numel(), t.dtype) for t in tensors.values() if t.numel()]
+        first = next((owner[i] for i in ids if i in owner), None)
+        if first is None:
+            owner.update(dict.fromkeys(ids, key))
+            continue
+        per_param[key] = _Memory({u: t.detach().clone() for u, t in tensors.items()})
+        aside[key] = first
+    return Entries(per_param, e.tensors), aside
+
+
+def shared_that_differ(state: TrainState, e: Entries, read: Entries, aside: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(param, entry, other entry)`` for each param whose elements two entries of ``state`` that are one tensor
+    (``e``, the state's own entries) were read with different values (``read``: ``read_shared_aside``'s, after the
+    read): the checkpoint kept those entries apart (each group's moments in files of its own, under
+    ``offload='disk'``; a state copied leaf by leaf), and one tensor can hold only one of them."""
+    layout, rank, n = state.meta.layout, state.meta.rank, state.meta.world_size
+    out = []
+    for later, first in aside.items():
+        mine, theirs, kept = e.per_param[later].tensors, e.per_param[first].tensors, read.per_param[later].tensors
+        for unit in layout.units:
+            shared, copy = theirs[unit.name], kept[unit.name]
+            if mine[unit.name].data_ptr() != shared.data_ptr() or not shared.numel():
+                continue
+            lo, hi, base = _window(unit, read.per_param[later], rank, n, holding=True, api="fzero.checkpoint.load")
+            for slot, a, b in _overlaps(unit, lo, hi):
+                x, y = shared[a - base:b - base], copy[a - base:b - base]
+                if not bool(((x == y) | (x.isnan() & y.isnan())).all()):
+                    out.append((slot.path, first, later))
+    return out
+
+
 # -- pieces to write, destinations to read ------------------------------------------------------------------
 
 
