@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -1004,3 +1005,44 @@ def test_a_units_call_inside_the_models_own_checkpoint_trains_as_at_stage_0(rank
     got = _train(model, loss_fn(model), stages=3, ranks=ranks)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def _trained_or_refused(how: str, where: str, *, stages: int, precision: str, ranks: int, offload: Any) -> Any:
+    """The params after 2 SGD steps of ``_DataWrite(how, where)``, or the error the steps were refused with."""
+    model = _DataWrite(how, where)
+    step = fzero.compile(lambda p, x: fzero.apply(model, p, x).float().square().mean(), optimizer=fzero.optim.sgd(0.1),
+                         stages=stages, mesh=fzero.local_mesh(ranks), precision=precision, offload=offload)
+    state = step.init(fzero.params_of(model))
+    try:
+        for k in range(2):
+            state, _ = step(state, torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(k)))
+    except RuntimeError as e:
+        return e
+    return {k: v.float() for k, v in step.gather(state).items()}
+
+
+@pytest.mark.parametrize("stages, precision, ranks, params", [
+    (3, "fp32", 1, False), (3, "bf16", 2, True), (2, "bf16", 2, False), (1, "bf16", 1, False), (2, "fp32", 2, False)])
+def test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_offload(tmp_path, stages, precision, ranks, params):
+    """Under ``offload="disk"`` (the masters, and with ``params=True`` stage 3's param shards, in mapped files) a
+    forward's ``w.data.mul_(0.9)`` was compared nowhere: stage 3 skipped its comparison of the rank's share of the
+    gathered buffer wherever shards may be mapped, and stages 0-2 skipped the params-against-masters check, whose
+    masters it read whole into RAM. So the write was lost, 9.5e-2 off PyTorch after 3 SGD steps, silently, where CPU
+    offload refuses it by name. Now each case does what CPU offload does: the same error (the masters read a
+    sub-group at a time, ``sub_group_size=64`` here so that a unit spans several), or, where the write lands in the
+    state (fp32 at stages 0-2), the same training; a forward without the write trains as under CPU offload."""
+    def run(how, where, offload):
+        return _trained_or_refused(how, where, stages=stages, precision=precision, ranks=ranks, offload=offload)
+
+    def disk(name):
+        (tmp_path / name).mkdir()
+        return fzero.DiskOffload(str(tmp_path / name), params=params, sub_group_size=64)
+
+    for how, where in [("scale", "unit"), ("scale", "root"), ("none", "none")]:
+        on_disk, on_host = run(how, where, disk(f"{how}_{where}")), run(how, where, fzero.CPUOffload(params=params))
+        if isinstance(on_host, Exception):
+            assert isinstance(on_disk, RuntimeError) and str(on_disk) == str(on_host), (on_disk, on_host)
+        else:
+            assert not isinstance(on_disk, Exception), on_disk
+            assert_trees_equal(on_disk, on_host)
+    assert isinstance(run("scale", "unit", fzero.CPUOffload(params=params)), Exception) == (precision != "fp32" or stages == 3)

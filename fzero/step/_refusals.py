@@ -13,7 +13,7 @@ files a step runs functions from).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -212,17 +212,20 @@ def agree_structure(comm: Any, modules: list[nn.Module]) -> None:
 
 
 def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], layout: Any, *,
-                              rank: int, size: int, sharded: bool) -> None:
+                              rank: int, size: int, sharded: bool, chunk: int = 0,
+                              release: Callable[[torch.Tensor, int, int], None] | None = None) -> None:
     """Stages 0-2 with fp32 masters (``precision="bf16"``/``"fp16"``, or an offload that keeps them): each unit's
     params (``params``: the state's flats, the tensors the forward's params view) still hold their masters' values,
     rounded, where this rank owns them. A write through ``.data`` in the forward (``self.weight.data.clamp_(-c, c)``, a
     max-norm constraint) goes around autograd's version counters, so nothing else sees it; the update starts from the
     masters and writes the params again from them, so the write was lost, silently (9.5e-2 off PyTorch after 3 SGD
     steps in bf16), where PyTorch's param keeps it. Read once per masters (``fzero.step._step``): a whole read of the
-    params and masters, as much as one update's."""
+    params and masters, as much as one update's. ``chunk``: compare that many elements at a time, each master's
+    ``release(master, a, b)`` called after its elements ``a:b`` are read (disk offload's mapped files: RAM holds a
+    sub-group of them, as its update does); 0, a unit at a time."""
     from fzero.step._hints import DATA_WRITE
 
-    written = []
+    written: list[Any] = []
     with torch.no_grad(), torch._C._DisableFuncTorch():
         for unit in layout.units:
             flat, master = params.get(unit.name), masters.get(unit.name)
@@ -231,12 +234,19 @@ def check_params_hold_masters(params: Mapping[str, torch.Tensor], masters: Mappi
             lo = unit.shard_range(rank, size)[0] if sharded else 0
             master = master.reshape(-1)
             mine = flat.detach().reshape(-1)[lo:lo + master.numel()]
-            if mine.numel() != master.numel() or same_values(mine, master.to(mine.device, mine.dtype)):
+            if mine.numel() != master.numel():
                 continue
-            for s in unit.slots:
-                a, b = max(lo, s.offset), min(lo + mine.numel(), s.offset + s.numel)
-                if a < b and not same_values(mine[a - lo:b - lo], master[a - lo:b - lo].to(mine.device, mine.dtype)):
-                    written.append(s)
+            step = chunk or max(master.numel(), 1)
+            for c in range(0, master.numel(), step):
+                d = min(c + step, master.numel())
+                if not same_values(mine[c:d], master[c:d].to(mine.device, mine.dtype)):
+                    for s in unit.slots:
+                        a, b = max(lo + c, s.offset), min(lo + d, s.offset + s.numel)
+                        if a < b and s not in written and not same_values(
+                                mine[a - lo:b - lo], master[a - lo:b - lo].to(mine.device, mine.dtype)):
+                            written.append(s)
+                if release is not None:
+                    release(master, c, d)
     if written:
         names = [s.path for s in written]
         raise RuntimeError(DATA_WRITE.format(

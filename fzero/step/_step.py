@@ -574,8 +574,7 @@ def _step(step: Any, comm: Any, state: TrainState, batch: Any, view: Any, releas
     trained = current_context().trained
     if trained is not None:  # a module's trainable params written since the step before (_module.watch_module_writes)
         trained.check_writes()
-    # stages 0-2 with fp32 masters (not in DiskOffload's files: reading them whole would hold them in RAM)
-    if not step.params.sharded and step.opt_state.offload.where != "disk" and step.opt_state.has_masters(state.opt_state):
+    if not step.params.sharded and step.opt_state.has_masters(state.opt_state):  # stages 0-2 with fp32 masters
         _check_params_hold_masters(step, comm, state)
     acc = view.collect(acc)  # one gradient per unit (stages 0-1 flatten the per-param ones, freeing each as it goes)
     meta = view.finish(state.meta)
@@ -625,8 +624,11 @@ def _check_params_hold_masters(step: Any, comm: Any, state: TrainState) -> None:
         if key is None or key in _MASTERS_CHECKED:
             return
     layout = meta_of(state).layout
-    masters = step.opt_state.masters(state.opt_state, layout)
-    check_params_hold_masters(state.params, masters, layout, rank=comm.rank, size=comm.size, sharded=step.opt_state.sharded)
+    mapped = getattr(step.opt_state.offload, "mapped_masters", None)  # DiskOffload: its files, a sub-group at a time
+    masters, chunk, release = (mapped(state.opt_state, layout) if mapped is not None
+                               else (step.opt_state.masters(state.opt_state, layout), 0, None))
+    check_params_hold_masters(state.params, masters, layout, rank=comm.rank, size=comm.size, sharded=step.opt_state.sharded,
+                              chunk=chunk, release=release)
     with _MASTERS_LOCK:
         _MASTERS_CHECKED[key] = True
 

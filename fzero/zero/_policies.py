@@ -275,6 +275,15 @@ class DiskOffload:
             raise ValueError("fzero.DiskOffload: this state keeps no fp32 masters (its params are in fp32, and are the masters).")
         return gather_master(opt_state, [u.name for u in layout.units])
 
+    def mapped_masters(self, opt_state: DiskOptState, layout: Any) -> tuple[dict[str, torch.Tensor], int, Callable]:
+        """The fp32 masters as their mapped files (nothing read yet), the elements to read at a time (a sub-group) and
+        the store's ``release``: for the first step's comparison of the params with their masters
+        (``check_params_hold_masters``), which ``masters`` would read whole into RAM (why it was not made here, and a
+        forward's ``.data`` write was lost under disk offload, silently)."""
+        store = opt_state.store
+        found = {u.name: store.tensor(f"master/{u.name}") for u in layout.units if store.sizes.get(f"master/{u.name}")}
+        return found, self.sub_group_size, store.release
+
 
 POLICIES = (CPUOffload, DiskOffload)
 
