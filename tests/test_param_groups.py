@@ -860,3 +860,42 @@ def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(
     with pytest.raises(fzero.checkpoint.CheckpointError, match=r"params changed group since the checkpoint .* was saved: "
                                                                r"'head\.weight' from 'slow' to 'fast'\. "):
         fzero.checkpoint.load(path, like=in_memory)
+
+
+def _on_rank1() -> bool:
+    """Whether the caller runs as rank 1 of a ``local_mesh`` (its rank thread's name): what a labels function that
+    reads ``torch.distributed.get_rank()`` under torchrun reads."""
+    import threading
+
+    return threading.current_thread().name == "fzero-rank1"
+
+
+def rank_dependent_labels(params):
+    return {k: "fast" if k == "head.weight" and not _on_rank1() else "slow" for k in params}
+
+
+def rank_dependent_mask(params):
+    return {k: not (k == "head.weight" and _on_rank1()) for k in params}
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("which", ["labels", "mask"])
+def test_a_labels_function_that_answers_otherwise_on_each_rank_is_refused_naming_it(stages, which):
+    """Every rank calls a labels (or mask) function itself, as each torchrun process does. One that reads rank-dependent
+    state (here the rank thread's name, standing for ``torch.distributed.get_rank()``) gave each rank its own groups:
+    on local_mesh(2) each rank updated ``head.weight`` with another learning rate (or decay), silently: at stage 0
+    the ranks' replicas drifted apart (6.0e-3 after 3 AdamW steps; 7.5e-5 for the decay mask), at stage 1 the
+    gathered params were 6.0e-3 off (rank 1's shard holds part of it; at stage 3 here rank 0's holds all of it, by
+    the layout's chance); under an SGD group it was refused as a change over time that nothing made. Now the ranks
+    compare their answers at each update and refuse, naming the function and the param, before the update writes
+    anything."""
+    model, loss_fn, batches = problem()
+    if which == "labels":
+        opt, name = fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, rank_dependent_labels), "labels"
+    else:
+        opt, name = fo.adamw(LR, weight_decay=WD, mask=rank_dependent_mask), "mask"
+    step = fzero.compile(loss_fn, optimizer=opt, stages=stages, mesh=fzero.local_mesh(2))
+    state = step.init(fzero.params_of(model))
+    with pytest.raises(ValueError, match=rf"the {which} function rank_dependent_{name} put params in other groups on "
+                                         rf"rank \d than on another rank: 'head\.weight' \(here '.*'\)\. .*get_rank"):
+        step(state, batches[0])

@@ -123,7 +123,8 @@ def adam_step(
 def _undecayed(decay_groups: Any, params: Any, segments: Any) -> list[bool] | None:
     """Per parameter (the user's pytree order): True where ``adamw(mask=...)``'s mask leaves it undecayed; None when
     every parameter is decayed."""
-    groups = decay_groups.resolver.groups(param_tree(params, segments))
+    tree = param_tree(params, segments)  # the ranks compare the mask's answers (``Groups.across_ranks``)
+    groups = decay_groups.resolver.groups(tree, agree=decay_groups.across_ranks(tree, params, getattr(segments, "comm", None)))
     flags = [g < 0 for g in groups]
     return flags if any(flags) else None
 

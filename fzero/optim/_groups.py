@@ -191,8 +191,53 @@ class Groups:
     def selection(self, tree: Any, states: Sequence[Any]) -> tuple[Any, Any]:
         segments = current_segments()
         params = param_tree(tree, segments)
-        groups = self.resolver.groups(params, accept=self.accept(params, states, tree))
+        groups = self.resolver.groups(params, accept=self.accept(params, states, tree),
+                                      agree=self.across_ranks(params, tree, getattr(segments, "comm", None)))
         return self.selections.get(tree, groups, self.n, segments), segments
+
+    def across_ranks(self, params: Any, tree: Any, comm: Any) -> Callable[[tuple[int, ...]], None] | None:
+        """Under a train step of several ranks (``comm``: the update's, None elsewhere and under disk offload's
+        sub-groups), what checks that every rank's rule function put each param in the same group: one all-reduce of
+        each param's group and its square (the ranks agree on a param where n * sum(g**2) == sum(g)**2), at every
+        update that calls the function. Why: each rank (each torchrun process, each local_mesh rank thread) calls it
+        itself, and a function that reads rank-dependent state (``torch.distributed.get_rank()``, ``RANK``, a thread's
+        name, a random draw from the rank's own stream) gave each rank its own groups: each updated the same param with
+        another transform, the ranks' replicas drifting apart at stage 0 (6.0e-3 after 3 AdamW steps on
+        local_mesh(2)) and each shard of a param updated by another group at stages 1-3 (6.0e-3 at stage 1), silently,
+        or was refused as a change over time that nothing made. Each rank raises the same error, before the update
+        writes anything."""
+        if comm is None or getattr(comm, "size", 1) <= 1 or not optree.tree_leaves(params):
+            return None
+
+        def agree(groups: tuple[int, ...]) -> None:
+            leaves = optree.tree_leaves(tree)
+            device = leaves[0].device if leaves and isinstance(leaves[0], torch.Tensor) else torch.device("cpu")
+            mine = torch.tensor(groups, dtype=torch.int64)
+            both = torch.cat([mine, mine * mine]).to(device)
+            comm.all_reduce(both, tag="optimizer")
+            sums, squares = both.cpu().view(2, -1).tolist()
+            differ = [i for i, (a, b) in enumerate(zip(sums, squares)) if a * a != comm.size * b]
+            if differ:
+                raise ValueError(self._ranks_differ_error(params, groups, differ, comm.rank))
+
+        return agree
+
+    def _ranks_differ_error(self, params: Any, groups: tuple[int, ...], differ: list[int], rank: int) -> str:
+        paths = _tree.flatten_with_paths(params)[0]
+        shown = ", ".join(f"{paths[i]!r} (here {self.describe(groups[i])!r})" for i in differ[:8])
+        more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+        rule = self.resolver.rule
+        name = getattr(rule, "__qualname__", None) or type(rule).__name__
+        return (
+            f"{self.api}: the {self.what} function {name} put params in other groups on rank {rank} than on another "
+            f"rank: {shown}{more}. Every rank calls it, as each torchrun process calls it, and each updates its params "
+            f"(or its shard of them) by its own answer: answers that differ between ranks would update one param with "
+            f"different transforms, the ranks' copies differing, silently. The function reads something that differs "
+            f"between ranks (torch.distributed.get_rank(), an environment variable such as RANK or LOCAL_RANK, a "
+            f"random draw, a file on one node's disk): decide the groups from the params' paths, shapes and dtypes, "
+            f"or from state that is the same on every rank (draw on rank 0 and broadcast it before the step). The "
+            f"params were not updated."
+        )
 
     def update(self, transforms: Sequence[GradientTransformation], updates: Any, states: Sequence[Any], params: Any) -> tuple[Any, list]:
         """Pure: the new updates (each group's on its elements, the incoming ones elsewhere) and the new states."""

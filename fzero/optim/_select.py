@@ -128,20 +128,27 @@ class Resolver:
         self._by_structure: dict[int, tuple[Any, tuple[int, ...]]] = {}  # number -> (answer's snapshot or None, groups)
 
     def groups(self, params: Any, *, in_use: bool = False, store: bool = True,
-               accept: Callable[[tuple[int, ...], tuple[int, ...]], str | None] | None = None) -> tuple[int, ...]:
+               accept: Callable[[tuple[int, ...], tuple[int, ...]], str | None] | None = None,
+               agree: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...]:
         """The group of each parameter of ``params``. ``in_use``: the groups this rule has been giving for the
         structure, without calling a function again (what a state was made with: ``recording_groups``). ``accept``:
         see the class docstring; None follows every change (a decay mask: no state depends on it). ``store=False``:
-        a change is judged but not kept (a train step's check before it runs; its update judges it on the state)."""
+        a change is judged but not kept (a train step's check before it runs; its update judges it on the state).
+        ``agree``: called with the function's answer whenever the function is called (``calls_each_time``), before
+        ``accept`` judges it (a train step's update: the ranks compare their answers, ``Groups.selection``)."""
         key = self._key(params)
         found = self._by_structure.get(key)
-        if found is not None and (in_use or not callable(self.rule) or getattr(self.rule, OF_STRUCTURE, False)):
+        if found is not None and (in_use or not self.calls_each_time()):
             return found[1]
         value = self.rule(params) if callable(self.rule) else self.rule
         snapshot = _snapshot(value)
         if found is not None and snapshot is not None and found[0] == snapshot:
+            if agree is not None and self.calls_each_time():
+                agree(found[1])
             return found[1]
         groups = tuple(resolve(self.api, self.what, value, params, check=self.to_group, from_function=callable(self.rule)))
+        if agree is not None and self.calls_each_time():
+            agree(groups)
         if found is not None and groups != found[1] and accept is not None:
             error = accept(found[1], groups)
             if error is not None:
@@ -150,6 +157,11 @@ class Resolver:
             with self._lock:
                 self._by_structure[key] = (snapshot, groups)
         return groups
+
+    def calls_each_time(self) -> bool:
+        """Whether ``groups`` calls the rule at every call (a function of the user's; not a pytree, nor fzero's own
+        ``of_structure`` functions): the same on every rank, so every rank makes ``agree``'s exchange alike."""
+        return callable(self.rule) and not getattr(self.rule, OF_STRUCTURE, False)
 
     def _key(self, params: Any) -> int:
         """A number for the structure of ``params`` (hashing the structure costs microseconds: once per tree)."""
