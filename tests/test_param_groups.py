@@ -878,9 +878,9 @@ def rank_dependent_mask(params):
     return {k: not (k == "head.weight" and _on_rank1()) for k in params}
 
 
-@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("stages, disk", [(0, False), (3, False), (3, True)])
 @pytest.mark.parametrize("which", ["labels", "mask"])
-def test_a_labels_function_that_answers_otherwise_on_each_rank_is_refused_naming_it(stages, which):
+def test_a_labels_function_that_answers_otherwise_on_each_rank_is_refused_naming_it(tmp_path, stages, disk, which):
     """Every rank calls a labels (or mask) function itself, as each torchrun process does. One that reads rank-dependent
     state (here the rank thread's name, standing for ``torch.distributed.get_rank()``) gave each rank its own groups:
     on local_mesh(2) each rank updated ``head.weight`` with another learning rate (or decay), silently: at stage 0
@@ -888,13 +888,14 @@ def test_a_labels_function_that_answers_otherwise_on_each_rank_is_refused_naming
     gathered params were 6.0e-3 off (rank 1's shard holds part of it; at stage 3 here rank 0's holds all of it, by
     the layout's chance); under an SGD group it was refused as a change over time that nothing made. Now the ranks
     compare their answers at each update and refuse, naming the function and the param, before the update writes
-    anything."""
+    anything; under disk offload, whose update runs sub-group by sub-group, at its first sub-group."""
     model, loss_fn, batches = problem()
     if which == "labels":
         opt, name = fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)}, rank_dependent_labels), "labels"
     else:
         opt, name = fo.adamw(LR, weight_decay=WD, mask=rank_dependent_mask), "mask"
-    step = fzero.compile(loss_fn, optimizer=opt, stages=stages, mesh=fzero.local_mesh(2))
+    offload = fzero.DiskOffload(str(tmp_path), sub_group_size=256) if disk else None
+    step = fzero.compile(loss_fn, optimizer=opt, stages=stages, mesh=fzero.local_mesh(2), offload=offload)
     state = step.init(fzero.params_of(model))
     with pytest.raises(ValueError, match=rf"the {which} function rank_dependent_{name} put params in other groups on "
                                          rf"rank \d than on another rank: 'head\.weight' \(here '.*'\)\. .*get_rank"):

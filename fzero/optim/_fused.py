@@ -124,7 +124,7 @@ def _undecayed(decay_groups: Any, params: Any, segments: Any) -> list[bool] | No
     """Per parameter (the user's pytree order): True where ``adamw(mask=...)``'s mask leaves it undecayed; None when
     every parameter is decayed."""
     tree = param_tree(params, segments)  # the ranks compare the mask's answers (``Groups.across_ranks``)
-    groups = decay_groups.resolver.groups(tree, agree=decay_groups.across_ranks(tree, params, getattr(segments, "comm", None)))
+    groups = decay_groups.resolver.groups(tree, agree=decay_groups.across_ranks(tree, params, decay_groups.comm_to_agree(segments)))
     flags = [g < 0 for g in groups]
     return flags if any(flags) else None
 

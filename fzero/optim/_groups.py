@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import optree
@@ -77,6 +78,7 @@ class Groups:
         # the groups' states at init; None: every move is followed (a rule no state depends on: adamw's decay mask)
         self.moves: frozenset[tuple[int, int]] | None = None
         self.stateless: frozenset[int] = frozenset()  # groups that keep nothing per param (NONE among them)
+        self._agreed: weakref.WeakSet = weakref.WeakSet()  # disk offload's updates whose answers were compared (``comm_to_agree``)
 
     def describe(self, group: int) -> str:
         """A group's name in errors: its label (``multi_transform``), or what ``masked`` does there."""
@@ -192,12 +194,23 @@ class Groups:
         segments = current_segments()
         params = param_tree(tree, segments)
         groups = self.resolver.groups(params, accept=self.accept(params, states, tree),
-                                      agree=self.across_ranks(params, tree, getattr(segments, "comm", None)))
+                                      agree=self.across_ranks(params, tree, self.comm_to_agree(segments)))
         return self.selections.get(tree, groups, self.n, segments), segments
 
+    def comm_to_agree(self, segments: Any) -> Any:
+        """The comm the ranks compare this update's answers over (``across_ranks``): the update's; under disk offload,
+        whose update runs sub-group by sub-group (each rank as many, its shards being of one size), its parent's at
+        the first sub-group only (``_agreed``), the answer being one for the update. None: nothing to compare."""
+        parent = getattr(segments, "parent", None)
+        if parent is None:
+            return getattr(segments, "comm", None)
+        if parent in self._agreed:
+            return None
+        self._agreed.add(parent)
+        return getattr(parent, "comm", None)
+
     def across_ranks(self, params: Any, tree: Any, comm: Any) -> Callable[[tuple[int, ...]], None] | None:
-        """Under a train step of several ranks (``comm``: the update's, None elsewhere and under disk offload's
-        sub-groups), what checks that every rank's rule function put each param in the same group: one all-reduce of
+        """Under a train step of several ranks (``comm``: ``comm_to_agree``'s, None elsewhere), what checks that every rank's rule function put each param in the same group: one all-reduce of
         each param's group and its square (the ranks agree on a param where n * sum(g**2) == sum(g)**2), at every
         update that calls the function. Why: each rank (each torchrun process, each local_mesh rank thread) calls it
         itself, and a function that reads rank-dependent state (``torch.distributed.get_rank()``, ``RANK``, a thread's
