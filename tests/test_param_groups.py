@@ -833,6 +833,22 @@ def test_a_disk_checkpoint_saved_before_groups_share_state_is_judged_by_the_valu
     assert_trees_close(again.gather(again(resumed, batches[2])[0]), expected, rtol=0, atol=1e-6)
 
 
+def test_a_disk_checkpoint_whose_groups_entries_are_still_alike_loads_into_a_step_whose_groups_share_them(tmp_path):
+    """A disk-offload checkpoint saved before its groups' entries diverged (before the first step: every group's
+    moments zeros) holds what one shared Adam state holds, so it loads into an in-memory step and trains on exactly
+    as that step's own state. Before, its recorded ``groups_share_state`` (False) refused it before reading anything."""
+    model, loss_fn, batches = problem()
+    opt = lambda: fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},  # noqa: E731
+                                     lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+    disk = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
+                         offload_dir=str(tmp_path))
+    memory = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2))
+    saved = fzero.checkpoint.save(tmp_path / "ck", disk.init(fzero.params_of(model)))
+    resumed, _ = memory(fzero.checkpoint.load(saved, like=memory), batches[0])
+    own, _ = memory(memory.init(fzero.params_of(model)), batches[0])
+    assert_trees_equal(memory.gather(resumed), memory.gather(own))
+
+
 def test_a_move_between_lr_groups_under_disk_offload_is_refused_before_the_step(tmp_path):
     """Disk offload keeps each group's tensors in files of their own: the group a param moves to never updated its
     elements there, so the move is refused, before the step (the state trains on once the function answers as before);

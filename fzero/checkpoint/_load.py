@@ -84,9 +84,10 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     if optimizer:
         check_labels(info.get("param_groups"), labels(states[0], made_by), path=found, step=info["step"], api=api,
                      shared=bool(info.get("groups_share_state")) and made_by is not None and shares_group_state(made_by))
-        _check_groups_kept_apart(info, ents[0], found, api)
-    unknown = optimizer and bool(info.get("param_groups")) and info.get("groups_share_state") is None
-    read = [read_shared_aside(e) if unknown else (e, {}) for e in ents]  # every rank alike: one step, one optimizer
+    # groups whose entries the checkpoint may hold apart (False: saved under disk offload, or from a state copied leaf
+    # by leaf; None or absent: not recorded) are judged by the values read, where this state shares them
+    judged = optimizer and bool(info.get("param_groups")) and info.get("groups_share_state") is not True
+    read = [read_shared_aside(e) if judged else (e, {}) for e in ents]  # every rank alike: one step, one optimizer
     process, processes = which_process(distributed)
     todo = [d for s, (e, _) in zip(states, read) for d in dests(s, e, info)]
     set_rngs = None
@@ -110,46 +111,17 @@ def load(path: str | os.PathLike, like: Any, *, restore_rng: bool = True, verify
     return _with_gather_order(target, info)
 
 
-def _check_groups_kept_apart(info: dict[str, Any], e: Any, found: str, api: str) -> None:
-    """Refuse a checkpoint whose parameter groups kept their optimizer state apart (``groups_share_state`` False: saved
-    under ``offload='disk'``, each group's tensors in files of their own, or from a state copied leaf by leaf) loaded
-    into a state where two of its per-parameter entries are one tensor (``multi_transform`` of two ``adamw`` groups in
-    memory share one Adam state; ``e``: the state's entries). Each group's entries hold that group's values for its own
-    params only, and each was written over the one shared tensor in turn, so the params resumed with another group's
-    moments: 4.2e-3 off the run that never stopped, after one step, silently. Unknown (None: saved before the flag, or
-    without a step) is judged by the values it holds, after the read (``_check_shared_read_alike``)."""
-    if info.get("groups_share_state") is not False or not info.get("param_groups"):
-        return
-    seen: set[int] = set()
-    for key, source in e.per_param.items():
-        tensors = getattr(source, "tensors", None)  # in memory (a _Memory); under disk offload each key has its files
-        if not key.startswith("opt/") or tensors is None:
-            continue
-        ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
-        if ptrs & seen:
-            break
-        seen |= ptrs
-    else:
-        return
-    raise CheckpointError(
-        f"{api}: the checkpoint {found} (step {info['step']}) keeps each parameter group's optimizer state apart (it "
-        f"was saved under offload='disk', each group's tensors in files of their own, or from a state copied leaf by "
-        f"leaf), but this step's multi_transform groups share one optimizer state in memory: loading would write each "
-        f"group's entries over the others', and params would resume with another group's moments. Load it into a "
-        f"step with offload='disk', as it was saved; or load the params alone (optimizer=False), whose moments then "
-        f"start afresh."
-    )
-
-
 def _check_shared_read_alike(ranks: Ranks, differ: list[tuple[str, str, str]], info: dict[str, Any], found: str,
                              api: str) -> None:
-    """Refuse, on every rank, a checkpoint that does not record whether its groups shared their optimizer state
-    (saved before ``groups_share_state`` existed) whose entries for two groups hold different values for a param,
-    where this step's groups share one tensor (``differ``: this process's ``shared_that_differ``). Such a checkpoint
-    kept the groups apart (saved under ``offload='disk'``: each group's files hold its own params' moments only), and
-    one tensor holds one entry's values: params resumed with the other group's moments, 4.2e-3 off the run that never
-    stopped after one step, silently. Where every shared entry was read alike (a checkpoint of a state in memory),
-    the state is what it saved and loads."""
+    """Refuse, on every rank, a checkpoint whose entries for two parameter groups hold different values for a param,
+    where this step's groups share one tensor (``multi_transform``'s two ``adamw`` groups in memory share one Adam
+    state; ``differ``: this process's ``shared_that_differ``). Such a checkpoint kept the groups apart (saved under
+    ``offload='disk'``, each group's files holding its own params' moments only; or from a state copied leaf by
+    leaf), and one tensor holds one entry's values: params resumed with the other group's moments, 4.2e-3 off the
+    run that never stopped after one step, silently. Judged by the values read, whatever ``groups_share_state`` says
+    (before: a checkpoint saved before it was recorded loaded unrefused; one that recorded False was refused before
+    reading, even where the entries were alike: a disk state saved before its first step). Where every shared entry was read alike (a checkpoint of a state in memory; one taken before the groups'
+    entries diverged), the state is what it saved and loads."""
     every = [d for rank in ranks.gather(differ, f"{api}: compare the groups' optimizer state read") for d in rank]
     if not every:
         return
@@ -159,7 +131,7 @@ def _check_shared_read_alike(ranks: Ranks, differ: list[tuple[str, str, str]], i
         f"{api}: the checkpoint {found} (step {info['step']}) keeps each parameter group's optimizer state apart: its "
         f"entries {first!r} and {later!r} hold different values for {', '.join(map(repr, names[:5]))}"
         f"{f' and {len(names) - 5} more' if len(names) > 5 else ''} (it was saved under offload='disk', each group's "
-        f"tensors in files of their own, or from a state copied leaf by leaf, by an fzero that did not record it), but "
+        f"tensors in files of their own, or from a state copied leaf by leaf), but "
         f"this step's multi_transform groups share one optimizer state in memory: one tensor would hold one group's "
         f"entries, and params would resume with another group's moments. Load it into a step with offload='disk'; or "
         f"load the params alone (optimizer=False), whose moments then start afresh."
