@@ -151,6 +151,20 @@ def test_the_device_threads_context_is_the_steps_only_while_its_backward_runs():
     assert seen == [("in the step's backward", True), ("in another backward", True)]
 
 
+@pytest.mark.parametrize("autodiff", ["autograd", "func"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_no_backward_is_remembered_after_its_step(autodiff, stages):
+    """The tasks a step's backward noted are forgotten when its gradient is taken, under torch.func too (whose
+    rebuilt list arguments once kept every step's context, its module clones among it, for the process's life)."""
+    model = _Net()
+    step = fzero.compile(lambda p, b: F.cross_entropy(fzero.apply(model, p, b[0]), b[1]), optimizer=fzero.optim.adamw(1e-2),
+                         stages=stages, autodiff=autodiff, remat=True)
+    state = step.init(fzero.params_of(model))
+    for batch in _batches("cpu")[:2]:
+        state, _ = step(state, batch)
+    assert _rank._TASKS == {}
+
+
 def _dropped_blocks() -> torch.nn.Module:
     import zoo
 

@@ -188,7 +188,7 @@ def backward_context() -> Iterator[Any]:
     thread of ``local_mesh(n)`` runs its whole backward itself (``fzero/mesh/_mesh.py``); the stream is lent so that
     no thread's draws and replays part. A nested backward (a reentrant checkpoint's) is a task of its own, not
     noted: the fzero code it reaches took its record at the forward (``_RecordedSplit``)."""
-    tasks: list[int] = []
+    tasks = _Noted()
 
     def bind(loss: torch.Tensor) -> torch.Tensor:  # the context as the loss is made: the one backward runs in
         return _NoteTask.apply(loss, current_context(), tasks) if loss.requires_grad else loss
@@ -196,15 +196,24 @@ def backward_context() -> Iterator[Any]:
     try:
         yield bind
     finally:
-        for task in tasks:
+        for task in tasks.ids:
             _TASKS.pop(task, None)
+
+
+class _Noted:
+    """The graph tasks one ``backward_context`` noted. An object, not a list, as the Function's argument:
+    ``torch.func`` rebuilds list arguments, so the ids were appended to a copy and never forgotten (each a step's
+    context held for the process's life, its module clones among it)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
 
 
 class _NoteTask(torch.autograd.Function):
     """The identity on a step's loss; its backward notes the running graph task's context (``backward_context``)."""
 
     @staticmethod
-    def forward(loss: torch.Tensor, context: RankContext, tasks: list[int]) -> torch.Tensor:
+    def forward(loss: torch.Tensor, context: RankContext, tasks: "_Noted") -> torch.Tensor:
         return loss.clone()
 
     @staticmethod
@@ -216,7 +225,7 @@ class _NoteTask(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         if task != -1:
             _TASKS[task] = ctx.context
-            ctx.tasks.append(task)
+            ctx.tasks.ids.append(task)
         return grad, None, None
 
 
