@@ -1007,23 +1007,26 @@ def test_a_units_call_inside_the_models_own_checkpoint_trains_as_at_stage_0(rank
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
 
 
-def _trained_or_refused(how: str, where: str, *, stages: int, precision: str, ranks: int, offload: Any) -> Any:
-    """The params after 2 SGD steps of ``_DataWrite(how, where)``, or the error the steps were refused with."""
-    model = _DataWrite(how, where)
+def _trained_or_refused(how: str, where: str, *, stages: int, precision: str, ranks: int, offload: Any,
+                        device: str = "cpu") -> Any:
+    """The params after 2 SGD steps of ``_DataWrite(how, where)`` (on ``device``), or the error the steps were refused
+    with."""
+    model = _DataWrite(how, where).to(device)
     step = fzero.compile(lambda p, x: fzero.apply(model, p, x).float().square().mean(), optimizer=fzero.optim.sgd(0.1),
                          stages=stages, mesh=fzero.local_mesh(ranks), precision=precision, offload=offload)
     state = step.init(fzero.params_of(model))
     try:
         for k in range(2):
-            state, _ = step(state, torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(k)))
+            state, _ = step(state, torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(k)).to(device))
     except RuntimeError as e:
         return e
-    return {k: v.float() for k, v in step.gather(state).items()}
+    return {k: v.float().cpu() for k, v in step.gather(state).items()}
 
 
 @pytest.mark.parametrize("stages, precision, ranks, params", [
     (3, "fp32", 1, False), (3, "bf16", 2, True), (2, "bf16", 2, False), (1, "bf16", 1, False), (2, "fp32", 2, False)])
-def test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_offload(tmp_path, stages, precision, ranks, params):
+def test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_offload(tmp_path, stages, precision, ranks, params,
+                                                                                     device="cpu"):
     """Under ``offload="disk"`` (the masters, and with ``params=True`` stage 3's param shards, in mapped files) a
     forward's ``w.data.mul_(0.9)`` was compared nowhere: stage 3 skipped its comparison of the rank's share of the
     gathered buffer wherever shards may be mapped, and stages 0-2 skipped the params-against-masters check, whose
@@ -1032,7 +1035,7 @@ def test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_off
     sub-group at a time, ``sub_group_size=64`` here so that a unit spans several), or, where the write lands in the
     state (fp32 at stages 0-2), the same training; a forward without the write trains as under CPU offload."""
     def run(how, where, offload):
-        return _trained_or_refused(how, where, stages=stages, precision=precision, ranks=ranks, offload=offload)
+        return _trained_or_refused(how, where, stages=stages, precision=precision, ranks=ranks, offload=offload, device=device)
 
     def disk(name):
         (tmp_path / name).mkdir()
@@ -1046,3 +1049,14 @@ def test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_off
             assert not isinstance(on_disk, Exception), on_disk
             assert_trees_equal(on_disk, on_host)
     assert isinstance(run("scale", "unit", fzero.CPUOffload(params=params)), Exception) == (precision != "fp32" or stages == 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stages, precision, ranks, params", [(3, "bf16", 1, True), (3, "fp32", 1, False), (2, "bf16", 1, False)])
+def test_on_a_gpu_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_offload(tmp_path, stages, precision,
+                                                                                             ranks, params):
+    """The same on CUDA, where stage 3 copies a mapped shard to the device before giving its pages back and the
+    masters check brings each sub-group to the device: paths the CPU twin does not take."""
+    test_a_data_write_under_disk_offload_is_refused_or_followed_as_under_cpu_offload(tmp_path, stages, precision, ranks,
+                                                                                     params, device="cuda")
