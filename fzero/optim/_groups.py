@@ -48,6 +48,7 @@ from fzero.layout import pytrees as _tree
 from fzero.optim._base import GradientTransformation, _is_transform
 from fzero.optim._base import WholeLeaves, current_segments, param_tree, use_segments
 from fzero.optim._select import NONE, GroupSegments, Resolver, Selections, assemble, views
+from fzero.optim._state_parts import map_param_shaped, movable, per_param, rebuild_state, share_states
 
 
 class MaskedState(NamedTuple):
@@ -93,7 +94,7 @@ class Groups:
         shapes = [t.shape for t in leaves]
         ids = [*range(self.n), NONE]
         self.moves = frozenset((a, b) for a in ids for b in ids if a != b and movable(a, b, states, spec, shapes))
-        self.stateless = frozenset(b for b in ids if b == NONE or not _per_param(states[b]))
+        self.stateless = frozenset(b for b in ids if b == NONE or not per_param(states[b]))
 
     def accept(self, params: Any, states: Sequence[Any] | None = None, tree: Any = None, *,
                shared: bool = True) -> Callable[[tuple[int, ...], tuple[int, ...]], str | None]:
@@ -264,14 +265,14 @@ class Groups:
             pieces = sel.pieces[g]
             u = views(u_leaves, pieces, write=False, api=self.api)
             p = views(p_leaves, pieces, write=False, api=self.api) if p_leaves is not None else None
-            s = _map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=False, api=self.api))
+            s = map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=False, api=self.api))
             with use_segments(GroupSegments(segments, pieces, updates, self.api)):
                 out, new = t.update(u, s, p)
             outs.append(self._pieces_of(out, len(pieces), "updates"))
-            new_states.append(_rebuild(state, new, spec, shapes, self.api, lambda old, new, g=g: pending.add(old, g, self._pieces_of(new, len(pieces), "state"))))
+            new_states.append(rebuild_state(state, new, spec, shapes, self.api, lambda old, new, g=g: pending.add(old, g, self._pieces_of(new, len(pieces), "state"))))
         leaves = [assemble(u_leaves[j], sel.runs[j], lambda g, k: outs[g][k]) for j in range(len(u_leaves))]
         built = pending.build(sel)  # second pass: the old param-shaped leaves replaced by the assembled ones
-        new_states = [_map_param_shaped(s, spec, shapes, lambda old: spec.unflatten([built.get(id(x), x) for x in old]))
+        new_states = [map_param_shaped(s, spec, shapes, lambda old: spec.unflatten([built.get(id(x), x) for x in old]))
                       for s in new_states]
         return spec.unflatten(leaves), new_states
 
@@ -286,7 +287,7 @@ class Groups:
             pieces = sel.pieces[g]
             gv = views(g_leaves, pieces, write=False, api=self.api)
             pv = views(p_leaves, pieces, write=True, api=self.api)
-            s = _map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=True, api=self.api))
+            s = map_param_shaped(state, spec, shapes, lambda leaves: views(leaves, pieces, write=True, api=self.api))
             with use_segments(GroupSegments(segments, pieces, params, self.api)):
                 if getattr(t, "fused", None) is not None:
                     new = t.fused(gv, s, pv)
@@ -294,7 +295,7 @@ class Groups:
                     out, new = t.update(gv, s, pv)
                     for target, u in zip(pv, self._pieces_of(out, len(pieces), "updates")):
                         target.add_(u)
-            new_states.append(_rebuild(state, new, spec, shapes, self.api,
+            new_states.append(rebuild_state(state, new, spec, shapes, self.api,
                                        lambda old, new, pieces=pieces: _write_back(old, self._pieces_of(new, len(pieces), "state"), pieces, self.api)))
         for j, runs in enumerate(sel.runs):  # elements of no group: the incoming update (optax's masked)
             for a, b, group, _ in runs:
@@ -346,140 +347,6 @@ def _write_back(old: Any, new: list, pieces: Sequence[Any], api: str) -> Any:
     return old
 
 
-# -- walking a state: its param-shaped parts --------------------------------------------------------------------------
-
-
-def _param_shaped(node: Any, spec: Any, shapes: Sequence[torch.Size]) -> bool:
-    """``node`` is shaped like the params (Adam's ``mu``): the params' tree structure and leaf shapes."""
-    if isinstance(node, torch.Tensor):
-        return spec.num_nodes == 1 and spec.num_leaves == 1 and node.shape == shapes[0]
-    if not isinstance(node, (dict, list, tuple)):
-        return False
-    leaves, node_spec = optree.tree_flatten(node)
-    return node_spec == spec and all(isinstance(t, torch.Tensor) and t.shape == s for t, s in zip(leaves, shapes))
-
-
-def _map_param_shaped(state: Any, spec: Any, shapes: Sequence[torch.Size], fn: Callable[[list], Any]) -> Any:
-    """``state`` with each param-shaped part replaced by ``fn(its leaves)``; the rest as it is."""
-    if _param_shaped(state, spec, shapes):
-        return fn(optree.tree_leaves(state))
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(_map_param_shaped(x, spec, shapes, fn) for x in state))
-    if isinstance(state, (tuple, list)):
-        return type(state)(_map_param_shaped(x, spec, shapes, fn) for x in state)
-    if isinstance(state, dict):
-        return {k: _map_param_shaped(v, spec, shapes, fn) for k, v in state.items()}
-    return state
-
-
-def _rebuild(old: Any, new: Any, spec: Any, shapes: Sequence[torch.Size], api: str, at_param: Callable[[Any, Any], Any]) -> Any:
-    """The new state of a group: ``new`` (what its transform returned over views), with each param-shaped part of
-    ``old`` replaced by ``at_param(old part, new part)``."""
-    if _param_shaped(old, spec, shapes):
-        return at_param(old, new)
-    if isinstance(old, (tuple, list, dict)) and type(new) is not type(old) or (
-            isinstance(old, (tuple, list, dict)) and len(new) != len(old)):
-        raise TypeError(
-            f"{api}: a group's transform returned a state of another structure ({type(new).__name__} where its init made "
-            f"{type(old).__name__}); an optax-style transform's update must keep its state's structure."
-        )
-    if isinstance(old, tuple) and hasattr(old, "_fields"):
-        return type(old)(*(_rebuild(o, n, spec, shapes, api, at_param) for o, n in zip(old, new)))
-    if isinstance(old, (tuple, list)):
-        return type(old)(_rebuild(o, n, spec, shapes, api, at_param) for o, n in zip(old, new))
-    if isinstance(old, dict):
-        if set(old) != set(new):
-            raise TypeError(f"{api}: a group's transform returned a state dict with keys {sorted(new)} where its init made {sorted(old)}.")
-        return {k: _rebuild(old[k], new[k], spec, shapes, api, at_param) for k in old}
-    return new
-
-
-# -- which moves between groups a rule function may make -------------------------------------------------------------
-
-
-def _per_param(state: Any) -> bool:
-    """``state`` holds something per param (moments, momentum, per-param step counts): a tensor that is not a scalar."""
-    return any(isinstance(x, torch.Tensor) and x.dim() > 0 for x in optree.tree_leaves(state))
-
-
-class _Part(NamedTuple):
-    """A param-shaped part of a group's state, by the identity of its tensors (groups sharing it hold the same ones)."""
-
-    ids: tuple[int, ...]
-
-
-def movable(a: int, b: int, states: Sequence[Any], spec: Any, shapes: Sequence[torch.Size]) -> bool:
-    """A param can move from group ``a`` to group ``b`` (``NONE``: no group) and keep its optimizer state its own.
-
-    Into a group that keeps nothing per param (``set_to_zero``, plain ``sgd``, ``masked``'s pass-through): the
-    group's update reads no state of the param's. Between groups whose states are alike, the same structure (the
-    same transform types), the same tensors for their param-shaped parts (``share_states`` gave them one ``mu`` and
-    one ``nu``: the param's elements hold what its old group wrote) and equal scalars (step counts; every group
-    counts every step): its new group reads the state the param's own updates made, as torch.optim keeps
-    ``state[p]`` when a param changes ``param_groups`` (a layer moved to another learning rate). Anything else (SGD's
-    momentum read as Adam's first moment; moments of zeros against the group's step count after ``set_to_zero``)
-    is not the new transform's state for the param."""
-    if b == NONE or not _per_param(states[b]):
-        return True
-    if a == NONE:
-        return False
-
-    def marked(state: Any) -> tuple[list, Any]:
-        return optree.tree_flatten(_map_param_shaped(state, spec, shapes, lambda leaves: _Part(tuple(map(id, leaves)))),
-                                   is_leaf=lambda x: isinstance(x, _Part))
-
-    (xs, x_spec), (ys, y_spec) = marked(states[a]), marked(states[b])
-    return x_spec == y_spec and all(_same_leaf(x, y) for x, y in zip(xs, ys))
-
-
-def _same_leaf(x: Any, y: Any) -> bool:
-    if x is y:
-        return True
-    if isinstance(x, _Part) or isinstance(y, _Part):
-        return isinstance(x, _Part) and isinstance(y, _Part) and x.ids == y.ids
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        return x.is_meta or y.is_meta or torch.equal(x, y.to(x.device))
-    try:
-        return bool(x == y)
-    except Exception:  # a value without a truth value
-        return False
-
-
-# -- sharing param-shaped state between groups --------------------------------------------------------------------------
-
-
-def share_states(states: list, spec: Any, shapes: Sequence[torch.Size]) -> list:
-    """``states`` (one per group, each made on the whole tree) where the k-th param-shaped part of a group reuses the
-    k-th of an earlier group when both have the same leaves (dtype, shape, device) and the same initial values.
-
-    Why this is sound: a group reads and writes only its own elements of its state (its views), the groups'
-    elements are disjoint, and equal initial values mean each element starts as its own group's init made it."""
-    pool: list[Any] = []
-
-    def same(a: Any, b: Any) -> bool:
-        xs, ys = optree.tree_leaves(a), optree.tree_leaves(b)
-        if any(x.dtype != y.dtype or x.device != y.device or x.shape != y.shape for x, y in zip(xs, ys)):
-            return False
-        return all(x.is_meta or torch.equal(x, y) for x, y in zip(xs, ys))
-
-    def pick(leaves: list) -> Any:
-        part = spec.unflatten(leaves)
-        k = counter[0]
-        counter[0] += 1
-        if k < len(pool):
-            return pool[k] if same(pool[k], part) else part
-        pool.append(part)
-        return part
-
-    out = []
-    for state in states:
-        counter = [0]
-        out.append(_map_param_shaped(state, spec, shapes, pick))
-    return out
-
-
 # -- the public transforms ------------------------------------------------------------------------------------------------
 
 
@@ -522,7 +389,7 @@ def masked_by(groups: Groups, inner: GradientTransformation) -> GradientTransfor
         if groups.api == "fzero.optim.masked":  # (adamw's decay mask: no state depends on it)
             groups.learn_moves([state], params)
         groups.check(params, [state])
-        if groups.api == "fzero.optim.masked" and _per_param(state):
+        if groups.api == "fzero.optim.masked" and per_param(state):
             groups.record(params, {0: "masked", NONE: "passed through"})  # a param let in later would start from zeros
         return MaskedState(state)
 

@@ -494,7 +494,7 @@ class Step:
 
 def _copied(state: Any) -> Any:
     """``state`` with every tensor cloned, one clone per tensor: a tensor held twice (``multi_transform``'s groups share
-    one Adam state, ``fzero.optim._groups.share_states``) is held twice by the copy too. Why: cloned leaf by leaf, each
+    one Adam state, ``fzero.optim._state_parts.share_states``) is held twice by the copy too. Why: cloned leaf by leaf, each
     group got a moments tensor of its own, K copies where the step holds one, and a param its labels function then
     moved between two such groups (followed as torch.optim keeps ``state[p]``) would read the copy its new group
     never updated; the groups' update refuses that move, but only once the step has run this far."""
