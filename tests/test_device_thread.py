@@ -165,6 +165,38 @@ def test_no_backward_is_remembered_after_its_step(autodiff, stages):
     assert _rank._TASKS == {}
 
 
+def test_a_backward_that_loss_fn_runs_itself_counts_its_buffers_in_a_thread_without_a_context():
+    """An adversarial input's gradient (``torch.autograd.grad`` inside ``loss_fn``) is a backward no step noted; on a
+    GPU its device-thread part found no context, so the units it gathered again went unseen by ``fzero.memory``'s
+    counters (before: ``GatheredBytes.peak`` 768 against 2304 where that backward ran in the rank's thread) and
+    outside the step's pool. fzero's Functions run their backward in their forward's context there; params and
+    counts are those of a backward run in the rank's thread."""
+    from fzero.memory import GatheredBytes
+
+    def run(without_context: bool):
+        torch.manual_seed(0)
+        model = _Net()
+
+        def loss_fn(params, batch):
+            x = batch[0].clone().requires_grad_(True)
+            inner = F.cross_entropy(fzero.apply(model, params, x), batch[1])
+            gx, = torch.autograd.grad(_backward_without_the_threads_context(inner) if without_context else inner, x)
+            return F.cross_entropy(fzero.apply(model, params, (x + 0.1 * gx).detach()), batch[1])
+
+        step = fzero.compile(loss_fn, optimizer=fzero.optim.adamw(1e-2), stages=3)
+        state = step.init(fzero.params_of(model))
+        batches = _batches("cpu")
+        state, _ = step(state, batches[0])
+        with GatheredBytes() as gathered:
+            state, _ = step(state, batches[1])
+        return gathered.peak, step.gather(state)
+
+    (peak, params), (expected_peak, expected) = run(True), run(False)
+    assert peak == expected_peak > 0
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _dropped_blocks() -> torch.nn.Module:
     import zoo
 

@@ -88,7 +88,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from fzero.mesh._rank import current_context, with_context
+from fzero.mesh._rank import borrowed, current_context, needs_context, with_context
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -125,12 +125,38 @@ class _Signature(inspect.Signature):
 
 
 class Function(torch.autograd.Function):
+    """fzero's autograd Functions: the forward's signature made once (torch's ``apply`` otherwise rebuilds it with
+    ``inspect`` on every call), and the backward run in the rank context the forward ran in where its thread has
+    none (``fzero.mesh._rank.borrowed``: autograd's device thread, in a backward no step noted)."""
+
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         func = getattr(forward, "__func__", forward)  # a staticmethod's function
         if func is not None and not hasattr(func, "__signature__"):
             func.__signature__ = _Signature(inspect.signature(func))
+        setup, backward = cls.__dict__.get("setup_context"), cls.__dict__.get("backward")
+        if isinstance(setup, staticmethod) and isinstance(backward, staticmethod):
+            setattr(cls, "setup_context", staticmethod(_noting_context(setup.__func__)))
+            setattr(cls, "backward", staticmethod(_in_forward_context(backward.__func__)))
+
+
+def _noting_context(setup: Any) -> Any:
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> Any:
+        ctx.rank_context = current_context()
+        return setup(ctx, inputs, output)
+
+    return functools.wraps(setup)(setup_context)
+
+
+def _in_forward_context(backward: Any) -> Any:
+    def in_context(ctx: Any, *grads: Any) -> Any:
+        if not needs_context():  # (the common case, without a context manager's cost)
+            return backward(ctx, *grads)
+        with borrowed(getattr(ctx, "rank_context", None)):
+            return backward(ctx, *grads)
+
+    return functools.wraps(backward)(in_context)
 
 
 @contextlib.contextmanager

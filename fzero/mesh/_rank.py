@@ -200,6 +200,28 @@ def backward_context() -> Iterator[Any]:
             _TASKS.pop(task, None)
 
 
+def needs_context() -> bool:
+    """This thread has no context of its own, nor one noted for the backward it runs a part of (``borrowed``)."""
+    return getattr(_local, "context", None) is None and not (_TASKS and torch._C._current_graph_task_id() in _TASKS)
+
+
+@contextlib.contextmanager
+def borrowed(context: RankContext | None) -> Iterator[None]:
+    """``context`` (what an fzero autograd Function's forward ran in) for the length of the block, in a thread that
+    has none of its own and runs part of a backward no step noted (``backward_context``): on a GPU, the device
+    thread's part of a backward that ``loss_fn`` runs itself (``torch.autograd.grad(inner_loss, x)``, an adversarial
+    input's gradient), which found no context: the unit's buffers went unseen by ``fzero.memory``'s counters and
+    outside the step's pool. Elsewhere (a thread with its own, a noted backward) nothing changes."""
+    if context is None or not needs_context():
+        yield
+        return
+    _local.context = context
+    try:
+        yield
+    finally:
+        del _local.context
+
+
 class _Noted:
     """The graph tasks one ``backward_context`` noted. An object, not a list, as the Function's argument:
     ``torch.func`` rebuilds list arguments, so the ids were appended to a copy and never forgotten (each a step's
