@@ -750,15 +750,16 @@ def test_a_labels_function_is_called_with_the_same_stand_ins_at_every_stage():
     assert {device for k, device, *_ in next(iter(seen[0]))} == {"meta"}
 
 
-def test_a_disk_checkpoint_of_groups_kept_apart_is_refused_by_a_step_whose_groups_share_their_state(tmp_path):
-    """Under ``offload='disk'`` each ``multi_transform`` group keeps its optimizer state in files of its own, each
-    holding that group's values for its own params only; in memory two ``adamw`` groups share one Adam state. Loaded
-    from the one into the other, each group's entries were written over the shared tensor in turn, so params resumed
-    with the other group's moments: 4.2e-3 off the run that never stopped, after one step, silently. Refused, naming
-    both ways that load it; the disk step resumes it exactly, and a checkpoint of the in-memory state loads into it."""
+def _groups_on_disk_and_in_memory(tmp_path):
+    """Two ``adamw`` groups (``head.weight`` faster) at stage 3 on ``local_mesh(2)``, trained 2 steps under
+    ``offload='disk'`` (each group's state in files of its own) and in memory (one Adam state the groups share):
+    (disk step, memory step, their states, the optimizer's maker, loss_fn, the batches)."""
     model, loss_fn, batches = problem()
-    opt = lambda: fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},  # noqa: E731
-                                     lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+
+    def opt():
+        return fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},
+                                  lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
+
     (tmp_path / "run").mkdir()
     disk = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
                          offload_dir=str(tmp_path / "run"))
@@ -767,6 +768,16 @@ def test_a_disk_checkpoint_of_groups_kept_apart_is_refused_by_a_step_whose_group
     for b in batches[:2]:
         on_disk, _ = disk(on_disk, b)
         in_memory, _ = memory(in_memory, b)
+    return disk, memory, on_disk, in_memory, opt, loss_fn, batches
+
+
+def test_a_disk_checkpoint_of_groups_kept_apart_is_refused_by_a_step_whose_groups_share_their_state(tmp_path):
+    """Under ``offload='disk'`` each ``multi_transform`` group keeps its optimizer state in files of its own, each
+    holding that group's values for its own params only; in memory two ``adamw`` groups share one Adam state. Loaded
+    from the one into the other, each group's entries were written over the shared tensor in turn, so params resumed
+    with the other group's moments: 4.2e-3 off the run that never stopped, after one step, silently. Refused, naming
+    both ways that load it; the disk step resumes it exactly, and a checkpoint of the in-memory state loads into it."""
+    disk, memory, on_disk, in_memory, opt, loss_fn, batches = _groups_on_disk_and_in_memory(tmp_path)
     saved = fzero.checkpoint.save(tmp_path / "disk_ck", on_disk)
     with pytest.raises(fzero.checkpoint.CheckpointError, match=r"keeps each parameter group's optimizer state apart.*"
                                                                r"Load it into a step with offload='disk'"):
@@ -804,17 +815,7 @@ def test_a_disk_checkpoint_saved_before_groups_share_state_is_judged_by_the_valu
     step, silently. Judged by what it holds: the groups' entries differ, so it is refused, naming the entries and
     params; the disk step resumes it exactly, and an old checkpoint of the in-memory state (its entries alike) loads
     into the in-memory step exactly, unrefused."""
-    model, loss_fn, batches = problem()
-    opt = lambda: fo.multi_transform({"fast": fo.adamw(FAST_LR), "slow": fo.adamw(LR)},  # noqa: E731
-                                     lambda p: {k: "fast" if k == "head.weight" else "slow" for k in p})
-    (tmp_path / "run").mkdir()
-    disk = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2), offload="disk",
-                         offload_dir=str(tmp_path / "run"))
-    memory = fzero.compile(loss_fn, optimizer=opt(), stages=3, mesh=fzero.local_mesh(2))
-    on_disk, in_memory = disk.init(fzero.params_of(model)), memory.init(fzero.params_of(model))
-    for b in batches[:2]:
-        on_disk, _ = disk(on_disk, b)
-        in_memory, _ = memory(in_memory, b)
+    disk, memory, on_disk, in_memory, opt, loss_fn, batches = _groups_on_disk_and_in_memory(tmp_path)
     from_disk, from_memory = (fzero.checkpoint.save(tmp_path / name, s) for name, s in (("disk", on_disk), ("mem", in_memory)))
     _without_groups_share_state(tmp_path / "disk")
     _without_groups_share_state(tmp_path / "mem")
