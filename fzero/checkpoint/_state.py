@@ -25,7 +25,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fzero.layout import pytrees as _tree, Unit
+from fzero.layout import pytrees as _tree, same_values, Unit
 from fzero.checkpoint._dcp import CheckpointError, Dest, Piece
 from fzero.zero import DiskOptState
 from fzero.step import RankStates, TrainState, is_busy, is_donated, MasterState
@@ -288,8 +288,7 @@ def shared_that_differ(state: TrainState, e: Entries, read: Entries, aside: dict
                 continue
             lo, hi, base = _window(unit, read.per_param[later], rank, n, holding=True, api="fzero.checkpoint.load")
             for slot, a, b in _overlaps(unit, lo, hi):
-                x, y = shared[a - base:b - base], copy[a - base:b - base]
-                if not bool(((x == y) | (x.isnan() & y.isnan())).all()):
+                if not same_values(shared[a - base:b - base], copy[a - base:b - base]):
                     out.append((slot.path, first, later))
     return out
 
